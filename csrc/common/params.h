@@ -1,0 +1,68 @@
+// fp8attn: the one parameter struct shared by the CPU reference, the CUDA
+// kernels and the PyTorch binding. Math contract: ../shared/design/numerics.md
+// (mirrored in docs/numerics.md).
+#pragma once
+
+#include <cstdint>
+
+namespace fp8attn {
+
+// numerics.md section 2. E4M3 is the "fn" variant (no inf, max 448).
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+// numerics.md section 1 (kExact, FP64 accumulation) vs section 3 (kFP8).
+enum class Precision : int { kExact = 0, kFP8 = 1 };
+
+// numerics.md section 4.
+enum class DeltaMode : int { kStale = 0, kMatchedDO = 1, kDeltaMatching = 2 };
+
+// Element type of a tensor at the API boundary. The reference computes in
+// FP32 (fp8 path) or FP64 (exact path) internally whatever the input type.
+enum class DType : int { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2 };
+
+// A strided 4-D view [batch, seqlen, heads, head_dim] (or any permutation of
+// the first three: only the strides matter). The head_dim stride must be 1.
+// Strides are in elements, not bytes.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t stride_batch = 0;
+  int64_t stride_seq = 0;
+  int64_t stride_head = 0;
+};
+
+// Problem description. Shapes follow numerics.md section 1:
+// Q[b, seqlen_q, num_heads_q, head_dim_qk], K[b, seqlen_k, num_heads_kv,
+// head_dim_qk], V[b, seqlen_k, num_heads_kv, head_dim_v],
+// O/dO[b, seqlen_q, num_heads_q, head_dim_v]. GQA: query head h uses
+// key/value head h / (num_heads_q / num_heads_kv).
+struct AttnParams {
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t num_heads_q = 0;
+  int64_t num_heads_kv = 0;
+  int64_t head_dim_qk = 0;
+  int64_t head_dim_v = 0;
+
+  float softmax_scale = 0.f;   // tau; callers pass 1/sqrt(head_dim_qk) for the default
+  bool causal = false;         // bottom-right aligned: j <= i + (seqlen_k - seqlen_q)
+
+  Precision precision = Precision::kFP8;
+  DeltaMode delta_mode = DeltaMode::kDeltaMatching;
+  int block_size = 128;                       // B in {32, 64, 128}
+  Fp8Format grad_format = Fp8Format::kE4M3;   // format of dO and dS (E4M3 or E5M2)
+
+  int num_threads = 0;  // CPU reference: 0 = std::thread::hardware_concurrency()
+};
+
+// Optional per-row backward diagnostics (numerics.md section 5). Each non-null
+// pointer is a contiguous FP32 array [batch, num_heads_q, seqlen_q].
+struct BackwardDiagnostics {
+  float* delta = nullptr;         // delta_i actually used by the selected mode
+  float* eps = nullptr;           // delta_i(mode) - delta_i(delta_matching)
+  float* rowsum_pre = nullptr;    // |sum_j dS_ij| / sum_j |dS_ij|, FP32 dS
+  float* rowsum_post = nullptr;   // same on the decoded row-blocked FP8 dS (matmul #6 operand)
+};
+
+}  // namespace fp8attn
