@@ -1,0 +1,64 @@
+// fp8attn: the one parameter struct of the sm_90a CUDA kernels (quantization,
+// forward, backward). Built from AttnParams (common/params.h) by the launcher in
+// csrc/torch/ops_cuda.cpp. Math: docs/numerics.md sections 2-5.
+//
+// Quantized operand layouts (all FP8 codes are uint8; scales FP32; "row" =
+// blocked along head_dim, "col" = blocked along the sequence, stored
+// TRANSPOSED so the sequence is the contiguous dimension, which is also the
+// K-major layout that FP8 tensor-core MMAs need for those products):
+//
+//   q_row  [B, Hq,  Sq, Dqk]       scale q_row_s  [B, Hq,  Sq, nblk(Dqk)]   matmuls #1 #3
+//   k_row  [B, Hkv, Sk, Dqk]       scale k_row_s  [B, Hkv, Sk, nblk(Dqk)]   matmuls #1 #3
+//   v_row  [B, Hkv, Sk, Dv]        scale v_row_s  [B, Hkv, Sk, nblk(Dv)]    matmul  #4
+//   do_row [B, Hq,  Sq, Dv]        scale do_row_s [B, Hq,  Sq, nblk(Dv)]    matmul  #4 (grad_format)
+//   v_colT  [B, Hkv, Dv,  Sk_pad]  scale v_col_s  [B, Hkv, Dv,  nblk_k]     matmul  #2
+//   k_colT  [B, Hkv, Dqk, Sk_pad]  scale k_col_s  [B, Hkv, Dqk, nblk_k]     matmul  #6
+//   q_colT  [B, Hq,  Dqk, Sq_pad]  scale q_col_s  [B, Hq,  Dqk, nblk_q]     matmul  #7
+//   do_colT [B, Hq,  Dv,  Sq_pad]  scale do_col_s [B, Hq,  Dv,  nblk_q]     matmul  #5 (grad_format)
+//
+// nblk(D) = ceil(D / min(128, D)) blocks along head_dim (block length
+// min(block_size, D)); along the sequence, blocks of block_size tokens starting
+// at token 0 of each (batch, head); nblk_k = ceil(Sk / block_size). *_pad is the
+// sequence length rounded up to a multiple of 16 (16-byte rows); padding codes
+// are 0 and are never used. Everything is contiguous in the order written.
+#pragma once
+
+#include <cstdint>
+
+namespace fp8attn {
+namespace sm90 {
+
+struct KernelParams {
+  // Problem (same meaning as AttnParams).
+  int batch, seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim_qk, head_dim_v;
+  int block_size;          // sequence block (tokens); 128 on CUDA
+  float softmax_scale;
+  bool causal;
+  int delta_mode;          // DeltaMode
+  int grad_format;         // Fp8Format of dO and dS
+
+  // BF16 inputs/outputs at the op boundary, strided [b, s, h, d] (unit d stride).
+  const void *q, *k, *v, *o, *dout;
+  int64_t q_sb, q_ss, q_sh;  // strides (elements): batch, seq, head
+  int64_t k_sb, k_ss, k_sh;
+  int64_t v_sb, v_ss, v_sh;
+  int64_t o_sb, o_ss, o_sh;
+  int64_t do_sb, do_ss, do_sh;
+  void *out, *dq, *dk, *dv;  // outputs, contiguous [B, H, S, D] (BF16)
+  float* lse;                // [B, Hq, Sq]
+
+  // Quantized operands (layouts above).
+  uint8_t *q_row, *k_row, *v_row, *do_row, *v_colT, *k_colT, *q_colT, *do_colT;
+  float *q_row_s, *k_row_s, *v_row_s, *do_row_s, *v_col_s, *k_col_s, *q_col_s, *do_col_s;
+  int seqlen_q_pad, seqlen_k_pad;
+
+  // Backward workspace and diagnostics.
+  float* delta;      // [B, Hq, Sq] delta used by the backward
+  float* delta_dm;   // [B, Hq, Sq] Delta-Matching delta (diagnostics: eps)
+  float* dq_accum;   // [B, Hq, Sq, Dqk] FP32 accumulation buffer
+  float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
+  float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast
+};
+
+}  // namespace sm90
+}  // namespace fp8attn
