@@ -1,4 +1,46 @@
-"""fp8attn: block-scaled FP8 attention with Delta-Matching backward."""
+"""fp8attn: block-scaled FP8 attention with Delta-Matching backward.
+
+Public API:
+    attention(q, k, v, *, causal, softmax_scale, delta_mode, precision, block_size,
+              grad_format, return_lse, layer_name)      SDPA layout [B, H, S, D]
+    flash_attn_func(q, k, v, softmax_scale, causal, *, ...)   flash layout [B, S, H, D]
+    scaled_dot_product_attention(query, key, value, ...)  drop-in for F.sdpa
+    FP8Attention                                          nn.Module
+    diagnostics.record()                                  backward diagnostics context
+    fp8_encode, fp8_decode, quantize_blockwise, dequantize_blockwise  (fp8attn.quant)
+Math contract: docs/numerics.md.
+"""
+import importlib.util as _importlib_util
+
 from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
+from . import diagnostics
+from .modules import FP8Attention
+from .ops import (
+    BLOCK_SIZES,
+    DELTA_MODES,
+    GRAD_FORMATS,
+    PRECISIONS,
+    attention,
+    flash_attn_func,
+    scaled_dot_product_attention,
+)
+
+# fp8attn.quant is written by another part of the project; import it once it exists.
+if _importlib_util.find_spec(".quant", __name__) is not None:
+    from .quant import dequantize_blockwise, fp8_decode, fp8_encode, quantize_blockwise  # noqa: F401
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "scaled_dot_product_attention",
+    "FP8Attention",
+    "diagnostics",
+    "DELTA_MODES",
+    "PRECISIONS",
+    "GRAD_FORMATS",
+    "BLOCK_SIZES",
+]
+if "fp8_encode" in globals():
+    __all__ += ["fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"]

@@ -1,0 +1,237 @@
+// fp8attn: CPU implementations of the attention ops `fwd` and `bwd` (schemas in
+// ops.cpp, semantics in docs/architecture.md and docs/numerics.md sections
+// 1 and 3-5). They wrap the CPU reference (reference/attention_ref.h).
+//
+// Tensors are [batch, heads, seqlen, head_dim] at the op level. Any strides are
+// accepted as long as the head_dim stride is 1 (otherwise the tensor is made
+// contiguous first); outputs are allocated contiguous. Supported dtypes:
+// float32, float64, bfloat16. A bad argument raises ValueError (TypeError for a
+// wrong dtype) naming the argument; the reference's ArgumentError is mapped to
+// ValueError too.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "common/error.h"
+#include "common/params.h"
+#include "reference/attention_ref.h"
+
+namespace fp8attn {
+namespace {
+
+// ---- argument parsing -------------------------------------------------------
+
+DType to_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "fp8attn: argument '", name,
+                       "': dtype must be bfloat16, float32 or float64, got ", t.scalar_type());
+  }
+}
+
+Precision parse_precision(c10::string_view s) {
+  if (s == "fp8") return Precision::kFP8;
+  if (s == "exact") return Precision::kExact;
+  TORCH_CHECK_VALUE(false, "fp8attn: argument 'precision': expected \"fp8\" or \"exact\", got \"",
+                    std::string(s), "\"");
+}
+
+DeltaMode parse_delta_mode(c10::string_view s) {
+  if (s == "stale") return DeltaMode::kStale;
+  if (s == "matched_do") return DeltaMode::kMatchedDO;
+  if (s == "delta_matching") return DeltaMode::kDeltaMatching;
+  TORCH_CHECK_VALUE(false,
+                    "fp8attn: argument 'delta_mode': expected \"stale\", \"matched_do\" or "
+                    "\"delta_matching\", got \"",
+                    std::string(s), "\"");
+}
+
+Fp8Format parse_grad_format(c10::string_view s) {
+  if (s == "e4m3") return Fp8Format::kE4M3;
+  if (s == "e5m2") return Fp8Format::kE5M2;
+  TORCH_CHECK_VALUE(false, "fp8attn: argument 'grad_format': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(s), "\"");
+}
+
+// Checks device/rank/dtype and returns a tensor whose head_dim stride is 1.
+at::Tensor prepare(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "fp8attn: argument '", name, "': tensor is undefined");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "fp8attn: argument '", name,
+                    "': the CPU implementation needs a CPU tensor, got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 4, "fp8attn: argument '", name,
+                    "': expected a 4-D tensor [batch, heads, seqlen, head_dim], got ", t.dim(),
+                    "-D with shape ", t.sizes());
+  to_dtype(t, name);
+  // NOTE: a size-1 head_dim may carry any stride (only index 0 is read);
+  // stride 0 with size > 1 (expanded) or a transposed head_dim is copied.
+  if (t.size(3) > 1 && t.stride(3) != 1) return t.contiguous();
+  return t;
+}
+
+// [b, h, s, d] tensor -> the reference's strided view (strides in elements).
+TensorView view_of(const at::Tensor& t, const char* name) {
+  TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = to_dtype(t, name);
+  v.stride_batch = t.stride(0);
+  v.stride_head = t.stride(1);
+  v.stride_seq = t.stride(2);
+  return v;
+}
+
+void check_dim(const at::Tensor& t, int dim, int64_t expected, const char* name, const char* what) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, "fp8attn: argument '", name, "': ", what, " (dim ", dim,
+                    ") must be ", expected, ", got ", t.size(dim), " (shape ", t.sizes(), ")");
+}
+
+// Fills the problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv]
+// and checks that they agree.
+AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       double softmax_scale, bool causal, c10::string_view precision,
+                       int64_t block_size) {
+  AttnParams p;
+  p.batch = q.size(0);
+  p.num_heads_q = q.size(1);
+  p.seqlen_q = q.size(2);
+  p.head_dim_qk = q.size(3);
+  p.num_heads_kv = k.size(1);
+  p.seqlen_k = k.size(2);
+  p.head_dim_v = v.size(3);
+  check_dim(k, 0, p.batch, "k", "batch");
+  check_dim(v, 0, p.batch, "v", "batch");
+  check_dim(k, 3, p.head_dim_qk, "k", "head_dim (must equal q's)");
+  check_dim(v, 1, p.num_heads_kv, "v", "num_heads (must equal k's)");
+  check_dim(v, 2, p.seqlen_k, "v", "seqlen (must equal k's)");
+  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                    "fp8attn: arguments 'q', 'k', 'v' must share one dtype, got ", q.scalar_type(),
+                    ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0.0,
+                    "fp8attn: argument 'softmax_scale': must be finite and > 0, got ", softmax_scale);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  p.precision = parse_precision(precision);
+  p.block_size = static_cast<int>(block_size);
+  TORCH_CHECK_VALUE(block_size == 32 || block_size == 64 || block_size == 128,
+                    "fp8attn: argument 'block_size': must be 32, 64 or 128, got ", block_size);
+  p.num_threads = at::get_num_threads();
+  return p;
+}
+
+bool is_empty_problem(const AttnParams& p) {
+  return p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0;
+}
+
+// Runs `fn` and maps the reference's ArgumentError to ValueError.
+template <class Fn>
+void call_reference(Fn&& fn) {
+  try {
+    fn();
+  } catch (const ArgumentError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// ---- ops ----------------------------------------------------------------------
+
+// fwd: out [B,Hq,Sq,Dv] in q's dtype, lse float32 [B,Hq,Sq] (numerics.md s.1/3).
+std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                           const at::Tensor& v_in, double softmax_scale,
+                                           bool causal, c10::string_view precision,
+                                           int64_t block_size) {
+  const at::Tensor q = prepare(q_in, "q");
+  const at::Tensor k = prepare(k_in, "k");
+  const at::Tensor v = prepare(v_in, "v");
+  AttnParams p = make_params(q, k, v, softmax_scale, causal, precision, block_size);
+
+  at::Tensor out = at::empty({p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v}, q.options());
+  at::Tensor lse = at::empty({p.batch, p.num_heads_q, p.seqlen_q}, q.options().dtype(at::kFloat));
+  if (is_empty_problem(p)) {
+    // No key at all (or nothing to compute): every row sees no key.
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  call_reference([&] {
+    check_attention_params(p);
+    attention_forward_ref(p, view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
+                          view_of(out, "out"), lse.data_ptr<float>());
+  });
+  return {out, lse};
+}
+
+// bwd: dq/dk/dv in the dtypes and shapes of q/k/v; diag float32 [4,B,Hq,Sq]
+// = (delta, eps, rowsum_pre, rowsum_post) when `diagnostics`, else empty [0].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+    double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
+    int64_t block_size, c10::string_view grad_format, bool diagnostics) {
+  const at::Tensor q = prepare(q_in, "q");
+  const at::Tensor k = prepare(k_in, "k");
+  const at::Tensor v = prepare(v_in, "v");
+  AttnParams p = make_params(q, k, v, softmax_scale, causal, precision, block_size);
+  p.delta_mode = parse_delta_mode(delta_mode);
+  p.grad_format = parse_grad_format(grad_format);
+
+  // dO and O are read in q's dtype (the op boundary dtype).
+  const at::Tensor dout = prepare(prepare(dout_in, "dout").to(q.scalar_type()), "dout");
+  const at::Tensor out = prepare(prepare(out_in, "out").to(q.scalar_type()), "out");
+  for (int d = 0; d < 4; ++d) {
+    const int64_t want[4] = {p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v};
+    check_dim(dout, d, want[d], "dout", "size");
+    check_dim(out, d, want[d], "out", "size");
+  }
+  TORCH_CHECK_VALUE(lse_in.defined() && lse_in.device().is_cpu() && lse_in.dim() == 3 &&
+                        lse_in.size(0) == p.batch && lse_in.size(1) == p.num_heads_q &&
+                        lse_in.size(2) == p.seqlen_q,
+                    "fp8attn: argument 'lse': expected a CPU tensor of shape [", p.batch, ", ",
+                    p.num_heads_q, ", ", p.seqlen_q, "]");
+  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor diag = diagnostics
+                        ? at::empty({4, p.batch, p.num_heads_q, p.seqlen_q}, lse.options())
+                        : at::empty({0}, lse.options());
+  if (is_empty_problem(p)) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    diag.zero_();
+    return {dq, dk, dv, diag};
+  }
+
+  BackwardDiagnostics bd;
+  if (diagnostics) {
+    const int64_t n = p.batch * p.num_heads_q * p.seqlen_q;
+    float* base = diag.data_ptr<float>();
+    bd.delta = base;
+    bd.eps = base + n;
+    bd.rowsum_pre = base + 2 * n;
+    bd.rowsum_post = base + 3 * n;
+  }
+  call_reference([&] {
+    check_attention_params(p);
+    attention_backward_ref(p, view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
+                           view_of(out, "out"), view_of(dout, "dout"), lse.data_ptr<float>(),
+                           view_of(dq, "dq"), view_of(dk, "dk"), view_of(dv, "dv"),
+                           diagnostics ? &bd : nullptr);
+  });
+  return {dq, dk, dv, diag};
+}
+
+}  // namespace
+}  // namespace fp8attn
+
+TORCH_LIBRARY_IMPL(fp8attn, CPU, m) {
+  m.impl("fwd", &fp8attn::fwd_cpu);
+  m.impl("bwd", &fp8attn::bwd_cpu);
+}

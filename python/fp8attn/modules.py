@@ -1,0 +1,68 @@
+"""nn.Module wrapper of `fp8attn.attention`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .ops import attention, check_options, flash_attn_func
+
+__all__ = ["FP8Attention"]
+
+_LAYOUTS = ("bhsd", "bshd")
+
+
+class FP8Attention(torch.nn.Module):
+    """Attention core (no projections): forward(q, k, v) -> O.
+
+    Args (fixed per module; see `fp8attn.attention` for their meaning):
+        causal, softmax_scale, delta_mode, precision, block_size, grad_format.
+        layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
+            or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
+            O comes back in the same layout.
+        layer_name: label of this module's calls in fp8attn.diagnostics records
+            (`fp8attn.diagnostics.name_layers(model)` fills it from module names).
+    The options are checked here (ValueError / TypeError naming the argument).
+    `delta_mode` is a plain attribute and may be switched between steps.
+    """
+
+    def __init__(
+        self,
+        causal: bool = False,
+        softmax_scale: Optional[float] = None,
+        delta_mode: str = "delta_matching",
+        precision: str = "fp8",
+        block_size: int = 128,
+        grad_format: str = "e4m3",
+        layout: str = "bhsd",
+        layer_name: Optional[str] = None,
+    ):
+        super().__init__()
+        check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
+                      precision=precision, block_size=block_size, grad_format=grad_format,
+                      fn="FP8Attention")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.delta_mode = delta_mode
+        self.precision = precision
+        self.block_size = block_size
+        self.grad_format = grad_format
+        self.layout = layout
+        self.layer_name = layer_name
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fn = attention if self.layout == "bhsd" else flash_attn_func
+        return fn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                  delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
+                  grad_format=self.grad_format, layer_name=self.layer_name)
+
+    def extra_repr(self) -> str:
+        s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
+             f"block_size={self.block_size}, grad_format={self.grad_format!r}, layout={self.layout!r}")
+        if self.softmax_scale is not None:
+            s += f", softmax_scale={self.softmax_scale}"
+        if self.layer_name is not None:
+            s += f", layer_name={self.layer_name!r}"
+        return s

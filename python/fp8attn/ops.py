@@ -1,0 +1,388 @@
+"""The attention op: argument checks, fake kernels, autograd, public functions.
+
+Public functions (all tensors are torch tensors on one device):
+
+  attention(q, k, v, *, causal=False, softmax_scale=None, delta_mode="delta_matching",
+            precision="fp8", block_size=128, grad_format="e4m3", return_lse=False,
+            layer_name=None)
+      SDPA layout [batch, heads, seqlen, head_dim].
+  flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, ...)
+      flash_attn layout [batch, seqlen, heads, head_dim].
+  scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+            is_causal=False, scale=None, enable_gqa=False, **fp8_kwargs)
+      drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+Math: docs/numerics.md (section 1 exact attention and the bottom-right causal
+mask, section 3 the seven FP8 matmuls, section 4 the delta modes). The ops are
+torch.ops.fp8attn.fwd / bwd (schemas in csrc/torch/ops.cpp, docs/architecture.md).
+
+NOTE: autograd of the public functions is a torch.autograd.Function rather
+than register_autograd on `fwd`, because the fwd schema does not carry
+delta_mode / grad_format, which the backward needs. The raw op
+torch.ops.fp8attn.fwd is differentiable too (register_autograd below), with the
+default backward options (delta_matching, e4m3).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _lib
+from . import diagnostics as _diag
+
+__all__ = [
+    "attention",
+    "flash_attn_func",
+    "scaled_dot_product_attention",
+    "DELTA_MODES",
+    "PRECISIONS",
+    "GRAD_FORMATS",
+    "BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "MAX_HEAD_DIM",
+]
+
+# ---- accepted options --------------------------------------------------------
+
+DELTA_MODES = ("stale", "matched_do", "delta_matching")
+# "bf16" is an alias of "exact": the non-FP8 path (FP64 accumulation in the CPU
+# reference, numerics.md section 1); BF16 only describes the op-boundary tensors.
+PRECISIONS = {"fp8": "fp8", "exact": "exact", "bf16": "exact"}
+GRAD_FORMATS = ("e4m3", "e5m2")
+BLOCK_SIZES = (32, 64, 128)
+MAX_HEAD_DIM = 256
+# float64 is meant for the exact path (gradcheck); with precision="fp8" it is
+# accepted and computed like float32 (FP32 outside the FP8 matmul operands).
+# float16 is rejected: the kernels read BF16/FP32 only.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+# Hook for the CUDA kernels: the (head_dim_qk, head_dim_v) pairs and precisions
+# they implement. None = no restriction known to this layer (the CUDA op then
+# raises its own error). The CUDA helper fills these in.
+CUDA_HEAD_DIMS: Optional[frozenset] = None
+CUDA_PRECISIONS: Optional[Tuple[str, ...]] = None
+
+
+def _err(fn: str, arg: str, msg: str) -> str:
+    return f"fp8attn.{fn}: argument '{arg}': {msg}"
+
+
+def check_options(
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    delta_mode: str = "delta_matching",
+    precision: str = "fp8",
+    block_size: int = 128,
+    grad_format: str = "e4m3",
+    fn: str = "attention",
+) -> str:
+    """Checks the non-tensor options and returns the op-level precision
+    ("fp8" or "exact"). Raises TypeError / ValueError naming the argument."""
+    if not isinstance(causal, bool):
+        raise TypeError(_err(fn, "causal", f"must be a bool, got {type(causal).__name__}"))
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
+    if delta_mode not in DELTA_MODES:
+        raise ValueError(_err(fn, "delta_mode", f"must be one of {DELTA_MODES}, got {delta_mode!r}"))
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(_err(fn, "precision", f"must be one of {tuple(PRECISIONS)}, got {precision!r}"))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+        raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r}"))
+    if grad_format not in GRAD_FORMATS:
+        raise ValueError(_err(fn, "grad_format", f"must be one of {GRAD_FORMATS}, got {grad_format!r}"))
+    return PRECISIONS[precision]
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str = "fp8",
+                 fn: str = "attention") -> None:
+    """Checks q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (SDPA layout).
+    Raises TypeError (not a tensor, dtype) or ValueError (device, shape) naming
+    the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(_err(fn, name, f"must be a torch.Tensor, got {type(t).__name__}"))
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(_err(fn, name, f"dtype must be bfloat16, float32 or float64, got {t.dtype}"))
+        if t.dim() != 4:
+            raise ValueError(_err(fn, name, f"must be 4-D [batch, heads, seqlen, head_dim], got shape {tuple(t.shape)}"))
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(_err(fn, name, f"must be on q's device {q.device}, got {t.device}"))
+        if t.dtype != q.dtype:
+            raise TypeError(_err(fn, name, f"must have q's dtype {q.dtype}, got {t.dtype}"))
+    B, Hq, _, D = q.shape
+    _, Hkv, Sk, _ = k.shape
+    Dv = v.shape[3]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != B:
+            raise ValueError(_err(fn, name, f"batch size {t.shape[0]} != q's batch size {B}"))
+    if k.shape[3] != D:
+        raise ValueError(_err(fn, "k", f"head_dim {k.shape[3]} != q's head_dim {D}"))
+    if v.shape[1] != Hkv:
+        raise ValueError(_err(fn, "v", f"num_heads {v.shape[1]} != k's num_heads {Hkv}"))
+    if v.shape[2] != Sk:
+        raise ValueError(_err(fn, "v", f"seqlen {v.shape[2]} != k's seqlen {Sk}"))
+    if Hkv == 0 and Hq != 0 or Hkv != 0 and Hq % Hkv != 0:
+        raise ValueError(_err(fn, "q", f"num_heads_q {Hq} must be a multiple of num_heads_kv {Hkv} (GQA)"))
+    for name, d in (("q", D), ("v", Dv)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(_err(fn, name, f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}"))
+    if q.device.type == "cuda":
+        _check_cuda(q, k, v, precision, fn)
+    elif q.device.type not in ("cpu", "meta"):
+        raise ValueError(_err(fn, "q", f"device must be cpu or cuda, got {q.device}"))
+
+
+def _check_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str, fn: str) -> None:
+    """What the CUDA kernels support (hook; see CUDA_HEAD_DIMS / CUDA_PRECISIONS)."""
+    if not _lib.HAS_CUDA_KERNELS:
+        raise ValueError(_err(fn, "q", "is a CUDA tensor but fp8attn was built without CUDA kernels "
+                                       "(rebuild with FP8ATTN_BUILD_CUDA=1, or use CPU tensors)"))
+    if CUDA_PRECISIONS is not None and precision not in CUDA_PRECISIONS:
+        raise ValueError(_err(fn, "precision", f"{precision!r} has no CUDA kernel (supported: {CUDA_PRECISIONS})"))
+    dims = (q.shape[3], v.shape[3])
+    if CUDA_HEAD_DIMS is not None and dims not in CUDA_HEAD_DIMS:
+        raise ValueError(_err(fn, "q", f"(head_dim_qk, head_dim_v) = {dims} has no CUDA kernel "
+                                       f"(supported: {sorted(CUDA_HEAD_DIMS)})"))
+
+
+def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or k.shape[2] == 0
+
+
+# ---- fake (meta) kernels, for torch.compile / FakeTensor ------------------------
+
+
+@torch.library.register_fake("fp8attn::fwd")
+def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size):
+    B, Hq, Sq, _ = q.shape
+    out = q.new_empty((B, Hq, Sq, v.shape[3]))
+    lse = q.new_empty((B, Hq, Sq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("fp8attn::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
+              grad_format, diagnostics):
+    B, Hq, Sq, _ = q.shape
+    diag_shape = (4, B, Hq, Sq) if diagnostics else (0,)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(diag_shape, dtype=torch.float32))
+
+
+# ---- forward / backward on the ops -------------------------------------------
+
+
+def _forward(q, k, v, scale, causal, precision, block_size):
+    if _is_empty(q, k):
+        # Nothing to compute, or no key at all: every row sees no key, so
+        # O = 0 and LSE = -inf (numerics.md section 1).
+        B, Hq, Sq, _ = q.shape
+        out = q.new_zeros((B, Hq, Sq, v.shape[3]))
+        lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
+        return out, lse
+    return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size)
+
+
+def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
+              grad_format, layer_name):
+    if _is_empty(q, k):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    want_diag = _diag.is_recording()
+    dq, dk, dv, diag = torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision,
+                                             delta_mode, block_size, grad_format, want_diag)
+    if want_diag:
+        _diag._record(diag, {
+            "layer": layer_name,
+            "delta_mode": delta_mode,
+            "precision": precision,
+            "grad_format": grad_format,
+            "block_size": block_size,
+            "causal": causal,
+            "shape": {
+                "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
+                "seqlen_q": q.shape[2], "seqlen_k": k.shape[2],
+                "head_dim_qk": q.shape[3], "head_dim_v": v.shape[3],
+            },
+        })
+    return dq, dk, dv
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """O, LSE = attention(Q, K, V); LSE is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name):
+        out, lse = _forward(q, k, v, scale, causal, precision, block_size)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, causal, precision, delta_mode, block_size, grad_format, layer_name = ctx.opts
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode,
+                               block_size, grad_format, layer_name)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+# Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, precision, block_size = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.opts = (scale, causal, precision, block_size)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    scale, causal, precision, block_size = ctx.opts
+    dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
+                           block_size, "e4m3", None)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("fp8attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---- public functions ---------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    delta_mode: str = "delta_matching",
+    precision: str = "fp8",
+    block_size: int = 128,
+    grad_format: str = "e4m3",
+    return_lse: bool = False,
+    layer_name: Optional[str] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
+
+    Args:
+        q: [batch, num_heads_q, seqlen_q, head_dim_qk] (SDPA layout), bfloat16,
+            float32 or float64. Any strides (a non-unit head_dim stride costs a copy).
+        k: [batch, num_heads_kv, seqlen_k, head_dim_qk]; num_heads_q must be a
+            multiple of num_heads_kv (GQA: query head h uses kv head
+            h // (num_heads_q // num_heads_kv)).
+        v: [batch, num_heads_kv, seqlen_k, head_dim_v]; head_dim_v may differ.
+        causal: bottom-right aligned mask, query i sees key j iff
+            j <= i + seqlen_k - seqlen_q. Rows that see no key give O = 0,
+            LSE = -inf and zero gradients.
+        softmax_scale: tau; default 1/sqrt(head_dim_qk). Finite and > 0.
+        delta_mode: "delta_matching" (default), "matched_do" or "stale"
+            (numerics.md section 4); used by the backward only.
+        precision: "fp8" (the seven FP8 matmuls, section 3) or "exact"
+            (section 1; "bf16" is an alias of "exact").
+        block_size: FP8 block length along each matmul's reduction dim: 32, 64, 128.
+        grad_format: FP8 format of dO and dS: "e4m3" or "e5m2".
+        return_lse: also return LSE.
+        layer_name: label of this call in `fp8attn.diagnostics.record()` records.
+
+    Returns:
+        O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
+        with return_lse also LSE float32 [batch, num_heads_q, seqlen_q] (natural
+        log, not differentiable).
+
+    Raises:
+        TypeError: a non-tensor input, an unsupported or mismatched dtype, a
+            wrongly typed option.
+        ValueError: mismatched shapes or devices, a bad option value. The
+            message names the argument.
+    """
+    op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
+                                 precision=precision, block_size=block_size, grad_format=grad_format)
+    check_inputs(q, k, v, op_precision)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
+                                        grad_format, layer_name)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    *,
+    dropout_p: float = 0.0,
+    delta_mode: str = "delta_matching",
+    precision: str = "fp8",
+    block_size: int = 128,
+    grad_format: str = "e4m3",
+    return_lse: bool = False,
+    layer_name: Optional[str] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """`attention` in the flash_attn layout: q [batch, seqlen_q, num_heads_q,
+    head_dim_qk], k [batch, seqlen_k, num_heads_kv, head_dim_qk], v [batch,
+    seqlen_k, num_heads_kv, head_dim_v]. Returns O [batch, seqlen_q,
+    num_heads_q, head_dim_v] (a transposed view of a contiguous SDPA-layout
+    tensor: use .reshape, not .view, to merge heads) and with return_lse LSE
+    float32 [batch, num_heads_q, seqlen_q] (as flash_attn). dropout_p must be 0
+    (NotImplementedError otherwise). Other arguments as in `attention`."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("fp8attn.flash_attn_func: argument 'dropout_p': dropout is not supported")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
+    res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                    softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
+                    block_size=block_size, grad_format=grad_format, return_lse=return_lse,
+                    layer_name=layer_name)
+    if return_lse:
+        return res[0].transpose(1, 2), res[1]
+    return res.transpose(1, 2)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    **fp8_kwargs,
+) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on 4-D
+    [batch, heads, seqlen, head_dim] inputs, computed by `attention`.
+
+    fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name.
+    Not supported (NotImplementedError): attn_mask, dropout_p != 0, and
+    is_causal with seqlen_q != seqlen_k (PyTorch aligns that mask top-left,
+    fp8attn bottom-right; call `attention(causal=True)` for the latter).
+    Different head counts need enable_gqa=True, as in PyTorch (ValueError).
+    """
+    fn = "scaled_dot_product_attention"
+    if attn_mask is not None:
+        raise NotImplementedError(f"fp8attn.{fn}: argument 'attn_mask': masks other than is_causal are not supported")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"fp8attn.{fn}: argument 'dropout_p': dropout is not supported")
+    if "return_lse" in fp8_kwargs:
+        raise TypeError(f"fp8attn.{fn}: argument 'return_lse' is not accepted here; use fp8attn.attention")
+    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
+        if is_causal and query.shape[2] != key.shape[2]:
+            raise NotImplementedError(
+                f"fp8attn.{fn}: argument 'is_causal': with seqlen_q != seqlen_k PyTorch's mask is top-left "
+                "aligned, fp8attn's bottom-right; use fp8attn.attention(causal=True) for the latter")
+        if not enable_gqa and query.shape[1] != key.shape[1]:
+            raise ValueError(_err(fn, "enable_gqa", f"query has {query.shape[1]} heads and key {key.shape[1]}: "
+                                                    "pass enable_gqa=True for grouped-query attention"))
+    return attention(query, key, value, causal=is_causal, softmax_scale=scale, **fp8_kwargs)

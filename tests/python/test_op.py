@@ -1,0 +1,534 @@
+"""Tests of the PyTorch op layer: fp8attn.attention / flash_attn_func /
+scaled_dot_product_attention / FP8Attention over torch.ops.fp8attn.fwd/bwd (CPU
+reference). Math: docs/numerics.md. Small shapes: the file runs in well under
+2 minutes on 2 cores.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8attn
+from fp8attn import diagnostics
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def f32_scale(head_dim):
+    # NOTE: AttnParams.softmax_scale is an FP32 float, so the op uses the FP32
+    # rounding of 1/sqrt(d); the FP64 math reference must use the same tau.
+    return float(torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32))
+
+
+def attention_math(q, k, v, scale, causal):
+    """Exact attention in float64 (numerics.md section 1), SDPA layout, GQA by
+    repeat_interleave, bottom-right causal mask. Returns O, LSE; rows that see
+    no key give O = 0, LSE = -inf and zero gradients."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = scale * q @ k.transpose(-1, -2)
+    sq, sk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(sk)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe_lse[..., None])  # exp(-inf) = 0 on masked entries
+    return p @ v, lse
+
+
+def make_qkv(b=2, hq=4, hkv=2, sq=24, sk=24, d=32, dv=None, dtype=torch.float32, requires_grad=True):
+    dv = d if dv is None else dv
+    q = torch.randn(b, hq, sq, d, dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, dtype=dtype)
+    v = torch.randn(b, hkv, sk, dv, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def run(q, k, v, dout=None, **kw):
+    """Forward + backward through fp8attn.attention; returns O, LSE, dQ, dK, dV."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fp8attn.attention(q, k, v, return_lse=True, **kw)
+    if dout is None:
+        dout = torch.randn_like(out)
+    out.backward(dout)
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class OpCalls(TorchDispatchMode):
+    """Records the fp8attn op calls (name, args) made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fp8attn":
+            self.calls.append((func.__name__, args))
+        return func(*args, **(kwargs or {}))
+
+
+CASES = [  # (hq, hkv, sq, sk, d, dv, causal)
+    (2, 2, 16, 16, 16, 16, False),
+    (2, 2, 16, 16, 16, 16, True),
+    (4, 2, 12, 20, 16, 8, True),    # GQA, seqlen_q < seqlen_k, dqk != dv
+    (6, 2, 20, 12, 8, 16, True),    # GQA 3:1, seqlen_q > seqlen_k: fully masked rows
+    (4, 1, 9, 33, 24, 24, False),   # MQA, odd lengths
+]
+
+
+# ---- exact path vs float64 math --------------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,sq,sk,d,dv,causal", CASES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+def test_exact_matches_math(hq, hkv, sq, sk, d, dv, causal, dtype, tol):
+    q, k, v = make_qkv(2, hq, hkv, sq, sk, d, dv, dtype=dtype)
+    dout = torch.randn(2, hq, sq, dv, dtype=dtype)
+    out, lse, dq, dk, dv_ = run(q, k, v, dout, causal=causal, precision="exact")
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.shape == (2, hq, sq, dv) and lse.shape == (2, hq, sq)
+
+    qm, km, vm = (t.detach().double().requires_grad_() for t in (q, k, v))
+    om, lsem = attention_math(qm, km, vm, f32_scale(d), causal)
+    om.backward(dout.double())
+    assert rel_err(out, om) < tol
+    seen = torch.isfinite(lsem)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert torch.allclose(lse[seen].double(), lsem[seen], rtol=1e-6, atol=1e-6)  # LSE is FP32
+    for got, want in ((dq, qm.grad), (dk, km.grad), (dv_, vm.grad)):
+        assert rel_err(got, want) < tol
+
+
+def test_bf16_is_alias_of_exact():
+    q, k, v = make_qkv(dtype=torch.bfloat16)
+    dout = torch.randn(2, 4, 24, 32, dtype=torch.bfloat16)
+    a = run(q, k, v, dout, causal=True, precision="exact")
+    b = run(q, k, v, dout, causal=True, precision="bf16")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("hq,hkv,sq,sk,d,dv,causal", CASES)
+@pytest.mark.parametrize("delta_mode", ["delta_matching", "stale"])
+def test_fp8_close_to_exact(hq, hkv, sq, sk, d, dv, causal, delta_mode):
+    # Tolerance: E4M3 keeps 3 mantissa bits (rounding error <= 2^-4 relative
+    # per operand element); over the dot products the errors partly average
+    # out. Measured norm-wise errors on these standard-normal cases: O 3.5-5%,
+    # LSE <= 1.1%, dQ/dK/dV 4-8%. The bounds (O, LSE 0.08; grads 0.15) leave
+    # ~2x margin and still catch systematic errors (a wrong block scale or a
+    # wrong mask gives >= 30%).
+    q, k, v = make_qkv(2, hq, hkv, sq, sk, d, dv, dtype=torch.bfloat16)
+    dout = torch.randn(2, hq, sq, dv, dtype=torch.bfloat16)
+    fp8 = run(q, k, v, dout, causal=causal, precision="fp8", delta_mode=delta_mode)
+    ex = run(q, k, v, dout, causal=causal, precision="exact")
+    for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), fp8, ex):
+        assert torch.isfinite(a).all() or name == "LSE", name
+        if name == "LSE":
+            seen = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), seen)
+            a, b = a[seen], b[seen]
+        assert rel_err(a, b) < (0.08 if name in ("O", "LSE") else 0.15), name
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128])
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
+def test_fp8_options(block_size, grad_format):
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 64, dtype=torch.bfloat16)
+    dout = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    fp8 = run(q, k, v, dout, causal=True, block_size=block_size, grad_format=grad_format)
+    ex = run(q, k, v, dout, causal=True, precision="exact")
+    # measured: e4m3 4-7%, e5m2 (2 mantissa bits for dO, dS) 6.5-11%
+    for a, b in zip(fp8[2:], ex[2:]):
+        assert rel_err(a, b) < (0.15 if grad_format == "e4m3" else 0.22)
+
+
+# ---- gradcheck of the exact path ---------------------------------------------
+
+
+@pytest.mark.parametrize("hq,hkv,sq,sk,d,dv,causal", [
+    (2, 1, 5, 7, 6, 4, True),   # GQA, dqk != dv, causal with seqlen_q < seqlen_k
+    (2, 2, 6, 4, 4, 5, True),   # fully masked rows
+    (3, 3, 4, 4, 3, 3, False),
+])
+def test_gradcheck_exact(hq, hkv, sq, sk, d, dv, causal):
+    q, k, v = make_qkv(1, hq, hkv, sq, sk, d, dv, dtype=torch.float64)
+    fn = lambda q, k, v: fp8attn.attention(q, k, v, causal=causal, precision="exact", softmax_scale=0.7)
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+# ---- drop-ins and layouts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_drop_in(causal, gqa):
+    q, k, v = make_qkv(2, 4, 2 if gqa else 4, 16, 16, 16)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    got = fp8attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, precision="exact")
+    assert rel_err(got, want) < 1e-5
+    got8 = fp8attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    assert rel_err(got8, want) < 0.08  # fp8 path, tolerance as in test_fp8_close_to_exact
+    # gradients of the drop-in against PyTorch's
+    g = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), g)
+    got = fp8attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, precision="exact")
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), want_grads):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_sdpa_unsupported():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=False)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        fp8attn.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fp8attn.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="is_causal"):
+        fp8attn.scaled_dot_product_attention(q, k[:, :, :6], v[:, :, :6], is_causal=True)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        fp8attn.scaled_dot_product_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fp8attn.flash_attn_func(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_flash_layout_matches(precision):
+    q, k, v = make_qkv(2, 4, 2, 12, 20, 16, 8, dtype=torch.bfloat16)
+    dout = torch.randn(2, 4, 12, 8, dtype=torch.bfloat16)
+    want = run(q, k, v, dout, causal=True, precision=precision)
+    # flash layout [batch, seqlen, heads, head_dim] as contiguous tensors
+    qf, kf, vf = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    out, lse = fp8attn.flash_attn_func(qf, kf, vf, causal=True, precision=precision, return_lse=True)
+    assert out.shape == (2, 12, 4, 8)
+    out.backward(dout.transpose(1, 2))
+    # The same values reach the reference through other strides: bitwise equal.
+    assert torch.equal(out.transpose(1, 2), want[0]) and torch.equal(lse, want[1])
+    for a, b in zip((qf.grad, kf.grad, vf.grad), want[2:]):
+        assert torch.equal(a.transpose(1, 2), b)
+
+
+def test_module():
+    q, k, v = make_qkv(1, 4, 2, 10, 10, 16)
+    m = fp8attn.FP8Attention(causal=True, precision="exact", layer_name="blk0")
+    assert "layer_name='blk0'" in repr(m)
+    want = fp8attn.attention(q, k, v, causal=True, precision="exact")
+    assert torch.equal(m(q, k, v), want)
+    mf = fp8attn.FP8Attention(causal=True, precision="exact", layout="bshd")
+    got = mf(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.equal(got.transpose(1, 2), want)
+    with pytest.raises(ValueError, match="delta_mode"):
+        fp8attn.FP8Attention(delta_mode="fresh")
+    with pytest.raises(ValueError, match="layout"):
+        fp8attn.FP8Attention(layout="sbhd")
+
+
+def test_torch_compile_fullgraph():
+    # NOTE: backend="aot_eager" traces the whole graph through the fake kernels
+    # and the autograd.Function exactly as inductor would, but skips inductor's
+    # C++ codegen, which costs ~50 s of compiler time on 2 cores.
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 4, 2, 16, 16, 16, dtype=torch.bfloat16)
+
+    def step(q, k, v):
+        out = fp8attn.attention(q, k, v, causal=True, delta_mode="stale")
+        return (out.float() ** 2).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(q, k, v)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v))
+    loss_e = step(q, k, v)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v))
+    assert torch.equal(loss_c, loss_e)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.equal(a, b)
+    # raw op: differentiable with the default backward, fake kernels in the graph
+    torch._dynamo.reset()
+    raw = torch.compile(lambda q, k, v: torch.ops.fp8attn.fwd(q, k, v, 0.25, True, "fp8", 128)[0].float().sum(),
+                        fullgraph=True, backend="aot_eager")
+    g_raw = torch.autograd.grad(raw(q, k, v), (q, k, v))
+    g_pub = torch.autograd.grad(fp8attn.attention(q, k, v, causal=True, softmax_scale=0.25).float().sum(), (q, k, v))
+    for a, b in zip(g_raw, g_pub):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
+def test_fake_kernels_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 5, 16), torch.empty(2, 2, 7, 16), torch.empty(2, 2, 7, 8))
+        out, lse = torch.ops.fp8attn.fwd(q, k, v, 0.25, False, "fp8", 128)
+        assert out.shape == (2, 4, 5, 8) and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+        dq, dk, dv, diag = torch.ops.fp8attn.bwd(out, q, k, v, out, lse, 0.25, False, "fp8", "stale",
+                                                 128, "e4m3", True)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert diag.shape == (4, 2, 4, 5)
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = make_qkv(1, 2, 2, 6, 6, 8)
+    _, lse = fp8attn.attention(q, k, v, return_lse=True)
+    assert not lse.requires_grad
+    with pytest.raises(RuntimeError):
+        lse.sum().backward()
+
+
+# ---- argument validation ---------------------------------------------------------
+
+
+def _bad_calls():
+    q, k, v = make_qkv(2, 4, 2, 8, 8, 16, dv=8, requires_grad=False)
+    A = fp8attn.attention
+    return [
+        # (exception, match, thunk)
+        (TypeError, "'q'.*dtype", lambda: A(q.half(), k.half(), v.half())),
+        (TypeError, "'q'.*dtype", lambda: A(q.int(), k, v)),
+        (TypeError, "'k'.*dtype", lambda: A(q, k.double(), v)),
+        (TypeError, "'q'.*torch.Tensor", lambda: A(q.numpy(), k, v)),
+        (ValueError, "'k'.*device", lambda: A(q, k.to("meta"), v)),
+        (ValueError, "'q'.*4-D", lambda: A(q[0], k, v)),
+        (ValueError, "'v'.*4-D", lambda: A(q, k, v[..., None])),
+        (ValueError, "'k'.*batch", lambda: A(q, k[:1], v)),
+        (ValueError, "'v'.*batch", lambda: A(q, k, v[:1])),
+        (ValueError, "'k'.*head_dim", lambda: A(q, k[..., :8], v)),
+        (ValueError, "'v'.*seqlen", lambda: A(q, k, v[:, :, :5])),
+        (ValueError, "'v'.*num_heads", lambda: A(q, k, v[:, :1])),
+        (ValueError, "'q'.*multiple", lambda: A(q[:, :3], k, v)),
+        (ValueError, "'q'.*head_dim", lambda: A(q[..., :0], k[..., :0], v)),
+        (ValueError, "'q'.*head_dim", lambda: A(*(torch.randn(1, 1, 2, 257) for _ in range(3)))),
+        (ValueError, "'v'.*head_dim", lambda: A(q, k, v[..., :0])),
+        (ValueError, "delta_mode", lambda: A(q, k, v, delta_mode="fresh")),
+        (ValueError, "precision", lambda: A(q, k, v, precision="fp16")),
+        (ValueError, "grad_format", lambda: A(q, k, v, grad_format="e3m4")),
+        (ValueError, "block_size", lambda: A(q, k, v, block_size=48)),
+        (ValueError, "block_size", lambda: A(q, k, v, block_size=True)),
+        (ValueError, "softmax_scale", lambda: A(q, k, v, softmax_scale=float("nan"))),
+        (ValueError, "softmax_scale", lambda: A(q, k, v, softmax_scale=float("inf"))),
+        (ValueError, "softmax_scale", lambda: A(q, k, v, softmax_scale=0.0)),
+        (ValueError, "softmax_scale", lambda: A(q, k, v, softmax_scale=-1.0)),
+        (TypeError, "softmax_scale", lambda: A(q, k, v, softmax_scale="0.1")),
+        (TypeError, "causal", lambda: A(q, k, v, causal="yes")),
+        (ValueError, "'q'.*flash_attn_func|flash_attn_func.*'q'", lambda: fp8attn.flash_attn_func(q[0], k, v)),
+    ]
+
+
+@pytest.mark.parametrize("idx", range(len(_bad_calls())))
+def test_validation_errors(idx):
+    exc, match, thunk = _bad_calls()[idx]
+    with pytest.raises(exc, match=match):
+        thunk()
+
+
+def test_op_level_errors_are_value_errors():
+    # Calling the C++ op directly: the binding's checks and the reference's
+    # ArgumentError (head_dim > 256 here) surface as ValueError naming the argument.
+    q, k, v = make_qkv(1, 2, 2, 4, 4, 8, requires_grad=False)
+    with pytest.raises(ValueError, match="block_size"):
+        torch.ops.fp8attn.fwd(q, k, v, 0.5, False, "fp8", 48)
+    with pytest.raises(ValueError, match="precision"):
+        torch.ops.fp8attn.fwd(q, k, v, 0.5, False, "bf16", 128)
+    with pytest.raises(ValueError, match="'v'"):
+        torch.ops.fp8attn.fwd(q, k, v[:, :, :3], 0.5, False, "fp8", 128)
+    with pytest.raises(TypeError, match="'q'"):
+        torch.ops.fp8attn.fwd(q.half(), k, v, 0.5, False, "fp8", 128)
+    big = torch.randn(1, 1, 2, 300)
+    with pytest.raises(ValueError, match="head_dim"):
+        torch.ops.fp8attn.fwd(big, big, big, 0.5, False, "fp8", 128)
+    out, lse = torch.ops.fp8attn.fwd(q, k, v, 0.5, False, "fp8", 128)
+    with pytest.raises(ValueError, match="delta_mode"):
+        torch.ops.fp8attn.bwd(out, q, k, v, out, lse, 0.5, False, "fp8", "fresh", 128, "e4m3", False)
+    with pytest.raises(ValueError, match="'dout'"):
+        torch.ops.fp8attn.bwd(out[:, :1], q, k, v, out, lse, 0.5, False, "fp8", "stale", 128, "e4m3", False)
+
+
+# ---- empty problems ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [
+    (2, 4, 2, 0, 8),   # seqlen_q = 0
+    (2, 4, 2, 6, 0),   # seqlen_k = 0: every row sees no key
+    (0, 4, 2, 6, 8),   # batch 0
+    (2, 0, 2, 6, 8),   # no query heads
+    (2, 0, 0, 6, 8),   # no heads at all
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty(b, hq, hkv, sq, sk, causal):
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, 16, 8)
+    with OpCalls() as calls:
+        out, lse = fp8attn.attention(q, k, v, causal=causal, return_lse=True)
+        assert out.shape == (b, hq, sq, 8) and lse.shape == (b, hq, sq)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.all(lse == float("-inf"))
+        out.sum().backward()
+    assert calls.calls == []  # the kernel is not called
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.equal(t.grad, torch.zeros_like(t))
+    # the op itself also handles it
+    out2, lse2 = torch.ops.fp8attn.fwd(q.detach(), k.detach(), v.detach(), 0.25, causal, "fp8", 128)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+# ---- strides -----------------------------------------------------------------------
+
+
+def test_noncontiguous_dout():
+    q, k, v = make_qkv(2, 4, 2, 12, 12, 16, 8, dtype=torch.bfloat16)
+    dout_t = torch.randn(2, 4, 8, 12, dtype=torch.bfloat16).transpose(-1, -2)  # head_dim stride != 1
+    dout_p = torch.randn(2, 12, 4, 8, dtype=torch.bfloat16).transpose(1, 2)    # permuted, unit head_dim stride
+    assert not dout_t.is_contiguous() and not dout_p.is_contiguous()
+    for dout in (dout_t, dout_p):
+        a = run(q, k, v, dout, causal=True, delta_mode="stale")
+        b = run(q, k, v, dout.contiguous(), causal=True, delta_mode="stale")
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    # expanded dO (all strides 0) from out.sum()
+    a = run(q, k, v, torch.ones(1, dtype=torch.bfloat16).expand(2, 4, 12, 8), causal=True)
+    b = run(q, k, v, torch.ones(2, 4, 12, 8, dtype=torch.bfloat16), causal=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["transposed", "sliced", "headdim_strided", "expanded"])
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_strided_inputs(kind, precision):
+    b, hq, hkv, s, d = 2, 4, 2, 10, 16
+    if kind == "transposed":  # [b, s, h, d] memory seen as [b, h, s, d]
+        q, k, v = (torch.randn(b, s, h, d).transpose(1, 2) for h in (hq, hkv, hkv))
+    elif kind == "sliced":  # every other position, a sub-range of heads and head_dim
+        q = torch.randn(b + 1, hq + 1, 2 * s, d + 5)[1:, 1:, ::2, 2:2 + d]
+        k = torch.randn(b, hkv, 2 * s, d + 3)[:, :, 1::2, :d]
+        v = torch.randn(b, hkv + 2, s, d)[:, 2:]
+    elif kind == "headdim_strided":  # non-unit head_dim stride: copied by the binding
+        q, k, v = (torch.randn(b, h, s, 2 * d)[..., ::2] for h in (hq, hkv, hkv))
+    else:  # broadcast batch and kv heads (stride 0)
+        q = torch.randn(1, hq, s, d).expand(b, hq, s, d)
+        k = torch.randn(b, 1, s, d).expand(b, hkv, s, d)
+        v = torch.randn(1, 1, s, d).expand(b, hkv, s, d)
+    assert not all(t.is_contiguous() for t in (q, k, v))
+    dout = torch.randn(b, hq, s, d)
+    got = run(q, k, v, dout, causal=True, precision=precision)
+    want = run(q.contiguous(), k.contiguous(), v.contiguous(), dout, causal=True, precision=precision)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
+# ---- diagnostics -------------------------------------------------------------------
+
+
+def test_diagnostics_record_and_invariant():
+    # numerics.md section 6: on standard-normal inputs delta_matching's pre-cast
+    # mean row-sum residual is < 1e-5 and stale's is >= 10x larger.
+    q, k, v = make_qkv(2, 4, 2, 48, 40, 32, dtype=torch.bfloat16)  # causal, fully masked rows
+    dout = torch.randn(2, 4, 48, 32, dtype=torch.bfloat16)
+    mods = {m: fp8attn.FP8Attention(causal=True, delta_mode=m) for m in fp8attn.DELTA_MODES}
+    model = torch.nn.ModuleDict(mods)
+    assert diagnostics.name_layers(model) == 3
+    with diagnostics.record() as rec:
+        for mode, mod in mods.items():
+            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            mod(qq, kk, vv).backward(dout)
+        fp8attn.attention(q, k, v, causal=True, precision="exact", layer_name="exact").backward(dout)
+    r = {x["layer"]: x for x in rec.records}
+    assert list(r) == ["stale", "matched_do", "delta_matching", "exact"]
+    rows_seeing_keys = 2 * 4 * 40  # seqlen_q - seqlen_k = 8 rows per head see no key
+    for x in rec.records:
+        assert x["rows"] == rows_seeing_keys
+        assert x["shape"]["seqlen_q"] == 48 and x["shape"]["num_heads_kv"] == 2
+        for key, val in x.items():
+            if isinstance(val, float):
+                assert math.isfinite(val), (x["layer"], key)
+    dm, stale = r["delta_matching"], r["stale"]
+    assert dm["delta_mode"] == "delta_matching" and stale["delta_mode"] == "stale"
+    assert dm["eps_absmax"] == 0.0 and stale["eps_absmax"] > 0.0
+    assert dm["rowsum_pre_mean"] < 1e-5
+    assert stale["rowsum_pre_mean"] >= 10 * dm["rowsum_pre_mean"]
+    assert stale["rowsum_pre_mean"] > 1e-5  # the failure the invariant guards against shows up
+    assert r["matched_do"]["rowsum_pre_mean"] >= 10 * dm["rowsum_pre_mean"]
+    assert stale["rowsum_post_mean"] > dm["rowsum_post_mean"]
+    assert r["exact"]["eps_absmax"] == 0.0 and r["exact"]["rowsum_pre_mean"] < 1e-12
+    summ = rec.summary()
+    assert summ[("stale", "stale")]["calls"] == 1
+    assert summ[("stale", "stale")]["rowsum_pre_max"] == stale["rowsum_pre_max"]
+
+
+def test_diagnostics_off_costs_nothing():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16)
+    with OpCalls() as calls:
+        fp8attn.attention(q, k, v).sum().backward()
+    bwd = [args for name, args in calls.calls if name.startswith("bwd")]
+    assert len(bwd) == 1 and bwd[0][-1] is False  # diagnostics=False reaches the kernel
+    with diagnostics.record(keep_raw=True) as rec, OpCalls() as calls:
+        assert diagnostics.is_recording()
+        fp8attn.attention(q, k, v).sum().backward()
+    assert not diagnostics.is_recording()
+    bwd = [args for name, args in calls.calls if name.startswith("bwd")]
+    assert bwd[0][-1] is True and len(rec.records) == 1
+    assert rec.records[0]["raw"]["eps"].shape == (2 * 8,)
+    # outside the context nothing more is recorded
+    fp8attn.attention(q, k, v).sum().backward()
+    assert len(rec.records) == 1
+
+
+# ---- non-finite values ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+@pytest.mark.parametrize("delta_mode", fp8attn.DELTA_MODES)
+def test_clean_inputs_give_finite_outputs(precision, delta_mode):
+    # seqlen_q > seqlen_k with causal: the first 8 rows see no key.
+    q, k, v = make_qkv(2, 4, 2, 24, 16, 16, 8, dtype=torch.bfloat16)
+    q = (q * 4).detach().requires_grad_()  # large logits too
+    out, lse, dq, dk, dv = run(q, k, v, causal=True, precision=precision, delta_mode=delta_mode)
+    for t in (out, dq, dk, dv):
+        assert torch.isfinite(t).all()
+    blind = slice(0, 8)
+    assert torch.all(lse[:, :, blind] == float("-inf")) and torch.isfinite(lse[:, :, 8:]).all()
+    assert torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
+    assert torch.equal(dq[:, :, blind], torch.zeros_like(dq[:, :, blind]))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_nan_propagates_only_where_numerics_says(precision):
+    # A NaN in key position j of batch 0, kv head 0 (causal, seqlen_q == seqlen_k):
+    # it reaches exactly the rows i >= j of the query heads of that kv group
+    # (numerics.md section 2: rows that do not see a position never read it).
+    b, hq, hkv, s, d, j = 2, 4, 2, 16, 16, 9
+    q, k, v = make_qkv(b, hq, hkv, s, s, d, requires_grad=False)
+    k[0, 0, j, 3] = float("nan")
+    out = fp8attn.attention(q, k, v, causal=True, precision=precision)
+    nan_rows = torch.isnan(out).any(-1)  # [b, hq, s]
+    want = torch.zeros(b, hq, s, dtype=torch.bool)
+    want[0, :2, j:] = True  # query heads 0, 1 use kv head 0
+    assert torch.equal(nan_rows, want)
+    assert torch.isfinite(out[~want]).all()
+
+
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_nan_in_dout_propagates_only_where_numerics_says(precision):
+    # A NaN in dO row i of query head h (causal, seqlen_q < seqlen_k, offset
+    # sk - sq): dQ gets NaN in row i of head h only; dK/dV get NaN only in the
+    # keys row i sees (j <= i + offset) of kv head h // group.
+    b, hq, hkv, sq, sk, d, i, h = 2, 4, 2, 12, 16, 16, 5, 3
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d)
+    dout = torch.randn(b, hq, sq, d)
+    dout[1, h, i, 7] = float("nan")
+    _, _, dq, dk, dv = run(q, k, v, dout, causal=True, precision=precision)
+    want_q = torch.zeros(b, hq, sq, dtype=torch.bool)
+    want_q[1, h, i] = True
+    want_kv = torch.zeros(b, hkv, sk, dtype=torch.bool)
+    want_kv[1, h // (hq // hkv), : i + (sk - sq) + 1] = True
+    assert torch.equal(torch.isnan(dq).any(-1), want_q)
+    assert torch.equal(torch.isnan(dk).any(-1), want_kv)
+    assert torch.equal(torch.isnan(dv).any(-1), want_kv)
+    assert torch.isfinite(dq[~want_q]).all() and torch.isfinite(dk[~want_kv]).all()
