@@ -1,0 +1,178 @@
+"""FP8 codecs and block-scaled quantization (math: docs/numerics.md section 2).
+
+Thin wrappers over the ``torch.ops.fp8attn`` quantization ops (CPU kernels in
+csrc/torch/ops_quant.cpp), plus their fake (meta) kernels for torch.compile.
+
+Formats (``fmt``): ``"e4m3"`` (the "fn" variant: max 448, no infinities, NaN =
+S.1111.111) and ``"e5m2"`` (max 57344, has +-inf). Encoding rounds to nearest
+even, keeps subnormals, saturates finite values beyond the max to +-max, keeps
+NaN as NaN and maps +-inf to NaN (E4M3) or +-inf (E5M2).
+
+Block scaling: ``x`` is cut into blocks of ``block_size`` consecutive elements
+along ``dim``; each block gets the power-of-two scale
+``s = 2^ceil(log2(amax / fp8_max))`` (``s = 1`` for an all-zero block, exponent
+clamped to [-126, 127]), codes are ``fp8(x / s)`` and the decoded value is
+``fp8_decode(code) * s`` (exact). A block holding NaN or +-inf gets a NaN scale
+and NaN codes; other blocks are unaffected. If the axis length is not a multiple
+of ``block_size`` the last block is shorter (so ``block_size=128`` on a 64-long
+axis is numerics.md's ``B = d`` rule).
+
+Every function raises ``ValueError`` naming the argument for a bad dtype, rank,
+``dim``, ``block_size``, ``fmt`` or scales shape. Inputs of any strides are
+accepted; outputs are contiguous. All four ops have CPU kernels; in a CUDA
+build ``quantize_blockwise`` also has a CUDA kernel (bfloat16, rank 4, dim 2 or
+3, block_size 128: see csrc/torch/ops_cuda.cpp).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
+
+__all__ = ["FP8_FORMATS", "FP8_MAX", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"]
+
+#: Accepted ``fmt`` strings.
+FP8_FORMATS = ("e4m3", "e5m2")
+#: Largest finite value of each format.
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+_BLOCK_SIZES = (32, 64, 128)
+_FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_encode(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Encodes a float tensor to FP8 codes (no scaling).
+
+    Args:
+        x: float32 tensor of any shape (bfloat16 / float16 are upcast exactly;
+            float64 is refused because its cast would round twice).
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+    Returns:
+        uint8 tensor of the shape of ``x``: the FP8 bit patterns (sign in bit 7).
+    Raises:
+        ValueError: bad dtype, device or ``fmt``.
+    """
+    return torch.ops.fp8attn.fp8_encode(x, fmt)
+
+
+def fp8_decode(codes: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Decodes FP8 codes to float32 (exact; NaN codes give NaN, E5M2 inf codes +-inf).
+
+    Args:
+        codes: uint8 tensor of any shape.
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+    Returns:
+        float32 tensor of the shape of ``codes``.
+    Raises:
+        ValueError: bad dtype, device or ``fmt``.
+    """
+    return torch.ops.fp8attn.fp8_decode(codes, fmt)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, dim: int = -1, block_size: int = 128, fmt: str = "e4m3"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 quantization of ``x`` along ``dim`` (numerics.md section 2).
+
+    Args:
+        x: float32 tensor (bfloat16 / float16 upcast exactly) of rank 2 or 4.
+        dim: the blocked axis (the matmul's reduction dimension), negative
+            values count from the end.
+        block_size: B in {32, 64, 128}.
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+    Returns:
+        ``(codes, scales)``: ``codes`` uint8 of the shape of ``x``; ``scales``
+        float32 of the shape of ``x`` with ``shape[dim]`` replaced by
+        ``ceil(shape[dim] / block_size)``. Element ``i`` along ``dim`` uses
+        ``scales[..., i // block_size, ...]``.
+    Raises:
+        ValueError: bad dtype, device, rank, ``dim``, ``block_size`` or ``fmt``.
+    """
+    return torch.ops.fp8attn.quantize_blockwise(x, dim, block_size, fmt)
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor, scales: torch.Tensor, dim: int = -1, block_size: int = 128, fmt: str = "e4m3"
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: ``fp8_decode(codes) * scale`` per block.
+
+    Args:
+        codes: uint8 tensor of rank 2 or 4.
+        scales: float32 tensor, the shape of ``codes`` with ``shape[dim]``
+            replaced by ``ceil(shape[dim] / block_size)``.
+        dim, block_size, fmt: as given to :func:`quantize_blockwise`.
+    Returns:
+        float32 tensor of the shape of ``codes`` (NaN for a block with a NaN scale).
+    Raises:
+        ValueError: bad dtype, device, rank, ``dim``, ``block_size``, ``fmt`` or
+            scales shape.
+    """
+    return torch.ops.fp8attn.dequantize_blockwise(codes, scales, dim, block_size, fmt)
+
+
+# ---- fake (meta) kernels: shapes and dtypes only, same argument checks ------
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got {fmt!r}")
+
+
+def _check_blocking(t: torch.Tensor, name: str, dim: int, block_size: int) -> int:
+    rank = t.dim()
+    if rank not in (2, 4):
+        raise ValueError(f"fp8attn: argument '{name}': expected a rank-2 or rank-4 tensor, got rank {rank}")
+    if not -rank <= dim < rank:
+        raise ValueError(f"fp8attn: argument 'dim': expected a value in [{-rank}, {rank - 1}], got {dim}")
+    if block_size not in _BLOCK_SIZES:
+        raise ValueError(f"fp8attn: argument 'block_size': expected 32, 64 or 128, got {block_size}")
+    return dim % rank
+
+
+def _scales_shape(t: torch.Tensor, dim: int, block_size: int) -> list:
+    shape = list(t.shape)
+    shape[dim] = (shape[dim] + block_size - 1) // block_size
+    return shape
+
+
+@torch.library.register_fake("fp8attn::fp8_encode")
+def _fp8_encode_fake(x, fmt):
+    _check_fmt(fmt)
+    if x.dtype not in _FLOAT_IN:
+        raise ValueError(f"fp8attn: argument 'x': expected dtype float32 (or bfloat16 / float16), got {x.dtype}")
+    return x.new_empty(x.shape, dtype=torch.uint8)
+
+
+@torch.library.register_fake("fp8attn::fp8_decode")
+def _fp8_decode_fake(codes, fmt):
+    _check_fmt(fmt)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"fp8attn: argument 'codes': expected dtype uint8, got {codes.dtype}")
+    return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("fp8attn::quantize_blockwise")
+def _quantize_blockwise_fake(x, dim, block_size, fmt):
+    _check_fmt(fmt)
+    if x.dtype not in _FLOAT_IN:
+        raise ValueError(f"fp8attn: argument 'x': expected dtype float32 (or bfloat16 / float16), got {x.dtype}")
+    d = _check_blocking(x, "x", dim, block_size)
+    return (
+        x.new_empty(x.shape, dtype=torch.uint8),
+        x.new_empty(_scales_shape(x, d, block_size), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("fp8attn::dequantize_blockwise")
+def _dequantize_blockwise_fake(codes, scales, dim, block_size, fmt):
+    _check_fmt(fmt)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"fp8attn: argument 'codes': expected dtype uint8, got {codes.dtype}")
+    if scales.dtype != torch.float32:
+        raise ValueError(f"fp8attn: argument 'scales': expected dtype float32, got {scales.dtype}")
+    d = _check_blocking(codes, "codes", dim, block_size)
+    want = _scales_shape(codes, d, block_size)
+    if list(scales.shape) != want:
+        raise ValueError(f"fp8attn: argument 'scales': expected shape {want}, got {list(scales.shape)}")
+    return codes.new_empty(codes.shape, dtype=torch.float32)
