@@ -45,7 +45,8 @@ struct AttnParams {
   int64_t head_dim_qk = 0;
   int64_t head_dim_v = 0;
 
-  float softmax_scale = 0.f;   // tau; callers pass 1/sqrt(head_dim_qk) for the default
+  double softmax_scale = 0.0;  // tau; callers pass 1/sqrt(head_dim_qk) for the default.
+                               // NOTE: double so the exact path is FP64-exact; the fp8 path rounds it to FP32.
   bool causal = false;         // bottom-right aligned: j <= i + (seqlen_k - seqlen_q)
 
   Precision precision = Precision::kFP8;

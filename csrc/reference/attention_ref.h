@@ -1,26 +1,103 @@
 // fp8attn: CPU reference attention, the oracle for every test and the path
 // that runs where there is no GPU. Math: numerics.md sections 1 (exact path)
-// and 3-5 (fp8 path, delta modes, diagnostics).
+// and 2-5 (fp8 path, delta modes, diagnostics).
+//
+// Conventions shared by every function below
+// - Views: q [batch, seqlen_q, num_heads_q, head_dim_qk], k [batch, seqlen_k,
+//   num_heads_kv, head_dim_qk], v [batch, seqlen_k, num_heads_kv, head_dim_v],
+//   o/dout/dq [batch, seqlen_q, num_heads_q, *], dk/dv like k/v. Any strides
+//   (TensorView) with a unit head_dim stride; dtype kFloat32, kFloat64 or
+//   kBFloat16 (uint16 storage). Outputs are rounded to their view's dtype with
+//   round-to-nearest-even. Only positions inside [0, seqlen) are read.
+// - lse: contiguous FP32 [batch, num_heads_q, seqlen_q], natural log.
+// - GQA: query head h uses key/value head h / (num_heads_q / num_heads_kv);
+//   dk/dv are the sums over the query heads of the group.
+// - causal (bottom-right): query i sees key j iff j <= i + (seqlen_k - seqlen_q).
+//   A row that sees no key gets O = 0, LSE = -inf and zero gradients.
+// - Multi-threaded with p.num_threads std::threads (0 = all cores); results
+//   are bitwise identical for every thread count.
+//
+// Precision::kExact: FP64 accumulation throughout (FP64 inputs stay FP64;
+//   tau is the FP32 p.softmax_scale widened to FP64).
+//   delta_i = sum_j P_ij dP_ij for every delta mode (all modes coincide in
+//   exact arithmetic). The backward recomputes LSE in FP64 from Q, K (the lse
+//   argument is not read), so gradients are FP64-accurate.
+//
+// Precision::kFP8: the seven block-scaled FP8 matmuls of numerics.md section
+//   3, everything else in FP32.
+//   - Block grid: blocks of B = p.block_size consecutive elements along each
+//     matmul's reduction dimension, starting at index 0 of the (batch, head)
+//     sequence (or of head_dim); the last block is shorter when the length is
+//     not a multiple of B (so B = length when the length is below B). The key
+//     tiles of the forward online softmax are the blocks of matmul #2, and the
+//     query blocks of matmuls #5/#7 are rows [0, B), [B, 2B), ...
+//   - Each per-block partial product is summed in FP32 over the FP8 values
+//     (unscaled), then multiplied by the two block scales and added to an FP32
+//     accumulator; tau = softmax_scale multiplies the finished S, dQ, dK.
+//   - Masking happens before quantization: masked (causal) entries are exact
+//     zeros in P and dS, and a K/V (Q/dO) block feeding output row i (output
+//     key column j) is quantized from the positions that row (column) sees
+//     only. So a NaN in K/V at key j never reaches O/dQ of a query row that
+//     does not see j, and a NaN in Q/dO of row i never reaches dK/dV of a key
+//     that row i does not see. NaN/inf anywhere else in a block makes that
+//     block's contributions NaN (propagated, never saturated). On finite data
+//     this equals quantizing whole tiles (as a GPU kernel does) except when a
+//     visible element is FP8-subnormal under one of the two scales, because
+//     power-of-two scales leave the rounding of normal FP8 values unchanged.
+//   - Forward: online softmax over key tiles of B in increasing order; the
+//     unnormalized tile exp(S - m_running) is quantized per row (the P block
+//     of #2), the accumulator is rescaled when the running max changes,
+//     O = acc / l and LSE = m + log(l) with l the FP32 sum of the unquantized
+//     exp values. Backward: P = exp(S - lse) in FP32 from the same Q_hat,
+//     K_hat (so lse must be the forward's), delta per p.delta_mode
+//     (numerics.md section 4), dS = P o (dP_hat - delta) in FP32.
+//   - Formats: Q, K, V, P in E4M3; dO and dS in p.grad_format.
+//
+// Errors: ArgumentError (common/error.h) naming the offending argument.
 #pragma once
+
+#include <cstdint>
 
 #include "common/params.h"
 
 namespace fp8attn {
 
-// Validates params against the views (shapes, head dims 1..256, GQA ratio,
-// block size, dtypes) and throws ArgumentError naming the argument.
+// Validates the scalar parameters: batch/seqlen_q/seqlen_k >= 0, num_heads_q
+// and num_heads_kv >= 1 with num_heads_q a multiple of num_heads_kv, head_dim_qk
+// and head_dim_v in [1, 256], softmax_scale positive and finite, precision /
+// delta_mode / grad_format valid enum values, block_size in {32, 64, 128},
+// num_threads >= 0. Throws ArgumentError naming the argument.
 void check_attention_params(const AttnParams& p);
 
-// Forward. q,k,v,o: strided views (see TensorView); o has the dtype the caller
-// wants (rounded to it with RNE). lse: contiguous FP32 [batch, num_heads_q,
-// seqlen_q], natural log; -inf for a row that sees no key (then O row = 0).
+// Optional helper for bindings: checks tensor sizes given in the views' logical
+// order [batch, seqlen, heads, head_dim] against each other and against p
+// (e.g. k's head_dim must equal q's: "k" / head_dim_qk). Any pointer may be null
+// to skip that tensor. q/k/v as in the forward; o, dout, dq as q but with
+// head_dim_v (o, dout) or head_dim_qk (dq); dk like k; dv like v.
+void check_attention_shapes(const AttnParams& p, const int64_t* q_sizes, const int64_t* k_sizes,
+                            const int64_t* v_sizes, const int64_t* o_sizes = nullptr,
+                            const int64_t* dout_sizes = nullptr, const int64_t* dq_sizes = nullptr,
+                            const int64_t* dk_sizes = nullptr, const int64_t* dv_sizes = nullptr);
+
+// Forward (numerics.md sections 1 and 3, matmuls #1-#2). q,k,v,o: strided
+// views (see TensorView); o has the dtype the caller wants (rounded to it with
+// RNE). lse: contiguous FP32 [batch, num_heads_q, seqlen_q], natural log;
+// -inf for a row that sees no key (then O row = 0).
+// Throws ArgumentError for bad parameters or null data pointers.
 void attention_forward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
                            const TensorView& v, const TensorView& o, float* lse);
 
-// Backward. o: the saved forward output (used by the stale / matched_do
-// deltas); lse from the forward. dq/dk/dv: strided outputs, fully written
-// (GQA: dk/dv summed over the query heads of the group). diag: optional
-// per-row diagnostics (numerics.md section 5); nullptr or null members = off.
+// Backward (numerics.md sections 1, 3 #3-#7, 4, 5). o: the saved forward
+// output (used by the stale / matched_do deltas of the fp8 path); lse from the
+// forward (fp8 path: P = exp(S - lse) in FP32). dq/dk/dv: strided outputs, fully
+// written (GQA: dk/dv summed over the query heads of the group). diag: optional
+// per-row diagnostics (numerics.md section 5, see BackwardDiagnostics); nullptr
+// or null members = off. Diagnostic row sums are accumulated in FP64 over the
+// FP32 (pre-cast) or decoded FP8 (post-cast, matmul #6 operand) dS. In the
+// exact path eps = 0 and rowsum_post = rowsum_pre. Rows that see no key get
+// delta = eps = rowsum = 0. Every view and lse must be non-null when its
+// tensor is non-empty, also where the selected path/mode does not read it.
+// Throws ArgumentError for bad parameters or null data pointers.
 void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& o, const TensorView& dout,
                             const float* lse, const TensorView& dq, const TensorView& dk,

@@ -114,7 +114,7 @@ AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                     ", ", k.scalar_type(), ", ", v.scalar_type());
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0.0,
                     "fp8attn: argument 'softmax_scale': must be finite and > 0, got ", softmax_scale);
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softmax_scale = softmax_scale;
   p.causal = causal;
   p.precision = parse_precision(precision);
   p.block_size = static_cast<int>(block_size);

@@ -1,0 +1,963 @@
+// fp8attn: CPU reference attention (numerics.md sections 1-5). See
+// attention_ref.h for the contract; this file is organized as
+//   1. element access (dtype conversion, strided rows),
+//   2. argument checks,
+//   3. FP8 operand blockings and the block-scaled matmul kernels,
+//   4. exact path (FP64) forward / backward,
+//   5. fp8 path forward / backward,
+//   6. public entry points.
+//
+// Work split: the forward runs tasks (batch, query head, chunk of rows); the
+// backward runs tasks (batch, kv head) so each task owns its dK/dV rows (no
+// races; GQA group sums stay in one FP32/FP64 accumulator). Every task is
+// serial inside, so results do not depend on the thread count.
+#include "reference/attention_ref.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/error.h"
+#include "common/fp8_codec.h"
+#include "quant/block_quant.h"
+#include "reference/parallel.h"
+
+// NOTE: the hot kernels are also compiled for AVX2 and picked at load time
+// (GCC function multi-versioning). AVX2 without FMA performs the very same
+// IEEE operations in the same order as the baseline SSE2 code (no sum is
+// reassociated and there is no fused multiply-add to contract into), so
+// results are bitwise identical on every x86-64 machine.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define FP8ATTN_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FP8ATTN_KERNEL_CLONES
+#endif
+
+namespace fp8attn {
+namespace {
+
+constexpr int64_t kMaxBlock = 128;    // largest supported block_size
+constexpr int64_t kFwdRowChunk = 32;  // rows per forward task
+constexpr float kInfF = std::numeric_limits<float>::infinity();
+constexpr double kInfD = std::numeric_limits<double>::infinity();
+
+// ---------------------------------------------------------------------------
+// 1. Element access
+// ---------------------------------------------------------------------------
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// FP32 -> BF16 bits, round to nearest even; NaN stays NaN (quiet).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// FP64 -> BF16 bits with a single RNE rounding. NOTE: rounding to FP32 first
+// and then to BF16 could double-round; rounding to FP32 "to odd" (an inexact
+// result gets an odd last bit) makes the second RNE step exact-equivalent
+// because FP32 keeps more than 2 extra bits.
+inline uint16_t double_to_bf16(double x) {
+  float f = static_cast<float>(x);
+  if (std::isfinite(x) && static_cast<double>(f) != x) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    if ((u & 1u) == 0u) f = std::nextafter(f, x > static_cast<double>(f) ? kInfF : -kInfF);
+  }
+  return float_to_bf16(f);
+}
+
+inline uint16_t to_bf16(float x) { return float_to_bf16(x); }
+inline uint16_t to_bf16(double x) { return double_to_bf16(x); }
+
+inline int64_t view_offset(const TensorView& t, int64_t b, int64_t s, int64_t h) {
+  return b * t.stride_batch + s * t.stride_seq + h * t.stride_head;
+}
+
+// Reads n contiguous head_dim elements of position (b, s, h) as T.
+template <class T>
+void load_row(const TensorView& t, int64_t b, int64_t s, int64_t h, int64_t n, T* dst) {
+  const int64_t off = view_offset(t, b, s, h);
+  switch (t.dtype) {
+    case DType::kFloat32: {
+      const float* x = static_cast<const float*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(x[i]);
+      break;
+    }
+    case DType::kFloat64: {
+      const double* x = static_cast<const double*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(x[i]);
+      break;
+    }
+    case DType::kBFloat16: {
+      const uint16_t* x = static_cast<const uint16_t*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(bf16_to_float(x[i]));
+      break;
+    }
+  }
+}
+
+// Loads the whole (b, h) sequence [0, seqlen) x [0, n) into dst[s * n + i].
+template <class T>
+void load_seq(const TensorView& t, int64_t b, int64_t h, int64_t seqlen, int64_t n, T* dst) {
+  for (int64_t s = 0; s < seqlen; ++s) load_row(t, b, s, h, n, dst + s * n);
+}
+
+// Writes n values to position (b, s, h), rounding to the view's dtype (RNE).
+template <class T>
+void store_row(const TensorView& t, int64_t b, int64_t s, int64_t h, int64_t n, const T* src) {
+  const int64_t off = view_offset(t, b, s, h);
+  switch (t.dtype) {
+    case DType::kFloat32: {
+      float* x = static_cast<float*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(src[i]);
+      break;
+    }
+    case DType::kFloat64: {
+      double* x = static_cast<double*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) x[i] = static_cast<double>(src[i]);
+      break;
+    }
+    case DType::kBFloat16: {
+      uint16_t* x = static_cast<uint16_t*>(t.data) + off;
+      for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(src[i]);
+      break;
+    }
+  }
+}
+
+template <class T>
+void store_zero_row(const TensorView& t, int64_t b, int64_t s, int64_t h, int64_t n) {
+  std::vector<T> z(static_cast<size_t>(n), T(0));
+  store_row(t, b, s, h, n, z.data());
+}
+
+// NaN-propagating max (std::max drops a NaN in its second argument).
+template <class T>
+inline T nan_max(T a, T b) {
+  if (a != a) return a;
+  if (b != b) return b;
+  return a > b ? a : b;
+}
+
+// ---------------------------------------------------------------------------
+// 2. Argument checks
+// ---------------------------------------------------------------------------
+
+void check_view(const TensorView& t, const char* name, bool nonempty) {
+  const int dt = static_cast<int>(t.dtype);
+  FP8ATTN_CHECK_ARG(dt >= 0 && dt <= 2, name,
+                    "dtype must be float32, float64 or bfloat16, got enum value ", dt);
+  FP8ATTN_CHECK_ARG(!nonempty || t.data != nullptr, name, "data pointer is null");
+}
+
+// Shared geometry of one problem.
+struct Geometry {
+  int64_t B, Sq, Sk, Hq, Hkv, group, d, dv;
+  int64_t offset;  // causal diagonal: query i sees key j iff j <= i + offset
+  bool causal;
+
+  explicit Geometry(const AttnParams& p)
+      : B(p.batch),
+        Sq(p.seqlen_q),
+        Sk(p.seqlen_k),
+        Hq(p.num_heads_q),
+        Hkv(p.num_heads_kv),
+        group(p.num_heads_q / p.num_heads_kv),
+        d(p.head_dim_qk),
+        dv(p.head_dim_v),
+        offset(p.seqlen_k - p.seqlen_q),
+        causal(p.causal) {}
+
+  // Number of keys row i sees: keys [0, visible_keys(i)).
+  int64_t visible_keys(int64_t i) const {
+    if (!causal) return Sk;
+    return std::max<int64_t>(0, std::min<int64_t>(Sk, i + offset + 1));
+  }
+  // First query row that sees key j (rows [first_query(j), Sq) see it).
+  int64_t first_query(int64_t j) const {
+    if (!causal) return 0;
+    return std::max<int64_t>(0, j - offset);
+  }
+  int64_t lse_index(int64_t b, int64_t hq, int64_t i) const { return (b * Hq + hq) * Sq + i; }
+};
+
+// ---------------------------------------------------------------------------
+// 3. FP8 operand blockings and block-scaled matmul kernels
+// ---------------------------------------------------------------------------
+
+// Decoded value of each FP8 code (unscaled), built from the shared codec.
+const float* fp8_values(Fp8Format fmt) {
+  struct Table {
+    float v[2][256];
+    Table() {
+      for (int c = 0; c < 256; ++c) {
+        v[0][c] = fp8_decode(static_cast<uint8_t>(c), Fp8Format::kE4M3);
+        v[1][c] = fp8_decode(static_cast<uint8_t>(c), Fp8Format::kE5M2);
+      }
+    }
+  };
+  static const Table table;
+  return table.v[fmt == Fp8Format::kE5M2 ? 1 : 0];
+}
+
+// Quantizes one block of n <= kMaxBlock values x[0], x[stride], ... with
+// quantize_block (numerics.md section 2) and writes the unscaled FP8 values
+// x_hat (as floats) to hat[0], hat[hat_stride], ...; returns the block scale s
+// (decoded value = x_hat * s; NaN scale and NaN x_hat for a non-finite block).
+float quant_hat(const float* x, int64_t n, int64_t stride, Fp8Format fmt, float* hat,
+                int64_t hat_stride) {
+  uint8_t codes[kMaxBlock];
+  float s;
+  if (stride == 1) {
+    s = quantize_block(x, n, 1, fmt, codes, nullptr);
+  } else {
+    float gathered[kMaxBlock];
+    for (int64_t i = 0; i < n; ++i) gathered[i] = x[i * stride];
+    s = quantize_block(gathered, n, 1, fmt, codes, nullptr);
+  }
+  const float* values = fp8_values(fmt);
+  for (int64_t i = 0; i < n; ++i) hat[i * hat_stride] = values[codes[i]];
+  return s;
+}
+
+// Scale of a block with the given running amax (quantize_block's rule).
+inline float scale_of_amax(float amax, Fp8Format fmt) {
+  return std::isfinite(amax) ? block_scale(amax, fmt) : NAN;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// An operand x[n][w] blocked along w (one set of blocks per row), stored
+// transposed for the kernels that sweep many rows: hat_t[k * n + r] is the
+// FP8 value of x[r][k], scale_t[kb * n + r] the scale of row r's block kb.
+// Used for K (#1/#3, along d) and V (#4, along dv).
+struct RowBlockedT {
+  int64_t n = 0, w = 0;
+  std::vector<float> hat_t, scale_t;
+};
+
+void make_row_blocked_t(const float* x, int64_t n, int64_t w, int64_t B, Fp8Format fmt,
+                        RowBlockedT& out) {
+  const int64_t nb = ceil_div(w, B);
+  out.n = n;
+  out.w = w;
+  out.hat_t.assign(static_cast<size_t>(n * w), 0.f);
+  out.scale_t.assign(static_cast<size_t>(nb * n), 0.f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      const int64_t k0 = kb * B, len = std::min(B, w - k0);
+      out.scale_t[kb * n + r] =
+          quant_hat(x + r * w + k0, len, 1, fmt, out.hat_t.data() + k0 * n + r, n);
+    }
+}
+
+// The same blocking stored row-major: hat[r * w + k], scale[r * nb + kb].
+// Used for the query-side operands Q (#1/#3, along d) and dO (#4, along dv).
+struct RowBlocked {
+  int64_t nb = 0;
+  std::vector<float> hat, scale;
+};
+
+void make_row_blocked(const float* x, int64_t n, int64_t w, int64_t B, Fp8Format fmt,
+                      RowBlocked& out) {
+  out.nb = ceil_div(w, B);
+  out.hat.assign(static_cast<size_t>(n * w), 0.f);
+  out.scale.assign(static_cast<size_t>(n * out.nb), 0.f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t kb = 0; kb < out.nb; ++kb) {
+      const int64_t k0 = kb * B, len = std::min(B, w - k0);
+      out.scale[r * out.nb + kb] =
+          quant_hat(x + r * w + k0, len, 1, fmt, out.hat.data() + r * w + k0, 1);
+    }
+}
+
+// An operand x[n][w] blocked along n (per column, tiles of B rows starting at
+// row 0): hat[r * w + c], scale[t * w + c] for tile t. Used for V (#2) and K
+// (#6) along keys, and Q (#7) and dO (#5) along queries.
+//
+// Masking before quantization: a row (query) that sees only a prefix of a key
+// tile, or a key column seen only by a suffix of a query tile, must get a
+// block quantized from its visible part alone. prefix[r * w + c] is the scale
+// of column c over rows [tile start, r]; suffix[r * w + c] over [r, tile end).
+// When the visible scale equals the tile's scale the FP8 codes are identical,
+// so the shared block is reused; otherwise that column is requantized.
+// NOTE: with finite data the two blockings give the same products unless a
+// visible element is FP8-subnormal under one scale and not the other (a
+// power-of-two scale does not change the rounding of normal values); the
+// difference that matters is a NaN/inf in a masked position, which must not
+// poison the block of a row that does not see it.
+struct ColBlocked {
+  int64_t n = 0, w = 0, B = 0;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  std::vector<float> raw, hat, scale, prefix, suffix;
+};
+
+void make_col_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp8Format fmt,
+                      bool want_prefix, bool want_suffix, ColBlocked& out) {
+  out.n = n;
+  out.w = w;
+  out.B = B;
+  out.fmt = fmt;
+  out.raw = std::move(x);
+  const float* raw = out.raw.data();
+  const int64_t nt = ceil_div(n, B);
+  out.hat.assign(static_cast<size_t>(n * w), 0.f);
+  out.scale.assign(static_cast<size_t>(nt * w), 0.f);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t r0 = t * B, len = std::min(B, n - r0);
+    for (int64_t c = 0; c < w; ++c)
+      out.scale[t * w + c] =
+          quant_hat(raw + r0 * w + c, len, w, fmt, out.hat.data() + r0 * w + c, w);
+  }
+  // Running amax per column; the scale is recomputed only when it changes
+  // (a handful of times per tile column). NaN sticks (nan_max).
+  std::vector<float> run(static_cast<size_t>(w)), run_scale(static_cast<size_t>(w));
+  auto scan = [&](int64_t r, float* table) {
+    for (int64_t c = 0; c < w; ++c) {
+      const float a = nan_max(run[c], std::fabs(raw[r * w + c]));
+      if (!(a == run[c])) {  // changed (or NaN)
+        run[c] = a;
+        run_scale[c] = scale_of_amax(a, fmt);
+      }
+      table[r * w + c] = run_scale[c];
+    }
+  };
+  auto reset = [&] {
+    std::fill(run.begin(), run.end(), 0.f);
+    std::fill(run_scale.begin(), run_scale.end(), scale_of_amax(0.f, fmt));
+  };
+  if (want_prefix) {
+    out.prefix.assign(static_cast<size_t>(n * w), 0.f);
+    for (int64_t t = 0; t < nt; ++t) {
+      reset();
+      for (int64_t r = t * B; r < std::min((t + 1) * B, n); ++r) scan(r, out.prefix.data());
+    }
+  }
+  if (want_suffix) {
+    out.suffix.assign(static_cast<size_t>(n * w), 0.f);
+    for (int64_t t = 0; t < nt; ++t) {
+      reset();
+      for (int64_t r = std::min((t + 1) * B, n) - 1; r >= t * B; --r) scan(r, out.suffix.data());
+    }
+  }
+}
+
+// The block of tile t of `op` restricted to the visible rows [v0, v1), a
+// prefix or a suffix of the tile (or all of it). Returns the FP8 values of row
+// v0 (row stride w; rows up to v1) and sets *scale to the w column scales.
+// mix_hat [kMaxBlock * w] and mix_scale [w] are scratch for requantized columns.
+const float* visible_block(const ColBlocked& op, int64_t t, int64_t v0, int64_t v1, float* mix_hat,
+                           float* mix_scale, const float** scale) {
+  const int64_t w = op.w, r0 = t * op.B, r1 = std::min(r0 + op.B, op.n);
+  const float* shared_scale = op.scale.data() + t * w;
+  const float* shared_hat = op.hat.data() + v0 * w;
+  *scale = shared_scale;
+  if (v0 == r0 && v1 == r1) return shared_hat;
+  // A partial block: either a prefix (v0 == r0) or a suffix (v1 == r1). Only
+  // causal masks make partial blocks, and then the tables exist.
+  const float* vis = v0 == r0 ? op.prefix.data() + (v1 - 1) * w : op.suffix.data() + v0 * w;
+  bool same = true;
+  for (int64_t c = 0; c < w; ++c) same &= (vis[c] == shared_scale[c]);
+  if (same) return shared_hat;
+  const int64_t len = v1 - v0;
+  std::memcpy(mix_hat, shared_hat, static_cast<size_t>(len * w) * sizeof(float));
+  for (int64_t c = 0; c < w; ++c) {
+    if (vis[c] == shared_scale[c]) {
+      mix_scale[c] = shared_scale[c];
+    } else {
+      mix_scale[c] = quant_hat(op.raw.data() + v0 * w + c, len, w, op.fmt, mix_hat + c, w);
+    }
+  }
+  *scale = mix_scale;
+  return mix_hat;
+}
+
+// ---- Dense kernels ----------------------------------------------------------
+//
+// Both FP8 matmul shapes and the exact path's products reduce to one
+// primitive, a transposed matrix-vector product over a column range:
+//   sum[x] = sum_{r < R} a[r] * m[r * ldm + x]        for x in [0, n),
+// with each sum[x] accumulated in r order from 0 (so it is the plain
+// sequential FP sum; vectorization runs across x, never reassociates) and then
+//   out[x] = sum[x]                        (sv == nullptr), or
+//   out[x] += sum[x] * s * sv[x]           (block-scaled: s, sv[x] the scales).
+// GCC vector extensions keep kVecs vectors of partial sums in registers.
+
+// NOTE: the helpers below are always inlined, so passing 32-byte vectors by
+// value never crosses an ABI boundary; silence GCC's note about it.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef double f64x4 __attribute__((vector_size(32)));
+
+template <class V, class T>
+inline __attribute__((always_inline)) V vload(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <class V, class T>
+inline __attribute__((always_inline)) void vstore(T* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+template <class V, class T>
+inline __attribute__((always_inline)) V vbroadcast(T x) {
+  V v;
+  for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(T)); ++i) v[i] = x;
+  return v;
+}
+
+template <class T, class V>
+inline __attribute__((always_inline)) void gemv_t_impl(const T* __restrict a, int64_t R,
+                                                       const T* __restrict m, int64_t ldm,
+                                                       int64_t n, T s, const T* __restrict sv,
+                                                       T* __restrict out) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(T), kVecs = 4, kWide = kLanes * kVecs;
+  const V s_v = vbroadcast<V>(s);
+  int64_t x = 0;
+  for (; x + kWide <= n; x += kWide) {
+    V part[kVecs] = {};
+    for (int64_t r = 0; r < R; ++r) {
+      const V av = vbroadcast<V>(a[r]);
+      const T* row = m + r * ldm + x;
+      for (int64_t u = 0; u < kVecs; ++u) part[u] += av * vload<V>(row + u * kLanes);
+    }
+    for (int64_t u = 0; u < kVecs; ++u) {
+      T* o = out + x + u * kLanes;
+      if (sv)
+        vstore(o, vload<V>(o) + part[u] * s_v * vload<V>(sv + x + u * kLanes));
+      else
+        vstore(o, part[u]);
+    }
+  }
+  for (; x + kLanes <= n; x += kLanes) {
+    V part = {};
+    for (int64_t r = 0; r < R; ++r) part += vbroadcast<V>(a[r]) * vload<V>(m + r * ldm + x);
+    if (sv)
+      vstore(out + x, vload<V>(out + x) + part * s_v * vload<V>(sv + x));
+    else
+      vstore(out + x, part);
+  }
+  for (; x < n; ++x) {
+    T part = 0;
+    for (int64_t r = 0; r < R; ++r) part += a[r] * m[r * ldm + x];
+    if (sv)
+      out[x] += part * s * sv[x];
+    else
+      out[x] = part;
+  }
+}
+
+FP8ATTN_KERNEL_CLONES
+void gemv_t(const float* a, int64_t R, const float* m, int64_t ldm, int64_t n, float s,
+            const float* sv, float* out) {
+  gemv_t_impl<float, f32x8>(a, R, m, ldm, n, s, sv, out);
+}
+
+FP8ATTN_KERNEL_CLONES
+void gemv_t(const double* a, int64_t R, const double* m, int64_t ldm, int64_t n, double* out) {
+  gemv_t_impl<double, f64x4>(a, R, m, ldm, n, 0.0, nullptr, out);
+}
+
+// Matmul "row-blocked dots" (#1, #3, #4): for j in [0, L)
+//   out[j] = sum_kb (sum_{k in block kb} a[k] * b_t[k * ldb + j]) * sa[kb] * sb_t[kb * ldb + j]
+// a: one row of the left operand (w FP8 values, blocks of B along w, scales
+// sa); b_t: the right operand transposed (FP8 values, row stride ldb; scales
+// sb_t). Each block's partial sum is FP32 over FP8 values, then scaled.
+void rowblock_dots(const float* a, const float* sa, const float* b_t, const float* sb_t,
+                   int64_t ldb, int64_t w, int64_t B, int64_t L, float* out) {
+  std::fill(out, out + L, 0.f);
+  for (int64_t k0 = 0, kb = 0; k0 < w; k0 += B, ++kb)
+    gemv_t(a + k0, std::min(B, w - k0), b_t + k0 * ldb, ldb, L, sa[kb], sb_t + kb * ldb, out);
+}
+
+// Matmul "column-blocked axpy" (#2, #5, #6, #7): one block of the reduction
+// dimension (L FP8 values a with scale sa; L rows of b with row stride ldb and
+// column scales sb):  acc[c] += (sum_{j < L} a[j] * b[j * ldb + c]) * sa * sb[c].
+inline void colblock_axpy(const float* a, float sa, const float* b, int64_t ldb, const float* sb,
+                          int64_t L, int64_t w, float* acc) {
+  gemv_t(a, L, b, ldb, w, sa, sb, acc);
+}
+
+// ---------------------------------------------------------------------------
+// 4. Exact path (numerics.md section 1, FP64)
+// ---------------------------------------------------------------------------
+
+// One row of logits S_j = tau * q . k_j for j < L, with k_t = K^T [d][Sk].
+void exact_logits(const double* q, const double* k_t, int64_t Sk, int64_t d, int64_t L, double tau,
+                  double* s) {
+  gemv_t(q, d, k_t, Sk, L, s);
+  for (int64_t j = 0; j < L; ++j) s[j] *= tau;
+}
+
+// Softmax of s[0, L) in place (P_j), returns LSE.
+double exact_softmax(double* s, int64_t L) {
+  double m = -kInfD;
+  for (int64_t j = 0; j < L; ++j) m = nan_max(m, s[j]);
+  double l = 0.0;
+  for (int64_t j = 0; j < L; ++j) {
+    s[j] = std::exp(s[j] - m);
+    l += s[j];
+  }
+  for (int64_t j = 0; j < L; ++j) s[j] /= l;
+  return m + std::log(l);
+}
+
+void transpose(const double* x, int64_t n, int64_t w, double* x_t) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < w; ++c) x_t[c * n + r] = x[r * w + c];
+}
+
+void exact_forward(const AttnParams& p, const Geometry& g, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& o, float* lse) {
+  const double tau = static_cast<double>(p.softmax_scale);
+  const int64_t chunks = ceil_div(g.Sq, kFwdRowChunk);
+  parallel_for(g.B * g.Hq * chunks, p.num_threads, [&](int64_t task) {
+    const int64_t chunk = task % chunks, bh = task / chunks, b = bh / g.Hq, hq = bh % g.Hq;
+    const int64_t hkv = hq / g.group;
+    const int64_t i0 = chunk * kFwdRowChunk, i1 = std::min(g.Sq, i0 + kFwdRowChunk);
+    std::vector<double> kf(g.Sk * g.d), k_t(g.Sk * g.d), vf(g.Sk * g.dv), qrow(g.d),
+        s(std::max<int64_t>(g.Sk, 1)), orow(g.dv);
+    load_seq(k, b, hkv, g.Sk, g.d, kf.data());
+    load_seq(v, b, hkv, g.Sk, g.dv, vf.data());
+    transpose(kf.data(), g.Sk, g.d, k_t.data());
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t L = g.visible_keys(i);
+      std::fill(orow.begin(), orow.end(), 0.0);
+      if (L == 0) {
+        lse[g.lse_index(b, hq, i)] = -kInfF;
+        store_row(o, b, i, hq, g.dv, orow.data());
+        continue;
+      }
+      load_row(q, b, i, hq, g.d, qrow.data());
+      exact_logits(qrow.data(), k_t.data(), g.Sk, g.d, L, tau, s.data());
+      const double lse_i = exact_softmax(s.data(), L);
+      gemv_t(s.data(), L, vf.data(), g.dv, g.dv, orow.data());  // O = P V
+      lse[g.lse_index(b, hq, i)] = static_cast<float>(lse_i);
+      store_row(o, b, i, hq, g.dv, orow.data());
+    }
+  });
+}
+
+void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
+                    const TensorView& k, const TensorView& v, const TensorView& dout,
+                    const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                    const BackwardDiagnostics* diag) {
+  const double tau = static_cast<double>(p.softmax_scale);
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, hkv = task % g.Hkv;
+    const int64_t Sk = g.Sk, d = g.d, dvd = g.dv;
+    std::vector<double> kf(Sk * d), k_t(Sk * d), vf(Sk * dvd), v_t(Sk * dvd);
+    load_seq(k, b, hkv, Sk, d, kf.data());
+    load_seq(v, b, hkv, Sk, dvd, vf.data());
+    transpose(kf.data(), Sk, d, k_t.data());
+    transpose(vf.data(), Sk, dvd, v_t.data());
+    std::vector<double> dk_acc(Sk * d, 0.0), dv_acc(Sk * dvd, 0.0);
+    std::vector<double> qrow(d), dorow(dvd), dqrow(d), P(std::max<int64_t>(Sk, 1)),
+        dP(std::max<int64_t>(Sk, 1));
+    for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
+      for (int64_t i = 0; i < g.Sq; ++i) {
+        const int64_t L = g.visible_keys(i);
+        std::fill(dqrow.begin(), dqrow.end(), 0.0);
+        double delta = 0.0, sum_ds = 0.0, sum_abs_ds = 0.0;
+        if (L > 0) {
+          load_row(q, b, i, hq, d, qrow.data());
+          load_row(dout, b, i, hq, dvd, dorow.data());
+          // S, P (LSE recomputed in FP64), dP = dO V^T.
+          exact_logits(qrow.data(), k_t.data(), Sk, d, L, tau, P.data());
+          exact_softmax(P.data(), L);
+          gemv_t(dorow.data(), dvd, v_t.data(), Sk, L, dP.data());
+          for (int64_t j = 0; j < L; ++j) delta += P[j] * dP[j];
+          // dS = P o (dP - delta) (stored in dP); dQ = tau dS K, dK += dS^T q, dV += P^T dO.
+          for (int64_t j = 0; j < L; ++j) {
+            const double ds = P[j] * (dP[j] - delta);
+            dP[j] = ds;
+            sum_ds += ds;
+            sum_abs_ds += std::fabs(ds);
+          }
+          gemv_t(dP.data(), L, kf.data(), d, d, dqrow.data());
+          for (int64_t c = 0; c < d; ++c) dqrow[c] *= tau;
+          for (int64_t j = 0; j < L; ++j) {
+            const double ds = dP[j], pj = P[j];
+            double* __restrict dkr = dk_acc.data() + j * d;
+            double* __restrict dvr = dv_acc.data() + j * dvd;
+            for (int64_t c = 0; c < d; ++c) dkr[c] += ds * qrow[c];
+            for (int64_t c = 0; c < dvd; ++c) dvr[c] += pj * dorow[c];
+          }
+        }
+        store_row(dq, b, i, hq, d, dqrow.data());
+        if (diag) {
+          const int64_t idx = g.lse_index(b, hq, i);
+          const double r = sum_abs_ds > 0.0 ? std::fabs(sum_ds) / sum_abs_ds : 0.0;
+          if (diag->delta) diag->delta[idx] = static_cast<float>(delta);
+          if (diag->eps) diag->eps[idx] = 0.f;
+          if (diag->rowsum_pre) diag->rowsum_pre[idx] = static_cast<float>(r);
+          if (diag->rowsum_post) diag->rowsum_post[idx] = static_cast<float>(r);
+        }
+      }
+    }
+    for (int64_t j = 0; j < Sk; ++j) {
+      double* dkr = dk_acc.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) dkr[c] *= tau;
+      store_row(dk, b, j, hkv, d, dkr);
+      store_row(dv, b, j, hkv, dvd, dv_acc.data() + j * dvd);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// 5. FP8 path (numerics.md sections 2-5)
+// ---------------------------------------------------------------------------
+
+// K and V of one (batch, kv head) in the blockings the forward needs:
+// K per key row along d (#1), V per channel along keys (#2).
+struct FwdKV {
+  RowBlockedT k_rows;
+  ColBlocked v_cols;
+};
+
+void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, const TensorView& k,
+                 const TensorView& v, const TensorView& o, float* lse) {
+  const int64_t B = p.block_size, Sk = g.Sk, d = g.d, dvd = g.dv;
+  const float tau = static_cast<float>(p.softmax_scale);
+  const Fp8Format e4m3 = Fp8Format::kE4M3;
+
+  // Pre-quantize K and V once per (batch, kv head).
+  std::vector<FwdKV> kv(static_cast<size_t>(g.B * g.Hkv));
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, hkv = task % g.Hkv;
+    std::vector<float> kf(Sk * d), vf(Sk * dvd);
+    load_seq(k, b, hkv, Sk, d, kf.data());
+    load_seq(v, b, hkv, Sk, dvd, vf.data());
+    make_row_blocked_t(kf.data(), Sk, d, B, e4m3, kv[task].k_rows);
+    make_col_blocked(std::move(vf), Sk, dvd, B, e4m3, g.causal, false, kv[task].v_cols);
+  });
+
+  const int64_t chunks = ceil_div(g.Sq, kFwdRowChunk);
+  const int64_t nbd = ceil_div(d, B);
+  parallel_for(g.B * g.Hq * chunks, p.num_threads, [&](int64_t task) {
+    const int64_t chunk = task % chunks, bh = task / chunks, b = bh / g.Hq, hq = bh % g.Hq;
+    const FwdKV& kvh = kv[static_cast<size_t>(b * g.Hkv + hq / g.group)];
+    const int64_t i0 = chunk * kFwdRowChunk, i1 = std::min(g.Sq, i0 + kFwdRowChunk);
+    std::vector<float> qrow(d), qhat(d), qscale(nbd), s(B), pexp(B), phat(B), acc(dvd),
+        mix_hat(B * dvd), mix_scale(dvd);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t nvis = g.visible_keys(i);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (nvis == 0) {
+        lse[g.lse_index(b, hq, i)] = -kInfF;
+        store_row(o, b, i, hq, dvd, acc.data());
+        continue;
+      }
+      // Q row-blocked along d (#1).
+      load_row(q, b, i, hq, d, qrow.data());
+      for (int64_t kb = 0; kb < nbd; ++kb) {
+        const int64_t k0 = kb * B;
+        qscale[kb] = quant_hat(qrow.data() + k0, std::min(B, d - k0), 1, e4m3, qhat.data() + k0, 1);
+      }
+      // Online softmax over key tiles of B, in increasing order.
+      float m = -kInfF, l = 0.f;
+      for (int64_t t = 0; t * B < nvis; ++t) {
+        const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+        rowblock_dots(qhat.data(), qscale.data(), kvh.k_rows.hat_t.data() + j0,
+                      kvh.k_rows.scale_t.data() + j0, Sk, d, B, L, s.data());
+        float tile_max = -kInfF;
+        for (int64_t j = 0; j < L; ++j) {
+          s[j] *= tau;
+          tile_max = nan_max(tile_max, s[j]);
+        }
+        const float m_new = nan_max(m, tile_max);
+        const float alpha = std::exp(m - m_new);
+        float tile_sum = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+          pexp[j] = std::exp(s[j] - m_new);
+          tile_sum += pexp[j];
+        }
+        l = l * alpha + tile_sum;
+        if (!(m_new == m))
+          for (int64_t c = 0; c < dvd; ++c) acc[c] *= alpha;
+        m = m_new;
+        // P tile: one block of #2's P operand (masked keys are zeros, which
+        // do not change the block); V per channel along keys (#2).
+        const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
+        const float* vscale = nullptr;
+        const float* vblk =
+            visible_block(kvh.v_cols, t, j0, j0 + L, mix_hat.data(), mix_scale.data(), &vscale);
+        colblock_axpy(phat.data(), sp, vblk, dvd, vscale, L, dvd, acc.data());
+      }
+      for (int64_t c = 0; c < dvd; ++c) acc[c] /= l;
+      lse[g.lse_index(b, hq, i)] = m + std::log(l);
+      store_row(o, b, i, hq, dvd, acc.data());
+    }
+  });
+}
+
+void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& o, const TensorView& dout,
+                  const float* lse, const TensorView& dq, const TensorView& dk,
+                  const TensorView& dv, const BackwardDiagnostics* diag) {
+  const int64_t B = p.block_size, Sq = g.Sq, Sk = g.Sk, d = g.d, dvd = g.dv;
+  const float tau = static_cast<float>(p.softmax_scale);
+  const Fp8Format e4m3 = Fp8Format::kE4M3, gf = p.grad_format;
+  const DeltaMode mode = p.delta_mode;
+  const bool need_o = mode != DeltaMode::kDeltaMatching;
+  const int64_t nbd = ceil_div(d, B), nbv = ceil_div(dvd, B), nqt = ceil_div(Sq, B);
+  const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
+
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, hkv = task % g.Hkv;
+    // K: per key row along d (#3) and per channel along keys (#6);
+    // V: per key row along dv (#4).
+    RowBlockedT k_rows, v_rows;
+    ColBlocked k_cols;
+    {
+      std::vector<float> kf(Sk * d), vf(Sk * dvd);
+      load_seq(k, b, hkv, Sk, d, kf.data());
+      load_seq(v, b, hkv, Sk, dvd, vf.data());
+      make_row_blocked_t(kf.data(), Sk, d, B, e4m3, k_rows);
+      make_row_blocked_t(vf.data(), Sk, dvd, B, e4m3, v_rows);
+      make_col_blocked(std::move(kf), Sk, d, B, e4m3, g.causal, false, k_cols);
+    }
+    std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
+    // Per-head and per-tile scratch.
+    std::vector<float> qf(Sq * d), dof(Sq * dvd), of(need_o ? Sq * dvd : 0);
+    std::vector<float> Pt(B * Sk), dSt(B * Sk), dProw(std::max<int64_t>(Sk, 1)), dq_acc(d), hat(B),
+        mix_hat(B * std::max(d, dvd)), mix_scale(std::max(d, dvd));
+    RowBlocked q_rows, do_rows;
+    ColBlocked q_cols, do_cols;
+
+    for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
+      load_seq(q, b, hq, Sq, d, qf.data());
+      load_seq(dout, b, hq, Sq, dvd, dof.data());
+      if (need_o) load_seq(o, b, hq, Sq, dvd, of.data());
+      // Q: per query row along d (#3), per channel along queries (#7);
+      // dO: per query row along dv (#4), per channel along queries (#5).
+      make_row_blocked(qf.data(), Sq, d, B, e4m3, q_rows);
+      make_row_blocked(dof.data(), Sq, dvd, B, gf, do_rows);
+      make_col_blocked(qf, Sq, d, B, e4m3, false, g.causal, q_cols);
+      make_col_blocked(dof, Sq, dvd, B, gf, false, g.causal, do_cols);
+      const float* lse_h = lse + g.lse_index(b, hq, 0);
+
+      for (int64_t qt = 0; qt < nqt; ++qt) {
+        const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
+        // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
+        for (int64_t i = i0; i < i1; ++i) {
+          float* P = Pt.data() + (i - i0) * Sk;
+          float* dS = dSt.data() + (i - i0) * Sk;
+          const int64_t nvis = g.visible_keys(i);
+          std::fill(P + nvis, P + Sk, 0.f);
+          std::fill(dS + nvis, dS + Sk, 0.f);
+          std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
+          float delta = 0.f, delta_dm = 0.f;
+          double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
+          if (nvis > 0) {
+            rowblock_dots(q_rows.hat.data() + i * d, q_rows.scale.data() + i * nbd,
+                          k_rows.hat_t.data(), k_rows.scale_t.data(), Sk, d, B, nvis, P);
+            const float lse_i = lse_h[i];
+            for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] * tau - lse_i);
+            rowblock_dots(do_rows.hat.data() + i * dvd, do_rows.scale.data() + i * nbv,
+                          v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
+                          dProw.data());
+            // delta (numerics.md section 4), all FP32 sums.
+            for (int64_t j = 0; j < nvis; ++j) delta_dm += P[j] * dProw[j];
+            if (mode == DeltaMode::kDeltaMatching) {
+              delta = delta_dm;
+            } else if (mode == DeltaMode::kStale) {
+              for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];
+            } else {  // kMatchedDO: decoded row-blocked dO_hat (the #4 operand)
+              for (int64_t c = 0; c < dvd; ++c)
+                delta +=
+                    do_rows.hat[i * dvd + c] * do_rows.scale[i * nbv + c / B] * of[i * dvd + c];
+            }
+            for (int64_t j = 0; j < nvis; ++j) dS[j] = P[j] * (dProw[j] - delta);
+            if (want_pre)
+              for (int64_t j = 0; j < nvis; ++j) {
+                pre_sum += dS[j];
+                pre_abs += std::fabs(dS[j]);
+              }
+            // #6 dQ = dS K: dS per query row along keys (grad_format), K per
+            // channel along keys (visible prefix of the last tile only).
+            for (int64_t t = 0; t * B < nvis; ++t) {
+              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+              const float sds = quant_hat(dS + j0, L, 1, gf, hat.data(), 1);
+              if (want_post)
+                for (int64_t j = 0; j < L; ++j) {
+                  const float dec = hat[j] * sds;
+                  post_sum += dec;
+                  post_abs += std::fabs(dec);
+                }
+              const float* kscale = nullptr;
+              const float* kblk =
+                  visible_block(k_cols, t, j0, j0 + L, mix_hat.data(), mix_scale.data(), &kscale);
+              colblock_axpy(hat.data(), sds, kblk, d, kscale, L, d, dq_acc.data());
+            }
+            for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
+          }
+          store_row(dq, b, i, hq, d, dq_acc.data());
+          if (diag) {
+            const int64_t idx = g.lse_index(b, hq, i);
+            if (diag->delta) diag->delta[idx] = delta;
+            if (diag->eps) diag->eps[idx] = delta - delta_dm;
+            if (diag->rowsum_pre)
+              diag->rowsum_pre[idx] =
+                  pre_abs > 0.0 ? static_cast<float>(std::fabs(pre_sum) / pre_abs) : 0.f;
+            if (diag->rowsum_post)
+              diag->rowsum_post[idx] =
+                  post_abs > 0.0 ? static_cast<float>(std::fabs(post_sum) / post_abs) : 0.f;
+          }
+        }
+        // Column pass over the keys this query tile sees: dV (#5), dK (#7).
+        for (int64_t j = 0; j < Sk; ++j) {
+          const int64_t v0 = std::max(i0, g.first_query(j));
+          if (v0 >= i1) break;  // later keys are seen by even fewer rows (causal)
+          const int64_t L = i1 - v0;
+          const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
+          const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
+          // #5 dV = P^T dO: P per key column along queries (E4M3), dO per
+          // channel along queries (grad_format).
+          const float sp = quant_hat(Pcol, L, Sk, e4m3, hat.data(), 1);
+          const float* dscale = nullptr;
+          const float* dblk =
+              visible_block(do_cols, qt, v0, i1, mix_hat.data(), mix_scale.data(), &dscale);
+          colblock_axpy(hat.data(), sp, dblk, dvd, dscale, L, dvd, dv_acc.data() + j * dvd);
+          // #7 dK = dS^T Q: dS per key column along queries (grad_format), Q
+          // per channel along queries (E4M3).
+          const float sds = quant_hat(dScol, L, Sk, gf, hat.data(), 1);
+          const float* qscale = nullptr;
+          const float* qblk =
+              visible_block(q_cols, qt, v0, i1, mix_hat.data(), mix_scale.data(), &qscale);
+          colblock_axpy(hat.data(), sds, qblk, d, qscale, L, d, dk_acc.data() + j * d);
+        }
+      }
+    }
+    for (int64_t j = 0; j < Sk; ++j) {
+      float* dkr = dk_acc.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) dkr[c] *= tau;
+      store_row(dk, b, j, hkv, d, dkr);
+      store_row(dv, b, j, hkv, dvd, dv_acc.data() + j * dvd);
+    }
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// 6. Public entry points
+// ---------------------------------------------------------------------------
+
+void check_attention_params(const AttnParams& p) {
+  FP8ATTN_CHECK_ARG(p.batch >= 0, "batch", "must be >= 0, got ", p.batch);
+  FP8ATTN_CHECK_ARG(p.seqlen_q >= 0, "seqlen_q", "must be >= 0, got ", p.seqlen_q);
+  FP8ATTN_CHECK_ARG(p.seqlen_k >= 0, "seqlen_k", "must be >= 0, got ", p.seqlen_k);
+  FP8ATTN_CHECK_ARG(p.num_heads_q >= 1, "num_heads_q", "must be >= 1, got ", p.num_heads_q);
+  FP8ATTN_CHECK_ARG(p.num_heads_kv >= 1, "num_heads_kv", "must be >= 1, got ", p.num_heads_kv);
+  FP8ATTN_CHECK_ARG(p.num_heads_q % p.num_heads_kv == 0, "num_heads_q",
+                    "must be a multiple of num_heads_kv (GQA), got num_heads_q=", p.num_heads_q,
+                    ", num_heads_kv=", p.num_heads_kv);
+  FP8ATTN_CHECK_ARG(p.head_dim_qk >= 1 && p.head_dim_qk <= 256, "head_dim_qk",
+                    "must be in [1, 256], got ", p.head_dim_qk);
+  FP8ATTN_CHECK_ARG(p.head_dim_v >= 1 && p.head_dim_v <= 256, "head_dim_v",
+                    "must be in [1, 256], got ", p.head_dim_v);
+  FP8ATTN_CHECK_ARG(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0, "softmax_scale",
+                    "must be positive and finite, got ", p.softmax_scale);
+  const int prec = static_cast<int>(p.precision), mode = static_cast<int>(p.delta_mode),
+            fmt = static_cast<int>(p.grad_format);
+  FP8ATTN_CHECK_ARG(prec == 0 || prec == 1, "precision",
+                    "must be Precision::kExact or kFP8, got enum value ", prec);
+  FP8ATTN_CHECK_ARG(mode >= 0 && mode <= 2, "delta_mode",
+                    "must be kStale, kMatchedDO or kDeltaMatching, got enum value ", mode);
+  FP8ATTN_CHECK_ARG(fmt == 0 || fmt == 1, "grad_format",
+                    "must be Fp8Format::kE4M3 or kE5M2, got enum value ", fmt);
+  FP8ATTN_CHECK_ARG(p.block_size == 32 || p.block_size == 64 || p.block_size == 128, "block_size",
+                    "must be 32, 64 or 128, got ", p.block_size);
+  FP8ATTN_CHECK_ARG(p.num_threads >= 0, "num_threads", "must be >= 0 (0 = all cores), got ",
+                    p.num_threads);
+}
+
+void check_attention_shapes(const AttnParams& p, const int64_t* q_sizes, const int64_t* k_sizes,
+                            const int64_t* v_sizes, const int64_t* o_sizes,
+                            const int64_t* dout_sizes, const int64_t* dq_sizes,
+                            const int64_t* dk_sizes, const int64_t* dv_sizes) {
+  auto check = [&](const int64_t* sz, const char* name, int64_t seqlen, const char* seq_name,
+                   int64_t heads, const char* heads_name, int64_t hd, const char* hd_name) {
+    if (!sz) return;
+    FP8ATTN_CHECK_ARG(sz[0] == p.batch, name, "batch size ", sz[0],
+                      " does not match batch = ", p.batch);
+    FP8ATTN_CHECK_ARG(sz[1] == seqlen, name, "sequence length ", sz[1], " does not match ",
+                      seq_name, " = ", seqlen);
+    FP8ATTN_CHECK_ARG(sz[2] == heads, name, "number of heads ", sz[2], " does not match ",
+                      heads_name, " = ", heads);
+    FP8ATTN_CHECK_ARG(sz[3] == hd, name, "head_dim ", sz[3], " does not match ", hd_name, " = ",
+                      hd);
+  };
+  check(q_sizes, "q", p.seqlen_q, "seqlen_q", p.num_heads_q, "num_heads_q", p.head_dim_qk,
+        "head_dim_qk");
+  check(k_sizes, "k", p.seqlen_k, "seqlen_k", p.num_heads_kv, "num_heads_kv", p.head_dim_qk,
+        "head_dim_qk");
+  check(v_sizes, "v", p.seqlen_k, "seqlen_k", p.num_heads_kv, "num_heads_kv", p.head_dim_v,
+        "head_dim_v");
+  check(o_sizes, "o", p.seqlen_q, "seqlen_q", p.num_heads_q, "num_heads_q", p.head_dim_v,
+        "head_dim_v");
+  check(dout_sizes, "dout", p.seqlen_q, "seqlen_q", p.num_heads_q, "num_heads_q", p.head_dim_v,
+        "head_dim_v");
+  check(dq_sizes, "dq", p.seqlen_q, "seqlen_q", p.num_heads_q, "num_heads_q", p.head_dim_qk,
+        "head_dim_qk");
+  check(dk_sizes, "dk", p.seqlen_k, "seqlen_k", p.num_heads_kv, "num_heads_kv", p.head_dim_qk,
+        "head_dim_qk");
+  check(dv_sizes, "dv", p.seqlen_k, "seqlen_k", p.num_heads_kv, "num_heads_kv", p.head_dim_v,
+        "head_dim_v");
+}
+
+void attention_forward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& o, float* lse) {
+  check_attention_params(p);
+  const bool any_q = p.batch * p.num_heads_q * p.seqlen_q > 0;
+  const bool any_k = any_q && p.seqlen_k > 0;
+  check_view(q, "q", any_q);
+  check_view(k, "k", any_k);
+  check_view(v, "v", any_k);
+  check_view(o, "o", any_q);
+  FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
+  if (!any_q) return;
+  const Geometry g(p);
+  if (p.precision == Precision::kExact)
+    exact_forward(p, g, q, k, v, o, lse);
+  else
+    fp8_forward(p, g, q, k, v, o, lse);
+}
+
+void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& o, const TensorView& dout,
+                            const float* lse, const TensorView& dq, const TensorView& dk,
+                            const TensorView& dv, const BackwardDiagnostics* diag) {
+  check_attention_params(p);
+  const bool any_q = p.batch * p.num_heads_q * p.seqlen_q > 0;
+  const bool any_k = p.batch * p.num_heads_kv * p.seqlen_k > 0;
+  check_view(q, "q", any_q);
+  check_view(k, "k", any_k);
+  check_view(v, "v", any_k);
+  check_view(o, "o", any_q);
+  check_view(dout, "dout", any_q);
+  check_view(dq, "dq", any_q);
+  check_view(dk, "dk", any_k);
+  check_view(dv, "dv", any_k);
+  FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
+  if (!any_q && !any_k) return;
+  const Geometry g(p);
+  if (p.precision == Precision::kExact)
+    exact_backward(p, g, q, k, v, dout, dq, dk, dv, diag);
+  else
+    fp8_backward(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+}
+
+}  // namespace fp8attn

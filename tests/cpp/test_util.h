@@ -1,0 +1,398 @@
+// fp8attn test helpers shared by the C++ reference tests: host tensors in any
+// dtype/layout, BF16 rounding written independently of the library, a naive
+// FP64 attention (numerics.md section 1, written from the formulas with no
+// tiling) and a one-call runner for the CPU reference.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "common/params.h"
+#include "reference/attention_ref.h"
+
+namespace fp8attn {
+namespace testutil {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---- BF16 (independent of the library's converter) -----------------------
+
+inline double bf16_bits_to_double(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Nearest BF16 to x (ties to even mantissa), by comparing the two BF16
+// neighbours of x in FP64. Finite x within the BF16 range only.
+inline uint16_t double_to_bf16_bits(double x) {
+  if (std::isnan(x)) return 0x7FC0;
+  const float f = static_cast<float>(x);
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // Truncation toward zero of f to BF16, then the next BF16 away from zero.
+  uint16_t lo = static_cast<uint16_t>(u >> 16);
+  // If f rounded past x in magnitude, the truncation of f may be above |x|:
+  // step down one BF16 if so.
+  if (std::fabs(bf16_bits_to_double(lo)) > std::fabs(x)) lo = static_cast<uint16_t>(lo - 1);
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);
+  const double dlo = std::fabs(x - bf16_bits_to_double(lo));
+  const double dhi = std::fabs(bf16_bits_to_double(hi) - x);
+  if (dlo < dhi) return lo;
+  if (dhi < dlo) return hi;
+  return (lo & 1u) ? hi : lo;
+}
+
+inline double round_to_bf16(double x) { return bf16_bits_to_double(double_to_bf16_bits(x)); }
+
+// ---- Host tensors ---------------------------------------------------------
+
+enum class Layout { kBSHD, kBHSD };
+
+// A logical [B, S, H, D] tensor stored in `dtype` with layout BSHD or BHSD.
+// pad_seq extra sequence positions (past S) and a gap of pad_head elements
+// after each head row are allocated and filled with pad_value: memory that the
+// reference must never read.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(int64_t B, int64_t S, int64_t H, int64_t D, DType dtype = DType::kFloat64,
+             Layout layout = Layout::kBSHD, int64_t pad_seq = 0, int64_t pad_head = 0,
+             double pad_value = 0.0)
+      : B_(B), S_(S), H_(H), D_(D), dtype_(dtype) {
+    const int64_t Sa = S + pad_seq, Dr = D + pad_head;  // allocated seq / row pitch
+    if (layout == Layout::kBSHD) {
+      sh_ = Dr;
+      ss_ = H * Dr;
+      sb_ = Sa * H * Dr;
+    } else {
+      ss_ = Dr;
+      sh_ = Sa * Dr;
+      sb_ = H * Sa * Dr;
+    }
+    const int64_t n = std::max<int64_t>(B * sb_, 1);
+    switch (dtype_) {
+      case DType::kFloat32:
+        f32_.assign(n, static_cast<float>(pad_value));
+        break;
+      case DType::kFloat64:
+        f64_.assign(n, pad_value);
+        break;
+      case DType::kBFloat16:
+        bf16_.assign(n, double_to_bf16_bits(pad_value));
+        break;
+    }
+  }
+
+  int64_t numel() const { return B_ * S_ * H_ * D_; }
+  DType dtype() const { return dtype_; }
+
+  TensorView view() {
+    TensorView t;
+    t.dtype = dtype_;
+    t.data = dtype_ == DType::kFloat32   ? static_cast<void*>(f32_.data())
+             : dtype_ == DType::kFloat64 ? static_cast<void*>(f64_.data())
+                                         : static_cast<void*>(bf16_.data());
+    t.stride_batch = sb_;
+    t.stride_seq = ss_;
+    t.stride_head = sh_;
+    return t;
+  }
+
+  double get(int64_t b, int64_t s, int64_t h, int64_t c) const {
+    const int64_t i = b * sb_ + s * ss_ + h * sh_ + c;
+    switch (dtype_) {
+      case DType::kFloat32:
+        return f32_[i];
+      case DType::kFloat64:
+        return f64_[i];
+      default:
+        return bf16_bits_to_double(bf16_[i]);
+    }
+  }
+  // Stores x rounded to the dtype (FP32: RNE cast; BF16: RNE).
+  void set(int64_t b, int64_t s, int64_t h, int64_t c, double x) {
+    const int64_t i = b * sb_ + s * ss_ + h * sh_ + c;
+    switch (dtype_) {
+      case DType::kFloat32:
+        f32_[i] = static_cast<float>(x);
+        break;
+      case DType::kFloat64:
+        f64_[i] = x;
+        break;
+      default:
+        bf16_[i] = double_to_bf16_bits(x);
+        break;
+    }
+  }
+
+  // Logical contents, index ((b * S + s) * H + h) * D + c.
+  std::vector<double> values() const {
+    std::vector<double> out(static_cast<size_t>(numel()));
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t s = 0; s < S_; ++s)
+        for (int64_t h = 0; h < H_; ++h)
+          for (int64_t c = 0; c < D_; ++c) out[idx(b, s, h, c)] = get(b, s, h, c);
+    return out;
+  }
+  void set_values(const std::vector<double>& x) {
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t s = 0; s < S_; ++s)
+        for (int64_t h = 0; h < H_; ++h)
+          for (int64_t c = 0; c < D_; ++c) set(b, s, h, c, x[idx(b, s, h, c)]);
+  }
+  int64_t idx(int64_t b, int64_t s, int64_t h, int64_t c) const {
+    return ((b * S_ + s) * H_ + h) * D_ + c;
+  }
+
+ private:
+  int64_t B_ = 0, S_ = 0, H_ = 0, D_ = 0, sb_ = 0, ss_ = 0, sh_ = 0;
+  DType dtype_ = DType::kFloat64;
+  std::vector<float> f32_;
+  std::vector<double> f64_;
+  std::vector<uint16_t> bf16_;
+};
+
+// Fresh standard-normal values, already rounded to BF16 when `bf16_exact`
+// (so FP32/FP64/BF16 views of them hold the same numbers).
+inline std::vector<double> random_normal(int64_t n, std::mt19937& rng, bool bf16_exact = false,
+                                         double scale = 1.0) {
+  std::normal_distribution<double> nd(0.0, scale);
+  std::vector<double> x(static_cast<size_t>(n));
+  for (auto& e : x) e = bf16_exact ? round_to_bf16(nd(rng)) : nd(rng);
+  return x;
+}
+
+// ---- Problem + naive FP64 attention --------------------------------------
+
+struct Problem {
+  int64_t B = 1, Sq = 8, Sk = 8, Hq = 2, Hkv = 2, d = 16, dv = 16;
+  bool causal = false;
+  double scale = 0.0;  // 0 = 1/sqrt(d)
+  // softmax_scale as the reference receives it (AttnParams holds an FP32).
+  double tau() const {
+    return static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(d)));
+  }
+
+  AttnParams params(Precision prec, DeltaMode mode = DeltaMode::kDeltaMatching,
+                    int block_size = 128, Fp8Format grad_format = Fp8Format::kE4M3,
+                    int num_threads = 0) const {
+    AttnParams p;
+    p.batch = B;
+    p.seqlen_q = Sq;
+    p.seqlen_k = Sk;
+    p.num_heads_q = Hq;
+    p.num_heads_kv = Hkv;
+    p.head_dim_qk = d;
+    p.head_dim_v = dv;
+    p.softmax_scale = static_cast<float>(tau());
+    p.causal = causal;
+    p.precision = prec;
+    p.delta_mode = mode;
+    p.block_size = block_size;
+    p.grad_format = grad_format;
+    p.num_threads = num_threads;
+    return p;
+  }
+  bool sees(int64_t i, int64_t j) const { return !causal || j <= i + (Sk - Sq); }
+};
+
+// Inputs in logical order: q [B,Sq,Hq,d], k [B,Sk,Hkv,d], v [B,Sk,Hkv,dv], dout [B,Sq,Hq,dv].
+struct Inputs {
+  std::vector<double> q, k, v, dout;
+};
+
+inline Inputs random_inputs(const Problem& pr, std::mt19937& rng, bool bf16_exact = true) {
+  Inputs in;
+  in.q = random_normal(pr.B * pr.Sq * pr.Hq * pr.d, rng, bf16_exact);
+  in.k = random_normal(pr.B * pr.Sk * pr.Hkv * pr.d, rng, bf16_exact);
+  in.v = random_normal(pr.B * pr.Sk * pr.Hkv * pr.dv, rng, bf16_exact);
+  in.dout = random_normal(pr.B * pr.Sq * pr.Hq * pr.dv, rng, bf16_exact);
+  return in;
+}
+
+// Outputs in logical order; lse/delta [B, Hq, Sq].
+struct Outputs {
+  std::vector<double> o, dq, dk, dv, lse, delta;
+};
+
+// Naive FP64 attention straight from numerics.md section 1: per (b, h, i)
+// explicit masked softmax, then dV = P^T dO, dP = dO V^T, delta = sum P dP,
+// dS = P (dP - delta), dQ = tau dS K, dK = tau dS^T Q (GQA: summed per group).
+inline Outputs naive_attention(const Problem& pr, const Inputs& in) {
+  const int64_t B = pr.B, Sq = pr.Sq, Sk = pr.Sk, Hq = pr.Hq, Hkv = pr.Hkv, d = pr.d, dv = pr.dv,
+                G = Hq / Hkv;
+  const double tau = pr.tau();
+  auto qi = [&](int64_t b, int64_t s, int64_t h, int64_t c) {
+    return ((b * Sq + s) * Hq + h) * d + c;
+  };
+  auto ki = [&](int64_t b, int64_t s, int64_t h, int64_t c) {
+    return ((b * Sk + s) * Hkv + h) * d + c;
+  };
+  auto vi = [&](int64_t b, int64_t s, int64_t h, int64_t c) {
+    return ((b * Sk + s) * Hkv + h) * dv + c;
+  };
+  auto oi = [&](int64_t b, int64_t s, int64_t h, int64_t c) {
+    return ((b * Sq + s) * Hq + h) * dv + c;
+  };
+  Outputs out;
+  out.o.assign(B * Sq * Hq * dv, 0.0);
+  out.dq.assign(B * Sq * Hq * d, 0.0);
+  out.dk.assign(B * Sk * Hkv * d, 0.0);
+  out.dv.assign(B * Sk * Hkv * dv, 0.0);
+  out.lse.assign(B * Hq * Sq, -kInf);
+  out.delta.assign(B * Hq * Sq, 0.0);
+  std::vector<double> S(Sk), P(Sk), dP(Sk);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / G;
+      for (int64_t i = 0; i < Sq; ++i) {
+        double m = -kInf;
+        bool any = false;
+        for (int64_t j = 0; j < Sk; ++j) {
+          if (!pr.sees(i, j)) continue;
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) s += in.q[qi(b, i, h, c)] * in.k[ki(b, j, hk, c)];
+          S[j] = tau * s;
+          m = std::max(m, S[j]);
+          any = true;
+        }
+        if (!any) continue;  // O = 0, LSE = -inf, zero gradients
+        double l = 0;
+        for (int64_t j = 0; j < Sk; ++j)
+          if (pr.sees(i, j)) l += std::exp(S[j] - m);
+        out.lse[(b * Hq + h) * Sq + i] = m + std::log(l);
+        double delta = 0;
+        for (int64_t j = 0; j < Sk; ++j) {
+          P[j] = pr.sees(i, j) ? std::exp(S[j] - m) / l : 0.0;
+          dP[j] = 0;
+          for (int64_t c = 0; c < dv; ++c) {
+            out.o[oi(b, i, h, c)] += P[j] * in.v[vi(b, j, hk, c)];
+            dP[j] += in.dout[oi(b, i, h, c)] * in.v[vi(b, j, hk, c)];
+          }
+          delta += P[j] * dP[j];
+        }
+        out.delta[(b * Hq + h) * Sq + i] = delta;
+        for (int64_t j = 0; j < Sk; ++j) {
+          const double ds = P[j] * (dP[j] - delta);
+          for (int64_t c = 0; c < d; ++c) {
+            out.dq[qi(b, i, h, c)] += tau * ds * in.k[ki(b, j, hk, c)];
+            out.dk[ki(b, j, hk, c)] += tau * ds * in.q[qi(b, i, h, c)];
+          }
+          for (int64_t c = 0; c < dv; ++c)
+            out.dv[vi(b, j, hk, c)] += P[j] * in.dout[oi(b, i, h, c)];
+        }
+      }
+    }
+  return out;
+}
+
+// ---- Running the reference ----------------------------------------------
+
+struct RunOptions {
+  DType in_dtype = DType::kFloat64;
+  DType out_dtype = DType::kFloat64;
+  Layout layout = Layout::kBSHD;
+  int64_t pad_seq = 0, pad_head = 0;
+  double pad_value = 0.0;
+  bool backward = true;
+};
+
+// Reference outputs plus the diagnostics, logical order.
+struct RefOutputs : Outputs {
+  std::vector<float> lse_f, diag_delta, diag_eps, rowsum_pre, rowsum_post;
+};
+
+// Runs attention_forward_ref (and attention_backward_ref when opt.backward,
+// feeding it the forward's O and LSE) on tensors built from `in`.
+inline RefOutputs run_reference(const Problem& pr, const Inputs& in, const AttnParams& p,
+                                const RunOptions& opt = RunOptions()) {
+  auto make = [&](int64_t S, int64_t H, int64_t D, DType dt) {
+    return HostTensor(pr.B, S, H, D, dt, opt.layout, opt.pad_seq, opt.pad_head, opt.pad_value);
+  };
+  HostTensor q = make(pr.Sq, pr.Hq, pr.d, opt.in_dtype),
+             k = make(pr.Sk, pr.Hkv, pr.d, opt.in_dtype),
+             v = make(pr.Sk, pr.Hkv, pr.dv, opt.in_dtype),
+             dout = make(pr.Sq, pr.Hq, pr.dv, opt.in_dtype),
+             o = make(pr.Sq, pr.Hq, pr.dv, opt.out_dtype),
+             dq = make(pr.Sq, pr.Hq, pr.d, opt.out_dtype),
+             dk = make(pr.Sk, pr.Hkv, pr.d, opt.out_dtype),
+             dv = make(pr.Sk, pr.Hkv, pr.dv, opt.out_dtype);
+  q.set_values(in.q);
+  k.set_values(in.k);
+  v.set_values(in.v);
+  dout.set_values(in.dout);
+  RefOutputs r;
+  const int64_t nrow = pr.B * pr.Hq * pr.Sq;
+  r.lse_f.assign(std::max<int64_t>(nrow, 1), 0.f);
+  attention_forward_ref(p, q.view(), k.view(), v.view(), o.view(), r.lse_f.data());
+  r.o = o.values();
+  r.lse.assign(r.lse_f.begin(), r.lse_f.begin() + nrow);
+  if (opt.backward) {
+    r.diag_delta.assign(std::max<int64_t>(nrow, 1), 0.f);
+    r.diag_eps = r.rowsum_pre = r.rowsum_post = r.diag_delta;
+    BackwardDiagnostics diag;
+    diag.delta = r.diag_delta.data();
+    diag.eps = r.diag_eps.data();
+    diag.rowsum_pre = r.rowsum_pre.data();
+    diag.rowsum_post = r.rowsum_post.data();
+    attention_backward_ref(p, q.view(), k.view(), v.view(), o.view(), dout.view(), r.lse_f.data(),
+                           dq.view(), dk.view(), dv.view(), &diag);
+    r.dq = dq.values();
+    r.dk = dk.values();
+    r.dv = dv.values();
+    r.diag_delta.resize(nrow);
+    r.diag_eps.resize(nrow);
+    r.rowsum_pre.resize(nrow);
+    r.rowsum_post.resize(nrow);
+    r.delta.assign(r.diag_delta.begin(), r.diag_delta.end());
+  }
+  return r;
+}
+
+// ---- Metrics --------------------------------------------------------------
+
+inline double frobenius(const std::vector<double>& a) {
+  double s = 0;
+  for (double x : a) s += x * x;
+  return std::sqrt(s);
+}
+
+// ||a - b|| / ||b|| (NaN if any NaN appears, so it can never pass a bound).
+inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num) / std::sqrt(den);
+}
+
+inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double e = std::fabs(a[i] - b[i]);
+    if (!(e <= m)) m = e;  // NaN sticks
+  }
+  return m;
+}
+
+inline bool all_finite(const std::vector<double>& a) {
+  for (double x : a)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+inline bool bitwise_equal(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  return std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+}
+
+}  // namespace testutil
+}  // namespace fp8attn
