@@ -1,0 +1,168 @@
+"""GPU benchmark: fp8attn forward and backward (each delta mode) next to torch
+SDPA with cuDNN BF16 and FlashAttention BF16, on the same GPU in the same run.
+
+    PYTHONPATH=python python3 benchmarks/bench_gpu.py [--quick] [--out DIR]
+
+FLOPs (the usual convention, docs/performance-model.md): forward
+4 * B * H * Sq * Sk * d, halved for causal; backward 2.5x the forward.
+fp8attn times include its quantization kernels (the op is timed as called).
+Each number is the median of --iters timed runs (CUDA events) after --warmup
+runs; inputs are fresh standard-normal BF16 (never zeros).
+Writes bench_gpu.json and bench_gpu.md under --out (default $OUT, else
+./bench_out) and prints a short table last: TFLOP/s and the ratio to cuDNN BF16.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
+
+OPS = torch.ops.fp8attn
+MODES = ("stale", "matched_do", "delta_matching")
+
+# (B, H, S, d): 16K tokens per batch at d = 128, plus d = 64 / 256 at 8K.
+FULL = [(16, 16, 1024, 128), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128),
+        (2, 16, 8192, 64), (2, 16, 8192, 256)]
+QUICK = [(4, 16, 4096, 128), (2, 16, 8192, 64), (2, 16, 8192, 256)]
+
+
+def time_ms(fn, warmup, iters):
+    """Median wall time of fn() in ms, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def sdpa_times(backend, q, k, v, dout, causal, warmup, iters):
+    """(fwd ms, bwd ms) of torch SDPA with one backend, or (None, None) if unavailable."""
+    try:
+        qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel([backend]):
+            fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup, iters)
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+            bwd = time_ms(lambda: torch.autograd.grad(o, (qr, kr, vr), dout, retain_graph=True), warmup, iters)
+        return fwd, bwd
+    except RuntimeError as e:  # backend refuses the shape
+        print(f"  {backend.name}: n/a ({str(e).splitlines()[0][:80]})")
+        return None, None
+
+
+def env_info():
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+    }
+    try:
+        info["driver"] = subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["driver"] = "unknown"
+    return info
+
+
+def tflops(flops, ms):
+    return None if ms is None else flops / (ms * 1e-3) / 1e12
+
+
+def fmt_t(x):
+    return "n/a" if x is None else f"{x:.0f}"
+
+
+def fmt_r(x, ref):
+    return "" if x is None or ref is None else f" ({x / ref:.2f}x)"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (the device script's default)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    info = env_info()
+    print("env:", json.dumps(info))
+
+    rows = []
+    for (b, h, s, d) in (QUICK if args.quick else FULL):
+        for causal in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(b * 1000003 + s * 7 + d + causal)
+            q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                             for _ in range(4))
+            tau = 1.0 / math.sqrt(d)
+            fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            bwd_flops = 2.5 * fwd_flops
+            r = {"B": b, "H": h, "S": s, "d": d, "causal": causal}
+            print(f"[{b}x{h}x{s}, d={d}, causal={causal}]")
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                f_ms, b_ms = (None, None) if args.no_sdpa else sdpa_times(backend, q, k, v, dout, causal,
+                                                                           args.warmup, args.iters)
+                r[f"{name}_fwd"], r[f"{name}_bwd"] = tflops(fwd_flops, f_ms), tflops(bwd_flops, b_ms)
+            f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
+            r["fp8_fwd"] = tflops(fwd_flops, f_ms)
+            r["fp8_fwd_ms"] = f_ms
+            out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+            for mode in MODES:
+                if args.no_bwd:
+                    r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
+                    continue
+                try:
+                    b_ms = time_ms(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128,
+                                                   "e4m3", False), args.warmup, args.iters)
+                except NotImplementedError as e:  # backward kernels not built
+                    print(f"  fp8 bwd: n/a ({str(e).splitlines()[0][:80]})")
+                    b_ms = None
+                r[f"fp8_bwd_{mode}"] = tflops(bwd_flops, b_ms)
+                r[f"fp8_bwd_{mode}_ms"] = b_ms
+            print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()}))
+            rows.append(r)
+            del q, k, v, dout, out, lse
+            torch.cuda.empty_cache()
+
+    head = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | fp8 fwd | cuDNN bwd | flash bwd | "
+            "fp8 bwd stale | fp8 bwd matched_do | fp8 bwd DM |")
+    lines = [f"TFLOP/s on {info['gpu']} (driver {info['driver']}, torch {info['torch']}, cuDNN {info['cudnn']}), "
+             f"{info['date']}; (x) = ratio to cuDNN BF16", "", head, "|" + "---|" * 10]
+    for r in rows:
+        cf, cb = r["cudnn_fwd"], r["cudnn_bwd"]
+        lines.append(
+            f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
+            f"{fmt_t(r['flash_fwd'])} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | {fmt_t(cb)} | "
+            f"{fmt_t(r['flash_bwd'])} | "
+            + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+        json.dump({"env": info, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+        f.write(md + "\n")
+    print()
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

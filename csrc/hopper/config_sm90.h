@@ -1,0 +1,65 @@
+// fp8attn: tile sizes and supported shapes of the sm_90a kernels, in one place.
+// Math: docs/numerics.md. Operand layouts: kernel_params_sm90.h.
+//
+// Sections: shared (block grid), quantization, forward. The backward helper
+// appends its own section at the end.
+#pragma once
+
+namespace fp8attn {
+namespace sm90 {
+
+// ---- shared: the block grid (numerics.md section 2) -------------------------
+
+// Sequence block of the CUDA kernels: the only block_size they support. It is
+// also the key tile of the forward online softmax (numerics.md section 3: the
+// tile is exactly the reference's block of matmul #2).
+constexpr int kSeqBlock = 128;
+// Head-dim blocks have min(kMaxDimBlock, D) elements (the last may be shorter,
+// e.g. D = 192 -> 128 + 64).
+constexpr int kMaxDimBlock = 128;
+// Quantized sequence rows are padded to a multiple of this many tokens
+// (16-byte rows of FP8 codes; kernel_params_sm90.h's *_pad).
+constexpr int kSeqPad = 16;
+
+constexpr int dim_block(int d) { return d < kMaxDimBlock ? d : kMaxDimBlock; }
+constexpr int num_dim_blocks(int d) { return (d + kMaxDimBlock - 1) / kMaxDimBlock; }
+constexpr bool supported_head_dims(int d_qk, int d_v) {
+  return (d_qk == 64 && d_v == 64) || (d_qk == 128 && d_v == 128) || (d_qk == 256 && d_v == 256) ||
+         (d_qk == 192 && d_v == 128);
+}
+
+static_assert(kSeqBlock % kSeqPad == 0, "sequence blocks must be whole padded rows");
+static_assert(kSeqBlock == 128, "the kernels' fragment maps assume 128-token blocks");
+static_assert(dim_block(64) == 64 && dim_block(192) == 128 && num_dim_blocks(192) == 2,
+              "head_dim block rule of numerics.md section 2");
+
+// ---- quantization kernels (quant_e4m3_blockscale_sm90.cu) -----------------
+
+// One CTA quantizes a tile of kSeqBlock tokens x one head_dim block (<= 128
+// channels) of one (batch, head): both blockings from one read of the BF16 tile.
+constexpr int kQuantThreads = 256;
+constexpr int kQuantVec = 8;  // BF16 elements per 16-byte global access
+
+static_assert(kQuantThreads % (kMaxDimBlock / kQuantVec) == 0, "whole rows per pass");
+static_assert(kQuantThreads % kMaxDimBlock == 0 && kQuantThreads % 64 == 0,
+              "column pass: whole channel groups");
+
+// ---- forward kernel (fwd_e4m3_blockscale_sm90.cu) -------------------------
+
+// Key tile = kSeqBlock keys; query tile = 16 rows per warp (one m16 MMA row
+// block per warp), fwd_warps(head_dim_qk) warps per CTA. Measured on H200
+// (docs/kernels/fwd_e4m3_blockscale_sm90.md): 4 warps (64 rows, two CTAs per
+// SM) is 3-7% faster at head_dim <= 128, 8 warps (128 rows, one CTA per SM)
+// 4-5% faster at 256. FP8ATTN_FWD_WARPS=4|8 overrides it (benchmarking).
+constexpr int kFwdBlockN = kSeqBlock;
+constexpr int fwd_warps(int d_qk) { return d_qk <= 128 ? 4 : 8; }
+// Shared-memory rows are padded by 16 bytes so ldmatrix phases hit 8 distinct
+// 16-byte bank groups (row strides of an odd number of 16-byte chunks).
+constexpr int kSmemRowPad = 16;
+
+static_assert(kFwdBlockN % 32 == 0, "k32 MMA steps over the key tile");
+static_assert(kFwdBlockN == 128, "forward key permutation covers 16-key groups of a 128 tile");
+static_assert(fwd_warps(64) == 4 && fwd_warps(256) == 8, "CTA shapes instantiated: 4 and 8 warps");
+
+}  // namespace sm90
+}  // namespace fp8attn

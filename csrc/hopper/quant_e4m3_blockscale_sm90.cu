@@ -1,0 +1,177 @@
+// fp8attn: sm_90a block-scaled FP8 quantization of BF16 Q / K / V / dO into
+// the row-blocked and column-blocked (transposed) layouts of
+// kernel_params_sm90.h. Contract: quant_e4m3_blockscale_sm90.h; math:
+// numerics.md section 2.
+//
+// One CTA reads one tile of kSeqBlock tokens x one head_dim block (64 or 128
+// channels) of one (batch, head) once, with 16-byte loads, and produces
+//   - row pass: per token, the block along head_dim (that is the whole tile
+//     row), reduced across the lanes holding the row, codes written at once;
+//   - column pass (from a shared-memory copy of the tile): per channel, the
+//     block of kSeqBlock tokens, codes written transposed with 16-byte stores.
+// Scales come from fp8attn::block_scale and codes from fp8attn::fp8_encode
+// (common/fp8_codec.h), so both are bit-identical to the CPU quantize_blockwise.
+#include "hopper/quant_e4m3_blockscale_sm90.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/fp8_codec.h"
+#include "hopper/config_sm90.h"
+
+namespace fp8attn {
+namespace sm90 {
+namespace {
+
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t u16) { return __uint_as_float(u16 << 16); }
+
+// Scale of a block from its amax and finiteness (numerics.md section 2; the
+// same expression as quant/block_quant.h's quantize_block).
+__device__ __forceinline__ float scale_of(float amax, bool finite, Fp8Format fmt) {
+  return finite ? block_scale(amax, fmt) : NAN;
+}
+
+__global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJob j, int nblk_d, int nblk_s) {
+  __shared__ __align__(16) uint16_t tile[kSeqBlock * kMaxDimBlock];  // BF16 bits, [token][channel]
+  __shared__ float red_amax[kQuantThreads];
+  __shared__ int red_finite[kQuantThreads];
+
+  const int sblk = blockIdx.x, dblk = blockIdx.y, bh = blockIdx.z;
+  const int b = bh / j.heads, h = bh - b * j.heads;
+  const int c0 = dblk * kMaxDimBlock;
+  const int cw = min(kMaxDimBlock, j.dim - c0);  // channels of this head_dim block: 64 or 128
+  const int vpr = cw / kQuantVec;                // 16-byte vectors per token row: 8 or 16
+  const int t0 = sblk * kSeqBlock;
+  const int tid = threadIdx.x;
+  const int v = tid % vpr;
+  const bool want_col = j.colT != nullptr;
+  const uint16_t* xb = static_cast<const uint16_t*>(j.x) + b * j.stride_batch + h * j.stride_head;
+
+  // ---- row pass: load, keep a copy for the column pass, quantize per token ----
+  // NOTE: every lane runs the same number of iterations (kSeqBlock is a
+  // multiple of the rows per pass), so the shuffles below see full warps.
+  for (int r = tid / vpr; r < kSeqBlock; r += kQuantThreads / vpr) {
+    const int t = t0 + r;
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
+    if (t < j.seqlen) raw = *reinterpret_cast<const uint4*>(xb + t * j.stride_seq + c0 + v * kQuantVec);
+    if (want_col) *reinterpret_cast<uint4*>(&tile[r * cw + v * kQuantVec]) = raw;
+    if (j.row == nullptr) continue;
+
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
+      f[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
+    }
+    float amax = 0.f;
+    int finite = 1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float a = fabsf(f[i]);
+      finite &= isfinite(a) ? 1 : 0;
+      amax = fmaxf(amax, a);
+    }
+    for (int off = vpr / 2; off > 0; off >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      finite &= __shfl_xor_sync(0xffffffffu, finite, off);
+    }
+    if (t >= j.seqlen) continue;
+    const float s = scale_of(amax, finite != 0, j.fmt);
+    const float inv_s = 1.f / s;  // exact: s is a power of two (or NaN)
+    uint32_t lo = 0u, hi = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      lo |= static_cast<uint32_t>(fp8_encode(f[i] * inv_s, j.fmt)) << (8 * i);
+      hi |= static_cast<uint32_t>(fp8_encode(f[i + 4] * inv_s, j.fmt)) << (8 * i);
+    }
+    const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
+    *reinterpret_cast<uint2*>(j.row + row_idx * j.dim + c0 + v * kQuantVec) = make_uint2(lo, hi);
+    if (v == 0) j.row_s[row_idx * nblk_d + dblk] = s;
+  }
+  if (!want_col) return;
+  __syncthreads();
+
+  // ---- column pass: per channel, the block of kSeqBlock tokens -------------
+  const int c = tid % cw;               // channel within the head_dim block
+  const int grp = tid / cw;             // token group
+  const int ngrp = kQuantThreads / cw;  // 2 or 4
+  const int tpg = kSeqBlock / ngrp;     // tokens per group: 64 or 32
+  float amax = 0.f;
+  int finite = 1;
+  for (int i = 0; i < tpg; ++i) {
+    const float a = fabsf(bf16_bits_to_float(tile[(grp * tpg + i) * cw + c]));
+    finite &= isfinite(a) ? 1 : 0;
+    amax = fmaxf(amax, a);
+  }
+  red_amax[grp * cw + c] = amax;
+  red_finite[grp * cw + c] = finite;
+  __syncthreads();
+  amax = 0.f;
+  finite = 1;
+  for (int g2 = 0; g2 < ngrp; ++g2) {
+    amax = fmaxf(amax, red_amax[g2 * cw + c]);
+    finite &= red_finite[g2 * cw + c];
+  }
+  const float s = scale_of(amax, finite != 0, j.fmt);
+  const float inv_s = 1.f / s;
+  const int64_t col_idx = static_cast<int64_t>(bh) * j.dim + c0 + c;
+  if (grp == 0) j.col_s[col_idx * nblk_s + sblk] = s;
+  uint8_t* dst = j.colT + col_idx * j.seqlen_pad;
+  for (int k16 = 0; k16 < tpg / 16; ++k16) {
+    const int tt = t0 + grp * tpg + k16 * 16;  // first token of this 16-byte chunk
+    if (tt >= j.seqlen_pad) break;
+    uint32_t packed[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t word = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tt + 4 * q + e;
+        // NOTE: padding tokens get code 0 explicitly (a NaN scale would
+        // otherwise turn the zero-filled padding into NaN codes).
+        const uint32_t code =
+            tok < j.seqlen
+                ? fp8_encode(bf16_bits_to_float(tile[(tok - t0) * cw + c]) * inv_s, j.fmt)
+                : 0u;
+        word |= code << (8 * e);
+      }
+      packed[q] = word;
+    }
+    *reinterpret_cast<uint4*>(dst + tt) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
+[[noreturn]] void bad(const char* field, const std::string& what) {
+  throw std::invalid_argument(std::string("fp8attn: quantize_bf16_sm90: '") + field + "': " + what);
+}
+
+}  // namespace
+
+void quantize_bf16_sm90(const QuantJob& j, cudaStream_t stream) {
+  if (j.batch == 0 || j.heads == 0 || j.seqlen == 0) return;
+  if (j.dim != 64 && j.dim != 128 && j.dim != 192 && j.dim != 256)
+    bad("dim", "must be 64, 128, 192 or 256, got " + std::to_string(j.dim));
+  if (j.x == nullptr) bad("x", "must not be null");
+  if (reinterpret_cast<uintptr_t>(j.x) % 16 != 0 || j.stride_batch % 8 != 0 || j.stride_head % 8 != 0 ||
+      j.stride_seq % 8 != 0)
+    bad("x", "data pointer and strides must be 16-byte aligned");
+  if ((j.row == nullptr) != (j.row_s == nullptr)) bad("row", "row and row_s must both be set or both null");
+  if ((j.colT == nullptr) != (j.col_s == nullptr)) bad("colT", "colT and col_s must both be set or both null");
+  if (j.colT != nullptr && (j.seqlen_pad < j.seqlen || j.seqlen_pad % kSeqPad != 0))
+    bad("seqlen_pad", "must be a multiple of 16 and >= seqlen");
+  if (static_cast<int64_t>(j.batch) * j.heads > 65535) bad("batch", "batch * heads must be <= 65535");
+  if (j.row == nullptr && j.colT == nullptr) return;
+  const int nblk_d = (j.dim + kMaxDimBlock - 1) / kMaxDimBlock;
+  const int nblk_s = (j.seqlen + kSeqBlock - 1) / kSeqBlock;
+  const dim3 grid(nblk_s, nblk_d, j.batch * j.heads);
+  quant_bf16_kernel<<<grid, kQuantThreads, 0, stream>>>(j, nblk_d, nblk_s);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: quantize_bf16_sm90 launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,428 @@
+// fp8attn: CUDA implementations of the ops `fwd`, `bwd` and `quantize_blockwise`
+// (schemas in ops.cpp, semantics in docs/architecture.md and docs/numerics.md).
+// Built only with FP8ATTN_BUILD_CUDA=1 (sm_90a kernels in csrc/hopper/).
+//
+// What the CUDA path supports (anything else raises a clear error naming the
+// argument):
+//   - q, k, v (and dout, out for bwd) bfloat16 CUDA tensors on one device,
+//     [batch, heads, seqlen, head_dim], any strides (copied to a contiguous
+//     tensor when the head_dim stride is not 1 or rows are not 16-byte aligned);
+//   - (head_dim_qk, head_dim_v) in {(64,64), (128,128), (256,256), (192,128)};
+//   - block_size == 128; num_heads_q a multiple of num_heads_kv (GQA);
+//   - precision == "fp8". precision == "exact" raises NotImplementedError: the
+//     exact path (FP64 accumulation, numerics.md section 1) is the CPU
+//     reference's job; call the op on CPU tensors for it. NOTE: a silent
+//     device->host fallback was rejected because it would hide a large
+//     slowdown (host FP64 attention) inside a training step.
+// Errors: ValueError (TORCH_CHECK_VALUE) for a bad argument, TypeError for a
+// wrong dtype, NotImplementedError for precision "exact" or a missing backward
+// kernel, RuntimeError for a CUDA launch failure.
+//
+// Work per call (stream = the current torch CUDA stream of q's device):
+//   fwd: quantize Q (row), K (row), V (column) -> run_fwd.
+//   bwd: quantize Q, K, dO (row and column), V (row) -> allocate the backward
+//        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
+//        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "common/params.h"
+#include "hopper/config_sm90.h"
+#include "hopper/fwd_e4m3_blockscale_sm90.h"
+#include "hopper/kernel_params_sm90.h"
+#include "hopper/quant_e4m3_blockscale_sm90.h"
+#if __has_include("hopper/bwd_sm90.h")
+#include "hopper/bwd_sm90.h"
+#endif
+
+namespace fp8attn {
+namespace sm90 {
+// NOTE: weak, so the library links (and fwd works) before the backward
+// kernels exist; bwd_cuda checks the address and raises NotImplementedError.
+__attribute__((weak)) void run_bwd(const KernelParams& p, cudaStream_t stream);
+}  // namespace sm90
+
+namespace {
+
+using namespace sm90;
+
+// ---- argument checks ------------------------------------------------------------
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.defined(), "fp8attn: argument '", name, "': tensor is undefined");
+  TORCH_CHECK_VALUE(t.is_cuda(), "fp8attn: argument '", name, "': expected a CUDA tensor, got device ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.device() == device, "fp8attn: argument '", name,
+                    "': must be on the same device as 'q' (", device, "), got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == 4, "fp8attn: argument '", name,
+                    "': expected a 4-D tensor [batch, heads, seqlen, head_dim], got ", t.dim(),
+                    "-D with shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "fp8attn: argument '", name,
+                   "': the CUDA kernels take bfloat16, got ", t.scalar_type());
+}
+
+void check_size(const at::Tensor& t, int dim, int64_t expected, const char* name, const char* what) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, "fp8attn: argument '", name, "': ", what, " (dim ", dim,
+                    ") must be ", expected, ", got ", t.size(dim), " (shape ", t.sizes(), ")");
+}
+
+// Stride of dim i as the kernels use it: 0 for a size-1 dim (index always 0).
+int64_t eff_stride(const at::Tensor& t, int i) { return t.size(i) == 1 ? 0 : t.stride(i); }
+
+// A tensor whose head_dim is contiguous and whose rows start on 16-byte
+// boundaries (the quantization kernel's 16-byte loads); copies otherwise.
+at::Tensor aligned_bf16(const at::Tensor& t) {
+  const bool ok = (t.size(3) == 1 || t.stride(3) == 1) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                  eff_stride(t, 0) % 8 == 0 && eff_stride(t, 1) % 8 == 0 && eff_stride(t, 2) % 8 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+void check_precision(c10::string_view precision) {
+  TORCH_CHECK_NOT_IMPLEMENTED(precision != "exact",
+                              "fp8attn: argument 'precision': \"exact\" has no CUDA implementation; "
+                              "call the op on CPU tensors for the exact (FP64) reference, or use \"fp8\"");
+  TORCH_CHECK_VALUE(precision == "fp8", "fp8attn: argument 'precision': expected \"fp8\" (or \"exact\" on CPU), got \"",
+                    std::string(precision), "\"");
+}
+
+Fp8Format parse_grad_format(c10::string_view s) {
+  if (s == "e4m3") return Fp8Format::kE4M3;
+  if (s == "e5m2") return Fp8Format::kE5M2;
+  TORCH_CHECK_VALUE(false, "fp8attn: argument 'grad_format': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(s), "\"");
+}
+
+DeltaMode parse_delta_mode(c10::string_view s) {
+  if (s == "stale") return DeltaMode::kStale;
+  if (s == "matched_do") return DeltaMode::kMatchedDO;
+  if (s == "delta_matching") return DeltaMode::kDeltaMatching;
+  TORCH_CHECK_VALUE(false,
+                    "fp8attn: argument 'delta_mode': expected \"stale\", \"matched_do\" or \"delta_matching\", got \"",
+                    std::string(s), "\"");
+}
+
+// Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked.
+struct Problem {
+  int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, dqk, dv;
+  bool empty() const { return batch == 0 || heads_q == 0 || seqlen_q == 0; }
+};
+
+Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale,
+                      c10::string_view precision, int64_t block_size) {
+  check_precision(precision);
+  const at::Device device = q.device();
+  check_cuda_tensor(q, "q", device);
+  check_cuda_tensor(k, "k", device);
+  check_cuda_tensor(v, "v", device);
+  Problem pr{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  check_size(k, 0, pr.batch, "k", "batch");
+  check_size(v, 0, pr.batch, "v", "batch");
+  check_size(k, 3, pr.dqk, "k", "head_dim (must equal q's)");
+  check_size(v, 1, pr.heads_kv, "v", "num_heads (must equal k's)");
+  check_size(v, 2, pr.seqlen_k, "v", "seqlen (must equal k's)");
+  TORCH_CHECK_VALUE(pr.heads_kv >= 1 && pr.heads_q % pr.heads_kv == 0, "fp8attn: argument 'k': num_heads_kv (",
+                    pr.heads_kv, ") must be >= 1 and divide num_heads_q (", pr.heads_q, ")");
+  TORCH_CHECK_VALUE(supported_head_dims(static_cast<int>(pr.dqk), static_cast<int>(pr.dv)),
+                    "fp8attn: argument 'q': (head_dim_qk, head_dim_v) = (", pr.dqk, ", ", pr.dv,
+                    ") has no CUDA kernel; supported: (64, 64), (128, 128), (256, 256), (192, 128)");
+  TORCH_CHECK_VALUE(block_size == kSeqBlock, "fp8attn: argument 'block_size': the CUDA kernels support 128 only, got ",
+                    block_size);
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0.0,
+                    "fp8attn: argument 'softmax_scale': must be finite and > 0, got ", softmax_scale);
+  constexpr int64_t kMaxSeq = (int64_t{1} << 30);
+  TORCH_CHECK_VALUE(pr.seqlen_q < kMaxSeq && pr.seqlen_k < kMaxSeq, "fp8attn: argument 'q': seqlen must be < 2^30");
+  TORCH_CHECK_VALUE(pr.batch * pr.heads_q <= 65535 && pr.batch * pr.heads_kv <= 65535,
+                    "fp8attn: argument 'q': batch * num_heads must be <= 65535 on CUDA, got ",
+                    pr.batch * pr.heads_q);
+  return pr;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Maps the launchers' exceptions to torch errors.
+template <class Fn>
+void launch(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// Quantizes x [B, H, S, D] (BF16, aligned) on `stream`; outputs that are
+// undefined tensors are not produced.
+void quantize(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
+              const at::Tensor& colT, const at::Tensor& col_s, int64_t seqlen_pad, cudaStream_t stream) {
+  QuantJob j;
+  j.x = x.data_ptr();
+  j.stride_batch = eff_stride(x, 0);
+  j.stride_head = eff_stride(x, 1);
+  j.stride_seq = eff_stride(x, 2);
+  j.batch = static_cast<int>(x.size(0));
+  j.heads = static_cast<int>(x.size(1));
+  j.seqlen = static_cast<int>(x.size(2));
+  j.dim = static_cast<int>(x.size(3));
+  j.fmt = fmt;
+  if (row.defined()) {
+    j.row = row.data_ptr<uint8_t>();
+    j.row_s = row_s.data_ptr<float>();
+  }
+  if (colT.defined()) {
+    j.colT = colT.data_ptr<uint8_t>();
+    j.col_s = col_s.data_ptr<float>();
+    j.seqlen_pad = static_cast<int>(seqlen_pad);
+  }
+  launch([&] { quantize_bf16_sm90(j, stream); });
+}
+
+// Row-blocked codes [B,H,S,D] + scales [B,H,S,nblk(D)].
+std::pair<at::Tensor, at::Tensor> alloc_row(const at::Tensor& x) {
+  const auto o = x.options();
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
+  return {at::empty({B, H, S, D}, o.dtype(at::kByte)),
+          at::empty({B, H, S, num_dim_blocks(static_cast<int>(D))}, o.dtype(at::kFloat))};
+}
+// Column-blocked transposed codes [B,H,D,S_pad] + scales [B,H,D,ceil(S/128)].
+std::pair<at::Tensor, at::Tensor> alloc_col(const at::Tensor& x) {
+  const auto o = x.options();
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
+  return {at::empty({B, H, D, round_up(S, kSeqPad)}, o.dtype(at::kByte)),
+          at::empty({B, H, D, ceil_div(S, kSeqBlock)}, o.dtype(at::kFloat))};
+}
+
+void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, bool causal) {
+  kp.batch = static_cast<int>(pr.batch);
+  kp.seqlen_q = static_cast<int>(pr.seqlen_q);
+  kp.seqlen_k = static_cast<int>(pr.seqlen_k);
+  kp.num_heads_q = static_cast<int>(pr.heads_q);
+  kp.num_heads_kv = static_cast<int>(pr.heads_kv);
+  kp.head_dim_qk = static_cast<int>(pr.dqk);
+  kp.head_dim_v = static_cast<int>(pr.dv);
+  kp.block_size = kSeqBlock;
+  kp.softmax_scale = static_cast<float>(softmax_scale);
+  kp.causal = causal;
+  kp.seqlen_q_pad = static_cast<int>(round_up(pr.seqlen_q, kSeqPad));
+  kp.seqlen_k_pad = static_cast<int>(round_up(pr.seqlen_k, kSeqPad));
+}
+
+// KernelParams names strides (batch, seq, head) of [b, s, h, d] views; the op
+// tensors are [b, h, s, d].
+void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, int64_t& sh) {
+  ptr = t.data_ptr();
+  sb = eff_stride(t, 0);
+  sh = eff_stride(t, 1);
+  ss = eff_stride(t, 2);
+}
+
+// ---- ops ------------------------------------------------------------------------
+
+// fwd: out bf16 [B,Hq,Sq,Dv] contiguous, lse float32 [B,Hq,Sq] (numerics.md s.1-3).
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                            double softmax_scale, bool causal, c10::string_view precision,
+                                            int64_t block_size) {
+  const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor out = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.dv}, q_in.options());
+  at::Tensor lse = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
+  if (pr.empty()) return {out, lse};
+  if (pr.seqlen_k == 0) {  // no key at all: every row sees no key
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+
+  auto [q_row, q_row_s] = alloc_row(q);
+  auto [k_row, k_row_s] = alloc_row(k);
+  auto [v_colT, v_col_s] = alloc_col(v);
+  const at::Tensor none;
+  quantize(q, Fp8Format::kE4M3, q_row, q_row_s, none, none, 0, stream);
+  quantize(k, Fp8Format::kE4M3, k_row, k_row_s, none, none, 0, stream);
+  quantize(v, Fp8Format::kE4M3, none, none, v_colT, v_col_s, v_colT.size(3), stream);
+
+  KernelParams kp{};
+  set_sizes(kp, pr, softmax_scale, causal);
+  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  kp.out = out.data_ptr();
+  kp.lse = lse.data_ptr<float>();
+  kp.q_row = q_row.data_ptr<uint8_t>();
+  kp.q_row_s = q_row_s.data_ptr<float>();
+  kp.k_row = k_row.data_ptr<uint8_t>();
+  kp.k_row_s = k_row_s.data_ptr<float>();
+  kp.v_colT = v_colT.data_ptr<uint8_t>();
+  kp.v_col_s = v_col_s.data_ptr<float>();
+  launch([&] { run_fwd(kp, stream); });
+  return {out, lse};
+}
+
+// bwd: dq/dk/dv bf16 contiguous in the shapes of q/k/v; diag float32
+// [4,B,Hq,Sq] = (delta, eps, rowsum_pre, rowsum_post) when `diagnostics`,
+// else empty [0] (numerics.md sections 3-5).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
+    c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
+    bool diagnostics) {
+  const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
+  const DeltaMode mode = parse_delta_mode(delta_mode);
+  const Fp8Format gfmt = parse_grad_format(grad_format);
+  const at::Device device = q_in.device();
+  check_cuda_tensor(dout_in, "dout", device);
+  check_cuda_tensor(out_in, "out", device);
+  const int64_t want_o[4] = {pr.batch, pr.heads_q, pr.seqlen_q, pr.dv};
+  for (int d = 0; d < 4; ++d) {
+    check_size(dout_in, d, want_o[d], "dout", "size");
+    check_size(out_in, d, want_o[d], "out", "size");
+  }
+  TORCH_CHECK_VALUE(lse_in.defined() && lse_in.device() == device, "fp8attn: argument 'lse': expected a tensor on ",
+                    device);
+  TORCH_CHECK_TYPE(lse_in.scalar_type() == at::kFloat, "fp8attn: argument 'lse': expected float32, got ",
+                   lse_in.scalar_type());
+  TORCH_CHECK_VALUE(lse_in.dim() == 3 && lse_in.size(0) == pr.batch && lse_in.size(1) == pr.heads_q &&
+                        lse_in.size(2) == pr.seqlen_q,
+                    "fp8attn: argument 'lse': expected shape [", pr.batch, ", ", pr.heads_q, ", ", pr.seqlen_q,
+                    "], got ", lse_in.sizes());
+
+  TORCH_CHECK_NOT_IMPLEMENTED(&sm90::run_bwd != nullptr,
+                              "fp8attn: the CUDA backward kernels are not built into this library "
+                              "(csrc/hopper/bwd_*.cu missing); use CPU tensors for the backward");
+
+  const c10::cuda::CUDAGuard guard(device);
+  const auto opts = q_in.options();
+  at::Tensor dq = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, opts);
+  at::Tensor dk = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dqk}, opts);
+  at::Tensor dv = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dv}, opts);
+  const auto fopts = opts.dtype(at::kFloat);
+  at::Tensor diag = diagnostics ? at::empty({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::empty({0}, fopts);
+  if (pr.empty() || pr.seqlen_k == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    diag.zero_();
+    return {dq, dk, dv, diag};
+  }
+
+  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
+  const at::Tensor dout = aligned_bf16(dout_in), out = aligned_bf16(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+
+  // Quantized operands (kernel_params_sm90.h). V's column blocking feeds only
+  // the forward's matmul #2, so the backward does not build it.
+  auto [q_row, q_row_s] = alloc_row(q);
+  auto [k_row, k_row_s] = alloc_row(k);
+  auto [v_row, v_row_s] = alloc_row(v);
+  auto [do_row, do_row_s] = alloc_row(dout);
+  auto [q_colT, q_col_s] = alloc_col(q);
+  auto [k_colT, k_col_s] = alloc_col(k);
+  auto [do_colT, do_col_s] = alloc_col(dout);
+  const at::Tensor none;
+  quantize(q, Fp8Format::kE4M3, q_row, q_row_s, q_colT, q_col_s, q_colT.size(3), stream);
+  quantize(k, Fp8Format::kE4M3, k_row, k_row_s, k_colT, k_col_s, k_colT.size(3), stream);
+  quantize(v, Fp8Format::kE4M3, v_row, v_row_s, none, none, 0, stream);
+  quantize(dout, gfmt, do_row, do_row_s, do_colT, do_col_s, do_colT.size(3), stream);
+
+  // Workspace.
+  at::Tensor delta = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
+  at::Tensor delta_dm = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
+  at::Tensor dq_accum = at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, fopts);
+  at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
+
+  KernelParams kp{};
+  set_sizes(kp, pr, softmax_scale, causal);
+  kp.delta_mode = static_cast<int>(mode);
+  kp.grad_format = static_cast<int>(gfmt);
+  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  set_input(out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
+  set_input(dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
+  kp.lse = lse.data_ptr<float>();
+  kp.dq = dq.data_ptr();
+  kp.dk = dk.data_ptr();
+  kp.dv = dv.data_ptr();
+  kp.q_row = q_row.data_ptr<uint8_t>();
+  kp.q_row_s = q_row_s.data_ptr<float>();
+  kp.k_row = k_row.data_ptr<uint8_t>();
+  kp.k_row_s = k_row_s.data_ptr<float>();
+  kp.v_row = v_row.data_ptr<uint8_t>();
+  kp.v_row_s = v_row_s.data_ptr<float>();
+  kp.do_row = do_row.data_ptr<uint8_t>();
+  kp.do_row_s = do_row_s.data_ptr<float>();
+  kp.q_colT = q_colT.data_ptr<uint8_t>();
+  kp.q_col_s = q_col_s.data_ptr<float>();
+  kp.k_colT = k_colT.data_ptr<uint8_t>();
+  kp.k_col_s = k_col_s.data_ptr<float>();
+  kp.do_colT = do_colT.data_ptr<uint8_t>();
+  kp.do_col_s = do_col_s.data_ptr<float>();
+  kp.delta = delta.data_ptr<float>();
+  kp.delta_dm = delta_dm.data_ptr<float>();
+  kp.dq_accum = dq_accum.data_ptr<float>();
+  kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
+  kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
+  launch([&] { sm90::run_bwd(kp, stream); });
+  return {dq, dk, dv, diag};
+}
+
+// quantize_blockwise on CUDA (used to check the quantization kernels bit for
+// bit against the CPU op): x bfloat16 [B, H, S, D] on CUDA with D in {64, 128,
+// 192, 256}, block_size 128, dim = 3 / -1 (row blocking, blocks of min(128, D)
+// channels) or dim = 2 / -2 (blocks of 128 tokens). Returns codes with x's
+// shape (for dim 2 a transposed view of the kernel's [B, H, D, S_pad] layout)
+// and scales with x's shape where dim is replaced by its number of blocks
+// (for dim 2 a transposed view of [B, H, D, nblk]). Same values as the CPU op.
+std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_in, int64_t dim, int64_t block_size,
+                                                           c10::string_view fmt_s) {
+  TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
+  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
+                   "fp8attn: argument 'x': the CUDA quantize_blockwise takes bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': the CUDA quantize_blockwise takes a rank-4 tensor, got rank ",
+                    x_in.dim());
+  const int64_t d = dim < 0 ? dim + 4 : dim;
+  TORCH_CHECK_VALUE(d == 2 || d == 3, "fp8attn: argument 'dim': the CUDA quantize_blockwise blocks dim 2 or 3 (or -2, -1), got ",
+                    dim);
+  TORCH_CHECK_VALUE(block_size == kSeqBlock, "fp8attn: argument 'block_size': the CUDA quantize_blockwise supports 128 only, got ",
+                    block_size);
+  const int64_t D = x_in.size(3);
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
+                    "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
+  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) <= 65535, "fp8attn: argument 'x': size(0) * size(1) must be <= 65535");
+  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(fmt_s), "\"");
+  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = aligned_bf16(x_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const at::Tensor none;
+  if (d == 3) {
+    auto [row, row_s] = alloc_row(x);
+    quantize(x, fmt, row, row_s, none, none, 0, stream);
+    return {row, row_s};
+  }
+  auto [colT, col_s] = alloc_col(x);
+  quantize(x, fmt, none, none, colT, col_s, colT.size(3), stream);
+  return {colT.narrow(3, 0, x.size(2)).transpose(2, 3), col_s.transpose(2, 3)};
+}
+
+}  // namespace
+}  // namespace fp8attn
+
+TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
+  m.impl("fwd", &fp8attn::fwd_cuda);
+  m.impl("bwd", &fp8attn::bwd_cuda);
+  m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
+}

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The one script run on the lent H200 (the `run` tool of this workplace):
+# versions, the CUDA library, GPU tests, compute-sanitizer memcheck and
+# racecheck on a small fwd+bwd case, then the GPU benchmark; logs under $OUT,
+# a short table last. At most 8 files land in $OUT (the tool's limit): summary.txt,
+# pytest_gpu.log, sanitizer_{memcheck,racecheck}.log, bench_gpu.{log,json,md}
+# and build.log when it had to build.
+#
+# Build here first (torch 2.11 cu130 is the same on both machines, so the .so
+# built with this machine's Python 3.11 loads on the device's Python 3.12):
+#   FP8ATTN_BUILD_CUDA=1 MAX_JOBS=2 python3 setup.py build_ext \
+#       --build-lib .devbuild/lib --build-temp .devbuild/tmp
+# (.devbuild/ is in .git/info/exclude). Then the exact call:
+#   run(command="bash scripts/device_all.sh", carry=[".devbuild/lib"], timeout_s=600)
+# Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_CPU_TESTS=1 also
+# runs the CPU pytest suites, DEVICE_PYTEST_ARGS extra pytest arguments,
+# DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/device_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+echo "== versions"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$SUMMARY"
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$SUMMARY"
+nvcc --version | tail -1 | tee -a "$SUMMARY"
+
+echo "== library"
+rm -f python/fp8attn/_C*.so
+so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
+[ -n "$so" ] && cp "$so" python/fp8attn/
+has_cuda() { python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" 2>>/tmp/fp8attn_load.log; }
+if [ -n "$so" ] && has_cuda; then
+  note "library: carried prebuilt $(basename "$so")"
+else
+  tail -5 /tmp/fp8attn_load.log 2>/dev/null
+  note "library: carried .so missing or not loading; building with FP8ATTN_BUILD_CUDA=1"
+  rm -f python/fp8attn/_C*.so
+  if ! FP8ATTN_BUILD_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"; note "BUILD FAILED"; exit 1
+  fi
+  has_cuda || { note "built library has no CUDA kernels"; exit 1; }
+fi
+
+echo "== GPU tests"
+tests="tests/python/test_cuda.py"
+[ -f tests/python/test_cuda_bwd.py ] && tests="$tests tests/python/test_cuda_bwd.py"
+# shellcheck disable=SC2086
+timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
+rc=$?
+tail -25 "$OUT/pytest_gpu.log"
+note "gpu tests: rc=$rc, $(tail -1 "$OUT/pytest_gpu.log")"
+if [ "${DEVICE_CPU_TESTS:-0}" = 1 ]; then
+  timeout 200 python3 -m pytest -q -m "not gpu" tests/python >"$OUT/pytest_cpu.log" 2>&1
+  note "cpu tests: rc=$?, $(tail -1 "$OUT/pytest_cpu.log")"
+fi
+
+echo "== compute-sanitizer"
+cat >/tmp/fp8attn_sanitize_case.py <<'EOF'
+# One small fwd+bwd per head-dim kernel (causal, GQA, partial tiles).
+import torch, fp8attn  # noqa: F401
+ops = torch.ops.fp8attn
+for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
+    q = torch.randn(1, 4, 150, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 200, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 200, dv, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(1, 4, 150, dv, device="cuda", dtype=torch.bfloat16)
+    o, lse = ops.fwd(q, k, v, d ** -0.5, True, "fp8", 128)
+    try:
+        ops.bwd(do, q, k, v, o, lse, d ** -0.5, True, "fp8", "delta_matching", 128, "e4m3", True)
+    except NotImplementedError:
+        pass
+torch.cuda.synchronize()
+print("sanitize case done")
+EOF
+for tool in memcheck racecheck; do
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    python3 /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
+  rc=$?
+  tail -4 "$OUT/sanitizer_$tool.log"
+  note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+done
+
+bench="${DEVICE_BENCH:-quick}"
+if [ "$bench" != 0 ]; then
+  echo "== benchmark ($bench)"
+  flag=""
+  [ "$bench" = quick ] && flag="--quick"
+  timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
+  note "benchmark: rc=$?"
+fi
+
+echo
+echo "== summary"
+cat "$SUMMARY"
+[ -f "$OUT/bench_gpu.md" ] && cat "$OUT/bench_gpu.md" || tail -15 "$OUT/bench_gpu.log" 2>/dev/null
