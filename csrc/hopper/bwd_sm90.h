@@ -1,0 +1,30 @@
+// fp8attn: entry point of the sm_90a FP8 backward (numerics.md sections 3-5).
+//
+// run_bwd(p, stream) computes dQ, dK, dV (BF16, contiguous [B, H, S, D] in
+// p.dq / p.dk / p.dv) from the quantized operands in p (layouts documented in
+// kernel_params_sm90.h; q_row, k_row, v_row, do_row, k_colT, q_colT, do_colT
+// and their scales must be filled) and the BF16 o, dout, lse.
+//
+// Preconditions set by the launcher (csrc/torch/ops_cuda.cpp):
+//   - p.block_size == 128; head_dim_qk, head_dim_v in {64, 128, 256} or
+//     (192, 128); num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k >= 1.
+//   - p.delta, p.delta_dm: FP32 [B, Hq, Sq], any content (written here).
+//   - p.dq_accum: FP32 [B, Hq, Sq, Dqk], zero-filled.
+//   - p.diag: FP32 [4, B, Hq, Sq] (delta, eps, rowsum_pre, rowsum_post) or
+//     nullptr; p.rowsum_ws: FP32 [4, B, Hq, Sq], zero-filled, non-null iff
+//     p.diag is.
+// Errors: an unsupported configuration throws std::runtime_error naming the
+// argument; CUDA launch errors throw std::runtime_error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "hopper/kernel_params_sm90.h"
+
+namespace fp8attn {
+namespace sm90 {
+
+void run_bwd(const KernelParams& p, cudaStream_t stream);
+
+}  // namespace sm90
+}  // namespace fp8attn

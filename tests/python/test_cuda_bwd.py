@@ -1,0 +1,249 @@
+"""GPU tests of the sm_90a FP8 backward (csrc/hopper/bwd_*_sm90.cu) through
+torch.ops.fp8attn.bwd on CUDA, against the CPU reference op on the same inputs
+(docs/numerics.md section 6):
+
+    ||cuda - exact|| <= 2 * ||cpu_fp8 - exact|| + 1e-3 * ||exact||
+    ||cuda - cpu_fp8|| / ||cpu_fp8|| < 2e-2
+
+for dQ, dK, dV, every delta mode, both grad formats, the supported head dims,
+causal or not, seqlen_q != seqlen_k both ways and partial tiles; outputs are
+poisoned with NaN before each call so an unwritten element fails; plus the
+Delta-Matching zero-row-sum invariant from the CUDA diagnostics.
+
+The backward inputs (out, lse) come from the CPU reference forward, so these
+tests isolate the backward kernels from the CUDA forward.
+
+Run: PYTHONPATH=python python3 -m pytest -q -m gpu tests/python/test_cuda_bwd.py
+Benchmark: PYTHONPATH=python python3 tests/python/test_cuda_bwd.py --bench
+"""
+import math
+import sys
+import zlib
+
+import pytest
+import torch
+
+import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
+from fp8attn import _lib
+
+pytestmark = pytest.mark.gpu
+
+HAS_GPU = torch.cuda.is_available() and getattr(_lib, "HAS_CUDA_KERNELS", False)
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the CUDA kernels")
+
+OPS = torch.ops.fp8attn
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def f32_scale(d):
+    # The op's softmax_scale is FP32: use the same rounding on every path.
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+
+
+def make_inputs(b, hq, hkv, sq, sk, d, dv, causal, seed):
+    """Fresh standard-normal BF16 Q, K, V, dO and the CPU reference FP8 forward's O, LSE."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, generator=gen).bfloat16()
+    k = torch.randn(b, hkv, sk, d, generator=gen).bfloat16()
+    v = torch.randn(b, hkv, sk, dv, generator=gen).bfloat16()
+    dout = torch.randn(b, hq, sq, dv, generator=gen).bfloat16()
+    out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128)
+    return q, k, v, out, lse, dout
+
+
+def poison_cuda_allocator(shapes):
+    """Leaves NaN-filled blocks of the outputs' sizes in the CUDA caching
+    allocator, so outputs that at::empty hands back start as NaN."""
+    blocks = [torch.full(s, float("nan"), device="cuda", dtype=dt) for s, dt in shapes]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def run_bwd(inp, causal, mode, fmt, diagnostics=False):
+    """Returns (cuda, cpu_fp8, exact) tuples of (dq, dk, dv, diag)."""
+    q, k, v, out, lse, dout = inp
+    tau = f32_scale(q.shape[-1])
+    cpu = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, fmt, diagnostics)
+    exact = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal,
+                    "exact", mode, 128, fmt, False)
+    poison_cuda_allocator([(q.shape, torch.bfloat16), (k.shape, torch.bfloat16), (v.shape, torch.bfloat16),
+                           ((4,) + tuple(lse.shape), torch.float32)])
+    dev = [t.cuda() for t in (dout, q, k, v, out, lse)]
+    cuda = OPS.bwd(dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], tau, causal, "fp8", mode, 128, fmt,
+                   diagnostics)
+    torch.cuda.synchronize()
+    return tuple(t.cpu() for t in cuda), cpu, exact
+
+
+def check_grads(cuda, cpu, exact, label):
+    for name, c, r, e in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3], exact[:3]):
+        c, r, e = c.double(), r.double(), e.double()
+        assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
+        ne = e.norm().item()
+        if ne < 1e-6 * math.sqrt(e.numel()):
+            # Degenerate (e.g. one key per row: dS = 0 exactly): only tiny values allowed.
+            assert c.abs().max().item() < 1e-3, f"{label} {name}: expected ~0, got {c.abs().max().item()}"
+            continue
+        err_cuda = (c - e).norm().item()
+        err_cpu = (r - e).norm().item()
+        rel_cpu = (c - r).norm().item() / max(r.norm().item(), 1e-30)
+        assert err_cuda <= 2 * err_cpu + 1e-3 * ne, (
+            f"{label} {name}: ||cuda-exact||={err_cuda:.4g} > 2*||cpu-exact||={2 * err_cpu:.4g} + 1e-3*||exact||")
+        assert rel_cpu < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel_cpu:.4g}"
+
+
+# ---- dQ, dK, dV vs the CPU reference ------------------------------------------------
+
+SHAPES = [  # (b, hq, hkv, sq, sk, d, dv)
+    (2, 4, 2, 200, 333, 64, 64),
+    (2, 4, 2, 333, 200, 128, 128),
+    (1, 4, 2, 200, 333, 256, 256),
+    (1, 4, 2, 333, 200, 192, 128),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_bwd_head_dims(shape, causal, fmt):
+    # d > 128 keeps Q/dO FP8 in shared memory (decoded per use), d <= 128 FP16.
+    inp = make_inputs(*shape, causal, seed=zlib.crc32(repr((shape, causal, fmt)).encode()))
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", fmt)
+    check_grads(cuda, cpu, exact, f"{shape} causal={causal} {fmt}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["stale", "matched_do", "delta_matching"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_modes_formats(mode, fmt, causal):
+    shape = (2, 6, 2, 290, 260, 128, 128)  # GQA 3:1, partial tiles
+    inp = make_inputs(*shape, causal, seed=zlib.crc32(repr((mode, fmt, causal)).encode()))
+    cuda, cpu, exact = run_bwd(inp, causal, mode, fmt)
+    check_grads(cuda, cpu, exact, f"{mode} {fmt} causal={causal}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("sq,sk", [(1, 77), (77, 1), (1, 1), (129, 128), (128, 257), (640, 640)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_seqlens(sq, sk, causal):
+    inp = make_inputs(1, 2, 1, sq, sk, 128, 128, causal, seed=sq * 1000 + sk + causal)
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(cuda, cpu, exact, f"sq={sq} sk={sk} causal={causal}")
+
+
+@needs_gpu
+def test_fully_masked_rows_have_zero_grads():
+    # causal with seqlen_q > seqlen_k: the first sq - sk queries see no key.
+    sq, sk = 300, 100
+    inp = make_inputs(1, 2, 2, sq, sk, 64, 64, True, seed=7)
+    cuda, cpu, exact = run_bwd(inp, True, "stale", "e4m3", diagnostics=True)
+    dq, diag = cuda[0], cuda[3]
+    assert torch.isfinite(diag).all()
+    assert torch.equal(dq[:, :, : sq - sk], torch.zeros_like(dq[:, :, : sq - sk]))
+    assert torch.equal(diag[:, :, :, : sq - sk], torch.zeros_like(diag[:, :, :, : sq - sk]))
+    assert dq[:, :, sq - sk :].abs().sum() > 0
+    check_grads(cuda, cpu, exact, "fully masked rows")
+
+
+# ---- diagnostics and the Delta-Matching invariant ---------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_delta_matching_invariant_and_diagnostics(causal):
+    # numerics.md section 6: DM pre-cast mean row-sum residual < 1e-5; stale at
+    # least 10x larger on the same inputs (this is the bug DM removes: without
+    # the pre-pass sharing the main kernel's dP arithmetic the DM residual
+    # would be as large as matched_do's).
+    inp = make_inputs(1, 4, 2, 384, 384, 128, 128, causal, seed=11)
+    res = {}
+    for mode in ("stale", "matched_do", "delta_matching"):
+        cuda, cpu, _ = run_bwd(inp, causal, mode, "e4m3", diagnostics=True)
+        dc, dr = cuda[3].double(), cpu[3].double()
+        assert dc.shape == (4, 1, 4, 384) and torch.isfinite(dc).all()
+        # delta and eps agree with the reference (different FP32 summation order only).
+        assert (dc[0] - dr[0]).norm() <= 1e-3 * dr[0].norm()
+        if mode != "delta_matching":
+            assert (dc[1] - dr[1]).norm() <= 2e-2 * dr[1].norm() + 1e-6
+        else:
+            assert torch.equal(dc[1], torch.zeros_like(dc[1]))
+        # post-cast residual: same statistics as the reference.
+        post_c, post_r = dc[3].mean().item(), dr[3].mean().item()
+        assert abs(post_c - post_r) <= 0.2 * post_r + 1e-6, (mode, post_c, post_r)
+        res[mode] = dc[2].mean().item()
+    assert res["delta_matching"] < 1e-5, res
+    assert res["stale"] >= 10 * res["delta_matching"], res
+    assert res["matched_do"] >= 10 * res["delta_matching"], res
+
+
+@needs_gpu
+def test_bad_block_size_names_argument():
+    q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 2, 64, 64, 64, 64, False, seed=3))
+    with pytest.raises((ValueError, RuntimeError), match="block_size"):
+        OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 64, "e4m3", False)
+
+
+# ---- benchmark (not a test) ---------------------------------------------------------
+
+
+def bench_forward(q, k, v, tau, causal):
+    """O, LSE for the benchmark: the CUDA FP8 forward, or (if it fails) BF16
+    SDPA and an FP32 logsumexp (the backward's cost does not depend on which)."""
+    try:
+        return OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    except Exception:  # noqa: BLE001
+        import torch.nn.functional as F
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=tau)
+        s = (q.float() @ k.float().transpose(-1, -2)) * tau
+        if causal:
+            s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        return out, torch.logsumexp(s, dim=-1)
+
+
+def bench():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def timeit(fn, iters=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+    print("B x H x S, d | causal | mode | fp8 bwd ms | TFLOP/s (2.5x fwd) | cuDNN bf16 bwd TFLOP/s")
+    for (b, h, s, d) in [(4, 16, 4096, 128), (2, 16, 8192, 64), (2, 16, 4096, 256)]:
+        for causal in (False, True):
+            tau = f32_scale(d)
+            q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = bench_forward(q, k, v, tau, causal)
+            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            try:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    o_ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                    t_ref = timeit(lambda: torch.autograd.grad(o_ref, (qr, kr, vr), dout, retain_graph=True))
+                ref = f"{flops / t_ref / 1e9:.0f}"
+            except Exception as e:  # noqa: BLE001
+                ref = f"n/a ({type(e).__name__})"
+            for mode in ("delta_matching", "stale"):
+                t = timeit(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", False))
+                print(f"{b}x{h}x{s}, {d} | {causal} | {mode} | {t:.3f} | {flops / t / 1e9:.0f} | {ref}")
+            del q, k, v, dout, out, lse, qr, kr, vr
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if "--bench" in sys.argv:
+        bench()
