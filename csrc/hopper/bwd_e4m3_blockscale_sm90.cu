@@ -462,10 +462,16 @@ __global__ void bwd_diag_finish_kernel(const KernelParams p) {
   const float* ws = p.rowsum_ws;
   const bool empty = p.lse[i] == -INFINITY;
   const float delta = p.delta[i];
+  // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio
+  // would only measure rounding noise, so it reports 0 (numerics.md section 7).
+  const int64_t qi = i % p.seqlen_q;
+  const int64_t nvis = p.causal ? min(static_cast<int64_t>(p.seqlen_k), qi + p.seqlen_k - p.seqlen_q + 1)
+                                : static_cast<int64_t>(p.seqlen_k);
+  const bool no_ratio = empty || nvis < 2;
   p.diag[i] = empty ? 0.f : delta;
   p.diag[n + i] = empty ? 0.f : delta - p.delta_dm[i];
-  p.diag[2 * n + i] = (empty || !(ws[n + i] > 0.f)) ? 0.f : fabsf(ws[i]) / ws[n + i];
-  p.diag[3 * n + i] = (empty || !(ws[3 * n + i] > 0.f)) ? 0.f : fabsf(ws[2 * n + i]) / ws[3 * n + i];
+  p.diag[2 * n + i] = (no_ratio || !(ws[n + i] > 0.f)) ? 0.f : fabsf(ws[i]) / ws[n + i];
+  p.diag[3 * n + i] = (no_ratio || !(ws[3 * n + i] > 0.f)) ? 0.f : fabsf(ws[2 * n + i]) / ws[3 * n + i];
 }
 
 template <int DQK, int DV, int FMT>

@@ -598,7 +598,8 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
         store_row(dq, b, i, hq, d, dqrow.data());
         if (diag) {
           const int64_t idx = g.lse_index(b, hq, i);
-          const double r = sum_abs_ds > 0.0 ? std::fabs(sum_ds) / sum_abs_ds : 0.0;
+          // NOTE: rows that see < 2 keys report 0 (numerics.md section 7).
+          const double r = (L >= 2 && sum_abs_ds > 0.0) ? std::fabs(sum_ds) / sum_abs_ds : 0.0;
           if (diag->delta) diag->delta[idx] = static_cast<float>(delta);
           if (diag->eps) diag->eps[idx] = 0.f;
           if (diag->rowsum_pre) diag->rowsum_pre[idx] = static_cast<float>(r);
@@ -808,12 +809,16 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             const int64_t idx = g.lse_index(b, hq, i);
             if (diag->delta) diag->delta[idx] = delta;
             if (diag->eps) diag->eps[idx] = delta - delta_dm;
+            // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic;
+            // its ratio would only measure rounding noise, so it reports 0
+            // (numerics.md section 7).
+            const bool has_freedom = nvis >= 2;
             if (diag->rowsum_pre)
-              diag->rowsum_pre[idx] =
-                  pre_abs > 0.0 ? static_cast<float>(std::fabs(pre_sum) / pre_abs) : 0.f;
+              diag->rowsum_pre[idx] = has_freedom && pre_abs > 0.0
+                                          ? static_cast<float>(std::fabs(pre_sum) / pre_abs) : 0.f;
             if (diag->rowsum_post)
-              diag->rowsum_post[idx] =
-                  post_abs > 0.0 ? static_cast<float>(std::fabs(post_sum) / post_abs) : 0.f;
+              diag->rowsum_post[idx] = has_freedom && post_abs > 0.0
+                                           ? static_cast<float>(std::fabs(post_sum) / post_abs) : 0.f;
           }
         }
         // Column pass over the keys this query tile sees: dV (#5), dK (#7).
