@@ -86,6 +86,20 @@ for tool in memcheck racecheck; do
   note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
 done
 
+# Optional: the main job's GPU comparison (all four modes), carried data needed:
+# DEVICE_TRAIN_STEPS=N with the tokenized corpus in data/ (carry it; the device
+# has no network). The run directory lands in $OUT/train.tgz.
+if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
+  echo "== GPU training comparison (${DEVICE_TRAIN_PRESET:-gpu-50m}, ${DEVICE_TRAIN_STEPS} steps/mode)"
+  tdir=/tmp/fp8attn_train
+  timeout "${DEVICE_T_TRAIN:-240}" python3 -m fp8attn.train.compare --preset "${DEVICE_TRAIN_PRESET:-gpu-50m}" \
+    --steps "$DEVICE_TRAIN_STEPS" --out "$tdir" --no-progress >/tmp/fp8attn_train.log 2>&1
+  note "training: rc=$?"
+  cp /tmp/fp8attn_train.log "$tdir/" 2>/dev/null
+  tail -25 /tmp/fp8attn_train.log
+  tar czf "$OUT/train.tgz" -C "$(dirname "$tdir")" "$(basename "$tdir")"
+fi
+
 bench="${DEVICE_BENCH:-quick}"
 if [ "$bench" != 0 ]; then
   echo "== benchmark ($bench)"

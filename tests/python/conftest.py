@@ -1,13 +1,15 @@
 """Shared pytest fixtures for the fp8attn Python tests."""
+import glob
 import os
 import sys
 
 import pytest
 import torch
 
-# Allow running from a source checkout without installing (PYTHONPATH=python also works).
+# Use the source tree's package when it holds a built library (in-place build,
+# `setup.py build_ext --inplace`); otherwise the installed package (pip install .).
 _PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
-if _PY not in sys.path:
+if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")) and _PY not in sys.path:
     sys.path.insert(0, _PY)
 
 

@@ -1,0 +1,114 @@
+"""Runs the same training once per attention mode and writes a comparison report.
+
+    python -m fp8attn.train.compare --preset cpu-tiny \
+        --modes bf16,fp8-stale,fp8-matched_do,fp8-delta_matching --steps 300 --out runs/cpu-tiny
+
+Writes <out>/<mode>.jsonl (trainer log per mode), <out>/report.md, loss.png,
+qk_gain.png, rowsum.png; prints the table and, last, the report path.
+Every mode gets the same initial weights (checked), the same batches and the
+same hyper-parameters; only model.attn_mode differs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from .data import prepare
+from .model import ATTN_MODES, PRESETS, preset_model_config
+from .report import write_report
+from .trainer import TrainConfig, resolve_device, train_mode
+
+# Corpus cap (MB of text) per preset: enough tokens for the preset's run.
+DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="Compare attention modes on the same training run.")
+    ap.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
+    ap.add_argument("--modes", default=",".join(ATTN_MODES),
+                    help=f"comma-separated subset of {','.join(ATTN_MODES)}")
+    ap.add_argument("--steps", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--diag-every", type=int, default=10, help="diagnostics cadence in steps (0 = off)")
+    ap.add_argument("--val-every", type=int, default=None, help="default: steps // 5")
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--data-seed", type=int, default=4321)
+    ap.add_argument("--no-qk-norm", action="store_true", help="drop QK-RMSNorm")
+    ap.add_argument("--nope", action="store_true", help="no positional encoding (instead of RoPE)")
+    ap.add_argument("--data-dir", default="data")
+    ap.add_argument("--text-dir", default=None, help="train on text files from here instead of linux-doc")
+    ap.add_argument("--max-mb", type=float, default=None, help="corpus cap in MB (default per preset)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", required=True, help="run directory, e.g. runs/cpu-tiny")
+    return ap.parse_args(argv)
+
+
+def run(args) -> tuple[Path, str, list[dict]]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ATTN_MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes: unknown mode(s) {bad}; choose from {','.join(ATTN_MODES)}")
+    preset = PRESETS[args.preset]
+    tp = dict(preset["train"])
+    for key in ("steps", "batch_size", "seq_len", "lr", "warmup"):
+        if getattr(args, key) is not None:
+            tp[key] = getattr(args, key)
+    tp["warmup"] = min(tp["warmup"], max(1, tp["steps"] // 10)) if args.warmup is None else tp["warmup"]
+    cfg = TrainConfig(**tp, diag_every=args.diag_every, val_batches=args.val_batches, seed=args.seed,
+                      data_seed=args.data_seed, device=args.device, threads=args.threads,
+                      progress=not args.no_progress,
+                      val_every=args.val_every or max(1, tp["steps"] // 5),
+                      loss_avg_last=max(3, min(20, tp["steps"] // 10)))
+
+    model_vocab = preset["model"]["vocab_size"]
+    t_data = time.time()
+    data = prepare(args.data_dir, vocab_size=model_vocab,
+                   max_mb=args.max_mb or DATA_MAX_MB.get(args.preset, 32.0), text_dir=args.text_dir)
+    # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
+    model_cfg = preset_model_config(args.preset, vocab_size=data.meta["vocab_size"],
+                                    qk_norm=not args.no_qk_norm, rope=not args.nope,
+                                    max_seq_len=max(cfg.seq_len, preset["model"]["max_seq_len"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = resolve_device(cfg.device)
+    print(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
+          f"{cfg.batch_size} x {cfg.seq_len} tokens -> {out}", flush=True)
+    t_data = time.time() - t_data
+    summaries, t0 = [], time.time()
+    for mode in modes:
+        summaries.append(train_mode(mode, model_cfg, cfg, data, out / f"{mode}.jsonl"))
+        s = summaries[-1]
+        print(f"[compare] {mode}: train loss {s['final_train_loss']:.4f}, val loss "
+              f"{s['final_val_loss'] if s['final_val_loss'] is None else round(s['final_val_loss'], 4)}, "
+              f"{s['train_time_s']:.0f} s", flush=True)
+    t_train = time.time() - t0
+    print(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
+    fps = {s["init_fingerprint"] for s in summaries}
+    if len(fps) != 1:
+        raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
+    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes,
+                                                  "data_time_s": t_data, "train_time_s": t_train,
+                                                  "summaries": summaries}, indent=1))
+    path, table = write_report(out, modes)
+    return path, table, summaries
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    path, table, _ = run(args)
+    print()
+    print(table)
+    print()
+    print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Decoder-only GQA transformer with QK-RMSNorm, used to compare attention modes.
+
+Block (pre-norm):  x += Wo . Attn(RoPE(g_q * rms(x Wq)), RoPE(g_k * rms(x Wk)), x Wv)
+                   x += W2 (silu(x W1) * (x W3))          (SwiGLU)
+with RMSNorm before each sublayer and a final RMSNorm before the (tied) LM head.
+
+QK-RMSNorm gains: one learnable gain per head-dim channel, g_q[c] and g_k[c]
+(shape [head_dim]), shared by all heads of the layer - this is the "per head
+dim channel" gain of docs/numerics.md section 5, so the gain statistics need
+no flattening across heads. `qk_norm=False` removes the norm and the gains.
+
+Attention backends (`attn_mode`), all causal, all fed BF16 Q/K/V:
+  "bf16"                torch F.scaled_dot_product_attention on BF16 Q/K/V (the
+                        baseline users have);
+  "fp8-<delta_mode>"    fp8attn.attention(..., precision="fp8", delta_mode=<delta_mode>)
+                        with delta_mode in {stale, matched_do, delta_matching}.
+NOTE: the op contract (numerics.md section 3) has BF16 inputs at the op
+boundary (the stale delta uses the BF16 O), so Q/K/V are cast to bfloat16 for
+every backend, also on CPU, and O is cast back to the compute dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model shape. n_heads must be a multiple of n_kv_heads (GQA)."""
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    mlp_hidden: int = 384
+    max_seq_len: int = 128
+    qk_norm: bool = True
+    rope: bool = True            # False = NoPE (no positional encoding; causal mask only)
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    attn_mode: str = "bf16"
+    fp8_block_size: int = 128    # fp8attn block size B (numerics.md section 2)
+    init_std: float | None = None  # None = 1/sqrt(d_model)
+
+    def __post_init__(self):
+        if self.attn_mode not in ATTN_MODES:
+            raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {self.attn_mode!r}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------
+# Attention backend: the one switch between the BF16 baseline and fp8attn
+# ----------------------------------------------------------------------------
+
+def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str,
+                      layer_name: str, block_size: int = 128) -> torch.Tensor:
+    """Causal attention. q [B, Hq, S, D], k/v [B, Hkv, S, D] (GQA by head count).
+
+    Returns O [B, Hq, S, D] in q's dtype. Q/K/V are cast to BF16 first (op contract).
+    layer_name labels this call in fp8attn.diagnostics.record() records (fp8 modes).
+    """
+    dtype = q.dtype
+    qb, kb, vb = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if mode == "bf16":
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+    elif mode.startswith("fp8-"):
+        import fp8attn
+        o = fp8attn.attention(qb, kb, vb, causal=True, precision="fp8", delta_mode=mode[len("fp8-"):],
+                              block_size=block_size, layer_name=layer_name)
+    else:
+        raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
+    return o.to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight over the last dim (eps 1e-6); weight init 1."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float):
+    """cos/sin tables [seq_len, head_dim/2] (fp32) for rotary embeddings on channel pairs (c, c+D/2)."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [B, H, S, D] by position (half-split channel pairing)."""
+    s = x.shape[-2]
+    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional QK-RMSNorm (gains q_norm.weight = g_q, k_norm.weight = g_k)."""
+
+    def __init__(self, cfg: ModelConfig, layer_name: str):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_name = layer_name
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        c = self.cfg
+        q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention_backend(q, k, v, mode=c.attn_mode, layer_name=self.layer_name,
+                              block_size=c.fp8_block_size)
+        return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: W2 (silu(x W1) * x W3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, layer_name=f"layer{idx}")
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens int64 [B, S] -> logits [B, S, vocab] (causal LM)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights()
+
+    def _init_weights(self):
+        # Normal(0, init_std) for matrices (default 1/sqrt(d_model): with GPT-2's 0.02
+        # a d_model-128 model learns visibly slower); residual output projections
+        # scaled by 1/sqrt(2 n_layers) (GPT-2); norm gains start at 1.
+        std = self.cfg.init_std or 1.0 / math.sqrt(self.cfg.d_model)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 1.0
+                nn.init.normal_(p, 0.0, std * scale)
+
+    def with_attn_mode(self, mode: str) -> "Transformer":
+        """Switches the attention backend in place (weights untouched); returns self."""
+        self.cfg = replace(self.cfg, attn_mode=mode)
+        for blk in self.blocks:
+            blk.attn.cfg = self.cfg
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        if s > self.cfg.max_seq_len:
+            raise ValueError(f"tokens: seqlen {s} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, self.rope_cos, self.rope_sin)
+        x = self.norm(x)
+        w = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x, w.to(x.dtype))
+
+    def qk_gains(self):
+        """[(layer_name, g_q [D], g_k [D])] for every attention layer with QK-norm."""
+        return [(b.attn.layer_name, b.attn.q_norm.weight, b.attn.k_norm.weight)
+                for b in self.blocks if b.attn.q_norm is not None]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def gain_stats(g_q: torch.Tensor, g_k: torch.Tensor, top_k: int = 4) -> tuple[float, float]:
+    """QK-norm channel gain statistics (numerics.md section 5).
+
+    g_q, g_k: per-channel gains, same shape (any shape; flattened, so gains kept
+    per head [H, D] are treated as H*D channels). Returns
+      max_gain  = max_c max(|g_q[c]|, |g_k[c]|)
+      top_share = (sum of the top_k largest (g_q[c] g_k[c])^2) / sum_c (g_q[c] g_k[c])^2
+    (top_share is 0 for all-zero gains).
+    """
+    if g_q.shape != g_k.shape:
+        raise ValueError(f"g_q and g_k must have the same shape, got {tuple(g_q.shape)} and {tuple(g_k.shape)}")
+    gq, gk = g_q.detach().double().flatten(), g_k.detach().double().flatten()
+    max_gain = float(torch.maximum(gq.abs().max(), gk.abs().max()))
+    e = (gq * gk) ** 2
+    total = float(e.sum())
+    top = float(e.topk(min(top_k, e.numel())).values.sum())
+    return max_gain, (top / total if total > 0 else 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Presets
+# ----------------------------------------------------------------------------
+
+PRESETS: dict[str, dict] = {
+    # Seconds-scale smoke test (tests/python/test_train.py); tiny vocab for tiny corpora.
+    "smoke": dict(model=dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                             head_dim=32, mlp_hidden=192, max_seq_len=64),
+                  train=dict(batch_size=8, seq_len=64, steps=20, lr=1e-2, warmup=2)),
+    # ~1.3 M params (0.5 M of them the tied 4096-token embedding); 300 steps of all four
+    # modes take ~4-5 min on 2 idle CPU cores (the fp8 modes run the CPU reference op).
+    "cpu-tiny": dict(model=dict(vocab_size=4096, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                                head_dim=32, mlp_hidden=384, max_seq_len=128),
+                     train=dict(batch_size=8, seq_len=128, steps=300, lr=1e-2, warmup=30)),
+    # ~49 M params (16384 vocab, tied). The linux-doc corpus is ~7 M tokens at this
+    # vocab, so 1200 steps x 16 x 1024 tokens is ~3 epochs.
+    "gpu-50m": dict(model=dict(vocab_size=16384, d_model=512, n_layers=12, n_heads=8, n_kv_heads=2,
+                               head_dim=64, mlp_hidden=1792, max_seq_len=1024),
+                    train=dict(batch_size=16, seq_len=1024, steps=1200, lr=1.5e-3, warmup=120)),
+    # ~123 M params (16384 vocab, tied), head_dim 128.
+    "gpu-125m": dict(model=dict(vocab_size=16384, d_model=768, n_layers=16, n_heads=6, n_kv_heads=2,
+                                head_dim=128, mlp_hidden=2304, max_seq_len=1024),
+                     train=dict(batch_size=16, seq_len=1024, steps=1500, lr=1e-3, warmup=150)),
+}
+
+
+def preset_model_config(preset: str, **overrides) -> ModelConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[preset]["model"], **overrides})

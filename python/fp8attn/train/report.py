@@ -1,0 +1,193 @@
+"""Comparison report: markdown table + PNG plots from the per-mode JSONL logs.
+
+Table columns (one row per mode):
+  final train loss   mean loss of the last `loss_avg_last` steps
+  final val loss     loss on the fixed val batches after the last step
+  gap to bf16        final val loss - bf16's final val loss
+  rowsum post mean/max  post-cast dS row-sum residual r_i = |sum_j dS_ij| / sum_j |dS_ij|
+                     (numerics.md section 5): mean over rows (averaged over the
+                     diagnostic steps and layers) / max over all of them
+  mean |eps|         mean over rows of |delta_i(mode) - delta_i(delta_matching)|
+  max QK gain        max over layers and channels of |g_q|, |g_k| at the last step
+  top-4 share        max over layers of the top-4 channels' share of sum_c (g_q[c] g_k[c])^2
+The bf16 baseline (torch SDPA) has no FP8 backward, so its diagnostics read "n/a".
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def read_log(path: str | Path) -> dict:
+    """Parses a trainer JSONL log into {meta, steps, vals, summary}."""
+    out = {"meta": None, "steps": [], "vals": [], "summary": None}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            t = r.get("type")
+            if t == "meta":
+                out["meta"] = r
+            elif t == "step":
+                out["steps"].append(r)
+            elif t == "val":
+                out["vals"].append(r)
+            elif t == "summary":
+                out["summary"] = r
+    return out
+
+
+def _fmt(v, spec=".4f"):
+    if v is None:
+        return "n/a"
+    return format(v, spec)
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    base = next((s for s in summaries if s["mode"] == "bf16"), None)
+    base_val = base["final_val_loss"] if base else None
+    head = ("| mode | final train loss | final val loss | gap to bf16 | rowsum post mean / max "
+            "| mean abs eps | max QK gain | top-4 share |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        gap = (s["final_val_loss"] - base_val) if (base_val is not None and s["final_val_loss"] is not None) else None
+        rowsum = ("n/a" if s.get("rowsum_post_mean") is None
+                  else f"{s['rowsum_post_mean']:.2e} / {s['rowsum_post_max']:.2e}")
+        mode = s["mode"] + (" (diverged)" if s.get("diverged") else "")
+        lines.append(f"| {mode} | {_fmt(s['final_train_loss'])} | {_fmt(s['final_val_loss'])} | "
+                     f"{_fmt(gap, '+.4f')} | {rowsum} | {_fmt(s.get('eps_absmean'), '.2e')} | "
+                     f"{_fmt(s.get('max_gain'), '.3f')} | {_fmt(s.get('top4_share'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def _smooth(y: np.ndarray, window: int) -> np.ndarray:
+    if window <= 1 or len(y) < window:
+        return y
+    k = np.ones(window) / window
+    head = np.cumsum(y[:window - 1]) / np.arange(1, window)
+    return np.concatenate([head, np.convolve(y, k, mode="valid")])
+
+
+def make_plots(logs: dict[str, dict], out_dir: Path) -> list[Path]:
+    """loss.png, qk_gain.png, rowsum.png under out_dir; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    n = max((len(l["steps"]) for l in logs.values()), default=0)
+    window = max(1, n // 30)
+
+    fig, (ax, axd) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = logs.get("bf16")
+    base_loss = {r["step"]: r["loss"] for r in base["steps"]} if base else {}
+    for mode, l in logs.items():
+        s = np.array([r["step"] for r in l["steps"]])
+        y = np.array([r["loss"] for r in l["steps"]])
+        if not len(s):
+            continue
+        line, = ax.plot(s, _smooth(y, window), label=f"{mode} train", lw=1.3)
+        if l["vals"]:
+            ax.plot([v["step"] for v in l["vals"]], [v["val_loss"] for v in l["vals"]], "o--",
+                    color=line.get_color(), ms=4, lw=0.8, label=f"{mode} val")
+        # NOTE: every mode sees the same batch at a given step, so the per-step
+        # difference to bf16 is a paired comparison with far less noise than the curves.
+        paired = [(st, v - base_loss[st]) for st, v in zip(s, y) if st in base_loss]
+        if base and mode != "bf16" and paired:
+            ps, pd = map(np.array, zip(*paired))
+            axd.plot(ps, _smooth(pd, window), color=line.get_color(), lw=1.3, label=mode)
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"Loss (train: moving average over {window} steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    axd.axhline(0.0, color="k", lw=0.8)
+    axd.set_xlabel("step")
+    axd.set_ylabel("train loss - bf16 (same batch)")
+    axd.grid(alpha=0.3)
+    if base and len(logs) > 1:
+        axd.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "loss.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, l in logs.items():
+        pts = [(r["step"], r["max_gain"]) for r in l["steps"] if "max_gain" in r]
+        if pts:
+            ax.plot(*zip(*pts), label=mode, lw=1.3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max_c |g| over g_q, g_k, all layers")
+    ax.set_title("QK-norm max channel gain")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "qk_gain.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    any_diag = False
+    for mode, l in logs.items():
+        post = [(r["step"], r["rowsum_post_mean"]) for r in l["steps"] if r.get("rowsum_post_mean") is not None]
+        pre = [(r["step"], r["rowsum_pre_mean"]) for r in l["steps"] if r.get("rowsum_pre_mean") is not None]
+        if post:
+            any_diag = True
+            line, = ax.plot(*zip(*post), label=f"{mode} post-cast", lw=1.3)
+            if pre and max(v for _, v in pre) > 0:
+                ax.plot(*zip(*pre), "--", color=line.get_color(), lw=0.9, label=f"{mode} pre-cast")
+    if any_diag:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean_i |sum_j dS_ij| / sum_j |dS_ij|")
+    ax.set_title("dS row-sum residual (mean over rows and layers)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "rowsum.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
+    """Builds run_dir/report.md (+ PNGs) from run_dir/<mode>.jsonl; returns (path, table)."""
+    run_dir = Path(run_dir)
+    logs = {m: read_log(run_dir / f"{m}.jsonl") for m in modes}
+    missing = [m for m, l in logs.items() if l["summary"] is None]
+    if missing:
+        raise RuntimeError(f"report: no summary in the logs of {missing} (run incomplete?)")
+    summaries = [logs[m]["summary"] for m in modes]
+    table = markdown_table(summaries)
+    plots = make_plots(logs, run_dir)
+    meta = logs[modes[0]]["meta"]
+    m, t = meta["model"], meta["train"]
+    fps = {s["init_fingerprint"] for s in summaries}
+    lines = [
+        "# Attention-mode comparison",
+        "",
+        f"Model: {meta['params'] / 1e6:.2f} M params, d_model {m['d_model']}, {m['n_layers']} layers, "
+        f"{m['n_heads']} q heads / {m['n_kv_heads']} kv heads, head_dim {m['head_dim']}, "
+        f"QK-norm {'on' if m['qk_norm'] else 'off'}, {'RoPE' if m['rope'] else 'NoPE'}, vocab {m['vocab_size']}.",
+        f"Training: {t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens, AdamW lr {t['lr']} "
+        f"(warmup {t['warmup']}, cosine to {t['min_lr_ratio']}x), clip {t['grad_clip']}, device {meta['device']}.",
+        f"Data: {meta['data'].get('source')} ({meta['data'].get('train_tokens', 0) / 1e6:.2f} M train tokens, "
+        f"{meta['data'].get('val_tokens', 0) / 1e6:.3f} M val tokens), same batch order for every mode.",
+        f"Same initial weights in every mode: {'yes' if len(fps) == 1 else 'NO'} (fingerprint {', '.join(sorted(fps))}).",
+        f"Diagnostics every {t['diag_every']} steps; final train loss = mean of the last {t['loss_avg_last']} steps.",
+        "",
+        table,
+        "",
+        "Columns: see fp8attn/train/report.py. NOTE: the row-sum max reads 1 as soon as one row's "
+        "decoded dS is nonzero and of one sign, e.g. causal row 0, which sees a single key (its dS "
+        "is the one value dP_00 - delta_0, nonzero unless delta matches dP exactly); the mean is "
+        "the informative number. Wall time per mode: "
+        + ", ".join(f"{s['mode']} {s['train_time_s']:.0f} s" for s in summaries) + ".",
+        "",
+    ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path, table

@@ -1,0 +1,279 @@
+"""Training loop for one attention mode, logging everything the comparison needs.
+
+Precision: on CUDA the parameters and AdamW state stay FP32 ("master weights")
+and the forward/backward runs under torch.autocast(bfloat16); on CPU
+everything is FP32. In both cases the attention core sees BF16 Q/K/V (see
+model.attention_backend).
+
+Reproducibility across modes: the model is built right after
+torch.manual_seed(seed) and the attention mode adds no parameters, so every
+mode starts from identical weights (`init_fingerprint` is logged and checked by
+the comparison runner); batch offsets come from numpy's PCG64(data_seed), so
+every mode sees the same batches in the same order; val loss uses the same
+fixed val batches.
+
+JSONL log (one object per line, field "type"):
+  meta    mode, model/train config, param count, init_fingerprint, device, data meta
+  step    step, loss, lr, grad_norm, step_time_s, tokens_per_s,
+          max_gain / top4_share (max over layers) and gains {layer: [max_gain, top4_share]},
+          every diag_every steps for fp8 modes: diag {layer: stats} and the
+          aggregates eps_absmean, eps_absmax, rowsum_pre_mean/max, rowsum_post_mean/max
+          (fp8attn.diagnostics, numerics.md section 5; means over rows, max over rows)
+  val     step, val_loss
+  summary final numbers (see `train_mode` return value)
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import PreparedData, TokenStream
+from .model import ModelConfig, Transformer, gain_stats
+
+
+@dataclass
+class TrainConfig:
+    """Optimization and logging settings (same for every mode of a comparison)."""
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+    warmup: int = 30
+    weight_decay: float = 0.1      # on matrices only (norm/QK gains are not decayed)
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 1234               # model init
+    data_seed: int = 4321          # batch order
+    diag_every: int = 10           # record fp8attn backward diagnostics every k steps (0 = never)
+    val_every: int = 100           # val loss every k steps (and at the last step)
+    val_batches: int = 8
+    loss_avg_last: int = 20        # "final train loss" = mean of the last k steps
+    device: str = "auto"           # "auto" | "cpu" | "cuda"
+    threads: int = 0               # CPU threads (0 = all cores)
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def init_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name and bytes (name order): equal iff same init."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
+    """The model for model_cfg with weights drawn from torch.manual_seed(seed) (FP32, CPU)."""
+    torch.manual_seed(seed)
+    return Transformer(model_cfg)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine to lr * min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=cfg.betas, fused=None)
+
+
+def layer_gain_stats(model: Transformer) -> dict:
+    """{layer: [max_gain, top4_share]} for every attention layer with QK-norm."""
+    return {name: list(gain_stats(gq, gk, top_k=4)) for name, gq, gk in model.qk_gains()}
+
+
+_DIAG_KEYS = ("eps_absmean", "eps_absmax", "rowsum_pre_mean", "rowsum_pre_max",
+              "rowsum_post_mean", "rowsum_post_max")
+
+
+def summarize_diag(rec) -> tuple[dict, dict]:
+    """(per-layer stats, aggregate over layers) from a fp8attn DiagnosticsRecord.
+
+    Means are row-weighted means over every recorded call, maxima are maxima.
+    """
+    per_layer = {}
+    for (layer, _mode), s in rec.summary().items():
+        per_layer[str(layer)] = {k: s[k] for k in _DIAG_KEYS if k in s}
+    agg = {}
+    rows = {str(layer): s["rows"] for (layer, _), s in rec.summary().items()}
+    total = sum(rows.values())
+    for k in _DIAG_KEYS:
+        vals = [(per_layer[l][k], rows[l]) for l in per_layer if k in per_layer[l]]
+        if not vals:
+            continue
+        if k.endswith("max"):
+            agg[k] = max(v for v, _ in vals)
+        elif total > 0:
+            agg[k] = sum(v * n for v, n in vals) / total
+    return per_layer, agg
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast) -> float:
+    model.eval()
+    tot = 0.0
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits = model(x)
+        tot += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
+    model.train()
+    return tot / len(batches)
+
+
+def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: PreparedData,
+               log_path: str | os.PathLike) -> dict:
+    """Trains one model with attention mode `mode`; writes the JSONL log; returns the summary.
+
+    Summary keys: mode, steps_done, diverged, final_train_loss (mean of the last
+    loss_avg_last steps), final_val_loss, rowsum_post_mean / rowsum_post_max /
+    rowsum_pre_mean / eps_absmean (means over the diagnostic steps, max for *_max;
+    None for bf16), max_gain / top4_share (final step, max over layers),
+    init_fingerprint, train_time_s, tokens_per_s.
+    """
+    from tqdm import tqdm
+
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+    model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
+    model = build_model(model_cfg, cfg.seed)
+    fingerprint = init_fingerprint(model)
+    model.to(device)
+    opt = make_optimizer(model, cfg)
+    use_autocast = device.type == "cuda"
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_autocast)
+
+    train = TokenStream(data.train_path, cfg.seq_len)
+    val_batches = TokenStream(data.val_path, cfg.seq_len).fixed_batches(cfg.val_batches, cfg.batch_size)
+    rng = np.random.Generator(np.random.PCG64(cfg.data_seed))
+    fp8 = mode.startswith("fp8-")
+    if fp8:
+        from fp8attn import diagnostics
+
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
+    t_start = time.time()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    with open(log_path, "w") as log:
+        def write(obj):
+            log.write(json.dumps(obj) + "\n")
+            log.flush()
+
+        write({"type": "meta", "mode": mode, "model": model_cfg.to_dict(), "train": cfg.to_dict(),
+               "params": model.num_params(), "init_fingerprint": fingerprint, "device": str(device),
+               "torch": torch.__version__, "data": {k: v for k, v in data.meta.items() if k != "val_paths"}})
+        # NOTE: a tqdm bar only on a terminal; in a log file (CI) a plain line every 10 %.
+        tty = sys.stderr.isatty()
+        bar = tqdm(range(cfg.steps), desc=f"{mode:>18}", disable=not (cfg.progress and tty),
+                   mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+        line_every = max(1, cfg.steps // 10) if cfg.progress and not tty else 0
+        for step in bar:
+            t0 = time.time()
+            lr = lr_at(step, cfg)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = train.random_batch(rng, cfg.batch_size)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            want_diag = fp8 and cfg.diag_every > 0 and step % cfg.diag_every == 0
+            # The diagnostics context must cover backward(): the op reads it there.
+            with (diagnostics.record() if want_diag else contextlib.nullcontext()) as rec:
+                with autocast():
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            loss_v = float(loss.detach())
+            if not math.isfinite(loss_v) or not math.isfinite(grad_norm):
+                diverged = True
+                write({"type": "step", "step": step, "loss": loss_v, "grad_norm": grad_norm,
+                       "lr": lr, "diverged": True})
+                break
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.time() - t0
+            losses.append(loss_v)
+            last_gains = layer_gain_stats(model)
+            rec_line = {"type": "step", "step": step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
+                        "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "gains": last_gains}
+            if last_gains:
+                rec_line["max_gain"] = max(v[0] for v in last_gains.values())
+                rec_line["top4_share"] = max(v[1] for v in last_gains.values())
+            if rec is not None and rec.records:
+                per_layer, agg = summarize_diag(rec)
+                rec_line["diag"] = per_layer
+                rec_line.update(agg)
+                diag_aggs.append(agg)
+            write(rec_line)
+            if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
+                val_loss = evaluate(model, val_batches, device, autocast)
+                write({"type": "val", "step": step, "val_loss": val_loss})
+            bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
+            if line_every and ((step + 1) % line_every == 0 or step + 1 == cfg.steps):
+                print(f"[train] {mode} step {step + 1}/{cfg.steps} loss {loss_v:.3f} "
+                      f"val {val_loss if val_loss is None else round(val_loss, 3)} "
+                      f"{time.time() - t_start:.0f} s", file=sys.stderr, flush=True)
+        bar.close()
+
+        train_time = time.time() - t_start
+        k = min(cfg.loss_avg_last, len(losses))
+
+        def mean_of(key):
+            v = [a[key] for a in diag_aggs if key in a]
+            return float(np.mean(v)) if v else None
+
+        def max_of(key):
+            v = [a[key] for a in diag_aggs if key in a]
+            return float(np.max(v)) if v else None
+
+        summary = {
+            "type": "summary", "mode": mode, "steps_done": len(losses), "diverged": diverged,
+            "final_train_loss": float(np.mean(losses[-k:])) if k else None,
+            "final_val_loss": val_loss,
+            "rowsum_post_mean": mean_of("rowsum_post_mean"), "rowsum_post_max": max_of("rowsum_post_max"),
+            "rowsum_pre_mean": mean_of("rowsum_pre_mean"), "rowsum_pre_max": max_of("rowsum_pre_max"),
+            "eps_absmean": mean_of("eps_absmean"),
+            "max_gain": max((v[0] for v in last_gains.values()), default=None),
+            "top4_share": max((v[1] for v in last_gains.values()), default=None),
+            "init_fingerprint": fingerprint, "train_time_s": train_time,
+            "tokens_per_s": tokens_per_step * len(losses) / train_time if losses else None,
+        }
+        write(summary)
+    return summary
