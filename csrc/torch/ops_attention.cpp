@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "common/params.h"
+#include "op_args.h"
 #include "reference/attention_ref.h"
 
 namespace fp8attn {
@@ -36,29 +37,8 @@ DType to_dtype(const at::Tensor& t, const char* name) {
   }
 }
 
-Precision parse_precision(c10::string_view s) {
-  if (s == "fp8") return Precision::kFP8;
-  if (s == "exact") return Precision::kExact;
-  TORCH_CHECK_VALUE(false, "fp8attn: argument 'precision': expected \"fp8\" or \"exact\", got \"",
-                    std::string(s), "\"");
-}
 
-DeltaMode parse_delta_mode(c10::string_view s) {
-  if (s == "stale") return DeltaMode::kStale;
-  if (s == "matched_do") return DeltaMode::kMatchedDO;
-  if (s == "delta_matching") return DeltaMode::kDeltaMatching;
-  TORCH_CHECK_VALUE(false,
-                    "fp8attn: argument 'delta_mode': expected \"stale\", \"matched_do\" or "
-                    "\"delta_matching\", got \"",
-                    std::string(s), "\"");
-}
 
-Fp8Format parse_grad_format(c10::string_view s) {
-  if (s == "e4m3") return Fp8Format::kE4M3;
-  if (s == "e5m2") return Fp8Format::kE5M2;
-  TORCH_CHECK_VALUE(false, "fp8attn: argument 'grad_format': expected \"e4m3\" or \"e5m2\", got \"",
-                    std::string(s), "\"");
-}
 
 // Checks device/rank/dtype and returns a tensor whose head_dim stride is 1.
 at::Tensor prepare(const at::Tensor& t, const char* name) {

@@ -35,6 +35,7 @@
 #include <string>
 
 #include "common/params.h"
+#include "op_args.h"
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
 #include "hopper/kernel_params_sm90.h"
@@ -93,21 +94,7 @@ void check_precision(c10::string_view precision) {
                     std::string(precision), "\"");
 }
 
-Fp8Format parse_grad_format(c10::string_view s) {
-  if (s == "e4m3") return Fp8Format::kE4M3;
-  if (s == "e5m2") return Fp8Format::kE5M2;
-  TORCH_CHECK_VALUE(false, "fp8attn: argument 'grad_format': expected \"e4m3\" or \"e5m2\", got \"",
-                    std::string(s), "\"");
-}
 
-DeltaMode parse_delta_mode(c10::string_view s) {
-  if (s == "stale") return DeltaMode::kStale;
-  if (s == "matched_do") return DeltaMode::kMatchedDO;
-  if (s == "delta_matching") return DeltaMode::kDeltaMatching;
-  TORCH_CHECK_VALUE(false,
-                    "fp8attn: argument 'delta_mode': expected \"stale\", \"matched_do\" or \"delta_matching\", got \"",
-                    std::string(s), "\"");
-}
 
 // Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked.
 struct Problem {
