@@ -181,10 +181,10 @@ def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
         "",
         table,
         "",
-        "Columns: see fp8attn/train/report.py. NOTE: the row-sum max reads 1 as soon as one row's "
-        "decoded dS is nonzero and of one sign, e.g. causal row 0, which sees a single key (its dS "
-        "is the one value dP_00 - delta_0, nonzero unless delta matches dP exactly); the mean is "
-        "the informative number. Wall time per mode: "
+        "Columns: see fp8attn/train/report.py. NOTE: rows that see fewer than two keys report a "
+        "row-sum residual of 0 (docs/numerics.md section 7); the max can still read ~1 on a nearly "
+        "one-hot row, whose dS is pure FP32/FP8 rounding noise, so the mean is the informative "
+        "number. Wall time per mode: "
         + ", ".join(f"{s['mode']} {s['train_time_s']:.0f} s" for s in summaries) + ".",
         "",
     ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
