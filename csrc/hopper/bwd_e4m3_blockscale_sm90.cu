@@ -470,8 +470,13 @@ __global__ void bwd_diag_finish_kernel(const KernelParams p) {
   const bool no_ratio = empty || nvis < 2;
   p.diag[i] = empty ? 0.f : delta;
   p.diag[n + i] = empty ? 0.f : delta - p.delta_dm[i];
-  p.diag[2 * n + i] = (no_ratio || !(ws[n + i] > 0.f)) ? 0.f : fabsf(ws[i]) / ws[n + i];
-  p.diag[3 * n + i] = (no_ratio || !(ws[3 * n + i] > 0.f)) ? 0.f : fabsf(ws[2 * n + i]) / ws[3 * n + i];
+  // A non-finite dS row reports NaN so monitoring sees it (like the reference).
+  auto ratio = [no_ratio](float sum, float sum_abs) {
+    if (!isfinite(sum) || !isfinite(sum_abs)) return NAN;
+    return (no_ratio || !(sum_abs > 0.f)) ? 0.f : fabsf(sum) / sum_abs;
+  };
+  p.diag[2 * n + i] = ratio(ws[i], ws[n + i]);
+  p.diag[3 * n + i] = ratio(ws[2 * n + i], ws[3 * n + i]);
 }
 
 template <int DQK, int DV, int FMT>

@@ -435,7 +435,7 @@ inline __attribute__((always_inline)) void gemv_t_impl(const T* __restrict a, in
     for (int64_t u = 0; u < kVecs; ++u) {
       T* o = out + x + u * kLanes;
       if (sv)
-        vstore(o, vload<V>(o) + part[u] * s_v * vload<V>(sv + x + u * kLanes));
+        vstore(o, vload<V>(o) + part[u] * (s_v * vload<V>(sv + x + u * kLanes)));
       else
         vstore(o, part[u]);
     }
@@ -444,7 +444,7 @@ inline __attribute__((always_inline)) void gemv_t_impl(const T* __restrict a, in
     V part = {};
     for (int64_t r = 0; r < R; ++r) part += vbroadcast<V>(a[r]) * vload<V>(m + r * ldm + x);
     if (sv)
-      vstore(out + x, vload<V>(out + x) + part * s_v * vload<V>(sv + x));
+      vstore(out + x, vload<V>(out + x) + part * (s_v * vload<V>(sv + x)));
     else
       vstore(out + x, part);
   }
@@ -452,7 +452,7 @@ inline __attribute__((always_inline)) void gemv_t_impl(const T* __restrict a, in
     T part = 0;
     for (int64_t r = 0; r < R; ++r) part += a[r] * m[r * ldm + x];
     if (sv)
-      out[x] += part * s * sv[x];
+      out[x] += part * (s * sv[x]);
     else
       out[x] = part;
   }
@@ -487,6 +487,14 @@ void rowblock_dots(const float* a, const float* sa, const float* b_t, const floa
 inline void colblock_axpy(const float* a, float sa, const float* b, int64_t ldb, const float* sb,
                           int64_t L, int64_t w, float* acc) {
   gemv_t(a, L, b, ldb, w, sa, sb, acc);
+}
+
+// Row-sum residual r = |sum dS| / sum |dS| (numerics.md section 5): 0 for an
+// all-zero row or a row that sees < 2 keys (section 7), NaN for a non-finite row.
+inline float rowsum_ratio(double sum, double sum_abs, bool has_freedom) {
+  if (!std::isfinite(sum) || !std::isfinite(sum_abs)) return NAN;
+  if (!has_freedom || !(sum_abs > 0.0)) return 0.f;
+  return static_cast<float>(std::fabs(sum) / sum_abs);
 }
 
 // ---------------------------------------------------------------------------
@@ -599,7 +607,7 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
         if (diag) {
           const int64_t idx = g.lse_index(b, hq, i);
           // NOTE: rows that see < 2 keys report 0 (numerics.md section 7).
-          const double r = (L >= 2 && sum_abs_ds > 0.0) ? std::fabs(sum_ds) / sum_abs_ds : 0.0;
+          const float r = rowsum_ratio(sum_ds, sum_abs_ds, L >= 2);
           if (diag->delta) diag->delta[idx] = static_cast<float>(delta);
           if (diag->eps) diag->eps[idx] = 0.f;
           if (diag->rowsum_pre) diag->rowsum_pre[idx] = static_cast<float>(r);
@@ -812,13 +820,10 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic;
             // its ratio would only measure rounding noise, so it reports 0
             // (numerics.md section 7).
+            // A non-finite dS row reports NaN so monitoring sees it.
             const bool has_freedom = nvis >= 2;
-            if (diag->rowsum_pre)
-              diag->rowsum_pre[idx] = has_freedom && pre_abs > 0.0
-                                          ? static_cast<float>(std::fabs(pre_sum) / pre_abs) : 0.f;
-            if (diag->rowsum_post)
-              diag->rowsum_post[idx] = has_freedom && post_abs > 0.0
-                                           ? static_cast<float>(std::fabs(post_sum) / post_abs) : 0.f;
+            if (diag->rowsum_pre) diag->rowsum_pre[idx] = rowsum_ratio(pre_sum, pre_abs, has_freedom);
+            if (diag->rowsum_post) diag->rowsum_post[idx] = rowsum_ratio(post_sum, post_abs, has_freedom);
           }
         }
         // Column pass over the keys this query tile sees: dV (#5), dK (#7).

@@ -27,7 +27,9 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _lib
 from . import diagnostics as _diag
@@ -82,9 +84,10 @@ def check_options(
     """Checks the non-tensor options and returns the op-level precision
     ("fp8" or "exact"). Raises TypeError / ValueError naming the argument."""
     if not isinstance(causal, bool):
-        raise TypeError(_err(fn, "causal", f"must be a bool, got {type(causal).__name__}"))
+        t = type(causal)
+        raise TypeError(_err(fn, "causal", f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
@@ -226,6 +229,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # NOTE: bwd has no derivative; double backward must fail loudly, not give 0
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, precision, delta_mode, block_size, grad_format, layer_name = ctx.opts
@@ -243,6 +247,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+@once_differentiable
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     scale, causal, precision, block_size = ctx.opts

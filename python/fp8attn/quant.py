@@ -176,3 +176,23 @@ def _dequantize_blockwise_fake(codes, scales, dim, block_size, fmt):
     if list(scales.shape) != want:
         raise ValueError(f"fp8attn: argument 'scales': expected shape {want}, got {list(scales.shape)}")
     return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+# NOTE: FP8 rounding has zero derivative almost everywhere. Rather than let
+# outputs look differentiable and silently produce no gradient, backward through
+# these ops raises; write a straight-through estimator explicitly if you want one.
+def _not_differentiable(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fp8attn.{name} is not differentiable (FP8 rounding has zero gradient almost "
+            "everywhere); detach its input or write a straight-through estimator explicitly"
+        )
+    return backward
+
+
+def _no_context(ctx, inputs, output):
+    pass
+
+
+for _name in ("fp8_encode", "quantize_blockwise", "dequantize_blockwise"):
+    torch.library.register_autograd(f"fp8attn::{_name}", _not_differentiable(_name), setup_context=_no_context)

@@ -287,3 +287,17 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
     _raises(lambda: quant.dequantize_blockwise(codes.float(), scales, 1, 32), "codes")
     _raises(lambda: quant.dequantize_blockwise(codes, scales, 1, 64), "scales")  # wrong B for these scales
     _raises(lambda: quant.dequantize_blockwise(codes, scales, 5, 32), "dim")
+
+
+@pytest.mark.parametrize("op", ["quantize", "dequantize", "encode"])
+def test_quant_ops_refuse_backward(op):
+    """FP8 rounding has no useful derivative: backward must raise, not silently give None."""
+    x = torch.randn(4, 64, requires_grad=True)
+    if op == "encode":
+        # uint8 codes cannot carry a gradient at all.
+        assert not fp8attn.fp8_encode(x).requires_grad
+        return
+    codes, scales = fp8attn.quantize_blockwise(x, -1, 32)
+    y = scales if op == "quantize" else fp8attn.dequantize_blockwise(codes, scales, -1, 32)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        y.sum().backward()

@@ -532,3 +532,51 @@ def test_nan_in_dout_propagates_only_where_numerics_says(precision):
     assert torch.equal(torch.isnan(dk).any(-1), want_kv)
     assert torch.equal(torch.isnan(dv).any(-1), want_kv)
     assert torch.isfinite(dq[~want_q]).all() and torch.isfinite(dk[~want_kv]).all()
+
+
+# ---- regressions found by adversarial use -----------------------------------
+
+@pytest.mark.parametrize("precision", ["exact", "fp8"])
+def test_double_backward_fails_loudly(precision):
+    """bwd has no derivative: a second-order gradient must raise, never return zeros."""
+    q, k, v = [torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    o = fp8attn.attention(q, k, v, precision=precision)
+    (g,) = torch.autograd.grad((o ** 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.pow(2).sum(), (q, k, v))
+
+
+def test_fp8_backward_large_finite_values_stay_finite():
+    """Block-scale products are formed scale*scale first (exact powers of two), so a
+    large but finite V (|V| ~ 1e36) does not overflow the partial-sum scaling."""
+    q, k, v = [torch.randn(1, 1, 40, 32, requires_grad=True) for _ in range(3)]
+    o = fp8attn.attention(q, k, v * 1e36)
+    o.backward(torch.randn_like(o))
+    for name, g in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert torch.isfinite(g).all(), name
+    ref_q = q.detach().clone().requires_grad_()
+    o_ref = F.scaled_dot_product_attention(ref_q, k.detach(), v.detach() * 1e36)
+    assert torch.isfinite(o_ref).all()
+
+
+def test_diagnostics_report_nan_rows_as_nan():
+    """A NaN in K makes dS non-finite; the row-sum residual must say so (NaN), not 0."""
+    q, k, v = [torch.randn(1, 1, 8, 16, requires_grad=True) for _ in range(3)]
+    with torch.no_grad():
+        k[0, 0, 3, 0] = float("nan")
+    for precision in ("fp8", "exact"):
+        with fp8attn.diagnostics.record() as rec:
+            fp8attn.attention(q, k, v, precision=precision).sum().backward()
+        r = rec.records[0]
+        assert math.isnan(r["rowsum_pre_mean"]) and math.isnan(r["rowsum_post_max"]), (precision, r)
+
+
+def test_rowsum_single_key_rows_report_zero():
+    """Causal with seqlen_q == seqlen_k: row 0 sees one key, dS == 0 mathematically,
+    and its residual is defined as 0 (numerics.md section 7) in every mode."""
+    q, k, v, do = [torch.randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(4)]
+    o, lse = torch.ops.fp8attn.fwd(q, k, v, 32 ** -0.5, True, "fp8", 128)
+    for mode in ("stale", "matched_do", "delta_matching"):
+        diag = torch.ops.fp8attn.bwd(do, q, k, v, o, lse, 32 ** -0.5, True, "fp8", mode, 128, "e4m3", True)[3]
+        assert (diag[2:, :, :, 0] == 0).all(), mode
+        assert (diag[2, :, :, 1:] > 0).any() or mode == "delta_matching"

@@ -244,3 +244,14 @@ def test_smoke_report(run_dir):
         assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [s["mode"] for s in summary["summaries"]] == list(ATTN_MODES)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--steps", "0"], "--steps"), (["--batch-size", "0"], "--batch-size"), (["--seq-len", "-1"], "--seq-len"),
+    (["--val-batches", "0"], "--val-batches"), (["--modes", ","], "--modes"), (["--lr", "0"], "--lr"),
+])
+def test_compare_rejects_bad_flags(tmp_path, argv, flag):
+    """Bad CLI values stop with a message naming the flag, before any data or training work."""
+    args = compare.parse_args(["--preset", "smoke", "--out", str(tmp_path / "run")] + argv)
+    with pytest.raises(SystemExit, match=flag):
+        compare.run(args)

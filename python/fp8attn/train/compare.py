@@ -55,7 +55,17 @@ def run(args) -> tuple[Path, str, list[dict]]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ATTN_MODES]
     if bad or not modes:
-        raise SystemExit(f"--modes: unknown mode(s) {bad}; choose from {','.join(ATTN_MODES)}")
+        raise SystemExit(f"--modes: unknown or empty mode list {args.modes!r}; choose from {','.join(ATTN_MODES)}")
+    for flag in ("steps", "batch_size", "seq_len", "val_batches"):
+        val = getattr(args, flag)
+        if val is not None and val < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')}: must be >= 1, got {val}")
+    for flag in ("warmup", "diag_every", "val_every", "threads"):
+        val = getattr(args, flag)
+        if val is not None and val < 0:
+            raise SystemExit(f"--{flag.replace('_', '-')}: must be >= 0, got {val}")
+    if args.lr is not None and not args.lr > 0:
+        raise SystemExit(f"--lr: must be > 0, got {args.lr}")
     preset = PRESETS[args.preset]
     tp = dict(preset["train"])
     for key in ("steps", "batch_size", "seq_len", "lr", "warmup"):
