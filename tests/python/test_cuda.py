@@ -494,3 +494,21 @@ def test_bwd_nan_never_passes():
     for name, c, r in zip(("dQ", "dK", "dV"), cuda, cpu[:3]):
         assert torch.isnan(r).any(), f"{name}: the planted NaN did not reach the reference"
         assert torch.isnan(c)[torch.isnan(r)].all(), f"{name}: NaN was lost"
+
+
+@needs_bwd
+def test_diag_rowsum_rules_cuda():
+    """numerics.md section 7 on CUDA: rows that see < 2 keys report a row-sum
+    residual of 0; a row whose dS is non-finite (NaN in K) reports NaN."""
+    gen = torch.Generator().manual_seed(seed_of("diag-rules"))
+    q, k, v, do = (randn(1, 2, 200, 64, gen=gen).cuda() for _ in range(4))
+    o, lse = OPS.fwd(q, k, v, f32_scale(64), True, "fp8", 128)
+    for mode in ("stale", "matched_do", "delta_matching"):
+        diag = OPS.bwd(do, q, k, v, o, lse, f32_scale(64), True, "fp8", mode, 128, "e4m3", True)[3]
+        assert (diag[2:, :, :, 0] == 0).all(), mode
+        assert torch.isfinite(diag).all(), mode
+    k_nan = k.clone()
+    k_nan[0, :, 5, 0] = float("nan")
+    o, lse = OPS.fwd(q, k_nan, v, f32_scale(64), False, "fp8", 128)
+    diag = OPS.bwd(do, q, k_nan, v, o, lse, f32_scale(64), False, "fp8", "delta_matching", 128, "e4m3", True)[3]
+    assert torch.isnan(diag[2]).all() and torch.isnan(diag[3]).all()
