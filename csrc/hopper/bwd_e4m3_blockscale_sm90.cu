@@ -492,24 +492,12 @@ void launch_main_t(const KernelParams& p, cudaStream_t stream) {
   check_launch("bwd main kernel");
 }
 
-template <int DQK, int DV>
-void launch_main_fmt(const KernelParams& p, cudaStream_t stream) {
-  if (p.grad_format == kFmtE5M2)
-    launch_main_t<DQK, DV, kFmtE5M2>(p, stream);
-  else
-    launch_main_t<DQK, DV, kFmtE4M3>(p, stream);
-}
-
 }  // namespace
 
 void launch_main(const KernelParams& p, cudaStream_t stream) {
-  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
-  if (dqk == 64 && dv == 64) return launch_main_fmt<64, 64>(p, stream);
-  if (dqk == 128 && dv == 128) return launch_main_fmt<128, 128>(p, stream);
-  if (dqk == 256 && dv == 256) return launch_main_fmt<256, 256>(p, stream);
-  if (dqk == 192 && dv == 128) return launch_main_fmt<192, 128>(p, stream);
-  throw std::runtime_error("fp8attn: argument 'head_dim': unsupported (head_dim_qk, head_dim_v) = (" +
-                           std::to_string(dqk) + ", " + std::to_string(dv) + ") for the CUDA backward");
+  dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
+    launch_main_t<decltype(dqk)::value, decltype(dv)::value, decltype(fmt)::value>(p, stream);
+  });
 }
 
 }  // namespace bwd

@@ -152,24 +152,12 @@ void launch(const KernelParams& p, cudaStream_t stream) {
     throw std::runtime_error(std::string("fp8attn: bwd pre-pass launch failed: ") + cudaGetErrorString(err));
 }
 
-template <int DQK, int DV>
-void launch_fmt(const KernelParams& p, cudaStream_t stream) {
-  if (p.grad_format == kFmtE5M2)
-    launch<DQK, DV, kFmtE5M2>(p, stream);
-  else
-    launch<DQK, DV, kFmtE4M3>(p, stream);
-}
-
 }  // namespace
 
 void launch_prepass(const KernelParams& p, cudaStream_t stream) {
-  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
-  if (dqk == 64 && dv == 64) return launch_fmt<64, 64>(p, stream);
-  if (dqk == 128 && dv == 128) return launch_fmt<128, 128>(p, stream);
-  if (dqk == 256 && dv == 256) return launch_fmt<256, 256>(p, stream);
-  if (dqk == 192 && dv == 128) return launch_fmt<192, 128>(p, stream);
-  throw std::runtime_error("fp8attn: argument 'head_dim': unsupported (head_dim_qk, head_dim_v) = (" +
-                           std::to_string(dqk) + ", " + std::to_string(dv) + ") for the CUDA backward");
+  dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
+    launch<decltype(dqk)::value, decltype(dv)::value, decltype(fmt)::value>(p, stream);
+  });
 }
 
 }  // namespace bwd

@@ -35,6 +35,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "common/fp8_codec.h"
 #include "hopper/config_sm90.h"
@@ -545,6 +548,29 @@ struct OpMaxNan {
 // Launchers (defined in the .cu files).
 void launch_prepass(const KernelParams& p, cudaStream_t stream);
 void launch_main(const KernelParams& p, cudaStream_t stream);
+
+// Calls f(Int<DQK>, Int<DV>, Int<FMT>) for the compiled (head_dim_qk,
+// head_dim_v) pairs and the grad format of p; throws for other head dims.
+// One place for the backward kernels' shape dispatch (pre-pass and main).
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+template <class F>
+void dispatch_shapes(const KernelParams& p, F&& f) {
+  auto with_fmt = [&](auto dqk, auto dv) {
+    if (p.grad_format == kFmtE5M2)
+      f(dqk, dv, Int<kFmtE5M2>{});
+    else
+      f(dqk, dv, Int<kFmtE4M3>{});
+  };
+  const int dqk = p.head_dim_qk, dv = p.head_dim_v;
+  if (dqk == 64 && dv == 64) return with_fmt(Int<64>{}, Int<64>{});
+  if (dqk == 128 && dv == 128) return with_fmt(Int<128>{}, Int<128>{});
+  if (dqk == 256 && dv == 256) return with_fmt(Int<256>{}, Int<256>{});
+  if (dqk == 192 && dv == 128) return with_fmt(Int<192>{}, Int<128>{});
+  throw std::runtime_error("fp8attn: argument 'head_dim': unsupported (head_dim_qk, head_dim_v) = (" +
+                           std::to_string(dqk) + ", " + std::to_string(dv) + ") for the CUDA backward");
+}
 
 }  // namespace bwd
 }  // namespace sm90
