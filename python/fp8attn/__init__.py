@@ -24,6 +24,7 @@ from .ops import (
     flash_attn_func,
     scaled_dot_product_attention,
 )
+from .varlen import varlen_attention  # noqa: F401  (packed variable-length batches)
 
 # fp8attn.quant is written by another part of the project; import it once it exists.
 if _importlib_util.find_spec(".quant", __name__) is not None:
@@ -35,6 +36,7 @@ __all__ = [
     "attention",
     "flash_attn_func",
     "scaled_dot_product_attention",
+    "varlen_attention",
     "FP8Attention",
     "diagnostics",
     "DELTA_MODES",
