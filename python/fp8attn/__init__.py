@@ -6,12 +6,11 @@ Public API:
     flash_attn_func(q, k, v, softmax_scale, causal, *, ...)   flash layout [B, S, H, D]
     scaled_dot_product_attention(query, key, value, ...)  drop-in for F.sdpa
     FP8Attention                                          nn.Module
+    varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  packed [total, H, D]
     diagnostics.record()                                  backward diagnostics context
     fp8_encode, fp8_decode, quantize_blockwise, dequantize_blockwise  (fp8attn.quant)
 Math contract: docs/numerics.md.
 """
-import importlib.util as _importlib_util
-
 from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
 from . import diagnostics
 from .modules import FP8Attention
@@ -26,9 +25,8 @@ from .ops import (
 )
 from .varlen import varlen_attention  # noqa: F401  (packed variable-length batches)
 
-# fp8attn.quant is written by another part of the project; import it once it exists.
-if _importlib_util.find_spec(".quant", __name__) is not None:
-    from .quant import dequantize_blockwise, fp8_decode, fp8_encode, quantize_blockwise  # noqa: F401
+# NOTE: importing quant also registers the fake kernels and autograd guards of the quantization ops.
+from .quant import dequantize_blockwise, fp8_decode, fp8_encode, quantize_blockwise
 
 __version__ = "0.1.0"
 
@@ -43,6 +41,8 @@ __all__ = [
     "PRECISIONS",
     "GRAD_FORMATS",
     "BLOCK_SIZES",
+    "fp8_encode",
+    "fp8_decode",
+    "quantize_blockwise",
+    "dequantize_blockwise",
 ]
-if "fp8_encode" in globals():
-    __all__ += ["fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"]
