@@ -13,11 +13,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-stamp="$VENV/.fp8attn-deps-v1"
+stamp="$VENV/.fp8attn-deps-v2"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing Python dependencies (torch 2.11 is ~0.5 GB plus its CUDA libraries)"
   python -m pip install -q --upgrade pip
-  python -m pip install -q "torch==2.11.*" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja
+  python -m pip install -q "torch==2.11.*" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers
   touch "$stamp"
 fi
 # CMake/GoogleTest for the C++ suite (Debian packages; present on the dev image).

@@ -3,6 +3,9 @@
     python -m fp8attn.train.compare --preset cpu-tiny \
         --modes bf16,fp8-stale,fp8-matched_do,fp8-delta_matching --steps 300 --out runs/cpu-tiny
 
+Data parallel: `torchrun --nproc_per_node N -m fp8attn.train.compare ...` (DDP,
+gloo on CPU / nccl on CUDA; see ddp.py); rank 0 prepares data and writes logs.
+
 Writes <out>/<mode>.jsonl (trainer log per mode), <out>/report.md, loss.png,
 qk_gain.png, rowsum.png; prints the table and, last, the report path.
 Every mode gets the same initial weights (checked), the same batches and the
@@ -15,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from . import ddp
 from .data import prepare
 from .model import ATTN_MODES, PRESETS, preset_model_config
 from .report import write_report
@@ -78,32 +82,45 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       val_every=args.val_every or max(1, tp["steps"] // 5),
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)))
 
+    ctx = ddp.init_from_env(args.device)  # no-op unless started by torchrun with WORLD_SIZE > 1
+    say = print if ctx.is_main else (lambda *a, **k: None)
     model_vocab = preset["model"]["vocab_size"]
     t_data = time.time()
-    data = prepare(args.data_dir, vocab_size=model_vocab,
-                   max_mb=args.max_mb or DATA_MAX_MB.get(args.preset, 32.0), text_dir=args.text_dir)
+
+    def prepare_data():
+        return prepare(args.data_dir, vocab_size=model_vocab,
+                       max_mb=args.max_mb or DATA_MAX_MB.get(args.preset, 32.0), text_dir=args.text_dir)
+
+    # NOTE: rank 0 builds the corpus; the other ranks then load what it wrote.
+    data = prepare_data() if ctx.is_main else None
+    ddp.barrier(ctx)
+    if data is None:
+        data = prepare_data()
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
     model_cfg = preset_model_config(args.preset, vocab_size=data.meta["vocab_size"],
                                     qk_norm=not args.no_qk_norm, rope=not args.nope,
                                     max_seq_len=max(cfg.seq_len, preset["model"]["max_seq_len"]))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
     dev = resolve_device(cfg.device)
-    print(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
+    say(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
           f"{cfg.batch_size} x {cfg.seq_len} tokens -> {out}", flush=True)
     t_data = time.time() - t_data
     summaries, t0 = [], time.time()
     for mode in modes:
         summaries.append(train_mode(mode, model_cfg, cfg, data, out / f"{mode}.jsonl"))
         s = summaries[-1]
-        print(f"[compare] {mode}: train loss {s['final_train_loss']:.4f}, val loss "
+        say(f"[compare] {mode}: train loss {s['final_train_loss']:.4f}, val loss "
               f"{s['final_val_loss'] if s['final_val_loss'] is None else round(s['final_val_loss'], 4)}, "
               f"{s['train_time_s']:.0f} s", flush=True)
     t_train = time.time() - t0
-    print(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
+    say(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
     fps = {s["init_fingerprint"] for s in summaries}
     if len(fps) != 1:
         raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
+    if not ctx.is_main:
+        return None, "", summaries
     (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes,
                                                   "data_time_s": t_data, "train_time_s": t_train,
                                                   "summaries": summaries}, indent=1))
@@ -113,7 +130,12 @@ def run(args) -> tuple[Path, str, list[dict]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    path, table, _ = run(args)
+    try:
+        path, table, _ = run(args)
+    finally:
+        ddp.shutdown()
+    if path is None:  # a non-zero DDP rank: rank 0 prints
+        return
     print()
     print(table)
     print()

@@ -21,6 +21,13 @@ JSONL log (one object per line, field "type"):
           (fp8attn.diagnostics, numerics.md section 5; means over rows, max over rows)
   val     step, val_loss
   summary final numbers (see `train_mode` return value)
+
+Data parallel (torchrun, see ddp.py): when a process group is initialized the
+model is wrapped in DistributedDataParallel, rank r trains on every
+world_size-th batch of the shared order (offset r), the logged loss is the mean
+over ranks, tokens_per_s counts all ranks, only rank 0 writes the log and runs
+the val loss, and the summary adds world_size and final_fingerprints (one per
+rank; differing ones raise RuntimeError). One process: unchanged.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import ddp
 from .data import PreparedData, TokenStream
 from .model import ModelConfig, Transformer, gain_stats
 
@@ -163,15 +171,18 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     """
     from tqdm import tqdm
 
+    dctx = ddp.context()
     device = resolve_device(cfg.device)
     if device.type == "cpu":
-        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+        # NOTE: ranks on one host share its cores.
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // dctx.local_world_size))
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
     model = build_model(model_cfg, cfg.seed)
     fingerprint = init_fingerprint(model)
     model.to(device)
+    train_model = ddp.wrap_model(model, dctx, device)   # `model` itself with one process
     opt = make_optimizer(model, cfg)
     use_autocast = device.type == "cuda"
 
@@ -185,11 +196,12 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     if fp8:
         from fp8attn import diagnostics
 
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_path) if dctx.is_main else Path(os.devnull)
+    if dctx.is_main:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
     losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
     t_start = time.time()
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
     with open(log_path, "w") as log:
         def write(obj):
             log.write(json.dumps(obj) + "\n")
@@ -200,26 +212,27 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                "torch": torch.__version__, "data": {k: v for k, v in data.meta.items() if k != "val_paths"}})
         # NOTE: a tqdm bar only on a terminal; in a log file (CI) a plain line every 10 %.
         tty = sys.stderr.isatty()
-        bar = tqdm(range(cfg.steps), desc=f"{mode:>18}", disable=not (cfg.progress and tty),
+        progress = cfg.progress and dctx.is_main
+        bar = tqdm(range(cfg.steps), desc=f"{mode:>18}", disable=not (progress and tty),
                    mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
-        line_every = max(1, cfg.steps // 10) if cfg.progress and not tty else 0
+        line_every = max(1, cfg.steps // 10) if progress and not tty else 0
         for step in bar:
             t0 = time.time()
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = train.random_batch(rng, cfg.batch_size)
+            x, y = ddp.rank_batch(train, rng, cfg.batch_size, dctx)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             want_diag = fp8 and cfg.diag_every > 0 and step % cfg.diag_every == 0
             # The diagnostics context must cover backward(): the op reads it there.
             with (diagnostics.record() if want_diag else contextlib.nullcontext()) as rec:
                 with autocast():
-                    logits = model(x)
+                    logits = train_model(x)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            loss_v = float(loss.detach())
+            loss_v = ddp.mean_over_ranks(float(loss.detach()), dctx, device)
             if not math.isfinite(loss_v) or not math.isfinite(grad_norm):
                 diverged = True
                 write({"type": "step", "step": step, "loss": loss_v, "grad_norm": grad_norm,
@@ -242,7 +255,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 rec_line.update(agg)
                 diag_aggs.append(agg)
             write(rec_line)
-            if (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps:
+            if dctx.is_main and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 val_loss = evaluate(model, val_batches, device, autocast)
                 write({"type": "val", "step": step, "val_loss": val_loss})
             bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
@@ -275,5 +288,10 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             "init_fingerprint": fingerprint, "train_time_s": train_time,
             "tokens_per_s": tokens_per_step * len(losses) / train_time if losses else None,
         }
+        if dctx.enabled:
+            summary["world_size"] = dctx.world_size
+            summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
         write(summary)
+    if dctx.enabled and len(set(summary["final_fingerprints"])) != 1:
+        raise RuntimeError(f"DDP ranks ended with different parameters {summary['final_fingerprints']}")
     return summary

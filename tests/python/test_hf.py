@@ -1,0 +1,175 @@
+"""Hugging Face transformers integration (fp8attn.hf): a tiny Llama (GQA, 2 layers)
+with attn_implementation="fp8attn" against the same weights on HF's "sdpa".
+
+  * precision "exact": loss, every gradient and the loss after one AdamW step
+    match sdpa to float32 rounding; greedy generation (KV cache, one-query decode
+    steps) gives the same tokens.
+  * precision "fp8": loss within a few percent, gradients correlated; not
+    bit-identical to sdpa (the FP8 op really runs).
+  * padding masks and attention dropout in training raise NotImplementedError
+    (HF would otherwise hand us no mask at all and padding would be ignored).
+No download: the model is built from a config. Runtime: a few seconds.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip("transformers has no AttentionInterface", allow_module_level=True)
+
+import fp8attn.hf  # noqa: E402
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    fp8attn.hf.register("fp8attn")                                   # precision "fp8"
+    fp8attn.hf.register("fp8attn_exact", precision="exact")
+    fp8attn.hf.register("fp8attn_b32", precision="fp8", block_size=32, delta_mode="stale")
+
+
+def build(impl: str, seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=64, attn_implementation=impl, **overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def train_step(model, tokens):
+    """One forward + backward + AdamW step; returns (loss, {name: grad}, loss after the step)."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    with torch.no_grad():
+        loss_after = float(model(input_ids=tokens, labels=tokens).loss)
+    return float(loss.detach()), grads, loss_after
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = build("sdpa")
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(5))
+    return state, tokens, train_step(ref, tokens)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_exact_matches_sdpa(reference):
+    state, tokens, (loss_ref, g_ref, after_ref) = reference
+    model = build("fp8attn_exact", seed=1)                # different init, then sdpa's weights
+    model.load_state_dict(state)
+    assert model.config._attn_implementation == "fp8attn_exact"
+    loss, grads, after = train_step(model, tokens)
+    assert math.isfinite(loss) and abs(loss - loss_ref) <= 1e-4 * abs(loss_ref), (loss, loss_ref)
+    assert set(grads) == set(g_ref)
+    for n in g_ref:
+        assert torch.isfinite(grads[n]).all(), n
+        torch.testing.assert_close(grads[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    # The attention weights do get gradients (the op's backward ran).
+    assert all(grads[n].abs().sum() > 0 for n in g_ref if "self_attn" in n)
+    # NOTE: weights after AdamW's first step are not compared elementwise: that step is
+    # ~lr * sign(g), so float32-rounding-sized gradients (~1e-9) flip freely. The loss is.
+    assert after < loss_ref - 0.05 and abs(after - after_ref) <= 1e-3 * after_ref, (after, after_ref)
+
+
+def test_fp8_close_to_sdpa_but_not_identical(reference):
+    state, tokens, (loss_ref, g_ref, _) = reference
+    for impl in ("fp8attn", "fp8attn_b32"):
+        model = build(impl)
+        model.load_state_dict(state)
+        loss, grads, _ = train_step(model, tokens)
+        assert math.isfinite(loss) and abs(loss - loss_ref) <= 0.03 * loss_ref, (impl, loss, loss_ref)
+        q_grad = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.isfinite(grads[q_grad]).all()
+        assert 0 < rel(grads[q_grad], g_ref[q_grad]) < 0.25, (impl, rel(grads[q_grad], g_ref[q_grad]))
+        # Whole-model gradient direction agrees.
+        flat = torch.cat([grads[n].flatten() for n in g_ref])
+        flat_ref = torch.cat([g_ref[n].flatten() for n in g_ref])
+        assert float(torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0)) > 0.99
+
+
+def test_exact_generation_matches_sdpa(reference):
+    """KV-cache decoding (seqlen_q = 1 against a longer cache) follows HF's semantics."""
+    state, tokens, _ = reference
+    outs = []
+    for impl in ("sdpa", "fp8attn_exact"):
+        model = build(impl)
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            prompt = tokens[:, :10]
+            outs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                       do_sample=False, pad_token_id=0))
+    assert outs[0].shape == (2, 16)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_padding_mask_raises(reference):
+    state, tokens, _ = reference
+    model = build("fp8attn")
+    model.load_state_dict(state)
+    mask = torch.ones_like(tokens)
+    mask[0, :5] = 0                                       # left padding in one row
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        model(input_ids=tokens, attention_mask=mask)
+    # An all-ones mask (no real padding) is fine and equals no mask.
+    with torch.no_grad():
+        a = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+        b = model(input_ids=tokens).logits
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_dropout_in_training_raises():
+    model = build("fp8attn", attention_dropout=0.1)
+    tokens = torch.randint(0, VOCAB, (1, 16))
+    model.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(input_ids=tokens)
+    model.eval()                                          # HF passes dropout 0 in eval
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=tokens).logits).all()
+
+
+def test_mask_classification():
+    """Explicit masks: bottom-right causal and all-visible are accepted, padding is not."""
+    fn = fp8attn.hf.make_attention_function(precision="exact")
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 4, 6, 8)
+    k, v = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    i, j = torch.arange(6)[:, None], torch.arange(9)[None, :]
+    causal = (j <= i + 3)[None, None]
+    out, none = fn(module, q, k, v, causal, scaling=0.3)
+    assert none is None and out.shape == (1, 6, 4, 8)
+    want = fp8attn.attention(q, k, v, causal=True, softmax_scale=0.3, precision="exact").transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    additive = torch.zeros(1, 1, 6, 9).masked_fill(~causal, float("-inf"))
+    torch.testing.assert_close(fn(module, q, k, v, additive, scaling=0.3)[0], want, rtol=0, atol=0)
+    full = fn(module, q, k, v, torch.ones(1, 1, 6, 9, dtype=torch.bool), scaling=0.3)[0]
+    torch.testing.assert_close(full, fp8attn.attention(q, k, v, softmax_scale=0.3, precision="exact")
+                               .transpose(1, 2), rtol=0, atol=0)
+    # Top-left causal (what a padded static cache would need) is not bottom-right: refused.
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        fn(module, q, k, v, (j <= i)[None, None], scaling=0.3)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fn(module, q, k[:, :, :6], v[:, :, :6], None, softcap=30.0)
+
+
+def test_register_rejects_bad_options():
+    with pytest.raises(TypeError, match="causal"):
+        fp8attn.hf.register("bad", causal=True)
+    with pytest.raises(ValueError, match="precision"):
+        fp8attn.hf.register("bad", precision="fp4")
