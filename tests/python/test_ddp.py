@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fp8attn
 from fp8attn.train import ddp
 from fp8attn.train.data import TokenStream
 from fp8attn.train.model import ModelConfig
@@ -32,7 +33,9 @@ from fp8attn.train.trainer import build_model, init_fingerprint
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
-PY_DIR = Path(__file__).resolve().parents[2] / "python"
+# NOTE: the children must import the same fp8attn this process imported (the
+# in-tree package when it holds a build, else the installed one; see conftest.py).
+PY_DIR = Path(fp8attn.__file__).resolve().parents[1]
 MODES = ("bf16", "fp8-delta_matching")
 STEPS = 6
 
