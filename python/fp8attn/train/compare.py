@@ -130,10 +130,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        path, table, _ = run(args)
-    finally:
-        ddp.shutdown()
+    path, table, _ = run(args)
+    ddp.shutdown()  # NOTE: not in a finally: a barrier after one rank failed would hang
     if path is None:  # a non-zero DDP rank: rank 0 prints
         return
     print()

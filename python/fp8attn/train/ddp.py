@@ -126,8 +126,11 @@ def barrier(ctx: DistContext) -> None:
 
 
 def shutdown() -> None:
-    """Destroys the default process group if one was initialized."""
+    """Waits for every rank, then destroys the default process group (if any).
+    NOTE: without the barrier a rank that finishes early tears gloo down while
+    rank 0 still writes the report, and can abort ("terminate called ...")."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
