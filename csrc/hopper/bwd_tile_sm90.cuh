@@ -47,23 +47,7 @@ namespace fp8attn {
 namespace sm90 {
 namespace bwd {
 
-// ---- backward configuration ---------------------------------------------------
-
-constexpr int kTile = 128;             // query tile = key tile = sequence block
-constexpr int kWarps = 8;              // warp w owns keys [16w, 16w+16) of the key tile
-constexpr int kThreads = 32 * kWarps;
-constexpr int kRowPad = 16;            // bytes of padding per shared-memory row (no bank conflicts)
-constexpr int kLdH = 2 * kTile + kRowPad;  // bytes per row of a [rows][128] FP16 tile
-constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8 tile
-// Output head-dim columns per main-kernel CTA: dK/dV accumulators of 16 x kSlice
-// FP32 per warp stay in registers at every head_dim (d = 128 runs 2 slices,
-// d = 256 runs 4, each recomputing S and dP; see docs/kernels/bwd_sm90.md).
-constexpr int kSlice = 64;
-constexpr float kLog2e = 1.4426950408889634f;
-
-static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
-static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
-static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
+// Backward tile constants (kTile, kWarps, kSlice, ...) live in config_sm90.h.
 
 constexpr int kFmtE4M3 = static_cast<int>(Fp8Format::kE4M3);
 constexpr int kFmtE5M2 = static_cast<int>(Fp8Format::kE5M2);

@@ -1,8 +1,7 @@
 // fp8attn: tile sizes and supported shapes of the sm_90a kernels, in one place.
 // Math: docs/numerics.md. Operand layouts: kernel_params_sm90.h.
 //
-// Sections: shared (block grid), quantization, forward. The backward helper
-// appends its own section at the end.
+// Sections: shared (block grid), quantization, forward, backward.
 #pragma once
 
 namespace fp8attn {
@@ -60,6 +59,27 @@ constexpr int kSmemRowPad = 16;
 static_assert(kFwdBlockN % 32 == 0, "k32 MMA steps over the key tile");
 static_assert(kFwdBlockN == 128, "forward key permutation covers 16-key groups of a 128 tile");
 static_assert(fwd_warps(64) == 4 && fwd_warps(256) == 8, "CTA shapes instantiated: 4 and 8 warps");
+
+// ---- backward (bwd_*_sm90.cu, bwd_tile_sm90.cuh) -------------------------------
+namespace bwd {
+
+constexpr int kTile = 128;             // query tile = key tile = sequence block
+constexpr int kWarps = 8;              // warp w owns keys [16w, 16w+16) of the key tile
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRowPad = 16;            // bytes of padding per shared-memory row (no bank conflicts)
+constexpr int kLdH = 2 * kTile + kRowPad;  // bytes per row of a [rows][128] FP16 tile
+constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8 tile
+// Output head-dim columns per main-kernel CTA: dK/dV accumulators of 16 x kSlice
+// FP32 per warp stay in registers at every head_dim (d = 128 runs 2 slices,
+// d = 256 runs 4, each recomputing S and dP; see docs/kernels/bwd_sm90.md).
+constexpr int kSlice = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
+static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
+static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
+
+}  // namespace bwd
 
 }  // namespace sm90
 }  // namespace fp8attn

@@ -62,7 +62,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 
 # Hook for the CUDA kernels: the (head_dim_qk, head_dim_v) pairs and precisions
 # they implement. None = no restriction known to this layer (the CUDA op then
-# raises its own error). The CUDA helper fills these in.
+# raises its own error).
 CUDA_HEAD_DIMS: Optional[frozenset] = None
 CUDA_PRECISIONS: Optional[Tuple[str, ...]] = None
 
