@@ -14,10 +14,9 @@ The backward inputs (out, lse) come from the CPU reference forward, so these
 tests isolate the backward kernels from the CUDA forward.
 
 Run: PYTHONPATH=python python3 -m pytest -q -m gpu tests/python/test_cuda_bwd.py
-Benchmark: PYTHONPATH=python python3 tests/python/test_cuda_bwd.py --bench
+Benchmark: benchmarks/bench_gpu.py (backward TFLOP/s per delta mode vs cuDNN BF16).
 """
 import math
-import sys
 import zlib
 
 import pytest
@@ -186,64 +185,3 @@ def test_bad_block_size_names_argument():
     with pytest.raises((ValueError, RuntimeError), match="block_size"):
         OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 64, "e4m3", False)
 
-
-# ---- benchmark (not a test) ---------------------------------------------------------
-
-
-def bench_forward(q, k, v, tau, causal):
-    """O, LSE for the benchmark: the CUDA FP8 forward, or (if it fails) BF16
-    SDPA and an FP32 logsumexp (the backward's cost does not depend on which)."""
-    try:
-        return OPS.fwd(q, k, v, tau, causal, "fp8", 128)
-    except Exception:  # noqa: BLE001
-        import torch.nn.functional as F
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=tau)
-        s = (q.float() @ k.float().transpose(-1, -2)) * tau
-        if causal:
-            s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        return out, torch.logsumexp(s, dim=-1)
-
-
-def bench():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def timeit(fn, iters=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
-    print("B x H x S, d | causal | mode | fp8 bwd ms | TFLOP/s (2.5x fwd) | cuDNN bf16 bwd TFLOP/s")
-    for (b, h, s, d) in [(4, 16, 4096, 128), (2, 16, 8192, 64), (2, 16, 4096, 256)]:
-        for causal in (False, True):
-            tau = f32_scale(d)
-            q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            out, lse = bench_forward(q, k, v, tau, causal)
-            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            try:
-                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                    o_ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-                    t_ref = timeit(lambda: torch.autograd.grad(o_ref, (qr, kr, vr), dout, retain_graph=True))
-                ref = f"{flops / t_ref / 1e9:.0f}"
-            except Exception as e:  # noqa: BLE001
-                ref = f"n/a ({type(e).__name__})"
-            for mode in ("delta_matching", "stale"):
-                t = timeit(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", False))
-                print(f"{b}x{h}x{s}, {d} | {causal} | {mode} | {t:.3f} | {flops / t / 1e9:.0f} | {ref}")
-            del q, k, v, dout, out, lse, qr, kr, vr
-            torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    if "--bench" in sys.argv:
-        bench()

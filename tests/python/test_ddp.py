@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -74,19 +72,6 @@ def test_rank_batches_are_strided_over_one_order(tmp_path):
 # ---- 2-process smoke run ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory) -> Path:
-    """Real text files (as in test_train.py), >= 100 kB."""
-    out = tmp_path_factory.mktemp("texts")
-    lic = Path("/usr/share/common-licenses")
-    srcs = sorted(p for p in lic.glob("*") if p.is_file()) if lic.is_dir() else []
-    if sum(p.stat().st_size for p in srcs) < 100_000:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        srcs = [stdlib / n for n in ("argparse.py", "typing.py", "dataclasses.py", "inspect.py",
-                                     "textwrap.py", "random.py", "statistics.py")]
-    for p in srcs:
-        shutil.copy(p, out / p.name)
-    return out
 
 
 def free_port() -> int:

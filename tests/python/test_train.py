@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -29,19 +27,6 @@ from fp8attn.train.trainer import build_model, init_fingerprint
 # ---- corpus -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory) -> Path:
-    """A directory of real (human-written) text files, >= 100 kB."""
-    out = tmp_path_factory.mktemp("texts")
-    lic = Path("/usr/share/common-licenses")
-    srcs = sorted(p for p in lic.glob("*") if p.is_file()) if lic.is_dir() else []
-    if sum(p.stat().st_size for p in srcs) < 100_000:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        srcs = [stdlib / n for n in ("argparse.py", "typing.py", "dataclasses.py", "inspect.py",
-                                     "textwrap.py", "random.py", "statistics.py")]
-    for p in srcs:
-        shutil.copy(p, out / p.name)
-    return out
 
 
 @pytest.fixture(scope="module")
