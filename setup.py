@@ -57,8 +57,11 @@ cuda_sources = _rel(
 build_cuda = _want_cuda()
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
 include_dirs = [os.path.join(ROOT, "csrc")]
-cutlass = os.environ.get("FP8ATTN_CUTLASS_INCLUDE")
-if cutlass:
+# CUTLASS/CuTe headers for the wgmma/TMA kernels: scripts/get_cutlass.sh puts
+# them in third_party/cutlass/include (ignored by git); FP8ATTN_CUTLASS_INCLUDE
+# overrides. Only the CUDA build needs them.
+cutlass = os.environ.get("FP8ATTN_CUTLASS_INCLUDE") or os.path.join(ROOT, "third_party/cutlass/include")
+if os.path.isdir(cutlass):
     include_dirs.append(cutlass)
 
 if build_cuda:
