@@ -71,6 +71,7 @@ class TrainConfig:
     device: str = "auto"           # "auto" | "cpu" | "cuda"
     threads: int = 0               # CPU threads (0 = all cores)
     progress: bool = True
+    fsdp: bool = False             # FSDP2 (fully_shard) instead of DDP when distributed (ddp.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +90,7 @@ def init_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(ddp.full(p).detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -117,7 +118,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 def layer_gain_stats(model: Transformer) -> dict:
     """{layer: [max_gain, top4_share]} for every attention layer with QK-norm."""
-    return {name: list(gain_stats(gq, gk, top_k=4)) for name, gq, gk in model.qk_gains()}
+    return {name: list(gain_stats(ddp.full(gq), ddp.full(gk), top_k=4)) for name, gq, gk in model.qk_gains()}
 
 
 _DIAG_KEYS = ("eps_absmean", "eps_absmax", "rowsum_pre_mean", "rowsum_pre_max",
@@ -182,7 +183,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     model = build_model(model_cfg, cfg.seed)
     fingerprint = init_fingerprint(model)
     model.to(device)
-    train_model = ddp.wrap_model(model, dctx, device)   # `model` itself with one process
+    train_model = ddp.wrap_model(model, dctx, device, fsdp=cfg.fsdp)   # `model` itself with one process
     opt = make_optimizer(model, cfg)
     use_autocast = device.type == "cuda"
 
@@ -231,7 +232,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            grad_norm = float(ddp.full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
             loss_v = ddp.mean_over_ranks(float(loss.detach()), dctx, device)
             if not math.isfinite(loss_v) or not math.isfinite(grad_norm):
                 diverged = True
@@ -255,7 +256,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 rec_line.update(agg)
                 diag_aggs.append(agg)
             write(rec_line)
-            if dctx.is_main and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
+            # NOTE: FSDP's forward is collective, so every rank evaluates; rank 0 logs.
+            if (dctx.is_main or ddp.is_sharded(model)) and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 val_loss = evaluate(model, val_batches, device, autocast)
                 write({"type": "val", "step": step, "val_loss": val_loss})
             bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
@@ -286,6 +288,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             "max_gain": max((v[0] for v in last_gains.values()), default=None),
             "top4_share": max((v[1] for v in last_gains.values()), default=None),
             "init_fingerprint": fingerprint, "train_time_s": train_time,
+            "scope": model_cfg.scope if fp8 else "bf16", "packed": model_cfg.packed, "fsdp": ddp.is_sharded(model),
             "tokens_per_s": tokens_per_step * len(losses) / train_time if losses else None,
         }
         if dctx.enabled:
