@@ -92,7 +92,8 @@ def bench_one(preset: str, attn_mode: str, scope: str, args, device: torch.devic
     p = M.PRESETS[preset]
     batch = args.batch_size or p["train"]["batch_size"]
     seq = args.seq_len or p["train"]["seq_len"]
-    cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, max_seq_len=max(seq, p["model"]["max_seq_len"]))
+    cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
+                                max_seq_len=max(seq, p["model"]["max_seq_len"]))
     torch.manual_seed(0)
     model = M.Transformer(cfg).to(device)
     tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
@@ -100,8 +101,14 @@ def bench_one(preset: str, attn_mode: str, scope: str, args, device: torch.devic
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
     y = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    if args.packed:
+        # documents of random length (mean args.doc_len tokens) separated by <|endoftext|>
+        eot = torch.rand(batch, seq, generator=g) < 1.0 / args.doc_len
+        x = torch.where(eot.to(device), torch.zeros_like(x), x)
     cuda = device.type == "cuda"
-    ctx = ctx_factory if attn_mode == "bf16" else contextlib.nullcontext
+    # NOTE: packed bf16 attention takes an explicit block-diagonal mask, which the
+    # cuDNN-only restriction may not accept: it uses SDPA's default dispatch.
+    ctx = ctx_factory if attn_mode == "bf16" and not args.packed else contextlib.nullcontext
 
     def step():
         with ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
@@ -126,7 +133,7 @@ def bench_one(preset: str, attn_mode: str, scope: str, args, device: torch.devic
     dt = (time.perf_counter() - t0) / args.steps
     out = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
            "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
-           "params": model.num_params(), "batch_size": batch, "seq_len": seq,
+           "params": model.num_params(), "batch_size": batch, "seq_len": seq, "packed": args.packed,
            "ms_per_step": dt * 1e3, "tokens_per_s": batch * seq / dt, "final_loss": float(loss),
            "fp8_linear_layers": len(model.fp8_linear_names),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
@@ -158,6 +165,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--packed", action="store_true",
+                    help="packed documents (per-document causal attention; random separators)")
+    ap.add_argument("--doc-len", type=int, default=512, help="mean document length with --packed")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     if args.warmup < 0 or args.steps < 1:
@@ -179,6 +189,8 @@ def main(argv=None) -> None:
         else:
             raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>")
     ctx_factory, bf16_attn = cudnn_attention_context(device)
+    if args.packed:
+        bf16_attn = "sdpa default dispatch with a block-diagonal causal mask (packed)"
     t_all = time.perf_counter()
     rows = []
     for pr in presets:
@@ -191,11 +203,12 @@ def main(argv=None) -> None:
     table = markdown(rows)
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "bf16_attention": bf16_attn,
-            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps,
+            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps, "packed": args.packed,
             "total_s": time.perf_counter() - t_all, "rows": rows}
     print()
     print(f"device {info['device']}, torch {info['torch']}, bf16 attention: {bf16_attn}, "
-          f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config")
+          f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config"
+          f"{', packed documents (mean length %d)' % args.doc_len if args.packed else ''}")
     print(table)
     print(f"total {info['total_s']:.0f} s")
     if args.json:

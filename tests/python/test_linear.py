@@ -277,7 +277,9 @@ def test_cuda_quantizers_match_cpu(fmt):
 @pytest.mark.parametrize("bias", [False, True])
 def test_cuda_scaled_mm_matches_emulation(mkn, bias):
     """Same quantized operands -> the cuBLASLt GEMMs equal the FP32 emulation up to
-    accumulation order (|diff| <= 2^-10 * (|a| |b|) elementwise), for y, dx, dW."""
+    accumulation (order and the tensor cores' FP8 accumulator width inside a
+    128-block): |diff| <= 2^-8 * (|a| |b|) elementwise and relative Frobenius
+    < 2e-3, i.e. >= 20x below the FP8 rounding error itself (~0.037), for y, dx, dW."""
     m, k, n = mkn
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g).cuda()
@@ -299,8 +301,8 @@ def test_cuda_scaled_mm_matches_emulation(mkn, bias):
     for i, name in enumerate(("y", "dx", "dw")):
         a, e = out["scaled_mm"][i], out["emulated"][i]
         assert torch.isfinite(a).all(), name
-        assert ((a - e).abs() <= 2.0 ** -10 * mags[name] + 1e-6).all(), (name, float((a - e).abs().max()))
-        assert rel_fro(a, e) < 1e-3, name
+        assert ((a - e).abs() <= 2.0 ** -8 * mags[name] + 1e-6).all(), (name, float((a - e).abs().max()))
+        assert rel_fro(a, e) < 2e-3, name
     if bias:
         assert torch.allclose(out["scaled_mm"][3], out["emulated"][3])
 
@@ -322,6 +324,7 @@ def test_cuda_autocast_bf16_training_step():
 
 @cuda_sm90
 def test_cuda_auto_falls_back_with_a_warning_and_scaled_mm_refuses():
+    L._WARNED.clear()          # the warning is given once per reason per process
     x = torch.randn(64, 100, device="cuda")
     w = torch.randn(128, 100, device="cuda")
     with pytest.warns(UserWarning, match="multiples of 128"):
