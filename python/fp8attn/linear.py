@@ -106,7 +106,9 @@ def quantize_1x128(x: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, to
         raise ValueError(_err("x", f"dtype must be float32, bfloat16 or float16, got {x.dtype}"))
     r, c = x.shape
     nb = -(-c // _BLOCK)
-    xf = x.float()
+    # NOTE: contiguous first: elementwise ops keep an input's strides, and a
+    # transposed input would give column-major codes, which cuBLASLt refuses for A.
+    xf = x.float().contiguous()
     if c % _BLOCK:
         xf = F.pad(xf, (0, nb * _BLOCK - c))
     xb = xf.reshape(r, nb, _BLOCK)
@@ -139,7 +141,7 @@ def quantize_128x128(w: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, 
         raise ValueError(_err("w", f"dtype must be float32, bfloat16 or float16, got {w.dtype}"))
     r, c = w.shape
     nr, nc = -(-r // _BLOCK), -(-c // _BLOCK)
-    wf = w.float()
+    wf = w.float().contiguous()
     if r % _BLOCK or c % _BLOCK:
         wf = F.pad(wf, (0, nc * _BLOCK - c, 0, nr * _BLOCK - r))
     wb = wf.reshape(nr, _BLOCK, nc, _BLOCK)

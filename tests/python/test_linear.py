@@ -254,6 +254,60 @@ def test_errors_name_the_argument():
         L.quantize_1x128(torch.randn(2, 3, 4))
 
 
+# ---- the scaled_mm call layout, checked on CPU with a stand-in for cuBLASLt ---------
+
+
+def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
+    """Checks what torch's _scaled_mm_v2 + cuBLASLt demand for the DeepSeek recipes
+    (A row-major, B column-major, E4M3, K % 128 == 0; scale shapes and strides as
+    in torch/_meta_registrations.py), then computes A B by reading the scales in
+    that documented layout (so a transposed or misplaced scale gives wrong numbers)."""
+    ST = torch.nn.functional.ScalingType
+    m, k = a.shape
+    n = b.shape[1]
+    assert a.dtype == b.dtype == torch.float8_e4m3fn
+    assert a.stride(1) == 1 and a.stride(0) >= k, ("A must be row-major", a.stride())
+    assert b.stride(0) == 1 and b.stride(1) >= k, ("B must be column-major", b.stride())
+    assert k % 128 == 0 and m % 16 == 0 and n % 16 == 0
+    kb, l4 = k // 128, -(-(k // 128) // 4) * 4
+    assert recipe_a == ST.BlockWise1x128
+    assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (kb == 1 or scale_a.stride(1) == m)
+    ad = a.float() * scale_a.repeat_interleave(128, 1)
+    if recipe_b == ST.BlockWise128x128:
+        assert n % 128 == 0
+        assert scale_b.shape == (l4, n // 128) and scale_b.stride(0) == 1
+        assert n // 128 == 1 or scale_b.stride(1) == l4
+        bd = b.float() * scale_b[:kb].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:
+        assert recipe_b == ST.BlockWise1x128
+        assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (kb == 1 or scale_b.stride(1) == n)
+        bd = b.float() * scale_b.t().repeat_interleave(128, 0)
+    return (ad @ bd).to(output_dtype)
+
+
+def test_scaled_mm_call_layout_with_a_stand_in(monkeypatch):
+    """The scaled_mm backend's three GEMM calls (incl. token padding to 128, L4
+    padding of 128x128 scales, and non-contiguous x / dy) meet the cuBLASLt
+    layout rules and give the emulation's numbers."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(L, "_scaled_mm_blocker", lambda *a: None)
+    g = torch.Generator().manual_seed(9)
+    m, k, n = 300, 640, 1152                              # K/128 = 5 -> L4 = 8; M padded to 384
+    x_base = torch.randn(k, m, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    dy_base = torch.randn(n, m, generator=g)
+    out = {}
+    for be in ("scaled_mm", "emulated"):
+        x = x_base.clone().requires_grad_()
+        xt = x.t()                                      # non-contiguous [m, k] input
+        ww = w.clone().requires_grad_()
+        y = L.fp8_linear(xt, ww, backend=be)
+        y.backward(dy_base.t())                         # non-contiguous dy
+        out[be] = (y.detach(), x.grad, ww.grad)
+    for name, a, e in zip(("y", "dx", "dW"), out["scaled_mm"], out["emulated"]):
+        assert rel_fro(a, e) < 1e-6, name
+
+
 # ---- CUDA: cuBLASLt block-scaled GEMMs vs the emulation ----------------------------
 
 cuda_sm90 = pytest.mark.skipif(not L.scaled_mm_available(),
