@@ -12,7 +12,7 @@ cd "$ROOT"
 OUT="${OUT:-$ROOT/device_out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
-T_BENCH="${T_BENCH:-80}"
+T_BENCH="${T_BENCH:-80}"   # BENCH_ARGS: extra bench_train.py arguments
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/summary.txt"
 python3 -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"
 echo "== pytest tests/python/test_linear.py" | tee -a "$OUT/summary.txt"
@@ -52,5 +52,5 @@ def step(mod):
 print(f"fwd+bwd: nn.Linear bf16 autocast {bench(lambda: step(ref)):.3f} ms, FP8Linear {bench(lambda: step(lin)):.3f} ms")
 PY
 echo "== bench_train" | tee -a "$OUT/summary.txt"
-timeout "$T_BENCH" python3 benchmarks/bench_train.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -14 | tee -a "$OUT/summary.txt"
+timeout "$T_BENCH" python3 benchmarks/bench_train.py ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -14 | tee -a "$OUT/summary.txt"
 echo "bench rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
