@@ -27,7 +27,10 @@ model is wrapped in DistributedDataParallel, rank r trains on every
 world_size-th batch of the shared order (offset r), the logged loss is the mean
 over ranks, tokens_per_s counts all ranks, only rank 0 writes the log and runs
 the val loss, and the summary adds world_size and final_fingerprints (one per
-rank; differing ones raise RuntimeError). One process: unchanged.
+rank; differing ones raise RuntimeError). One process: unchanged. With
+TrainConfig.fsdp (compare --fsdp) the model is sharded with FSDP2 instead of
+DDP (ddp.wrap_model): parameters are DTensors, read through ddp.full() for the
+fingerprints and gain statistics, and every rank runs the val loss.
 """
 from __future__ import annotations
 
