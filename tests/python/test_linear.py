@@ -222,6 +222,18 @@ def test_fp8linear_is_a_drop_in_linear():
     assert L.FP8Linear(96, 40)(torch.randn(0, 96)).shape == (0, 40)
 
 
+def test_cpu_autocast_output_dtype_and_grad_dtypes():
+    lin = L.FP8Linear(256, 128)
+    x = torch.randn(4, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    ref = nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
+    assert rel_fro(y.detach().float(), ref) <= 2 * RHO["e4m3"]
+
+
 def test_convert_by_name_filter():
     model = nn.Sequential()
     model.add_module("attn", nn.ModuleDict({"wq": nn.Linear(8, 8), "wo": nn.Linear(8, 8)}))
