@@ -3,7 +3,8 @@
 # (issue #7): GPU tests of fp8attn.linear (cuBLASLt block-scaled scaled_mm vs
 # the FP32 emulation), measured scaled_mm-vs-emulation differences and GEMM
 # timings, then benchmarks/bench_train.py. Logs under $OUT.
-#   run(command="cd .wt/wt-linear && bash scripts/device_linear.sh", carry=[".wt/wt-linear"], timeout_s=170)
+#   run(command="bash scripts/device_linear.sh", carry=[".devbuild/lib"], timeout_s=170)
+# (or from a worktree copy: cd .wt/<WT> && bash scripts/device_linear.sh, carry=[".wt/<WT>"]).
 # Needs python/fp8attn/_C*.so built with CUDA (FP8ATTN_BUILD_CUDA=1) for the
 # fp8 attention core in the benchmark; FP8Linear itself needs no extension.
 set -uo pipefail
@@ -12,6 +13,9 @@ cd "$ROOT"
 OUT="${OUT:-$ROOT/device_out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+# A prebuilt CUDA library carried in .devbuild/lib (as for device_all.sh) wins over an in-place one.
+so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
+if [ -n "$so" ]; then rm -f python/fp8attn/_C*.so; cp "$so" python/fp8attn/; fi
 T_BENCH="${T_BENCH:-80}"   # BENCH_ARGS: extra bench_train.py arguments
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/summary.txt"
 python3 -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"
