@@ -337,6 +337,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if out_dtype != x2.dtype and x2.is_floating_point() and x2.element_size() > torch.empty((), dtype=out_dtype).element_size():
+        # NOTE: under autocast nn.Linear computes (and saves for wgrad) its input in the
+        # autocast dtype; do the same so the saved activation is BF16, not FP32
+        # (half the memory). The extra BF16 rounding is far below the FP8 one.
+        x2 = x2.to(out_dtype)
     if x2.shape[0] == 0:
         return (x2.float() @ weight.float().t()).to(out_dtype).reshape(*lead, weight.shape[0])
     be = _resolve_backend(backend, x2, weight, grad_format)

@@ -234,6 +234,29 @@ def test_cpu_autocast_output_dtype_and_grad_dtypes():
     assert rel_fro(y.detach().float(), ref) <= 2 * RHO["e4m3"]
 
 
+def test_autocast_saves_activation_in_autocast_dtype():
+    # Memory: like nn.Linear under autocast, the activation kept for wgrad is BF16,
+    # not the FP32 input (the FP32 master weight is the parameter itself, not a copy).
+    lin = L.FP8Linear(256, 128)
+    x = torch.randn(8, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)
+    acts = [dt for shape, dt in saved if shape == (8, 256)]
+    assert acts and all(dt == torch.bfloat16 for dt in acts), saved
+    # without autocast the input keeps its own dtype
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lin(x)
+    assert [dt for shape, dt in saved if shape == (8, 256)] == [torch.float32]
+
+
 def test_convert_by_name_filter():
     model = nn.Sequential()
     model.add_module("attn", nn.ModuleDict({"wq": nn.Linear(8, 8), "wo": nn.Linear(8, 8)}))
