@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     args = ap.parse_args()
@@ -111,7 +113,10 @@ def main():
     print("env:", json.dumps(info))
 
     rows = []
-    for (b, h, s, d) in (QUICK if args.quick else FULL):
+    shapes = QUICK if args.quick else FULL
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    for (b, h, s, d) in shapes:
         for causal in (False, True):
             gen = torch.Generator(device="cuda").manual_seed(b * 1000003 + s * 7 + d + causal)
             q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)

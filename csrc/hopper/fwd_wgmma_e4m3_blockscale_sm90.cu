@@ -21,6 +21,9 @@
 //     O = O * alpha + part * s_p * s_v   (the FP32 partial of each 128-key block is
 //       promoted into the O accumulator with its scales)
 //   epilogue: O / l -> BF16, LSE.
+// Consumer schedules (kVariant): v1 serial as above; v2 issues QK^T (kt + 1)
+// before the softmax of kt; v3 (default) pairs the two warpgroups so they take
+// turns issuing {P V (kt), QK^T (kt + 1)} (pingpong). Measurements: the doc.
 // Stages are handed over with mbarriers: k_full/v_full (producer -> consumers),
 // k_empty/v_empty (consumers -> producer), v_raw (TMA -> permuting warps).
 //
@@ -42,6 +45,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -106,6 +110,11 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr) {
          (static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32) | (kLayout << 62);
 }
 
+// Consumer schedules (template kVariant; FP8ATTN_FWD_KERNEL picks one, see run_fwd_wgmma).
+constexpr int kSerial = 1;    // v1: QK^T, softmax, P V in sequence per warpgroup
+constexpr int kOverlap = 2;   // v2: QK^T (kt + 1) during softmax (kt)
+constexpr int kPingpong = 3;  // v3: warpgroups alternate their wgmma phases
+
 template <int N>
 struct GmmaAtom;
 template <>
@@ -162,7 +171,7 @@ struct WTraits {
 
 // ---- the kernel --------------------------------------------------------------------
 
-template <int kD, int kDv>
+template <int kD, int kDv, int kVariant>
 __global__ void __launch_bounds__(fwdw::kThreads, 1)
     fwd_wgmma_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
@@ -170,6 +179,10 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
   constexpr int kVT = kDv / 8;      // n8 tiles of O
+  // NOTE: P V runs in chunks of 64 output channels (m64n64k32): a 64-register
+  // partial next to O, S(kt) and S(kt + 1) would not fit 232 registers.
+  constexpr int kPvN = 64;
+  constexpr int kPvChunks = kDv / kPvN;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
 
@@ -300,24 +313,24 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
   const uint32_t sQ = sbase + T::kOffQ + cw * 64 * kD;
   mbar_wait(q_full, 0);
 
-  for (int kt = 0; kt < n_tiles; ++kt) {
+  // Issue t = Q K^T of key tile kt into acc (asynchronous; committed as one group).
+  auto qk_issue = [&](float (&acc)[kBlockN / 2], int kt) {
     const int s = kt % kStages;
-    const uint32_t ph = (kt / kStages) & 1;
-
-    // ---- t = Q K^T (FP32), times s_k ----
-    float sacc[kBlockN / 2];
-#pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) sacc[i] = 0.f;
-    mbar_wait(k_full(s), ph);
-    fence_acc(sacc);
+    mbar_wait(k_full(s), (kt / kStages) & 1);
+    fence_acc(acc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < kD / 32; ++ks)
-      gmma_ss<kBlockN>(gmma_desc<T::kQKRow>(sQ + 32 * ks), gmma_desc<T::kQKRow>(sK(s) + 32 * ks), sacc, ks > 0,
+      gmma_ss<kBlockN>(gmma_desc<T::kQKRow>(sQ + 32 * ks), gmma_desc<T::kQKRow>(sK(s) + 32 * ks), acc, ks > 0,
                        std::make_index_sequence<kBlockN / 2>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_acc(sacc);
+  };
+
+  // t (complete) -> S = t * s_k, mask, online softmax, P_hat codes as the A
+  // fragments of the 4 k32 steps of P V (file comment); releases K stage kt.
+  auto softmax = [&](float (&sacc)[kBlockN / 2], int kt, uint32_t (&pa)[kNT / 4][4], float (&alpha)[2],
+                     float (&sp)[2]) {
+    const int s = kt % kStages;
 #pragma unroll
     for (int j = 0; j < kNT; ++j) {
       const float2 sk = *reinterpret_cast<const float2*>(&sKs[s * kBlockN + 8 * j + 2 * tig]);
@@ -344,7 +357,6 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
     }
 
     // ---- online softmax, P quantization (as fwd_e4m3_blockscale_sm90.cu) ----
-    float alpha[2], sp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -373,8 +385,6 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
         }
       l_run[r] = l_run[r] * alpha[r] + sum * sp[r];
     }
-    // P_hat codes as the A fragments of the 4 k32 steps (file comment).
-    uint32_t pa[kNT / 4][4];
 #pragma unroll
     for (int st = 0; st < kNT / 4; ++st) {
       const float* x = &sacc[16 * st];  // n8 tiles 4 st .. 4 st + 3
@@ -383,30 +393,132 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       pa[st][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
       pa[st][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
     }
+  };
 
-    // ---- part = P_hat V_hat; O = O * alpha + part * s_p * s_v ----
-    float part[kDv / 2];
-#pragma unroll
-    for (int i = 0; i < kDv / 2; ++i) part[i] = 0.f;
-    mbar_wait(v_full(s), ph);
+  // Issue part = P_hat V_hat of key tile kt, output channels [kPvN c, kPvN c + kPvN)
+  // (asynchronous).
+  auto pv_issue = [&](const uint32_t (&pa)[kNT / 4][4], float (&part)[kPvN / 2], int kt, int c) {
+    const int s = kt % kStages;
+    if (c == 0) mbar_wait(v_full(s), (kt / kStages) & 1);
     fence_acc(part);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int st = 0; st < kNT / 4; ++st)
-      gmma_rs<kDv>(pa[st], gmma_desc<128>(sV(s) + 32 * st), part, st > 0, std::make_index_sequence<kDv / 2>{});
+      gmma_rs<kPvN>(pa[st], gmma_desc<128>(sV(s) + c * kPvN * kBlockN + 32 * st), part, st > 0,
+                    std::make_index_sequence<kPvN / 2>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_acc(part);
+  };
+
+  // part (complete) -> O = O * alpha + part * s_p * s_v on channel chunk c;
+  // the last chunk releases V stage kt.
+  auto promote = [&](const float (&part)[kPvN / 2], int kt, int c, const float (&alpha)[2], const float (&sp)[2]) {
+    const int s = kt % kStages;
 #pragma unroll
-    for (int t = 0; t < kVT; ++t) {
+    for (int tc = 0; tc < kPvN / 8; ++tc) {
+      const int t = c * (kPvN / 8) + tc;
       const float2 sv = *reinterpret_cast<const float2*>(&sVs[s * kDv + 8 * t + 2 * tig]);
-      o[4 * t + 0] = fmaf(part[4 * t + 0], sp[0] * sv.x, o[4 * t + 0] * alpha[0]);
-      o[4 * t + 1] = fmaf(part[4 * t + 1], sp[0] * sv.y, o[4 * t + 1] * alpha[0]);
-      o[4 * t + 2] = fmaf(part[4 * t + 2], sp[1] * sv.x, o[4 * t + 2] * alpha[1]);
-      o[4 * t + 3] = fmaf(part[4 * t + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
+      o[4 * t + 0] = fmaf(part[4 * tc + 0], sp[0] * sv.x, o[4 * t + 0] * alpha[0]);
+      o[4 * t + 1] = fmaf(part[4 * tc + 1], sp[0] * sv.y, o[4 * t + 1] * alpha[0]);
+      o[4 * t + 2] = fmaf(part[4 * tc + 2], sp[1] * sv.x, o[4 * t + 2] * alpha[1]);
+      o[4 * t + 3] = fmaf(part[4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+    if (c == kPvChunks - 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+    }
+  };
+
+  if constexpr (kVariant == kSerial) {
+    // v1: QK^T, wait, softmax, PV, wait, promote (overlap only across warpgroups).
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float sacc[kBlockN / 2], part[kPvN / 2], alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      qk_issue(sacc, kt);
+      cute::warpgroup_wait<0>();
+      fence_acc(sacc);
+      softmax(sacc, kt, pa, alpha, sp);
+#pragma unroll
+      for (int c = 0; c < kPvChunks; ++c) {
+        pv_issue(pa, part, kt, c);
+        cute::warpgroup_wait<0>();
+        fence_acc(part);
+        promote(part, kt, c, alpha, sp);
+      }
+    }
+  } else if constexpr (kVariant == kOverlap) {
+    // v2: QK^T of tile kt + 1 runs on the tensor cores during the softmax of
+    // tile kt. NOTE: fixed roles (snxt is copied into scur once complete): no
+    // instruction but wgmma writes an accumulator while it is in flight, else
+    // ptxas serializes the wgmmas (C7515).
+    float scur[kBlockN / 2], snxt[kBlockN / 2], part[kPvN / 2];
+    if (n_tiles > 0) {
+      qk_issue(scur, 0);
+      cute::warpgroup_wait<0>();
+    }
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      const bool has_next = kt + 1 < n_tiles;
+      if (has_next) qk_issue(snxt, kt + 1);
+      fence_acc(scur);
+      softmax(scur, kt, pa, alpha, sp);
+#pragma unroll
+      for (int c = 0; c < kPvChunks; ++c) {
+        pv_issue(pa, part, kt, c);
+        cute::warpgroup_wait<0>();  // P V (kt, chunk c); QK^T (kt + 1) is older
+        fence_acc(part);
+        promote(part, kt, c, alpha, sp);
+      }
+      fence_acc(snxt);
+      if (has_next) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) scur[i] = snxt[i];
+      }
+    }
+  } else {
+    // v3 (pingpong): the two consumer warpgroups take turns issuing their
+    // wgmmas (named barriers 1 and 2, FA3's scheme), so one warpgroup's softmax
+    // runs while the other's P V (kt) and QK^T (kt + 1) occupy the tensor cores.
+    // S (kt) is dead once packed into P, so QK^T (kt + 1) reuses its registers.
+    static_assert(kVariant == kPingpong && fwdw::kConsumerWGs == 2, "pingpong pairs two warpgroups");
+    auto turn_wait = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory"); };
+    auto turn_pass = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw ^ 1)) : "memory"); };
+    if (cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // warpgroup 0 starts
+    float sacc[kBlockN / 2], part[kDv / 2];
+    if (n_tiles > 0) {
+      turn_wait();
+      qk_issue(sacc, 0);
+      turn_pass();
+      cute::warpgroup_wait<0>();
+    }
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      fence_acc(sacc);
+      softmax(sacc, kt, pa, alpha, sp);
+      turn_wait();
+      {
+        const int s = kt % kStages;
+        mbar_wait(v_full(s), (kt / kStages) & 1);
+        fence_acc(part);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int st = 0; st < kNT / 4; ++st)
+          gmma_rs<kDv>(pa[st], gmma_desc<128>(sV(s) + 32 * st), part, st > 0, std::make_index_sequence<kDv / 2>{});
+        cute::warpgroup_commit_batch();
+      }
+      if (kt + 1 < n_tiles) qk_issue(sacc, kt + 1);
+      turn_pass();
+      cute::warpgroup_wait<0>();
+      fence_acc(part);
+      fence_acc(sacc);
+#pragma unroll
+      for (int c = 0; c < kDv / kPvN; ++c) {
+        float (&pc)[kPvN / 2] = *reinterpret_cast<float (*)[kPvN / 2]>(&part[c * (kPvN / 2)]);
+        promote(pc, kt, c, alpha, sp);
+      }
+    }
+    if (cw == 0) turn_wait();  // consumes warpgroup 1's last pass (every arrive is matched)
   }
 
   // ---- epilogue: O = acc / l (BF16), LSE ----
@@ -470,7 +582,7 @@ CUtensorMap make_map(const void* base, uint64_t d0, uint64_t d1, uint64_t d2, ui
   return m;
 }
 
-template <int kD, int kDv>
+template <int kD, int kDv, int kVariant>
 void launch(const KernelParams& p, cudaStream_t stream) {
   using T = WTraits<kD, kDv>;
   const uint64_t bhq = static_cast<uint64_t>(p.batch) * p.num_heads_q;
@@ -480,7 +592,7 @@ void launch(const KernelParams& p, cudaStream_t stream) {
   const CUtensorMap tm_k = make_map(p.k_row, kD, p.seqlen_k, bhk, kD, T::kBlockN, swz_qk, "k_row");
   const CUtensorMap tm_v =
       make_map(p.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
-  auto kernel = fwd_wgmma_kernel<kD, kDv>;
+  auto kernel = fwd_wgmma_kernel<kD, kDv, kVariant>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
   const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
@@ -500,8 +612,19 @@ bool fwd_wgmma_supported(const KernelParams& p) {
 
 void run_fwd_wgmma(const KernelParams& p, cudaStream_t stream) {
   if (!fwd_wgmma_supported(p)) fail("unsupported configuration (see fwd_wgmma_supported)");
-  if (p.head_dim_qk == 64) return launch<64, 64>(p, stream);
-  return launch<128, 128>(p, stream);
+  // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap runs v1 | v2 instead
+  // of v3 (benchmarking; measurements in the kernel doc).
+  const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
+  const std::string which = env != nullptr ? env : "";
+  const int variant = which == "wgmma_serial" ? kSerial : which == "wgmma_overlap" ? kOverlap : kPingpong;
+  if (p.head_dim_qk == 64) {
+    if (variant == kSerial) return launch<64, 64, kSerial>(p, stream);
+    if (variant == kOverlap) return launch<64, 64, kOverlap>(p, stream);
+    return launch<64, 64, kPingpong>(p, stream);
+  }
+  if (variant == kSerial) return launch<128, 128, kSerial>(p, stream);
+  if (variant == kOverlap) return launch<128, 128, kOverlap>(p, stream);
+  return launch<128, 128, kPingpong>(p, stream);
 }
 
 }  // namespace sm90

@@ -4,8 +4,10 @@
 // (FP32 [B, Hq, Sq]) from q_row / k_row / v_colT and their block scales.
 //
 // run_fwd dispatches here when fwd_wgmma_supported(p) and the environment does
-// not ask for the mma.sync kernel (FP8ATTN_FWD_KERNEL=mma). Design and
-// measurements: docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
+// not ask for the mma.sync kernel (FP8ATTN_FWD_KERNEL=mma);
+// FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap selects the v1 | v2 consumer
+// schedule instead of v3 (benchmarking). Design and measurements:
+// docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
 #pragma once
 
 #include <cuda_runtime.h>
