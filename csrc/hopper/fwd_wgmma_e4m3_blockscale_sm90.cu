@@ -41,6 +41,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#if !__has_include(<cute/arch/mma_sm90_gmma.hpp>)
+#error "fp8attn: CUTLASS/CuTe headers not found: run scripts/get_cutlass.sh (third_party/cutlass/include) or set FP8ATTN_CUTLASS_INCLUDE"
+#endif
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include <cmath>
