@@ -72,6 +72,8 @@ FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 64)
 FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE5M2, E4M3, E5M2, 64)
 FP8ATTN_GMMA_OPS(kFmtE5M2, kFmtE4M3, E5M2, E4M3, 64)
 FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 128)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 32)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE5M2, E4M3, E5M2, 32)
 #undef FP8ATTN_GMMA_OPS
 
 template <class Op, size_t... I>
@@ -157,16 +159,24 @@ static_assert(kWgThreads == kThreads, "warp w owns rows [16w, 16w+16) as in the 
 
 // ---- cp.async tile fills -------------------------------------------------------------
 
-// Rows [s0, s0 + 128) of a [S][D] FP8 matrix, row n of the tile <- source row
+// Rows [s0, s0 + ROWS) of a [S][D] FP8 matrix, row n of the tile <- source row
 // s0 + perm(n) (perm = q_of_col or k_of_row); rows >= S zero-filled.
-template <int D, bool kQueryOrder>
+// NOTE: written as one base address per thread plus constant steps (the row
+// step is a multiple of 16, which both permutations preserve); a generic loop
+// made the compiler hoist every address out of the main loop (spills).
+template <int D, bool kQueryOrder, int ROWS>
 __device__ __forceinline__ void cp_rows(uint8_t* dst, const uint8_t* src, int s0, int S) {
-  constexpr int kChunks = D / 16;
-  for (int i = threadIdx.x; i < kTile * kChunks; i += kWgThreads) {
-    const int n = i / kChunks, c = i % kChunks;
-    const int r = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
+  constexpr int kChunks = D / 16, kStep = kWgThreads / kChunks;
+  static_assert(kStep % 16 == 0 && ROWS % kStep == 0, "row steps keep the 16-row permutation");
+  const int n = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  const int r0 = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
+  uint8_t* d0 = dst + sw128(n, c);
+  const uint8_t* g0 = src + 16 * c;
+#pragma unroll
+  for (int k = 0; k < ROWS / kStep; ++k) {
+    const int r = r0 + k * kStep;
     const bool ok = r < S;
-    cp_async16(dst + sw128(n, c), src + static_cast<int64_t>(ok ? r : 0) * D + 16 * c, ok);
+    cp_async16(d0 + k * kStep * 128, g0 + static_cast<int64_t>(ok ? r : 0) * D, ok);
   }
 }
 // Positions [s0, s0 + 128) of ROWS sequence-contiguous rows (stride ld): tile
@@ -174,11 +184,14 @@ __device__ __forceinline__ void cp_rows(uint8_t* dst, const uint8_t* src, int s0
 // partial chunk reads the padding codes (0, kernel_params_sm90.h).
 template <int ROWS>
 __device__ __forceinline__ void cp_cols(uint8_t* dst, const uint8_t* src, int64_t ld, int s0, int S) {
-  for (int i = threadIdx.x; i < ROWS * 8; i += kWgThreads) {
-    const int r = i / 8, c = i % 8;
-    const bool ok = s0 + 16 * c < S;
-    cp_async16(dst + sw128(r, c), src + r * ld + (ok ? s0 + 16 * c : 0), ok);
-  }
+  constexpr int kStep = kWgThreads / 8;
+  static_assert(ROWS % kStep == 0 && kStep % 8 == 0, "whole row steps");
+  const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+  const bool ok = s0 + 16 * c < S;
+  uint8_t* d0 = dst + sw128(r, c);
+  const uint8_t* g0 = src + r * ld + (ok ? s0 + 16 * c : 0);
+#pragma unroll
+  for (int k = 0; k < ROWS / kStep; ++k) cp_async16(d0 + k * kStep * 128, g0 + k * kStep * ld, ok);
 }
 // n floats: dst[i] <- src[idx(i)] if valid(i) else 0.
 template <class Idx>
@@ -195,27 +208,35 @@ __device__ __forceinline__ void cp_floats(float* dst, const float* src, int n, I
 // lane/4, t = lane%4): x[j][e] = (row 16 warp + g + 8 (e >> 1), column
 // 8j + 2t + (e & 1)). Rows are keys via k_of_row, columns queries via q_of_col.
 
-// S^T (#3) for this warp's rows x 128 columns: one head-dim block (d <= 128),
-// FP32 partial times s_q * s_k.
-//   sK [128][DQK] key rows, sKs [128] (tile rows); sQ [128][DQK] query rows, sQs [128] (columns).
-template <int DQK>
-__device__ __forceinline__ void wg_tile_s(const uint8_t* sK, const float* sKs, const uint8_t* sQ,
-                                          const float* sQs, int warp, int lane, float (&s)[16][4]) {
+// S^T (#3) for this warp's rows x NQ columns (64 or 128): one head-dim block
+// (d <= 128), FP32 partial times s_q * s_k. Split in issue (one wgmma group,
+// async) and scale (after the group completed) so a caller can overlap work.
+// NOTE: always m64n64k32 per 64 columns, in the main kernel (NQ = 128) and the
+// pre-pass (NQ = 64): the same instruction per element keeps P bitwise equal.
+//   sK [128][DQK] key rows, sKs [128] (tile rows); sQ [NQ][DQK] query rows, sQs [NQ] (columns).
+template <int DQK, int NQ>
+__device__ __forceinline__ void wg_issue_s(const uint8_t* sK, const uint8_t* sQ, int warp, float (&s)[NQ / 8][4]) {
   static_assert(DQK == 64 || DQK == 128, "one head-dim block");
-  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
   float* acc = &s[0][0];
   const uint8_t* a = sK + (warp >> 2) * (64 * 128);
-  fence_regs<64>(acc);
+  fence_regs<NQ / 2>(acc);
   wg_arrive();
 #pragma unroll
-  for (int k = 0; k < DQK / 32; ++k)
-    gmma_ss<kFmtE4M3, kFmtE4M3, 128>(desc_sw128(a + 32 * k), desc_sw128(sQ + 32 * k), acc, k > 0);
+  for (int h = 0; h < NQ / 64; ++h)
+#pragma unroll
+    for (int k = 0; k < DQK / 32; ++k)
+      gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(sQ + h * (64 * 128) + 32 * k),
+                                      acc + 32 * h, k > 0);
   wg_commit();
-  wg_wait<0>();
-  fence_regs<64>(acc);
+}
+template <int NQ>
+__device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, int warp, int lane,
+                                           float (&s)[NQ / 8][4]) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<NQ / 2>(&s[0][0]);
   const float ks0 = sKs[r0], ks1 = sKs[r0 + 8];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < NQ / 8; ++j) {
     const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
     s[j][0] = __fmul_rn(s[j][0], __fmul_rn(qs.x, ks0));
     s[j][1] = __fmul_rn(s[j][1], __fmul_rn(qs.y, ks0));
@@ -224,17 +245,18 @@ __device__ __forceinline__ void wg_tile_s(const uint8_t* sK, const float* sKs, c
   }
 }
 
-// P = exp2(S tau log2(e) - LSE log2(e)) in place (sLse: raw LSE per column).
-template <bool kMask>
-__device__ __forceinline__ void wg_tile_p(float (&s)[16][4], const float* sLse, const TileGeom& tg, int warp,
-                                          int lane) {
+// P = exp2(S tau log2(e) - LSE log2(e)) in place. sLse2: LSE * log2(e) per
+// column (-inf past the sequence: see lse2_in_place).
+template <bool kMask, int NQ>
+__device__ __forceinline__ void wg_tile_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg,
+                                          int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float2 l = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float lse2 = __fmul_rn((e & 1) ? l.y : l.x, kLog2e);
+      const float lse2 = (e & 1) ? l.y : l.x;
       const float p = ex2(fmaf(s[j][e], tg.c2, -lse2));
       if constexpr (kMask) {
         const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
@@ -246,13 +268,19 @@ __device__ __forceinline__ void wg_tile_p(float (&s)[16][4], const float* sLse, 
   }
 }
 
+// After this thread's cp.async of LSE column i (< n) completed: LSE * log2(e)
+// in place, -inf for queries past seqlen_q (the thread that copied it converts it).
+__device__ __forceinline__ void lse2_in_place(float* sLse, int n, int m0, int Sq) {
+  const int i = threadIdx.x;
+  if (i < n) sLse[i] = m0 + q_of_col(i) < Sq ? __fmul_rn(sLse[i], kLog2e) : -INFINITY;
+}
+
 // dP^T (#4) for this warp's rows x the 64 columns [64 half, 64 half + 64), one
-// dv block: FP32 partial times s_dO * s_V.
+// dv block: FP32 partial times s_dO * s_V. Issue / scale as for S^T.
 template <int DV, int FMT>
-__device__ __forceinline__ void wg_tile_dp(const uint8_t* sV, const float* sVs, const uint8_t* sdO,
-                                           const float* sdOs, int warp, int lane, int half, float (&dp)[8][4]) {
+__device__ __forceinline__ void wg_issue_dp(const uint8_t* sV, const uint8_t* sdO, int warp, int half,
+                                            float (&dp)[8][4]) {
   static_assert(DV == 64 || DV == 128, "one dv block");
-  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
   float* acc = &dp[0][0];
   const uint8_t* a = sV + (warp >> 2) * (64 * 128);
   const uint8_t* b = sdO + half * (64 * 128);
@@ -262,8 +290,11 @@ __device__ __forceinline__ void wg_tile_dp(const uint8_t* sV, const float* sVs, 
   for (int k = 0; k < DV / 32; ++k)
     gmma_ss<kFmtE4M3, FMT, 64>(desc_sw128(a + 32 * k), desc_sw128(b + 32 * k), acc, k > 0);
   wg_commit();
-  wg_wait<0>();
-  fence_regs<32>(acc);
+}
+__device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs, int warp, int lane, int half,
+                                            float (&dp)[8][4]) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<32>(&dp[0][0]);
   const float vs0 = sVs[r0], vs1 = sVs[r0 + 8];
 #pragma unroll
   for (int jj = 0; jj < 8; ++jj) {
@@ -276,24 +307,32 @@ __device__ __forceinline__ void wg_tile_dp(const uint8_t* sV, const float* sVs, 
 }
 
 // ---- pre-pass -------------------------------------------------------------------
+//
+// One CTA per (64-query tile, query head, batch): both warpgroups see the 64
+// queries, warpgroup wg the keys [64 wg, 64 wg + 64) of each 128-key tile (the
+// main kernel's rows and instructions). NOTE: 64 queries (not 128) keep the
+// registers under 128 so two CTAs share an SM (the pre-pass is latency-bound).
+
+constexpr int kPreQ = 64;
 
 template <int DQK, int DV>
 struct WgPrepassLayout {
-  static constexpr int kQ = 0;                         // query rows (q_of_col order)
-  static constexpr int kDO = kQ + kTileBytes;          // dO rows
-  static constexpr int kK = kDO + kTileBytes;          // [2] key rows (k_of_row order)
-  static constexpr int kV = kK + 2 * kTileBytes;       // [2] value rows
+  static constexpr int kQ = 0;                          // query rows (q_of_col order) [64][128 B]
+  static constexpr int kDO = kQ + kPreQ * 128;          // dO rows
+  static constexpr int kK = kDO + kPreQ * 128;          // [2] key rows (k_of_row order)
+  static constexpr int kV = kK + 2 * kTileBytes;        // [2] value rows
   static constexpr int kF = kV + 2 * kTileBytes;
-  static constexpr int kQs = 0, kDOs = kQs + kTile, kLse = kDOs + kTile;
-  static constexpr int kKs = kLse + kTile;                // [2][128]
-  static constexpr int kVs = kKs + 2 * kTile;             // [2][128]
-  static constexpr int kRed = kVs + 2 * kTile;            // [8][128]
-  static constexpr int kFloats = kRed + kWarps * kTile;
+  static constexpr int kQs = 0, kDOs = kQs + kPreQ, kLse = kDOs + kPreQ;
+  static constexpr int kKs = kLse + kPreQ;               // [2][128]
+  static constexpr int kVs = kKs + 2 * kTile;            // [2][128]
+  static constexpr int kRed = kVs + 2 * kTile;           // [8][64]
+  static constexpr int kFloats = kRed + kWarps * kPreQ;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
+  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
 
 template <int DQK, int DV, int FMT>
-__global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_prepass_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const KernelParams p) {
   using L = WgPrepassLayout<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -302,7 +341,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_prepass_kernel(const 
   const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
-  const int m0 = m_tile * kTile;
+  const int m0 = m_tile * kPreQ;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
@@ -314,95 +353,103 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_prepass_kernel(const 
   tg.causal_off = Sk - Sq;
   tg.causal = p.causal;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
-  const int last_q = min(m0 + kTile - 1, Sq - 1);
+  const int last_q = min(m0 + kPreQ - 1, Sq - 1);
   const int n_end = p.causal ? max(0, min(Sk, last_q + tg.causal_off + 1)) : Sk;
   const int n_tiles = (n_end + kTile - 1) / kTile;
 
   auto issue_keys = [&](int it) {
     const int n0 = it * kTile, st = it & 1;
-    cp_rows<DQK, false>(smem + L::kK + st * kTileBytes, p.k_row + bhk * Sk * DQK, n0, Sk);
-    cp_rows<DV, false>(smem + L::kV + st * kTileBytes, p.v_row + bhk * Sk * DV, n0, Sk);
-    cp_floats(sf + L::kKs + st * kTile, p.k_row_s, kTile, [&](int i) -> int64_t {
+    cp_rows<DQK, false, kTile>(smem + L::kK + st * kTileBytes, p.k_row + bhk * Sk * DQK, n0, Sk);
+    cp_rows<DV, false, kTile>(smem + L::kV + st * kTileBytes, p.v_row + bhk * Sk * DV, n0, Sk);
+    auto k_idx = [&](int i) -> int64_t {
       const int r = n0 + k_of_row(i);
       return r < Sk ? bhk * Sk + r : -1;
-    });
-    cp_floats(sf + L::kVs + st * kTile, p.v_row_s, kTile, [&](int i) -> int64_t {
-      const int r = n0 + k_of_row(i);
-      return r < Sk ? bhk * Sk + r : -1;
-    });
+    };
+    cp_floats(sf + L::kKs + st * kTile, p.k_row_s, kTile, k_idx);
+    cp_floats(sf + L::kVs + st * kTile, p.v_row_s, kTile, k_idx);
   };
 
   // Query side (once) + first key tile: group 0.
-  cp_rows<DQK, true>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
-  cp_rows<DV, true>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
+  cp_rows<DQK, true, kPreQ>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
+  cp_rows<DV, true, kPreQ>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
   auto q_idx = [&](int i) -> int64_t {
     const int r = m0 + q_of_col(i);
     return r < Sq ? bhq * Sq + r : -1;
   };
-  cp_floats(sf + L::kQs, p.q_row_s, kTile, q_idx);
-  cp_floats(sf + L::kDOs, p.do_row_s, kTile, q_idx);
-  cp_floats(sf + L::kLse, p.lse, kTile, q_idx);
+  cp_floats(sf + L::kQs, p.q_row_s, kPreQ, q_idx);
+  cp_floats(sf + L::kDOs, p.do_row_s, kPreQ, q_idx);
+  cp_floats(sf + L::kLse, p.lse, kPreQ, q_idx);
   if (n_tiles > 0) issue_keys(0);
   cp_commit();
 
-  float cs[32];  // per thread: sum over its keys of P * dP; column 8j + 2t + e at [2j + e]
+  float cs[16];  // per thread: sum over its keys of P * dP; column 8j + 2t + e at [2j + e]
 #pragma unroll
-  for (int i = 0; i < 32; ++i) cs[i] = 0.f;
+  for (int i = 0; i < 16; ++i) cs[i] = 0.f;
 
   for (int it = 0; it < n_tiles; ++it) {
-    __syncthreads();  // everyone is done with the stage about to be refilled
+    cp_wait<0>();
+    if (it == 0) lse2_in_place(sf + L::kLse, kPreQ, m0, Sq);
+    fence_async_smem();
+    __syncthreads();  // tile it visible; everyone is done with the other stage
     if (it + 1 < n_tiles) issue_keys(it + 1);
     cp_commit();
-    cp_wait<1>();
-    fence_async_smem();
-    __syncthreads();
     const int st = it & 1;
-    tg.n0 = it * kTile;
-    const bool interior = tg.interior();
+    const int n0 = it * kTile;
+    tg.n0 = n0;
+    const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq && (!p.causal || n0 + kTile - 1 <= m0 + tg.causal_off);
     const uint8_t* sK = smem + L::kK + st * kTileBytes;
     const uint8_t* sV = smem + L::kV + st * kTileBytes;
     const float* sKs = sf + L::kKs + st * kTile;
     const float* sVs = sf + L::kVs + st * kTile;
 
-    float pt[16][4];
-    wg_tile_s<DQK>(sK, sKs, smem + L::kQ, sf + L::kQs, warp, lane, pt);
+    // S^T and dP^T in flight together; P is computed while dP runs. The same
+    // instructions and scaling as the main kernel: bitwise equal.
+    float pt[8][4], dp[8][4];
+    wg_issue_s<DQK, kPreQ>(sK, smem + L::kQ, warp, pt);
+    wg_issue_dp<DV, FMT>(sV, smem + L::kDO, warp, 0, dp);
+    wg_wait<1>();
+    wg_scale_s<kPreQ>(sKs, sf + L::kQs, warp, lane, pt);
     if (interior)
-      wg_tile_p<false>(pt, sf + L::kLse, tg, warp, lane);
+      wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
     else
-      wg_tile_p<true>(pt, sf + L::kLse, tg, warp, lane);
+      wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+    wg_wait<0>();
+    wg_scale_dp(sVs, sf + L::kDOs, warp, lane, 0, dp);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float dp[8][4];
-      wg_tile_dp<DV, FMT>(sV, sVs, smem + L::kDO, sf + L::kDOs, warp, lane, half, dp);
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = 8 * half + jj;
-          float v = __fmul_rn(pt[j][e], dp[jj][e]);
-          if (!interior) {  // P = 0 there, but dP may be NaN
-            const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
-            if (!tg.visible(kl, ql)) v = 0.f;
-          }
-          float& c = cs[2 * j + (e & 1)];
-          c = __fadd_rn(c, v);
+      for (int e = 0; e < 4; ++e) {
+        float v = __fmul_rn(pt[j][e], dp[j][e]);
+        if (!interior) {  // P = 0 there, but dP may be NaN
+          const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
+          if (!tg.visible(kl, ql)) v = 0.f;
         }
-    }
+        float& c = cs[2 * j + (e & 1)];
+        c = __fadd_rn(c, v);
+      }
   }
   cp_wait<0>();
 
-  float red[4];
-  reduce_cols(cs, red, lane, OpAdd());
-  float* sRed = sf + L::kRed;
+  // Sum over the 8 lanes g of a warp (its 16 keys), then over the 8 warps.
 #pragma unroll
-  for (int i = 0; i < 4; ++i) sRed[warp * kTile + reduced_col(lane, i)] = red[i];
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+  float* sRed = sf + L::kRed;
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sRed[warp * kPreQ + 8 * j + 2 * t] = cs[2 * j];
+      sRed[warp * kPreQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
+    }
+  }
   __syncthreads();
-  for (int i = threadIdx.x; i < kTile; i += kWgThreads) {
+  for (int i = threadIdx.x; i < kPreQ; i += kWgThreads) {
     const int q = m0 + q_of_col(i);
     if (q >= Sq) continue;
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sRed[w * kTile + i];
+    for (int w = 0; w < kWarps; ++w) s += sRed[w * kPreQ + i];
     const int64_t row = bhq * Sq + q;
     p.delta_dm[row] = s;
     if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
@@ -441,14 +488,14 @@ struct WgMainLayout {
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
-// part (m64 x 64, this warp's rows) of A (registers, per-row scales sa) times B
-// [64 channels][128 positions] (swizzled, column scales sBs) accumulated into
+// part (m64 x N, this warp's rows) of A (registers, per-row scales sa) times B
+// [N channels][128 positions] (swizzled, column scales sBs) accumulated into
 // dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
-template <int FA, int FB>
+template <int FA, int FB, int N>
 __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], float sa0, float sa1,
-                                               const uint8_t* sB, const float* sBs, int lane, float (&dst)[8][4]) {
+                                               const uint8_t* sB, const float* sBs, int lane, float* dst) {
   const int t = lane & 3;
-  float part[8][4];
+  float part[N / 8][4];
   uint32_t a[4][4];
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -457,21 +504,22 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
     a[c][2] = codes[2 * c + 1][0];
     a[c][3] = codes[2 * c + 1][1];
   }
-  fence_regs<32>(&part[0][0]);
+  fence_regs<N / 2>(&part[0][0]);
   wg_arrive();
 #pragma unroll
-  for (int c = 0; c < 4; ++c) gmma_rs<FA, FB, 64>(a[c], desc_sw128(sB + 32 * c), &part[0][0], c > 0);
+  for (int c = 0; c < 4; ++c) gmma_rs<FA, FB, N>(a[c], desc_sw128(sB + 32 * c), &part[0][0], c > 0);
   wg_commit();
   wg_wait<0>();
-  fence_regs<32>(&part[0][0]);
+  fence_regs<N / 2>(&part[0][0]);
   fence_regs_u(&a[0][0], 16);
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
+  for (int jj = 0; jj < N / 8; ++jj) {
     const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
-    dst[jj][0] = fmaf(part[jj][0], sa0 * sb.x, dst[jj][0]);
-    dst[jj][1] = fmaf(part[jj][1], sa0 * sb.y, dst[jj][1]);
-    dst[jj][2] = fmaf(part[jj][2], sa1 * sb.x, dst[jj][2]);
-    dst[jj][3] = fmaf(part[jj][3], sa1 * sb.y, dst[jj][3]);
+    float* d = dst + 4 * jj;
+    d[0] = fmaf(part[jj][0], sa0 * sb.x, d[0]);
+    d[1] = fmaf(part[jj][1], sa0 * sb.y, d[1]);
+    d[2] = fmaf(part[jj][2], sa1 * sb.x, d[2]);
+    d[3] = fmaf(part[jj][3], sa1 * sb.y, d[3]);
   }
 }
 
@@ -527,8 +575,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     float* F = sf + L::kFStage + st * L::kFStageFloats;
-    cp_rows<DQK, true>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq);
-    cp_rows<DV, true>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq);
+    cp_rows<DQK, true, kTile>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq);
+    cp_rows<DV, true, kTile>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq);
     cp_cols<DQK>(S + L::kSQc, p.q_colT + bhq * DQK * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
     cp_cols<DV>(S + L::kSDOc, p.do_colT + bhq * DV * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
     auto q_idx = [&](int i) -> int64_t {
@@ -544,8 +592,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   };
 
   // Key side (once) + the first query tile: cp.async group 0.
-  cp_rows<DQK, false>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk);
-  cp_rows<DV, false>(smem + L::kV, p.v_row + bhk * Sk * DV, n0, Sk);
+  cp_rows<DQK, false, kTile>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk);
+  cp_rows<DV, false, kTile>(smem + L::kV, p.v_row + bhk * Sk * DV, n0, Sk);
   cp_cols<DQK>(smem + L::kKc, p.k_colT + bhk * DQK * p.seqlen_k_pad, p.seqlen_k_pad, n0, Sk);
   auto k_idx = [&](int i) -> int64_t {
     const int r = n0 + k_of_row(i);
@@ -575,12 +623,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it & 1;
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
-    __syncthreads();  // the stage about to be refilled and sDS are free
+    cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
+    lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
+    fence_async_smem();
+    // Tile it visible to all; everyone is done with iteration it - 1, so the
+    // other stage and sDS are free.
+    __syncthreads();
     if (it + 1 < n_iters) issue_query(it + 1);
     cp_commit();
-    cp_wait<1>();
-    fence_async_smem();
-    __syncthreads();
     const uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
     const uint8_t* sQ = S + L::kSQ;
@@ -590,30 +640,40 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     tg.m0 = m0;
     const bool interior = tg.interior();
 
-    // ---- S^T and P (#3), shared with the pre-pass.
+    // ---- S^T and P (#3) (same instructions and scaling as the pre-pass). At
+    // d = 64 both dP^T halves (#4) are issued with S^T (registers allow it).
+    constexpr bool kEarlyDp = DV <= 64;
     float pt[16][4];
-    wg_tile_s<DQK>(sK, sKs, sQ, F + L::kSQs, warp, lane, pt);
-    if (interior)
-      wg_tile_p<false>(pt, F + L::kSLse, tg, warp, lane);
-    else
-      wg_tile_p<true>(pt, F + L::kSLse, tg, warp, lane);
-
-    // ---- dV += P^T dO (#5): P per key along the 128 queries (E4M3).
-    {
-      uint32_t codes[8][2];
-      float sp0, sp1;
-      quantize_rows<kFmtE4M3>(pt, codes, sp0, sp1);
-#pragma unroll
-      for (int h = 0; h < DV / 64; ++h)
-        wg_rows_x_tile<kFmtE4M3, FMT>(codes, sp0, sp1, sdOc + h * 64 * 128, F + L::kSDOcs + 64 * h, lane,
-                                      dv_acc[h]);
+    float dpe[kEarlyDp ? 2 : 1][8][4];
+    wg_issue_s<DQK, kTile>(sK, sQ, warp, pt);
+    if constexpr (kEarlyDp) {
+      wg_issue_dp<DV, FMT>(sV, sdO, warp, 0, dpe[0]);
+      wg_issue_dp<DV, FMT>(sV, sdO, warp, 1, dpe[1]);
+      wg_wait<2>();
+    } else {
+      wg_wait<0>();
     }
+    wg_scale_s<kTile>(sKs, F + L::kSQs, warp, lane, pt);
+    if (interior)
+      wg_tile_p<false, kTile>(pt, F + L::kSLse, tg, warp, lane);
+    else
+      wg_tile_p<true, kTile>(pt, F + L::kSLse, tg, warp, lane);
 
-    // ---- dP_hat^T (#4, shared with the pre-pass) and dS = P o (dP_hat - delta).
+    // P^T codes for dV (#5): per key along the 128 queries (E4M3).
+    uint32_t codes_p[8][2];
+    float sp0, sp1;
+    quantize_rows<kFmtE4M3>(pt, codes_p, sp0, sp1);
+
+    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
+    if constexpr (kEarlyDp) wg_wait<0>();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float dp[8][4];
-      wg_tile_dp<DV, FMT>(sV, sVs, sdO, F + L::kSDOs, warp, lane, half, dp);
+      float(&dp)[8][4] = dpe[kEarlyDp ? half : 0];
+      if constexpr (!kEarlyDp) {
+        wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+        wg_wait<0>();
+      }
+      wg_scale_dp(sVs, F + L::kSDOs, warp, lane, half, dp);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int j = 8 * half + jj;
@@ -632,24 +692,30 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       }
     }
 
-    // ---- Diagnostics: pre-cast row sums of dS over this tile's keys.
+    // ---- dV += P^T dO (#5).
+    // NOTE: N = 32 chunks at d = 128 keep the partial small (registers).
+    constexpr int kNv = DV > 64 ? 32 : 64;
+#pragma unroll
+    for (int h = 0; h < DV / kNv; ++h)
+      wg_rows_x_tile<kFmtE4M3, FMT, kNv>(codes_p, sp0, sp1, sdOc + h * kNv * 128, F + L::kSDOcs + kNv * h, lane,
+                                         &dv_acc[0][0][0] + h * (kNv / 2));
+
+    // ---- Diagnostics: pre-cast row sums of dS over this tile's keys (sum,
+    // then sum of |.|, one at a time to keep registers low).
     if (diag) {
-      float v[32], a[32], rs[4], ra[4];
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
+      for (int pass = 0; pass < 2; ++pass) {
+        float v[32], rs[4];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          v[2 * j + e] = pt[j][e] + pt[j][e + 2];
-          a[2 * j + e] = fabsf(pt[j][e]) + fabsf(pt[j][e + 2]);
-        }
-      reduce_cols(v, rs, lane, OpAdd());
-      reduce_cols(a, ra, lane, OpAdd());
+        for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int q = m0 + q_of_col(reduced_col(lane, i));
-        if (q < Sq) {
-          atomicAdd(p.rowsum_ws + bhq * Sq + q, rs[i]);
-          atomicAdd(p.rowsum_ws + n_rows + bhq * Sq + q, ra[i]);
+          for (int e = 0; e < 2; ++e)
+            v[2 * j + e] = pass == 0 ? pt[j][e] + pt[j][e + 2] : fabsf(pt[j][e]) + fabsf(pt[j][e + 2]);
+        reduce_cols(v, rs, lane, OpAdd());
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = m0 + q_of_col(reduced_col(lane, i));
+          if (q < Sq) atomicAdd(p.rowsum_ws + pass * n_rows + bhq * Sq + q, rs[i]);
         }
       }
     }
@@ -677,54 +743,60 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
     __syncthreads();
     // sDS row q, byte (key): keys 16 warp + 2g, +1 are this thread's rows g, g + 8.
-    {
-      float pv[32], pa[32];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+    for (int j = 0; j < 16; ++j) {
+      const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = 8 * j + 2 * t + e, ql = q_of_col(col);
-          const float iv = e ? inv.y : inv.x;
-          const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
-          *reinterpret_cast<uint16_t*>(sDS + sw128(ql, warp) + 2 * g) = static_cast<uint16_t>(two);
-          if (diag) {  // post-cast row sums on the decoded #6 operand
-            const float s = sRowSc[col];
-            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(two));
-            pv[2 * j + e] = d.x * s + d.y * s;
-            pa[2 * j + e] = fabsf(d.x * s) + fabsf(d.y * s);
-          }
-        }
-      }
-      if (diag) {
-        float rs[4], ra[4];
-        reduce_cols(pv, rs, lane, OpAdd());
-        reduce_cols(pa, ra, lane, OpAdd());
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int q = m0 + q_of_col(reduced_col(lane, i));
-          if (q < Sq) {
-            atomicAdd(p.rowsum_ws + 2 * n_rows + bhq * Sq + q, rs[i]);
-            atomicAdd(p.rowsum_ws + 3 * n_rows + bhq * Sq + q, ra[i]);
-          }
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * t + e, ql = q_of_col(col);
+        const float iv = e ? inv.y : inv.x;
+        const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+        *reinterpret_cast<uint16_t*>(sDS + sw128(ql, warp) + 2 * g) = static_cast<uint16_t>(two);
       }
     }
     fence_async_smem();
-
-    // ---- dK += dS^T Q (#7): dS per key along the 128 queries (grad_format).
-    {
-      uint32_t codes[8][2];
-      float sd0, sd1;
-      quantize_rows<FMT>(pt, codes, sd0, sd1);
+    if (diag) {  // post-cast row sums on the decoded #6 operand (re-encoded: same codes)
 #pragma unroll
-      for (int h = 0; h < DQK / 64; ++h)
-        wg_rows_x_tile<FMT, kFmtE4M3>(codes, sd0, sd1, sQc + h * 64 * 128, F + L::kSQcs + 64 * h, lane,
-                                      dk_acc[h]);
+      for (int pass = 0; pass < 2; ++pass) {
+        float v[32], rs[4];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * t + e;
+            const float iv = e ? inv.y : inv.x, s = sRowSc[col];
+            const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(two));
+            v[2 * j + e] = pass == 0 ? d.x * s + d.y * s : fabsf(d.x * s) + fabsf(d.y * s);
+          }
+        }
+        reduce_cols(v, rs, lane, OpAdd());
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = m0 + q_of_col(reduced_col(lane, i));
+          if (q < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + q, rs[i]);
+        }
+      }
+    }
+
+    // dS^T codes for dK (#7): per key along the 128 queries (grad_format).
+    uint32_t codes_s[8][2];
+    float sd0, sd1;
+    quantize_rows<FMT>(pt, codes_s, sd0, sd1);
+    uint32_t a_s[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      a_s[c][0] = codes_s[2 * c][0];
+      a_s[c][1] = codes_s[2 * c][1];
+      a_s[c][2] = codes_s[2 * c + 1][0];
+      a_s[c][3] = codes_s[2 * c + 1][1];
     }
     __syncthreads();  // sDS complete
 
-    // ---- dQ_tile = dS K (#6): warpgroup wg takes queries [64 wg, 64 wg + 64) -> dq_accum.
+    // ---- Per 64 output columns: dK += dS^T Q (#7, RS) and dQ_tile = dS K (#6,
+    // SS: warpgroup wg takes queries [64 wg, 64 wg + 64)) in flight together;
+    // dK's scaling overlaps dQ's MMAs, then dQ -> dq_accum atomics.
     {
       const uint8_t* a = sDS + (warp >> 2) * (64 * 128);
       const int q0 = warp * 16 + g;
@@ -732,16 +804,36 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + q0) * DQK;
 #pragma unroll
       for (int h = 0; h < DQK / 64; ++h) {
-        float part[8][4];
-        fence_regs<32>(&part[0][0]);
+        float pk[8][4], pq[8][4];
+        fence_regs<32>(&pk[0][0]);
+        fence_regs<32>(&pq[0][0]);
         wg_arrive();
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-          gmma_ss<FMT, kFmtE4M3, 64>(desc_sw128(a + 32 * c), desc_sw128(sKc + h * 64 * 128 + 32 * c),
-                                     &part[0][0], c > 0);
+          gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_sw128(sQc + h * 64 * 128 + 32 * c), &pk[0][0], c > 0);
         wg_commit();
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          gmma_ss<FMT, kFmtE4M3, 64>(desc_sw128(a + 32 * c), desc_sw128(sKc + h * 64 * 128 + 32 * c),
+                                     &pq[0][0], c > 0);
+        wg_commit();
+        wg_wait<1>();
+        fence_regs<32>(&pk[0][0]);
+        {
+          const float* sBs = F + L::kSQcs + 64 * h;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
+            float* d = dk_acc[h][jj];
+            d[0] = fmaf(pk[jj][0], sd0 * sb.x, d[0]);
+            d[1] = fmaf(pk[jj][1], sd0 * sb.y, d[1]);
+            d[2] = fmaf(pk[jj][2], sd1 * sb.x, d[2]);
+            d[3] = fmaf(pk[jj][3], sd1 * sb.y, d[3]);
+          }
+        }
         wg_wait<0>();
-        fence_regs<32>(&part[0][0]);
+        fence_regs<32>(&pq[0][0]);
+        fence_regs_u(&a_s[0][0], 16);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           if (m0 + q0 + 8 * hh >= Sq) continue;
@@ -750,7 +842,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           for (int jj = 0; jj < 8; ++jj) {
             const int c = 64 * h + 8 * jj + 2 * t;
             const float2 ksc = *reinterpret_cast<const float2*>(sKcs + c);
-            const float2 v = make_float2(part[jj][2 * hh] * (rs * ksc.x), part[jj][2 * hh + 1] * (rs * ksc.y));
+            const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc.x), pq[jj][2 * hh + 1] * (rs * ksc.y));
             atomicAdd(reinterpret_cast<float2*>(dq_row0 + 8 * hh * DQK + c), v);
           }
         }
@@ -824,7 +916,7 @@ void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
     using L = WgPrepassLayout<D, D>;
     auto kernel = bwd_wgmma_prepass_kernel<D, D, FMT>;
     set_smem(kernel, L::kBytes, "bwd wgmma pre-pass");
-    const dim3 grid((p.seqlen_q + kTile - 1) / kTile, p.num_heads_q, p.batch);
+    const dim3 grid((p.seqlen_q + kPreQ - 1) / kPreQ, p.num_heads_q, p.batch);
     kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
     check("bwd wgmma pre-pass");
   });
