@@ -153,9 +153,7 @@ __device__ __forceinline__ int k_of_row(int m) {  // tau: accumulator row -> key
   return (m & ~15) + 2 * (m & 7) + ((m >> 3) & 1);
 }
 
-constexpr int kWgThreads = 256;  // 2 warpgroups
-constexpr int kTileBytes = kTile * 128;  // one swizzled [128][128 B] tile
-static_assert(kWgThreads == kThreads, "warp w owns rows [16w, 16w+16) as in the mma.sync kernels");
+constexpr int kTileBytes = kTile * kWgRowBytes;  // one swizzled [128][128 B] tile (config_sm90.h)
 
 // ---- cp.async tile fills -------------------------------------------------------------
 
@@ -313,7 +311,7 @@ __device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs,
 // main kernel's rows and instructions). NOTE: 64 queries (not 128) keep the
 // registers under 128 so two CTAs share an SM (the pre-pass is latency-bound).
 
-constexpr int kPreQ = 64;
+constexpr int kPreQ = kWgPreQ;
 
 template <int DQK, int DV>
 struct WgPrepassLayout {
