@@ -7,21 +7,24 @@
 // Two kernels, both 2 warpgroups (256 threads), warp w (0..7) owning rows
 // [16w, 16w+16) of the 128-key tile, i.e. each warpgroup issues the M = 64
 // half of every key-row product:
-//   * pre-pass (Delta-Matching, or diagnostics): one CTA per (128-query tile,
+//   * pre-pass (Delta-Matching, or diagnostics): one CTA per (64-query tile,
 //     query head, batch), walks the key tiles, delta_dm = sum_j P dP_hat;
 //   * main: one CTA per (128-key tile, kv head, batch), walks the GQA group's
 //     query heads and the query tiles that see its keys:
-//       S^T = K Q^T        SS wgmma m64n128k32 (A k_row, B q_row)          #3
+//       S^T = K Q^T        SS wgmma m64n64k32 per 64 queries (k_row, q_row)  #3
 //       P (FP32) -> P^T E4M3 per key along the 128 queries (registers)
-//       dV += P^T dO       RS wgmma m64n64k32 (B do_colT)                  #5
-//       dP_hat^T = V dO^T  SS wgmma m64n64k32 per 64-query half            #4
+//       dP_hat^T = V dO^T  SS wgmma m64n64k32 per 64 queries                 #4
 //       dS = P o (dP_hat - delta)  (FP32)
+//       dV += P^T dO       RS wgmma m64n32k32 (d=128) / m64n64k32 (do_colT)  #5
 //       dS per query along the 128 keys -> shared [q][k]
-//       dK += dS^T Q       RS wgmma m64n64k32 (A dS^T per key, B q_colT)  #7
-//       dQ_tile = dS K     SS wgmma m64n64k32 (A dS, B k_colT) -> atomics #6
+//       dK += dS^T Q       RS wgmma m64n64k32 (A dS^T per key, B q_colT)    #7
+//       dQ_tile = dS K     SS wgmma m64n64k32 (A dS, B k_colT) -> atomics   #6
 //   Every product's reduction over one tile (128 elements, or head_dim <= 128)
 //   is one quantization block: its FP32 partial is multiplied by the two block
 //   scales (an exact power of two) and added to the FP32 accumulator.
+//   NOTE: FP8 wgmma sums keep ~13-14 bits relative to the largest addend, not
+//   FP32 (measured against the CPU reference: ~4e-3 relative, numerics.md
+//   section 7); P and dP_hat are still bitwise shared with the pre-pass.
 //
 // Shared-memory operands are K-major with the 128-byte swizzle (rows of 128
 // bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8); tiles 1024-byte
