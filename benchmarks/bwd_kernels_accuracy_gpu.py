@@ -60,6 +60,24 @@ def main():
                 print(f"{shape} causal={causal} {mode:14s} {kern:5s} | " + " | ".join(msg)
                       + f" | rowsum_pre {cu[3][2].mean().item():.2e} (cpu {cpu[3][2].double().mean().item():.2e})"
                       + f" | max|dQ| {cu[0].abs().max().item():.3e} max|dK| {cu[1].abs().max().item():.3e}", flush=True)
+    # Delta-Matching residual with LSE (and O) from the CUDA forward, as in
+    # training: sum_j P_ij = 1 to FP32 rounding only if the backward's
+    # recomputed S matches the S the forward's LSE came from.
+    for shape, causal in [((1, 4, 2, 384, 384, 128), False), ((2, 4, 2, 333, 200, 128), True),
+                          ((2, 4, 2, 200, 333, 64), True)]:
+        q, k, v, _, _, do = inputs(*shape, causal, seed=sum(shape) + causal)
+        tau = scale(shape[-1])
+        dev = [t.cuda() for t in (q, k, v, do)]
+        out, lse = OPS.fwd(dev[0], dev[1], dev[2], tau, causal, "fp8", 128)
+        for kern in ("mma", "wgmma"):
+            os.environ["FP8ATTN_BWD_KERNEL"] = kern
+            res = {}
+            for mode in ("stale", "delta_matching"):
+                diag = OPS.bwd(dev[3], dev[0], dev[1], dev[2], out, lse, tau, causal, "fp8", mode, 128, "e4m3",
+                               True)[3]
+                res[mode] = diag[2].double().mean().item()
+            print(f"CUDA-forward LSE {shape} causal={causal} bwd {kern:5s} | rowsum_pre stale {res['stale']:.2e} "
+                  f"delta_matching {res['delta_matching']:.2e}", flush=True)
     os.environ.pop("FP8ATTN_BWD_KERNEL", None)
 
 
