@@ -102,7 +102,20 @@ constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8
 constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, head_dim 64/128): two
+// consumer warpgroups, warp w owning key rows [16w, 16w+16) as above; shared
+// operand tiles are rows of kWgRowBytes (one 128-byte swizzle atom, K-major);
+// the Delta-Matching pre-pass takes kWgPreQ queries per CTA (<= 128 registers,
+// two CTAs per SM; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md).
+constexpr int kWgThreads = 256;
+constexpr int kWgRowBytes = 128;
+constexpr int kWgPreQ = 64;
+
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
+static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
+static_assert(kWgRowBytes == kTile, "one swizzled row holds a 128-element FP8 block");
+static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
+              "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
 static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
 static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
 
