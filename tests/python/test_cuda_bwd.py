@@ -186,6 +186,34 @@ def test_delta_matching_invariant_and_diagnostics(causal):
 
 
 @needs_gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_delta_matching_invariant_with_cuda_forward(d, causal):
+    # The training pairing: O and LSE from the CUDA forward (default kernel per
+    # head_dim), then the CUDA backward (default kernel). The forward and the
+    # backward recompute S with the same tensor-core precision, so P sums to 1
+    # against that LSE to FP32 rounding and the DM pre-cast residual is FP32
+    # noise (~3e-8 measured); with a CPU-forward LSE the wgmma backward sits
+    # near 1e-5 (numerics.md section 7), which is why this test exists.
+    # The stale delta must stay orders of magnitude above it (the guarded fault).
+    gen = torch.Generator().manual_seed(100 + d + causal)
+    q = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    k = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    tau = f32_scale(d)
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    assert res["delta_matching"] < 1e-6, res
+    assert res["stale"] >= 100 * res["delta_matching"], res
+
+
+@needs_gpu
 def test_bad_block_size_names_argument():
     q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 2, 64, 64, 64, 64, False, seed=3))
     with pytest.raises((ValueError, RuntimeError), match="block_size"):
