@@ -143,3 +143,24 @@ def test_ddp_step0_loss_is_mean_over_rank_batches(ddp_run):
     # Guard: the two batches give distinguishable losses, so rank 1 training on batch #0 would show.
     assert abs(per_batch[0] - per_batch[1]) > 1e-3
     assert json.loads((out / "run" / "summary.json").read_text())["modes"] == list(MODES)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_single_rank_process_group_on_request(tmp_path, text_dir, fsdp):
+    # FP8ATTN_DIST=1 under torchrun with one process: a 1-rank group is created and
+    # the model is wrapped (DDP / FSDP2), so the distributed path (NCCL on a single
+    # GPU; gloo here) runs. Without the variable no group exists (world_size absent).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", FP8ATTN_DIST="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "-m", "fp8attn.train.compare", "--preset", "smoke", "--modes", "fp8-delta_matching",
+           "--steps", "3", "--diag-every", "0", "--val-every", "3", "--val-batches", "1",
+           "--data-dir", str(tmp_path / "data"), "--text-dir", str(text_dir), "--device", "cpu",
+           "--no-progress", "--out", str(tmp_path / "run")] + (["--fsdp"] if fsdp else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summ = read_log(tmp_path / "run" / "fp8-delta_matching.jsonl")["summary"]
+    assert summ["world_size"] == 1 and len(summ["final_fingerprints"]) == 1, summ
+    assert summ["fsdp"] is fsdp
+    assert math.isfinite(summ["final_train_loss"])

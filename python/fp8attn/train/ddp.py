@@ -15,7 +15,10 @@ helper is the identity, so single-process runs are unchanged):
   * only rank 0 writes the JSONL log and the report and runs the val loss;
   * at the end the ranks' parameter fingerprints are gathered; differing ones
     raise RuntimeError.
-Backend: gloo on CPU, nccl on CUDA (one GPU per local rank).
+Backend: gloo on CPU, nccl on CUDA (one GPU per local rank). With one process
+torchrun creates no group unless FP8ATTN_DIST=1: then a 1-rank group is made and
+the model is wrapped all the same (DDP or FSDP2), which runs the NCCL path on a
+single GPU (`FP8ATTN_DIST=1 torchrun --nproc_per_node 1 -m fp8attn.train.compare ...`).
 
 FSDP2 (`--fsdp`): instead of DDP, every transformer block and then the whole
 model get torch.distributed.fsdp.fully_shard over a 1-D mesh of all ranks
@@ -43,10 +46,11 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    group: bool = False      # a default process group exists (also with one rank)
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        return self.group or self.world_size > 1
 
     @property
     def is_main(self) -> bool:
@@ -55,22 +59,25 @@ class DistContext:
 
 def context() -> DistContext:
     """The current DistContext: from the initialized default process group, else single-process."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()):
         return DistContext()
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), group=True)
 
 
 def init_from_env(device: str = "auto") -> DistContext:
     """Initializes the default process group when WORLD_SIZE > 1 (torchrun sets
-    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); otherwise does nothing.
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or under torchrun with one
+    process when FP8ATTN_DIST=1 (a 1-rank group: the NCCL path on one GPU);
+    otherwise does nothing.
 
     device: the trainer's --device ("auto" | "cpu" | "cuda"): gloo for CPU, nccl
     (and torch.cuda.set_device(LOCAL_RANK)) for CUDA.
     Raises RuntimeError if torch.distributed or the backend is unavailable.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    forced = os.environ.get("FP8ATTN_DIST") == "1" and "MASTER_ADDR" in os.environ
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not forced:
         return DistContext()
     if not dist.is_available():
         raise RuntimeError("fp8attn.train.ddp: WORLD_SIZE > 1 but torch.distributed is not available")
