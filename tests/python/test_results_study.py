@@ -223,6 +223,9 @@ def test_results_page_reads_a_run_cut_short(run_dir, tmp_path):
     assert s["fp8-stale"]["incomplete"] and s["fp8-stale"]["steps_done"] == 5
     text = results.build({"cut": run}, [], tmp_path / "r.md", tmp_path / "figs", None)
     assert "INCOMPLETE" in text and "cut short" in text
+    (cut / "provenance.json").write_text((run_dir / "provenance.json").read_text())
+    text = results.build({"cut": results.load_run(cut)}, [], tmp_path / "r.md", tmp_path / "figs", None)
+    assert "--preset smoke" in text               # the command survives a run cut short
 
 
 def test_compare_model_overrides():
@@ -232,3 +235,15 @@ def test_compare_model_overrides():
         compare.parse_model_overrides(["vocab_size=3"])
     with pytest.raises(SystemExit, match="--model"):
         compare.parse_model_overrides(["head_dim=big"])
+
+
+def test_probe_cli_keeps_good_results_when_one_checkpoint_fails(run_dir, tmp_path):
+    bad = tmp_path / "fp8-matched_do.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit, match="1 of 2 checkpoints failed"):
+        probe.main(["--ckpt", str(run_dir / "fp8-stale.pt"), "--ckpt", str(bad), "--batch-size", "1",
+                    "--val-batches", "1", "--device", "cpu", "--out", str(tmp_path / "p")])
+    pj = json.loads((tmp_path / "p" / "probe.json").read_text())
+    assert pj["checkpoints"][0]["mode"] == "fp8-stale" and "kernel" in pj["checkpoints"][0]
+    assert "error" in pj["checkpoints"][1]
+    assert "probe failed" in (tmp_path / "p" / "probe.md").read_text()

@@ -6,9 +6,9 @@
 Data parallel: `torchrun --nproc_per_node N -m fp8attn.train.compare ...` (DDP,
 gloo on CPU / nccl on CUDA; see ddp.py); rank 0 prepares data and writes logs.
 
-Writes <out>/<mode>.jsonl (trainer log per mode), <out>/<mode>.pt (final model,
-unless --no-save; see checkpoint.py), <out>/summary.json (with the command and
-versions), <out>/report.md, loss.png, qk_gain.png, rowsum.png; prints the table
+Writes <out>/provenance.json (command, versions; first), <out>/<mode>.jsonl
+(trainer log per mode), <out>/<mode>.pt (final model, unless --no-save; see
+checkpoint.py), <out>/summary.json (with the provenance), <out>/report.md, loss.png, qk_gain.png, rowsum.png; prints the table
 and, last, the report path. Model shape overrides: --model KEY=VALUE (e.g. the
 stress configuration of scripts/results_study.sh: --model head_dim=256,n_heads=2,n_kv_heads=1).
 Every mode gets the same initial weights (checked), the same batches and the
@@ -142,6 +142,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
     out = Path(args.out)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        # NOTE: written first, so a run cut short still names its command and versions.
+        (out / "provenance.json").write_text(json.dumps(provenance.collect(getattr(args, "command", None)), indent=1))
     dev = resolve_device(cfg.device)
     say(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
           f"{cfg.batch_size} x {cfg.seq_len} tokens -> {out}", flush=True)

@@ -226,6 +226,9 @@ def markdown(result: dict) -> str:
     """probe.md: per checkpoint, the all-layer kernel table, the per-layer table and masking."""
     lines = ["# Kernel and masking probes", ""]
     for ck in result["checkpoints"]:
+        if "error" in ck:
+            lines += [f"## {Path(ck['checkpoint']).name}: probe failed", "", f"`{ck['error']}`", ""]
+            continue
         k = ck["kernel"]
         c = ck["capture"]
         lines += [f"## {ck['mode']} (step {ck['step']})", "",
@@ -270,8 +273,10 @@ def make_plots(result: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cks = result["checkpoints"]
+    cks = [ck for ck in result["checkpoints"] if "error" not in ck]
     paths = []
+    if not cks:
+        return paths
     for fname, draw in (("probe_rowsum.png", "rowsum"), ("probe_eps.png", "eps")):
         fig, axes = plt.subplots(1, len(cks), figsize=(4.2 * len(cks), 3.8), squeeze=False, sharey=True)
         for ax, ck in zip(axes[0], cks):
@@ -377,13 +382,20 @@ def main(argv=None) -> None:
     if not paths:
         raise SystemExit(f"probe: no checkpoints found in {a.run_dir}")
     out = Path(a.out or Path(a.run_dir) / "probe")
-    results = []
+    results, failed = [], 0
     for p in paths:
         print(f"[probe] {p}", flush=True)
-        r = probe_checkpoint(p, device=a.device, data_root=a.data_root, batch_size=a.batch_size,
+        try:
+            r = probe_checkpoint(p, device=a.device, data_root=a.data_root, batch_size=a.batch_size,
                              seq_len=a.seq_len, val_batches=a.val_batches, mask_batch_size=a.mask_batch_size,
                              mask_layers=a.mask_layers,
                              delta_modes=tuple(a.delta_modes.split(",")))
+        except Exception as exc:  # noqa: BLE001 - NOTE: one bad checkpoint must not lose the others' results
+            import traceback
+            traceback.print_exc()
+            results.append({"checkpoint": str(p), "error": f"{type(exc).__name__}: {exc}"})
+            failed += 1
+            continue
         rat = r["kernel"]["ratios"].get("stale/delta_matching")
         print(f"[probe] {r['mode']}: capture loss {r['capture']['loss']:.4f}"
               + (f", stale/DM residual (mean; median) pre {rat['pre']:.3g}x; {rat['pre_p50']:.3g}x, "
@@ -391,9 +403,15 @@ def main(argv=None) -> None:
               + f", last-layer masking {list(r['masking']['layers'].values())[-1]['increase']:+.4f}"
               + f" ({r['time_s']:.1f} s)", flush=True)
         results.append(r)
+        # NOTE: written after every checkpoint, so a run cut short keeps what finished.
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "probe.json").write_text(json.dumps({"provenance": provenance.collect(a.command),
+                                                    "checkpoints": results}, indent=1))
     result = {"provenance": provenance.collect(a.command), "checkpoints": results}
     files = write_outputs(result, out)
     print(f"[probe] wrote {', '.join(str(f) for f in files)}")
+    if failed:
+        raise SystemExit(f"probe: {failed} of {len(paths)} checkpoints failed (see above)")
 
 
 if __name__ == "__main__":

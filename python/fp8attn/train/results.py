@@ -61,7 +61,9 @@ def load_run(run_dir: str | os.PathLike) -> dict:
         summaries.append(s)
     sj = run_dir / "summary.json"
     probe = run_dir / "probe" / "probe.json"
+    prov = run_dir / "provenance.json"
     return {"dir": run_dir, "logs": logs, "summaries": summaries,
+            "provenance": json.loads(prov.read_text()) if prov.is_file() else None,
             "summary_json": json.loads(sj.read_text()) if sj.is_file() else None,
             "probe": json.loads(probe.read_text()) if probe.is_file() else None,
             "complete": sj.is_file() and all(log["summary"] for log in logs.values())}
@@ -178,9 +180,12 @@ def _run_meta(run: dict) -> dict:
     return next(log["meta"] for log in run["logs"].values() if log["meta"])
 
 
+def _provenance(run: dict) -> dict:
+    return (run["summary_json"] or {}).get("provenance") or run.get("provenance") or {}
+
+
 def _command(run: dict) -> str:
-    prov = (run["summary_json"] or {}).get("provenance") or {}
-    return prov.get("command") or "(not recorded: run cut short before summary.json)"
+    return _provenance(run).get("command") or "(not recorded)"
 
 
 def _gap(summaries: list[dict], mode: str) -> float | None:
@@ -193,6 +198,11 @@ def _gap(summaries: list[dict], mode: str) -> float | None:
 
 def _rel(path: Path, out: Path) -> str:
     return os.path.relpath(path, out.parent)
+
+
+def _probed(run: dict) -> list[dict]:
+    """The probe's checkpoint results without the failed ones."""
+    return [ck for ck in (run["probe"] or {}).get("checkpoints", []) if "error" not in ck]
 
 
 def _final_layer_gains(log: dict, key: str) -> dict:
@@ -223,7 +233,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
                  for s in ss]
         L.append(f"- **{label}**: " + "; ".join(parts) + ".")
         if run["probe"]:
-            for ck in run["probe"]["checkpoints"]:
+            for ck in _probed(run):
                 r = ck["kernel"]["ratios"].get("stale/delta_matching")
                 if r:
                     L.append(f"  - kernel probe on the {ck['mode']} checkpoint: stale/DM dS row-sum residual "
@@ -250,7 +260,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
         L += [f"### {label}", "", f"Command: `{pr['provenance']['command']}`", "",
               "| checkpoint | delta mode | pre mean / median | post mean / median | post p99 | eps_rel p50 / p99 | stale/DM post mean (per layer min-max) |",
               "|---|---|---|---|---|---|---|"]
-        for ck in pr["checkpoints"]:
+        for ck in _probed(run):
             k = ck["kernel"]
             lr = [v["stale/delta_matching"]["post"] for v in k["layer_ratios"].values() if "stale/delta_matching" in v]
             for m, s in k["all"].items():
@@ -325,7 +335,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
           "| run | checkpoint | base val loss | last layer zeroed: increase | all layers (if probed): max increase (layer) |",
           "|---|---|---|---|---|"]
     for label, run in runs.items():
-        for ck in (run["probe"] or {}).get("checkpoints", []):
+        for ck in _probed(run):
             mk = ck["masking"]
             last = str(ck["model_config"]["n_layers"] - 1)
             inc = mk["layers"].get(last, {}).get("increase")
@@ -353,7 +363,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
     L += ["## 7. Versions", "", "| run | git commit | torch | CUDA | cuDNN | GPU | fp8attn CUDA kernels | when (UTC) |",
           "|---|---|---|---|---|---|---|---|"]
     for label, run in runs.items():
-        pv = (run["summary_json"] or {}).get("provenance") or (run["probe"] or {}).get("provenance") or {}
+        pv = _provenance(run) or (run["probe"] or {}).get("provenance") or {}
         L.append(f"| {label} | {pv.get('git_commit')} | {pv.get('torch')} | {pv.get('cuda')} | {pv.get('cudnn')} "
                  f"| {pv.get('gpu') or 'none (CPU)'} | {pv.get('fp8attn_cuda_kernels')} | {pv.get('time_utc')} |")
     for p in priors:
