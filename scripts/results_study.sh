@@ -12,9 +12,15 @@
 #   damage within budget (issue 6 item 3): preset gpu-50m (12 layers, d_model
 #   512, vocab 16384) with head_dim 256 (2 q heads / 1 kv head, same attention
 #   width as gpu-50m), NO QK-norm (the paper saw stale diverge without it),
-#   lr 5e-3 (3.3x gpu-50m's 1.5e-3), sequences of 4096 tokens (batch 4: the same
-#   16384 tokens per step as gpu-50m). Long rows put more low-probability keys
-#   under the FP8 P quantization that makes the stale delta stale.
+#   lr 5e-3 (3.3x gpu-50m's 1.5e-3), sequences of 2048 tokens (batch 8: the same
+#   16384 tokens per step as gpu-50m). Why: the stale delta's error relative to
+#   Delta-Matching grows with the attention logit scale (logit_scan on the CPU
+#   reference, head_dim 128, seqlen 1024: stale/DM post-cast residual, median,
+#   1.6x at logit std 1, 3.0x at 5, 4.9x at 8, 11x at 12), and no QK-norm plus a
+#   high learning rate is what lets logits grow. In the same synthetic scan
+#   head_dim did not matter and longer rows lowered the residuals slightly, so
+#   seqlen is doubled (not quadrupled) to keep more optimizer steps in budget
+#   (STUDY_SEQ_LEN=4096 STUDY_BATCH=4 for the longer variant).
 #   1. calibration: 20 steps of bf16 and fp8-delta_matching -> step times;
 #   2. training: bf16, fp8-stale, fp8-delta_matching (and fp8-matched_do when the
 #      step cap leaves time for it) from the same init and batch order, the step
@@ -22,16 +28,20 @@
 #   3. probes on every checkpoint (python -m fp8attn.train.probe): kernel probe
 #      (dS row-sum residuals pre/post cast, eps) per layer and delta mode, and the
 #      masking probe for every layer;
-#   4. python -m fp8attn.train.results -> results.md for a first look.
+#   4. python -m fp8attn.train.logit_scan: stale vs DM residual against the logit
+#      scale on synthetic inputs at the study's head_dim and seqlen (CUDA kernels);
+#   5. python -m fp8attn.train.results -> results.md for a first look.
 #
 # Time estimate (from docs/runs/gpu-50m-h200-2026-11-29: 79 ms/step bf16 and
 # 88 ms/step fp8 at 16 x 1024 tokens, head_dim 64; docs/benchmarks.md: the
-# head_dim-256 FP8 backward runs at ~0.55x the head_dim-64 one): 4x the attention
-# FLOPs at seq 4096 -> ~85 ms/step bf16, ~135-145 ms/step fp8 -> ~0.37 s per step
-# for the three main modes -> ~850 steps (14 M tokens, ~2 epochs of the corpus) in
-# the ~320 s training window. Setup ~10 s, calibration ~40 s, probes ~45 s,
-# results + tar ~15 s: ~7.5 min in all; a hard deadline (STUDY_TOTAL_S, default
-# 450 s) cuts every stage, and whatever finished is still packed.
+# head_dim-256 FP8 backward runs at ~0.55x the head_dim-64 one): 2x the attention
+# FLOPs at seq 2048 -> ~82 ms/step bf16, ~110-115 ms/step fp8 -> ~0.31 s per step
+# for the three main modes -> ~900 steps (14.7 M tokens, ~2 epochs of the corpus)
+# in the ~325 s training window (after process start, model builds, val evals).
+# Setup ~10 s, calibration ~35 s, probes ~45 s, scan ~10 s, results + tar ~15 s:
+# ~7.5 min in all. A hard deadline (STUDY_TOTAL_S, default 450 s) cuts every
+# stage, and whatever finished is still packed. The step count is not guessed:
+# it is computed from the calibrated step times.
 #
 # Outputs under $OUT (<= 8 files): study.tgz (run dir without checkpoints:
 # logs, summary.json, report.md, probe/, results.md + figures), study.log,
@@ -72,14 +82,16 @@ if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 
 if [ "$GPU" = 1 ]; then
   PRESET="${STUDY_PRESET:-gpu-50m}"; MODEL="${STUDY_MODEL:-head_dim=256,n_heads=2,n_kv_heads=1}"
-  QK_NORM="${STUDY_QK_NORM:-0}"; LR="${STUDY_LR:-5e-3}"; SEQ="${STUDY_SEQ_LEN:-4096}"
-  BATCH="${STUDY_BATCH:-4}"; MAX_STEPS="${STUDY_MAX_STEPS:-3000}"; CALIB_STEPS=20
-  VAL_BATCHES=8; PROBE_BATCH=4; PROBE_RESERVE="${STUDY_PROBE_RESERVE_S:-80}"
+  QK_NORM="${STUDY_QK_NORM:-0}"; LR="${STUDY_LR:-5e-3}"; SEQ="${STUDY_SEQ_LEN:-2048}"
+  BATCH="${STUDY_BATCH:-8}"; MAX_STEPS="${STUDY_MAX_STEPS:-3000}"; CALIB_STEPS=20
+  VAL_BATCHES=8; PROBE_BATCH=4; PROBE_RESERVE="${STUDY_PROBE_RESERVE_S:-90}"
+  SCAN=(--device cuda --head-dim 256 --seq-len "$SEQ")
 else
   PRESET="${STUDY_PRESET:-cpu-tiny}"; MODEL="${STUDY_MODEL:-head_dim=64,n_heads=2,n_kv_heads=1,n_layers=2}"
   QK_NORM="${STUDY_QK_NORM:-0}"; LR="${STUDY_LR:-2e-2}"; SEQ="${STUDY_SEQ_LEN:-128}"
   BATCH="${STUDY_BATCH:-4}"; MAX_STEPS="${STUDY_MAX_STEPS:-30}"; CALIB_STEPS=6
-  VAL_BATCHES=2; PROBE_BATCH=2; PROBE_RESERVE="${STUDY_PROBE_RESERVE_S:-80}"
+  VAL_BATCHES=2; PROBE_BATCH=2; PROBE_RESERVE="${STUDY_PROBE_RESERVE_S:-90}"
+  SCAN=(--device cpu --head-dim 64 --seq-len 256)
 fi
 MODES="${STUDY_MODES:-bf16,fp8-stale,fp8-delta_matching}"
 EXTRA_MODE="${STUDY_EXTRA_MODE-fp8-matched_do}"
@@ -196,8 +208,16 @@ else
   note "probe: no checkpoints"
 fi
 
-# ---- 4. results page -------------------------------------------------------------
-timeout "$(tmo 5)" python3 -m fp8attn.train.results --run "stress=$RUN" \
+# ---- 4. logit-scale scan (synthetic, the study's head_dim and seqlen) -------------
+timeout "$(( $(tmo 15) < 40 ? $(tmo 15) : 40 ))" python3 -m fp8attn.train.logit_scan "${SCAN[@]}" \
+  --scales 0.5,1,2,3,5,8,12 --out "$RUN/logit_scan" >>"$LOG" 2>&1
+note "logit scan: rc=$?"
+[ -f "$RUN/logit_scan/scan.md" ] && { tail -8 "$RUN/logit_scan/scan.md"; echo; } | tee -a "$SUMMARY"
+
+# ---- 5. results page -------------------------------------------------------------
+scan_arg=()
+[ -f "$RUN/logit_scan/scan.json" ] && scan_arg=(--scan "$RUN/logit_scan")
+timeout "$(tmo 5)" python3 -m fp8attn.train.results --run "stress=$RUN" "${scan_arg[@]}" \
   --prior docs/runs/gpu-50m-h200-2026-11-29 --prior docs/runs/cpu-tiny-2026-11-29 \
   --out "$RUN/results.md" --fig-dir "$RUN/results" >>"$LOG" 2>&1
 note "results page: rc=$?"

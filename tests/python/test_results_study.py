@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, text_dir) -> Path:
-    """12 steps of the smoke preset in bf16 and fp8-stale, checkpoints at step 6 and the end."""
+    """8 steps of the smoke preset in bf16 and fp8-stale, checkpoints at step 4 and the end."""
     out = tmp_path_factory.mktemp("study")
-    args = compare.parse_args(["--preset", "smoke", "--modes", "bf16,fp8-stale", "--steps", "12",
-                               "--diag-every", "3", "--val-every", "6", "--val-batches", "2",
-                               "--save-at", "6", "--data-dir", str(out / "data"), "--text-dir", str(text_dir),
+    args = compare.parse_args(["--preset", "smoke", "--modes", "bf16,fp8-stale", "--steps", "8",
+                               "--diag-every", "2", "--val-every", "4", "--val-batches", "2",
+                               "--save-at", "4", "--data-dir", str(out / "data"), "--text-dir", str(text_dir),
                                "--device", "cpu", "--no-progress", "--out", str(out)])
     compare.run(args)
     return out
@@ -73,21 +73,21 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_trainer_writes_checkpoints_that_reproduce_the_val_loss(run_dir):
     for mode in ("bf16", "fp8-stale"):
-        final, mid = run_dir / f"{mode}.pt", run_dir / f"{mode}.step6.pt"
+        final, mid = run_dir / f"{mode}.pt", run_dir / f"{mode}.step4.pt"
         assert final.is_file() and mid.is_file()
         log = [json.loads(line) for line in (run_dir / f"{mode}.jsonl").open()]
         summary = log[-1]
         assert summary["type"] == "summary" and summary["checkpoint"] == final.name
         model, info = load_checkpoint(final)
-        assert info["step"] == 12 and info["mode"] == mode
+        assert info["step"] == 8 and info["mode"] == mode
         # The saved weights give the logged final val loss (same fixed val batches).
         r = probe.probe_checkpoint(final, device="cpu", batch_size=2)   # masking: the run's val batches
         assert r["masking"]["base"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
         _, mid_info = load_checkpoint(mid)
-        assert mid_info["step"] == 6
+        assert mid_info["step"] == 4
         # Q/K channel scales are logged at the diagnostic steps for every mode (no QK-norm needed).
         scales = [r for r in log if r.get("type") == "step" and "act_scales" in r]
-        assert [r["step"] for r in scales] == [0, 3, 6, 9]
+        assert [r["step"] for r in scales] == [0, 2, 4, 6]
         assert set(scales[0]["act_scales"]) == {"layer0", "layer1"}
 
 
@@ -206,7 +206,8 @@ def test_probe_cli_and_results_page(run_dir, tmp_path):
     assert "3.3879" in text                        # the gpu-50m DM val loss, read from its summary.json
     assert "--preset smoke" in text                 # the exact command of the run
     figs = sorted(p.name for p in (tmp_path / "docs" / "results").iterdir())
-    assert figs == sorted(f"smoke-{n}.png" for n in ("loss", "rowsum", "gains", "probe_rowsum", "probe_eps"))
+    assert figs == sorted([f"smoke-{n}.png" for n in ("loss", "rowsum", "gains", "probe_rowsum", "probe_eps")]
+                          + ["smoke-probe.md"])
     for name in figs:                               # every figure is linked from the page
         assert f"results/{name}" in text
 
@@ -215,12 +216,13 @@ def test_results_page_reads_a_run_cut_short(run_dir, tmp_path):
     cut = tmp_path / "cut"
     cut.mkdir()
     lines = (run_dir / "fp8-stale.jsonl").read_text().splitlines()
-    (cut / "fp8-stale.jsonl").write_text("\n".join(lines[:6]) + "\n")   # meta + 5 steps, no summary
+    (cut / "fp8-stale.jsonl").write_text("\n".join(lines[:6]) + "\n")   # meta + first steps, no summary
+    n_steps = sum(json.loads(line)["type"] == "step" for line in lines[:6])
     (cut / "bf16.jsonl").write_text((run_dir / "bf16.jsonl").read_text())
     run = results.load_run(cut)
     assert not run["complete"]
     s = {x["mode"]: x for x in run["summaries"]}
-    assert s["fp8-stale"]["incomplete"] and s["fp8-stale"]["steps_done"] == 5
+    assert s["fp8-stale"]["incomplete"] and s["fp8-stale"]["steps_done"] == n_steps >= 3
     text = results.build({"cut": run}, [], tmp_path / "r.md", tmp_path / "figs", None)
     assert "INCOMPLETE" in text and "cut short" in text
     (cut / "provenance.json").write_text((run_dir / "provenance.json").read_text())
@@ -247,3 +249,21 @@ def test_probe_cli_keeps_good_results_when_one_checkpoint_fails(run_dir, tmp_pat
     assert pj["checkpoints"][0]["mode"] == "fp8-stale" and "kernel" in pj["checkpoints"][0]
     assert "error" in pj["checkpoints"][1]
     assert "probe failed" in (tmp_path / "p" / "probe.md").read_text()
+
+
+def test_logit_scan_stale_error_grows_with_logit_scale(tmp_path):
+    from fp8attn.train import logit_scan
+    rows = logit_scan.scan([1.0, 8.0], head_dim=64, seq_len=256, heads_q=2, heads_kv=1, seed=0)
+    lo, hi = rows
+    assert hi["entropy"] < lo["entropy"]                              # sharper attention
+    for r in rows:
+        assert r["modes"]["delta_matching"]["pre_p50"] < 1e-5           # DM: zero row sums to FP32 rounding
+        assert r["modes"]["stale"]["pre_p50"] > 100 * r["modes"]["delta_matching"]["pre_p50"]
+    assert hi["modes"]["stale"]["pre_p50"] > 3 * lo["modes"]["stale"]["pre_p50"]
+    assert hi["stale/DM"]["post_p50"] > lo["stale/DM"]["post_p50"] > 1.0
+    logit_scan.main(["--scales", "1,4", "--head-dim", "32", "--seq-len", "128", "--out", str(tmp_path / "s")])
+    assert json.loads((tmp_path / "s" / "scan.json").read_text())["provenance"]["command"].startswith(
+        "python -m fp8attn.train.logit_scan")
+    out = tmp_path / "r.md"
+    results.main(["--scan", str(tmp_path / "s"), "--out", str(out)])
+    assert "logit scale" in out.read_text() and (tmp_path / "r" / "logit_scan-0.png").is_file()
