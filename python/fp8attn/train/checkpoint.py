@@ -38,8 +38,11 @@ def checkpoint_path(run_dir: str | os.PathLike, mode: str, step: int | None = No
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, step: int,
                     train_config: dict | None = None, data_root: str | None = None,
-                    init_fingerprint: str | None = None) -> Path:
-    """Writes the checkpoint atomically (temp file + rename); returns its path."""
+                    init_fingerprint: str | None = None, state_dict: dict | None = None) -> Path:
+    """Writes the checkpoint atomically (temp file + rename); returns its path.
+
+    state_dict: the weights to store (default model.state_dict()); a sharded
+    model passes its gathered full state dict here."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     obj = {
@@ -47,7 +50,8 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, s
         "model_config": model.cfg.to_dict(), "train_config": dict(train_config or {}),
         "data_root": None if data_root is None else str(data_root),
         "init_fingerprint": init_fingerprint,
-        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().to("cpu", copy=True)
+                       for k, v in (model.state_dict() if state_dict is None else state_dict).items()},
     }
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)

@@ -114,7 +114,7 @@ def gains_plot(logs: dict, path: Path) -> Path | None:
         return None
     modes = list(logs)
     fig, axes = plt.subplots(2 * len(kinds), len(modes), figsize=(3.6 * len(modes), 2.6 * 2 * len(kinds)),
-                             squeeze=False, sharex=True)
+                             squeeze=False, sharex=True, sharey="row")
     for col, mode in enumerate(modes):
         for kr, (key, label) in enumerate(kinds):
             series = _layer_series(logs[mode], key)
@@ -154,13 +154,16 @@ def draw_run_figures(label: str, run: dict, fig_dir: Path) -> dict:
     g = gains_plot(run["logs"], fig_dir / f"{label}-gains.png")
     if g:
         out["gains"] = g
-    for name, fname in (("probe_rowsum", "probe_rowsum.png"), ("probe_eps", "probe_eps.png"),
-                        ("probe_md", "probe.md")):
-        src = run["dir"] / "probe" / fname
-        if src.is_file():
-            dst = fig_dir / f"{label}-{fname}"
-            shutil.copyfile(src, dst)
-            out[name] = dst
+    if run["probe"]:
+        # Drawn again from probe.json, so a run kept without its PNGs still gets them.
+        from . import probe
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in probe.make_plots(run["probe"], Path(tmp)):
+                dst = fig_dir / f"{label}-{p.name}"
+                shutil.move(str(p), dst)
+                out[p.stem] = dst
+        out["probe_md"] = fig_dir / f"{label}-probe.md"
+        out["probe_md"].write_text(probe.markdown(run["probe"]))
     return out
 
 
@@ -313,10 +316,13 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
     for i, d in enumerate(scans):
         d = Path(d)
         sj = json.loads((d / "scan.json").read_text())
+        lo, hi = sj["rows"][0], sj["rows"][-1]
         L += ["### Stale residual vs attention logit scale (synthetic inputs)" if i == 0 else "", "",
-              "Why sharper attention is the stress direction: the same FP8 op on Gaussian Q/K/V/dO with the "
-              "logit standard deviation set by the scale of Q. The stale delta's error relative to "
-              "Delta-Matching grows with the logit scale (no QK-norm and a high learning rate let logits grow).",
+              "The FP8 op on Gaussian Q/K/V/dO with the logit standard deviation set by the scale of Q "
+              "(`fp8attn.train.logit_scan`): how the stale delta's error relative to Delta-Matching depends on "
+              "how sharp attention is (no QK-norm and a high learning rate let logits grow). Here the stale/DM "
+              f"post-cast residual (median) goes from {lo['stale/DM']['post_p50']:.2f}x at logit std "
+              f"{lo['scale']:g} to {hi['stale/DM']['post_p50']:.2f}x at {hi['scale']:g}.",
               "", f"Command: `{sj['provenance']['command']}`", "", (d / "scan.md").read_text().strip(), ""]
         if (d / "scan.png").is_file():
             dst = fig_dir / f"logit_scan-{i}.png"
