@@ -61,6 +61,13 @@ include_dirs = [os.path.join(ROOT, "csrc")]
 # them in third_party/cutlass/include (ignored by git); FP8ATTN_CUTLASS_INCLUDE
 # overrides. Only the CUDA build needs them.
 cutlass = os.environ.get("FP8ATTN_CUTLASS_INCLUDE") or os.path.join(ROOT, "third_party/cutlass/include")
+if build_cuda and not os.path.isdir(cutlass) and not os.environ.get("FP8ATTN_CUTLASS_INCLUDE"):
+    # NOTE: fetch the pinned headers once (pip download from PyPI); an offline
+    # machine must run scripts/get_cutlass.sh elsewhere and copy third_party/.
+    subprocess.check_call(["bash", os.path.join(ROOT, "scripts/get_cutlass.sh")])
+if build_cuda and not os.path.isdir(os.path.join(cutlass, "cute")):
+    raise RuntimeError(f"CUTLASS/CuTe headers not found in {cutlass}: run scripts/get_cutlass.sh "
+                       "or set FP8ATTN_CUTLASS_INCLUDE to a CUTLASS include/ folder")
 if os.path.isdir(cutlass):
     include_dirs.append(cutlass)
 

@@ -102,6 +102,10 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
+    ap.add_argument("--fwd-mma", action="store_true",
+                    help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -109,7 +113,10 @@ def main():
     print("env:", json.dumps(info))
 
     rows = []
-    for (b, h, s, d) in (QUICK if args.quick else FULL):
+    shapes = QUICK if args.quick else FULL
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    for (b, h, s, d) in shapes:
         for causal in (False, True):
             gen = torch.Generator(device="cuda").manual_seed(b * 1000003 + s * 7 + d + causal)
             q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -126,6 +133,14 @@ def main():
             f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
             r["fp8_fwd"] = tflops(fwd_flops, f_ms)
             r["fp8_fwd_ms"] = f_ms
+            r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
+            if args.fwd_mma:
+                os.environ["FP8ATTN_FWD_KERNEL"] = "mma"  # read by run_fwd on every call
+                try:
+                    f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
+                finally:
+                    del os.environ["FP8ATTN_FWD_KERNEL"]
+                r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
             out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
             for mode in MODES:
                 if args.no_bwd:
@@ -144,15 +159,16 @@ def main():
             del q, k, v, dout, out, lse
             torch.cuda.empty_cache()
 
-    head = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | fp8 fwd | cuDNN bwd | flash bwd | "
+    head = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | fp8 fwd | fp8 fwd mma | cuDNN bwd | flash bwd | "
             "fp8 bwd stale | fp8 bwd matched_do | fp8 bwd DM |")
     lines = [f"TFLOP/s on {info['gpu']} (driver {info['driver']}, torch {info['torch']}, cuDNN {info['cudnn']}), "
-             f"{info['date']}; (x) = ratio to cuDNN BF16", "", head, "|" + "---|" * 10]
+             f"{info['date']}; (x) = ratio to cuDNN BF16", "", head, "|" + "---|" * 11]
     for r in rows:
         cf, cb = r["cudnn_fwd"], r["cudnn_bwd"]
         lines.append(
             f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
-            f"{fmt_t(r['flash_fwd'])} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | {fmt_t(cb)} | "
+            f"{fmt_t(r['flash_fwd'])} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | "
+            f"{fmt_t(r['fp8_fwd_mma'])}{fmt_r(r['fp8_fwd_mma'], cf)} | {fmt_t(cb)} | "
             f"{fmt_t(r['flash_bwd'])} | "
             + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
     md = "\n".join(lines)

@@ -16,6 +16,8 @@
 // S and dP are recomputed per slice (see docs/kernels/bwd_sm90.md).
 #include "hopper/bwd_sm90.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -502,6 +504,18 @@ void launch_main(const KernelParams& p, cudaStream_t stream) {
 
 }  // namespace bwd
 
+namespace {
+// FP8ATTN_BWD_KERNEL=wgmma (default: wgmma where it supports the shape, else
+// mma.sync) or mma (always the mma.sync kernels; benchmarking both).
+bool want_wgmma() {
+  const char* env = std::getenv("FP8ATTN_BWD_KERNEL");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "wgmma") == 0) return true;
+  if (std::strcmp(env, "mma") == 0) return false;
+  throw std::runtime_error(std::string("fp8attn: environment variable FP8ATTN_BWD_KERNEL: expected 'wgmma' or "
+                                       "'mma', got '") + env + "'");
+}
+}  // namespace
+
 void run_bwd(const KernelParams& p, cudaStream_t stream) {
   using namespace bwd;
   if (p.block_size != kTile)
@@ -529,7 +543,10 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q;
 
   // 1. delta: Delta-Matching pre-pass (also for eps diagnostics) and/or the row delta.
-  if (dm || p.diag != nullptr) launch_prepass(p, stream);
+  // NOTE: the pre-pass and the main kernel must be the same family (wgmma or
+  // mma.sync): Delta-Matching needs their dP_hat bitwise equal.
+  const bool wg = want_wgmma() && wgmma_supported(p);
+  if (dm || p.diag != nullptr) (wg ? launch_wgmma_prepass : launch_prepass)(p, stream);
   if (!dm) {
     const int rows_per_block = 8;
     const dim3 grid(static_cast<unsigned>((n_rows + rows_per_block - 1) / rows_per_block));
@@ -540,7 +557,7 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
     check_launch("bwd delta kernel");
   }
   // 2. main backward: dK, dV, dq_accum (+ row-sum workspace).
-  launch_main(p, stream);
+  (wg ? launch_wgmma_main : launch_main)(p, stream);
   // 3. dQ to BF16.
   const int64_t n_dq = n_rows * p.head_dim_qk;
   bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(

@@ -532,6 +532,11 @@ struct OpMaxNan {
 // Launchers (defined in the .cu files).
 void launch_prepass(const KernelParams& p, cudaStream_t stream);
 void launch_main(const KernelParams& p, cudaStream_t stream);
+// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu): head_dim_qk == head_dim_v
+// in {64, 128}; other shapes use the kernels above.
+bool wgmma_supported(const KernelParams& p);
+void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream);
+void launch_wgmma_main(const KernelParams& p, cudaStream_t stream);
 
 // Calls f(Int<DQK>, Int<DV>, Int<FMT>) for the compiled (head_dim_qk,
 // head_dim_v) pairs and the grad format of p; throws for other head dims.

@@ -60,6 +60,33 @@ static_assert(kFwdBlockN % 32 == 0, "k32 MMA steps over the key tile");
 static_assert(kFwdBlockN == 128, "forward key permutation covers 16-key groups of a 128 tile");
 static_assert(fwd_warps(64) == 4 && fwd_warps(256) == 8, "CTA shapes instantiated: 4 and 8 warps");
 
+// ---- wgmma forward (fwd_wgmma_e4m3_blockscale_sm90.cu) ------------------------
+namespace fwdw {
+
+// One producer warpgroup (TMA issue, K/V scale loads, the in-place V^T key
+// permutation) and kConsumerWGs consumer warpgroups of 64 query rows each.
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockM = 64 * kConsumerWGs;           // query rows per CTA
+constexpr int kBlockN = kSeqBlock;                   // keys per tile = one sequence block
+constexpr int kThreads = 128 * (1 + kConsumerWGs);
+constexpr int kStages = 2;                           // K/V pipeline depth
+// setmaxnreg budgets (the register file is 64K 32-bit registers per SM; one CTA per SM).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+// Head dims the wgmma kernel instantiates; others use fwd_e4m3_blockscale_sm90.cu.
+// NOTE: d >= 192 needs a second head_dim block (two S accumulators) and a
+// 128..256-wide O accumulator: over the consumer register budget as written.
+constexpr bool supported(int d_qk, int d_v) { return (d_qk == 64 && d_v == 64) || (d_qk == 128 && d_v == 128); }
+
+static_assert(kBlockN == 128, "P block scale per (row, 128-key tile); V^T tile rows are 128 bytes");
+static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file of one SM");
+static_assert(kStages >= 2, "double buffering at least");
+
+}  // namespace fwdw
+
 // ---- backward (bwd_*_sm90.cu, bwd_tile_sm90.cuh) -------------------------------
 namespace bwd {
 
@@ -75,7 +102,20 @@ constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8
 constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, head_dim 64/128): two
+// consumer warpgroups, warp w owning key rows [16w, 16w+16) as above; shared
+// operand tiles are rows of kWgRowBytes (one 128-byte swizzle atom, K-major);
+// the Delta-Matching pre-pass takes kWgPreQ queries per CTA (<= 128 registers,
+// two CTAs per SM; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md).
+constexpr int kWgThreads = 256;
+constexpr int kWgRowBytes = 128;
+constexpr int kWgPreQ = 64;
+
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
+static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
+static_assert(kWgRowBytes == kTile, "one swizzled row holds a 128-element FP8 block");
+static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
+              "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
 static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
 static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
 

@@ -40,6 +40,8 @@
 
 #include "common/fp8_codec.h"
 #include "hopper/config_sm90.h"
+#include "hopper/fwd_softmax_sm90.cuh"
+#include "hopper/fwd_wgmma_e4m3_blockscale_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -80,31 +82,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two FP32 -> two E4M3 codes (RNE, saturating, NaN kept), `lo` in the low byte.
-__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
-}
-__device__ __forceinline__ uint32_t pack_e4m3x4(float x0, float x1, float x2, float x3) {
-  return cvt_e4m3x2(x0, x1) | (cvt_e4m3x2(x2, x3) << 16);
-}
-
-// numerics.md section 2 E4M3 block scale, exact: the smallest power of two s
-// (exponent clamped to [-126, 127]) with amax / s <= 448. For a normal amax =
-// m * 2^E (m in [1, 2)), 448 = 1.75 * 2^8 gives e = E - 8 (+1 if m > 1.75).
-// Zero, subnormal and non-finite amax go through fp8attn::block_scale.
-__device__ __forceinline__ float block_scale_e4m3(float amax) {
-  if (!(amax >= 1.17549435e-38f) || !(amax <= 3.40282347e38f)) return block_scale(amax, Fp8Format::kE4M3);
-  const uint32_t u = __float_as_uint(amax);
-  int e = static_cast<int>(u >> 23) - 127 - 8 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
-  e = max(-126, min(127, e));
-  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
-}
+// fast_exp2, cvt_e4m3x2, pack_e4m3x4, block_scale_e4m3: fwd_softmax_sm90.cuh.
 
 // ---- shapes --------------------------------------------------------------------
 
@@ -504,6 +482,12 @@ void run_fwd(const KernelParams& p, cudaStream_t stream) {
   if (p.batch < 1 || p.batch > 65535 || p.num_heads_q > 65535) bad("batch", "batch and num_heads_q must be in [1, 65535]");
   if (p.seqlen_k_pad < p.seqlen_k || p.seqlen_k_pad % kSeqPad != 0)
     bad("seqlen_k_pad", "must be a multiple of 16 and >= seqlen_k");
+  // NOTE: the wgmma kernel (fwd_wgmma_e4m3_blockscale_sm90.cu) takes the shapes
+  // it supports; FP8ATTN_FWD_KERNEL=mma forces this kernel (read on every call,
+  // so one process can benchmark both).
+  const char* which = std::getenv("FP8ATTN_FWD_KERNEL");
+  const bool force_mma = which != nullptr && std::string(which) == "mma";
+  if (!force_mma && fwd_wgmma_supported(p)) return run_fwd_wgmma(p, stream);
   const int d = p.head_dim_qk, dv = p.head_dim_v;
   if (d == 64 && dv == 64) return launch_fwd<64, 64>(p, stream);
   if (d == 128 && dv == 128) return launch_fwd<128, 128>(p, stream);

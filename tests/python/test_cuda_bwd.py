@@ -82,8 +82,14 @@ def check_grads(cuda, cpu, exact, label):
         assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
         ne = e.norm().item()
         if ne < 1e-6 * math.sqrt(e.numel()):
-            # Degenerate (e.g. one key per row: dS = 0 exactly): only tiny values allowed.
-            assert c.abs().max().item() < 1e-3, f"{label} {name}: expected ~0, got {c.abs().max().item()}"
+            # Degenerate (e.g. one key per row: dS = 0 exactly): only small values allowed.
+            # NOTE: the kernel's dS is then the cancellation residue P dP (1 - P), with
+            # 1 - P set by how closely the recomputed S matches the forward's LSE. The
+            # wgmma backward's FP8 tensor-core sums keep ~2^-13 relative precision
+            # (numerics.md section 7): measured max |dQ|, |dK| = 1.3e-3, 4.1e-3 at
+            # d = 128 (the mma.sync backward: ~1e-6). 1e-2 keeps a margin; a wrong
+            # result (O(1) gradients) still fails.
+            assert c.abs().max().item() < 1e-2, f"{label} {name}: expected ~0, got {c.abs().max().item()}"
             continue
         err_cuda = (c - e).norm().item()
         err_cpu = (r - e).norm().item()
@@ -177,6 +183,34 @@ def test_delta_matching_invariant_and_diagnostics(causal):
     assert res["delta_matching"] < 1e-5, res
     assert res["stale"] >= 10 * res["delta_matching"], res
     assert res["matched_do"] >= 10 * res["delta_matching"], res
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_delta_matching_invariant_with_cuda_forward(d, causal):
+    # The training pairing: O and LSE from the CUDA forward (default kernel per
+    # head_dim), then the CUDA backward (default kernel). The forward and the
+    # backward recompute S with the same tensor-core precision, so P sums to 1
+    # against that LSE to FP32 rounding and the DM pre-cast residual is FP32
+    # noise (~3e-8 measured); with a CPU-forward LSE the wgmma backward sits
+    # near 1e-5 (numerics.md section 7), which is why this test exists.
+    # The stale delta must stay orders of magnitude above it (the guarded fault).
+    gen = torch.Generator().manual_seed(100 + d + causal)
+    q = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    k = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    tau = f32_scale(d)
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    assert res["delta_matching"] < 1e-6, res
+    assert res["stale"] >= 100 * res["delta_matching"], res
 
 
 @needs_gpu

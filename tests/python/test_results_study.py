@@ -267,3 +267,11 @@ def test_logit_scan_stale_error_grows_with_logit_scale(tmp_path):
     out = tmp_path / "r.md"
     results.main(["--scan", str(tmp_path / "s"), "--out", str(out)])
     assert "logit scale" in out.read_text() and (tmp_path / "r" / "logit_scan-0.png").is_file()
+
+
+def test_kernel_probe_refuses_packed_checkpoints(tmp_path):
+    cfg = preset_model_config("smoke", attn_mode="fp8-stale", packed=True)
+    path = save_checkpoint(tmp_path / "p.pt", build_model(cfg, seed=0), mode="fp8-stale", step=1,
+                           data_root=str(tmp_path))
+    with pytest.raises(ValueError, match="packed"):
+        probe.probe_checkpoint(path, device="cpu")

@@ -5,6 +5,13 @@
 
 Data parallel: `torchrun --nproc_per_node N -m fp8attn.train.compare ...` (DDP,
 gloo on CPU / nccl on CUDA; see ddp.py); rank 0 prepares data and writes logs.
+`--fsdp` shards with FSDP2 instead of DDP.
+
+Precision scope of the fp8 modes: `--scope attn-core` (default: only the
+attention core is FP8), `attn-core+projections` (+ QKV and output projections
+as FP8Linear), `attn-core+projections+ffn` (+ the SwiGLU FFN); the bf16 mode is
+BF16 everywhere. `--packed`: per-document causal attention inside each batch row
+(documents split at <|endoftext|>; see model.py).
 
 Writes <out>/provenance.json (command, versions; first), <out>/<mode>.jsonl
 (trainer log per mode), <out>/<mode>.pt (final model, unless --no-save; see
@@ -23,7 +30,7 @@ from pathlib import Path
 
 from . import ddp, provenance
 from .data import prepare
-from .model import ATTN_MODES, PRESETS, preset_model_config
+from .model import ATTN_MODES, PRESETS, SCOPES, preset_model_config
 from .report import write_report
 from .trainer import TrainConfig, resolve_device, train_mode
 
@@ -57,6 +64,11 @@ def parse_args(argv=None):
     ap.add_argument("--data-dir", default="data")
     ap.add_argument("--text-dir", default=None, help="train on text files from here instead of linux-doc")
     ap.add_argument("--max-mb", type=float, default=None, help="corpus cap in MB (default per preset)")
+    ap.add_argument("--scope", default="attn-core", choices=list(SCOPES),
+                    help="which matmuls the fp8 modes run in FP8 (the bf16 mode stays BF16)")
+    ap.add_argument("--packed", action="store_true",
+                    help="per-document causal attention from <|endoftext|> separators in each row")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
@@ -116,7 +128,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     tp["warmup"] = min(tp["warmup"], max(1, tp["steps"] // 10)) if args.warmup is None else tp["warmup"]
     cfg = TrainConfig(**tp, diag_every=args.diag_every, val_batches=args.val_batches, seed=args.seed,
                       data_seed=args.data_seed, device=args.device, threads=args.threads,
-                      progress=not args.no_progress,
+                      progress=not args.no_progress, fsdp=args.fsdp,
                       val_every=args.val_every or max(1, tp["steps"] // 5),
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)),
                       save_final=not args.no_save, save_at=save_at)
@@ -138,7 +150,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
     model_cfg = preset_model_config(args.preset, **{
         **model_overrides, "vocab_size": data.meta["vocab_size"], "qk_norm": not args.no_qk_norm,
-        "rope": not args.nope, "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])})
+        "rope": not args.nope, "scope": args.scope, "packed": args.packed,
+        "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])})
     out = Path(args.out)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +159,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
         (out / "provenance.json").write_text(json.dumps(provenance.collect(getattr(args, "command", None)), indent=1))
     dev = resolve_device(cfg.device)
     say(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
-          f"{cfg.batch_size} x {cfg.seq_len} tokens -> {out}", flush=True)
+          f"{cfg.batch_size} x {cfg.seq_len} tokens, fp8 scope {args.scope}"
+          f"{', packed documents' if args.packed else ''}{', FSDP2' if args.fsdp and ctx.enabled else ''} -> {out}",
+        flush=True)
     t_data = time.time() - t_data
     summaries, t0 = [], time.time()
     for mode in modes:
@@ -162,7 +177,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
         raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
     if not ctx.is_main:
         return None, "", summaries
-    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes,
+    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "scope": args.scope,
+                                                  "packed": args.packed, "fsdp": args.fsdp,
                                                   "data_time_s": t_data, "train_time_s": t_train,
                                                   "summaries": summaries,
                                                   "provenance": provenance.collect(getattr(args, "command", None))},

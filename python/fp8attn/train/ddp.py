@@ -15,7 +15,14 @@ helper is the identity, so single-process runs are unchanged):
   * only rank 0 writes the JSONL log and the report and runs the val loss;
   * at the end the ranks' parameter fingerprints are gathered; differing ones
     raise RuntimeError.
-Backend: gloo on CPU, nccl on CUDA (one GPU per local rank). FSDP is not supported.
+Backend: gloo on CPU, nccl on CUDA (one GPU per local rank).
+
+FSDP2 (`--fsdp`): instead of DDP, every transformer block and then the whole
+model get torch.distributed.fsdp.fully_shard over a 1-D mesh of all ranks
+(parameters, gradients and AdamW state sharded; each block all-gathered for its
+forward/backward). Same batches, loss averaging and checks as DDP; parameters
+become DTensors, so fingerprints and gain statistics read `full(p)`, and every
+rank runs the val loss (FSDP's forward is collective; rank 0 logs it).
 """
 from __future__ import annotations
 
@@ -78,14 +85,44 @@ def init_from_env(device: str = "auto") -> DistContext:
     return context()
 
 
-def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
+               fsdp: bool = False) -> torch.nn.Module:
     """model in DistributedDataParallel when distributed (it broadcasts rank 0's
-    weights at construction), else model itself."""
+    weights at construction), else model itself.
+
+    fsdp=True (distributed only): FSDP2 instead: fully_shard on each module of
+    `model.blocks` (if any) and on `model`, in place; returns `model`. Every rank
+    must hold the same initial weights (the trainer seeds the init identically).
+    """
     if not ctx.enabled:
+        return model
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (ctx.world_size,))
+        for blk in getattr(model, "blocks", []):
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     ids = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True if `model` was wrapped by FSDP2 (fully_shard)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def full(t):
+    """The full (unsharded) tensor of a DTensor (a collective: every rank must
+    call it); any other value unchanged."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def rank_batch(stream, rng: np.random.Generator, batch_size: int, ctx: DistContext):

@@ -17,6 +17,20 @@ Attention backends (`attn_mode`), all causal, all fed BF16 Q/K/V:
 NOTE: the op contract (numerics.md section 3) has BF16 inputs at the op
 boundary (the stale delta uses the BF16 O), so Q/K/V are cast to bfloat16 for
 every backend, also on CPU, and O is cast back to the compute dtype.
+
+Precision scopes (`scope`, fp8 modes only; the "bf16" mode stays BF16 everywhere):
+  "attn-core"                  only the attention core is FP8 (the op above);
+  "attn-core+projections"      + Wq, Wk, Wv, Wo as fp8attn.linear.FP8Linear;
+  "attn-core+projections+ffn"  + W1, W2, W3 (SwiGLU) as FP8Linear.
+FP8Linear shares the nn.Linear parameters, so every scope starts from the same
+weights. The embedding / tied LM head and the norms stay in the compute dtype.
+
+Packed documents (`packed=True`): each batch row is a window of the token stream
+in which `<|endoftext|>` (id 0) ends a document. Attention is causal within each
+document only (cu_seqlens from the separators, `document_segments`), and RoPE
+positions restart at 0 in every document, so a packed row computes what the
+documents would compute one by one. fp8 modes run fp8attn.varlen_attention; the
+bf16 mode runs SDPA with the equivalent block-diagonal causal mask.
 """
 from __future__ import annotations
 
@@ -28,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
+EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,8 @@ class ModelConfig:
     attn_mode: str = "bf16"
     fp8_block_size: int = 128    # fp8attn block size B (numerics.md section 2)
     init_std: float | None = None  # None = 1/sqrt(d_model)
+    scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
+    packed: bool = False         # per-document causal attention from <|endoftext|> separators
 
     def __post_init__(self):
         if self.attn_mode not in ATTN_MODES:
@@ -56,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +106,58 @@ def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode
     return o.to(dtype)
 
 
+def document_segments(tokens: torch.Tensor, eot_id: int = EOT_ID):
+    """Documents of packed rows: (cu_seqlens, positions).
+
+    tokens: int [B, S]. A document ends at an `eot_id` token (inclusive) or at the
+    end of its row; a row never continues into the next one.
+    Returns cu_seqlens int64 [num_docs + 1] over the B*S flattened tokens (row
+    major, starting at 0, ending at B*S) and positions int64 [B, S]: each token's
+    index inside its document.
+    """
+    b, s = tokens.shape
+    idx = torch.arange(s, device=tokens.device).expand(b, s)
+    start = torch.zeros(b, s, dtype=torch.bool, device=tokens.device)
+    start[:, 0] = True
+    start[:, 1:] = tokens[:, :-1] == eot_id
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    flat = (start.flatten().nonzero().flatten())
+    cu = torch.cat([flat, torch.tensor([b * s], device=tokens.device)]).to(torch.int64)
+    return cu, idx - first
+
+
+def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                             mode: str, layer_name: str, block_size: int = 128) -> torch.Tensor:
+    """Per-document causal attention on packed rows: q [B, Hq, S, D], k/v [B, Hkv, S, D],
+    cu_seqlens from `document_segments` (over the B*S flattened tokens).
+    Returns O [B, Hq, S, D] in q's dtype; Q/K/V cast to BF16 as in attention_backend."""
+    dtype = q.dtype
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    qb, kb, vb = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if mode == "bf16":
+        doc = torch.zeros(b * s, dtype=torch.int64, device=q.device)
+        doc[cu_seqlens[1:-1]] = 1
+        doc = doc.cumsum(0).view(b, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        mask = (doc[:, :, None] == doc[:, None, :]) & causal           # [B, S, S] block-diagonal causal
+        # NOTE: K/V repeated for GQA (SDPA's enable_gqa with an explicit mask is not
+        # available on every backend).
+        rep = hq // hkv
+        o = F.scaled_dot_product_attention(qb, kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1),
+                                           attn_mask=mask[:, None])
+    elif mode.startswith("fp8-"):
+        import fp8attn
+        flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3])
+        o = fp8attn.varlen_attention(flat(qb), flat(kb), flat(vb), cu_seqlens, cu_seqlens, causal=True,
+                                     precision="fp8", delta_mode=mode[len("fp8-"):], block_size=block_size,
+                                     layer_name=layer_name)
+        o = o.view(b, s, hq, -1).transpose(1, 2)
+    else:
+        raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
+    return o.to(dtype)
+
+
 # ----------------------------------------------------------------------------
 # Layers
 # ----------------------------------------------------------------------------
@@ -111,24 +183,34 @@ def rope_tables(seq_len: int, head_dim: int, base: float):
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [B, H, S, D] by position (half-split channel pairing)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotates x [B, H, S, D] by position (half-split channel pairing); positions
+    int [B, S] (packed documents) or None (0..S-1)."""
     s = x.shape[-2]
-    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
+    if positions is None:
+        cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)
+    else:
+        cos, sin = cos[positions].to(x.dtype)[:, None], sin[positions].to(x.dtype)[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class AttentionCore(nn.Module):
-    """Parameter-free module around `attention_backend`: O = core(Q, K, V).
+    """Parameter-free module around the attention backends: O = core(Q, K, V), with
+    cu_seqlens (packed documents) `packed_attention_backend`, else `attention_backend`.
 
     It exists so that forward hooks can see the attention core's inputs (Q, K, V
     after QK-norm and RoPE, [B, H, S, D]) and its output O, and tensor hooks on O
     its upstream gradient dO (fp8attn.train.probe). No state_dict entries.
     """
 
-    def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128):
-        return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+    def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
+                cu_seqlens: torch.Tensor | None = None):
+        if cu_seqlens is None:
+            return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+        return packed_attention_backend(q, k, v, cu_seqlens, mode=mode, layer_name=layer_name,
+                                        block_size=block_size)
 
 
 class Attention(nn.Module):
@@ -146,17 +228,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
         self.core = AttentionCore()
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, segments=None):
         b, s, _ = x.shape
         c = self.cfg
+        pos = None if segments is None else segments[1]
         q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size)
+            q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
+        o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
+                      cu_seqlens=None if segments is None else segments[0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 
@@ -181,8 +265,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, segments=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, segments)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -200,6 +284,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights()
+        self.fp8_linear_names = self._apply_scope()
+
+    def _apply_scope(self) -> list:
+        """Converts the scope's nn.Linear layers to FP8Linear (fp8 modes only; same
+        Parameter objects, so the init is untouched). Returns the converted names."""
+        c = self.cfg
+        if not c.attn_mode.startswith("fp8-") or c.scope == "attn-core":
+            return []
+        from fp8attn.linear import convert_to_fp8_linear
+        pats = ["blocks.*.attn.w[qkvo]"] + (["blocks.*.mlp.w[123]"] if c.scope.endswith("+ffn") else [])
+        return convert_to_fp8_linear(self, pats)
 
     def _init_weights(self):
         # Normal(0, init_std) for matrices (default 1/sqrt(d_model): with GPT-2's 0.02
@@ -212,7 +307,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std * scale)
 
     def with_attn_mode(self, mode: str) -> "Transformer":
-        """Switches the attention backend in place (weights untouched); returns self."""
+        """Switches the attention backend in place (weights untouched); returns self.
+        NOTE: the FP8 linear layers of `scope` are fixed at construction."""
         self.cfg = replace(self.cfg, attn_mode=mode)
         for blk in self.blocks:
             blk.attn.cfg = self.cfg
@@ -223,8 +319,9 @@ class Transformer(nn.Module):
         if s > self.cfg.max_seq_len:
             raise ValueError(f"tokens: seqlen {s} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(tokens)
+        segments = document_segments(tokens) if self.cfg.packed else None
         for blk in self.blocks:
-            x = blk(x, self.rope_cos, self.rope_sin)
+            x = blk(x, self.rope_cos, self.rope_sin, segments)
         x = self.norm(x)
         w = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, w.to(x.dtype))

@@ -191,6 +191,9 @@ def probe_checkpoint(path, *, device="auto", data_root=None, batch_size=4, seq_l
     dev = resolve_device(device)
     t0 = time.time()
     model, info = load_checkpoint(path, dev)
+    if getattr(model.cfg, "packed", False):
+        raise ValueError(f"probe: {path} was trained with packed documents; the kernel probe runs one "
+                         "causal call per row and does not support packed (varlen) checkpoints yet")
     root = Path(data_root or info.get("data_root") or "")
     val_path = root / "val.bin"
     if not val_path.is_file():

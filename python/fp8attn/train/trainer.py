@@ -33,7 +33,10 @@ model is wrapped in DistributedDataParallel, rank r trains on every
 world_size-th batch of the shared order (offset r), the logged loss is the mean
 over ranks, tokens_per_s counts all ranks, only rank 0 writes the log and runs
 the val loss, and the summary adds world_size and final_fingerprints (one per
-rank; differing ones raise RuntimeError). One process: unchanged.
+rank; differing ones raise RuntimeError). One process: unchanged. With
+TrainConfig.fsdp (compare --fsdp) the model is sharded with FSDP2 instead of
+DDP (ddp.wrap_model): parameters are DTensors, read through ddp.full() for the
+fingerprints and gain statistics, and every rank runs the val loss.
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class TrainConfig:
     device: str = "auto"           # "auto" | "cpu" | "cuda"
     threads: int = 0               # CPU threads (0 = all cores)
     progress: bool = True
+    fsdp: bool = False             # FSDP2 (fully_shard) instead of DDP when distributed (ddp.py)
     save_final: bool = True        # write the final model next to the log (checkpoint.py)
     save_at: tuple = ()            # also after these step counts
 
@@ -99,7 +103,7 @@ def init_fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        h.update(ddp.full(p).detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -127,7 +131,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 def layer_gain_stats(model: Transformer) -> dict:
     """{layer: [max_gain, top4_share]} for every attention layer with QK-norm."""
-    return {name: list(gain_stats(gq, gk, top_k=4)) for name, gq, gk in model.qk_gains()}
+    return {name: list(gain_stats(ddp.full(gq), ddp.full(gk), top_k=4)) for name, gq, gk in model.qk_gains()}
 
 
 _DIAG_KEYS = ("eps_absmean", "eps_absmax", "rowsum_pre_mean", "rowsum_pre_max",
@@ -192,7 +196,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     model = build_model(model_cfg, cfg.seed)
     fingerprint = init_fingerprint(model)
     model.to(device)
-    train_model = ddp.wrap_model(model, dctx, device)   # `model` itself with one process
+    train_model = ddp.wrap_model(model, dctx, device, fsdp=cfg.fsdp)   # `model` itself with one process
     opt = make_optimizer(model, cfg)
     use_autocast = device.type == "cuda"
 
@@ -212,6 +216,16 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
     t_start = time.time()
     tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
+
+    def save(path, step):
+        """Checkpoint (rank 0 writes). NOTE: under FSDP2 every rank must take part in
+        gathering the full parameters (ddp.full is a collective)."""
+        sd = {k: ddp.full(v) for k, v in model.state_dict().items()} if ddp.is_sharded(model) else None
+        if not dctx.is_main:
+            return None
+        return save_checkpoint(path, model, mode=mode, step=step, train_config=cfg.to_dict(),
+                               data_root=str(data.root), init_fingerprint=fingerprint, state_dict=sd)
+
     with open(log_path, "w") as log:
         def write(obj):
             log.write(json.dumps(obj) + "\n")
@@ -242,7 +256,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            grad_norm = float(ddp.full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
             loss_v = ddp.mean_over_ranks(float(loss.detach()), dctx, device)
             if not math.isfinite(loss_v) or not math.isfinite(grad_norm):
                 diverged = True
@@ -268,13 +282,12 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 rec_line.update(agg)
                 diag_aggs.append(agg)
             write(rec_line)
-            if dctx.is_main and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
+            # NOTE: FSDP's forward is collective, so every rank evaluates; rank 0 logs.
+            if (dctx.is_main or ddp.is_sharded(model)) and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 val_loss = evaluate(model, val_batches, device, autocast)
                 write({"type": "val", "step": step, "val_loss": val_loss})
-            if dctx.is_main and (step + 1) in cfg.save_at:
-                save_checkpoint(log_path.with_name(f"{log_path.stem}.step{step + 1}.pt"), model, mode=mode,
-                                step=step + 1, train_config=cfg.to_dict(), data_root=str(data.root),
-                                init_fingerprint=fingerprint)
+            if (step + 1) in cfg.save_at:
+                save(log_path.with_name(f"{log_path.stem}.step{step + 1}.pt"), step + 1)
             bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
             if line_every and ((step + 1) % line_every == 0 or step + 1 == cfg.steps):
                 print(f"[train] {mode} step {step + 1}/{cfg.steps} loss {loss_v:.3f} "
@@ -303,16 +316,16 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             "max_gain": max((v[0] for v in last_gains.values()), default=None),
             "top4_share": max((v[1] for v in last_gains.values()), default=None),
             "init_fingerprint": fingerprint, "train_time_s": train_time,
+            "scope": model_cfg.scope if fp8 else "bf16", "packed": model_cfg.packed, "fsdp": ddp.is_sharded(model),
             "tokens_per_s": tokens_per_step * len(losses) / train_time if losses else None,
         }
         if dctx.enabled:
             summary["world_size"] = dctx.world_size
             summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
-        if dctx.is_main and cfg.save_final and losses:
-            ckpt = save_checkpoint(log_path.with_suffix(".pt"), model, mode=mode, step=len(losses),
-                                   train_config=cfg.to_dict(), data_root=str(data.root),
-                                   init_fingerprint=fingerprint)
-            summary["checkpoint"] = ckpt.name
+        if cfg.save_final and losses:
+            ckpt = save(log_path.with_suffix(".pt"), len(losses))
+            if ckpt is not None:
+                summary["checkpoint"] = ckpt.name
         write(summary)
     if dctx.enabled and len(set(summary["final_fingerprints"])) != 1:
         raise RuntimeError(f"DDP ranks ended with different parameters {summary['final_fingerprints']}")

@@ -1,0 +1,221 @@
+"""End-to-end training throughput: the BF16 model (cuDNN SDPA) vs fp8attn with each
+FP8 precision scope, on the trainer's GPU presets, in one run.
+
+    python benchmarks/bench_train.py                       # CUDA: gpu-50m, gpu-125m
+    python benchmarks/bench_train.py --device cpu --presets smoke --warmup 1 --steps 2   # CPU smoke
+
+Per (preset, config) it builds the trainer's model (fp8attn.train.model), the
+trainer's AdamW (FP32 master weights, BF16 autocast on CUDA), and times full
+training steps (forward, cross-entropy, backward, grad clip, optimizer step) on
+random tokens after `--warmup` untimed steps; CUDA is synchronized around the
+timed steps. Throughput does not depend on the token values, so no corpus is
+needed. Configs:
+  bf16                          BF16 everywhere, attention by F.scaled_dot_product_attention
+                                restricted to the cuDNN backend on CUDA (the recorded
+                                `bf16_attention` says whether GQA ran natively or with
+                                K/V repeated, or whether cuDNN was unavailable);
+  fp8/<scope>                   fp8attn (delta mode `--delta-mode`) with scope
+                                attn-core, attn-core+projections, attn-core+projections+ffn
+                                (FP8Linear through cuBLASLt block-scaled GEMMs).
+Prints a markdown table (tokens/s, ms/step, speed relative to bf16, peak memory)
+and writes everything to `--json`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "python"))
+
+from fp8attn.train import model as M  # noqa: E402
+from fp8attn.train.trainer import TrainConfig, make_optimizer  # noqa: E402
+
+SCOPES = M.SCOPES
+
+
+def cudnn_attention_context(device: torch.device):
+    """(context factory, description) for the BF16 baseline's attention on `device`.
+
+    Probes cuDNN SDPA once with a GQA call: native enable_gqa if it runs, else K/V
+    repeated per query head (patched into the model's attention_backend), else the
+    default SDPA dispatch (described as such)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext, "sdpa (cpu default)"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 4, 256, 64, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        return (lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])), "cudnn (native GQA)"
+    except RuntimeError:
+        pass
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            F.scaled_dot_product_attention(q, kv.repeat_interleave(2, 1), kv.repeat_interleave(2, 1),
+                                           is_causal=True)
+    except RuntimeError as e:
+        print(f"[bench] cuDNN SDPA unavailable ({str(e)[:120]}); bf16 uses the default SDPA", flush=True)
+        return contextlib.nullcontext, "sdpa default (cuDNN unavailable)"
+    original = M.attention_backend
+
+    def repeated(q, k, v, *, mode, layer_name, block_size=128):
+        if mode == "bf16" and q.shape[1] != k.shape[1]:
+            r = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+        return original(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+
+    @contextlib.contextmanager
+    def ctx():
+        M.attention_backend = repeated
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                yield
+        finally:
+            M.attention_backend = original
+
+    return ctx, "cudnn (K/V repeated for GQA)"
+
+
+def bench_one(preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory) -> dict:
+    p = M.PRESETS[preset]
+    batch = args.batch_size or p["train"]["batch_size"]
+    seq = args.seq_len or p["train"]["seq_len"]
+    cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
+                                max_seq_len=max(seq, p["model"]["max_seq_len"]))
+    torch.manual_seed(0)
+    model = M.Transformer(cfg).to(device)
+    tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
+    opt = make_optimizer(model, tc)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    y = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
+    if args.packed:
+        # documents of random length (mean args.doc_len tokens) separated by <|endoftext|>
+        eot = torch.rand(batch, seq, generator=g) < 1.0 / args.doc_len
+        x = torch.where(eot.to(device), torch.zeros_like(x), x)
+    cuda = device.type == "cuda"
+    # NOTE: packed bf16 attention takes an explicit block-diagonal mask, which the
+    # cuDNN-only restriction may not accept: it uses SDPA's default dispatch.
+    ctx = ctx_factory if attn_mode == "bf16" and not args.packed else contextlib.nullcontext
+
+    def step():
+        with ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.steps
+    out = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
+           "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
+           "params": model.num_params(), "batch_size": batch, "seq_len": seq, "packed": args.packed,
+           "ms_per_step": dt * 1e3, "tokens_per_s": batch * seq / dt, "final_loss": float(loss),
+           "fp8_linear_layers": len(model.fp8_linear_names),
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| preset | config | tokens/s | ms/step | vs bf16 | peak mem GB |", "|---|---|---|---|---|---|"]
+    base = {r["preset"]: r["tokens_per_s"] for r in rows if r["config"] == "bf16"}
+    for r in rows:
+        rel = f"{r['tokens_per_s'] / base[r['preset']]:.2f}x" if r["preset"] in base else "n/a"
+        mem = "n/a" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.1f}"
+        lines.append(f"| {r['preset']} | {r['config']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
+                     f"{rel} | {mem} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--presets", default=None, help="comma list (default: gpu-50m,gpu-125m on CUDA, smoke on CPU)")
+    ap.add_argument("--configs", default="bf16," + ",".join(f"fp8/{s}" for s in SCOPES),
+                    help="comma list of bf16 and fp8/<scope>")
+    ap.add_argument("--delta-mode", default="delta_matching", choices=["stale", "matched_do", "delta_matching"])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--packed", action="store_true",
+                    help="packed documents (per-document causal attention; random separators)")
+    ap.add_argument("--doc-len", type=int, default=512, help="mean document length with --packed")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        raise SystemExit("--warmup must be >= 0 and --steps >= 1")
+    device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
+                          (args.device if args.device != "auto" else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    presets = (args.presets or ("gpu-50m,gpu-125m" if device.type == "cuda" else "smoke")).split(",")
+    for pr in presets:
+        if pr not in M.PRESETS:
+            raise SystemExit(f"--presets: unknown preset {pr!r}; choose from {sorted(M.PRESETS)}")
+    configs = []
+    for c in args.configs.split(","):
+        if c == "bf16":
+            configs.append(("bf16", "attn-core"))
+        elif c.startswith("fp8/") and c[4:] in SCOPES:
+            configs.append((f"fp8-{args.delta_mode}", c[4:]))
+        else:
+            raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>")
+    ctx_factory, bf16_attn = cudnn_attention_context(device)
+    if args.packed:
+        bf16_attn = "sdpa default dispatch with a block-diagonal causal mask (packed)"
+    t_all = time.perf_counter()
+    rows = []
+    for pr in presets:
+        for mode, scope in configs:
+            t0 = time.perf_counter()
+            r = bench_one(pr, mode, scope, args, device, ctx_factory)
+            rows.append(r)
+            print(f"[bench] {pr} {r['config']}: {r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.1f} ms/step "
+                  f"({time.perf_counter() - t0:.1f} s incl. build and warm-up)", flush=True)
+    table = markdown(rows)
+    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "bf16_attention": bf16_attn,
+            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps, "packed": args.packed,
+            "total_s": time.perf_counter() - t_all, "rows": rows}
+    print()
+    print(f"device {info['device']}, torch {info['torch']}, bf16 attention: {bf16_attn}, "
+          f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config"
+          f"{', packed documents (mean length %d)' % args.doc_len if args.packed else ''}")
+    print(table)
+    print(f"total {info['total_s']:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(info, indent=1))
+        print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,940 @@
+// fp8attn: sm_90a FP8 backward on warpgroup MMAs (wgmma, QGMMA in the SASS),
+// block scales (numerics.md sections 3-5). Same math, delta modes and
+// diagnostics as the mma.sync backward (bwd_e4m3_blockscale_sm90.cu), which
+// stays the fallback for shapes this file does not cover (head_dim 192/256).
+// Design and measurements: docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md.
+//
+// Two kernels, both 2 warpgroups (256 threads), warp w (0..7) owning rows
+// [16w, 16w+16) of the 128-key tile, i.e. each warpgroup issues the M = 64
+// half of every key-row product:
+//   * pre-pass (Delta-Matching, or diagnostics): one CTA per (64-query tile,
+//     query head, batch), walks the key tiles, delta_dm = sum_j P dP_hat;
+//   * main: one CTA per (128-key tile, kv head, batch), walks the GQA group's
+//     query heads and the query tiles that see its keys:
+//       S^T = K Q^T        SS wgmma m64n64k32 per 64 queries (k_row, q_row)  #3
+//       P (FP32) -> P^T E4M3 per key along the 128 queries (registers)
+//       dP_hat^T = V dO^T  SS wgmma m64n64k32 per 64 queries                 #4
+//       dS = P o (dP_hat - delta)  (FP32)
+//       dV += P^T dO       RS wgmma m64n32k32 (d=128) / m64n64k32 (do_colT)  #5
+//       dS per query along the 128 keys -> shared [q][k]
+//       dK += dS^T Q       RS wgmma m64n64k32 (A dS^T per key, B q_colT)    #7
+//       dQ_tile = dS K     SS wgmma m64n64k32 (A dS, B k_colT) -> atomics   #6
+//   Every product's reduction over one tile (128 elements, or head_dim <= 128)
+//   is one quantization block: its FP32 partial is multiplied by the two block
+//   scales (an exact power of two) and added to the FP32 accumulator.
+//   NOTE: FP8 wgmma sums keep ~13-14 bits relative to the largest addend, not
+//   FP32 (measured against the CPU reference: ~4e-3 relative, numerics.md
+//   section 7); P and dP_hat are still bitwise shared with the pre-pass.
+//
+// Shared-memory operands are K-major with the 128-byte swizzle (rows of 128
+// bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8); tiles 1024-byte
+// aligned), filled with cp.async (16-byte chunks, so rows can be permuted).
+//
+// NOTE: register fragments. The FP32 accumulator of S^T/dS^T holds, per
+// thread, columns {2t, 2t+1, 2t+8, 2t+9} (+16b) of a 16-column group, while
+// the FP8 A fragment of the next wgmma wants K positions {4t..4t+3}. Instead
+// of shuffling bytes, the query rows of Q and dO are stored in shared memory
+// in the order sigma: S^T column 8a + 2t + e holds query 4t + 2a + e (per 16
+// queries), so the quantized P^T/dS^T registers ARE the A fragments of
+// natural query order and do_colT / q_colT are used as stored. Likewise the
+// key rows of K and V use tau: accumulator row g + 8h (per 16 keys) is key
+// 2g + h, so one thread writes keys (2g, 2g+1) of dS as one 16-bit store.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "hopper/bwd_tile_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+namespace bwd {
+namespace {
+
+namespace GM = cute::SM90::GMMA;
+
+// ---- wgmma plumbing ---------------------------------------------------------------
+
+template <int FA, int FB, int N, bool kRS>
+struct GmmaOp;
+#define FP8ATTN_GMMA_OPS(FA, FB, TA, TB, N)                                                 \
+  template <>                                                                              \
+  struct GmmaOp<FA, FB, N, false> {                                                        \
+    using T = GM::MMA_64x##N##x32_F32##TA##TB##_SS_TN<>;                                   \
+  };                                                                                       \
+  template <>                                                                              \
+  struct GmmaOp<FA, FB, N, true> {                                                         \
+    using T = GM::MMA_64x##N##x32_F32##TA##TB##_RS_TN<>;                                   \
+  };
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 64)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE5M2, E4M3, E5M2, 64)
+FP8ATTN_GMMA_OPS(kFmtE5M2, kFmtE4M3, E5M2, E4M3, 64)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 128)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 32)
+FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE5M2, E4M3, E5M2, 32)
+#undef FP8ATTN_GMMA_OPS
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_ss_impl(uint64_t da, uint64_t db, float* d, bool acc,
+                                             std::index_sequence<I...>) {
+  Op::fma(da, db, d[I]..., acc ? GM::ScaleOut::One : GM::ScaleOut::Zero);
+}
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_rs_impl(const uint32_t (&a)[4], uint64_t db, float* d, bool acc,
+                                             std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, d[I]..., acc ? GM::ScaleOut::One : GM::ScaleOut::Zero);
+}
+// D (m64 x N, FP32, N/2 registers per thread) = A * B (+ D if acc).
+template <int FA, int FB, int N>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float* d, bool acc) {
+  gmma_ss_impl<typename GmmaOp<FA, FB, N, false>::T>(da, db, d, acc, std::make_index_sequence<N / 2>{});
+}
+template <int FA, int FB, int N>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float* d, bool acc) {
+  gmma_rs_impl<typename GmmaOp<FA, FB, N, true>::T>(a, db, d, acc, std::make_index_sequence<N / 2>{});
+}
+
+__device__ __forceinline__ void wg_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator accesses across arrive/wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void fence_regs_u(uint32_t* r, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups
+// 1024 bytes apart (SBO); LBO unused for swizzled K-major layouts.
+__device__ __forceinline__ uint64_t desc_sw128(const uint8_t* p) {
+  const uint64_t a = smem_u32(p);
+  return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Byte offset of (row, 16-byte chunk) in a 128-byte-swizzled tile.
+__device__ __forceinline__ int sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+__device__ __forceinline__ void cp_async16(uint8_t* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes (cp.async, st.shared) -> visible to wgmma (async proxy).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Row orders (per 16 rows; see the NOTE at the top).
+__device__ __forceinline__ int q_of_col(int n) {  // sigma: S^T column -> query
+  return (n & ~15) + 4 * ((n >> 1) & 3) + 2 * ((n >> 3) & 1) + (n & 1);
+}
+__device__ __forceinline__ int k_of_row(int m) {  // tau: accumulator row -> key
+  return (m & ~15) + 2 * (m & 7) + ((m >> 3) & 1);
+}
+
+constexpr int kTileBytes = kTile * kWgRowBytes;  // one swizzled [128][128 B] tile (config_sm90.h)
+
+// ---- cp.async tile fills -------------------------------------------------------------
+
+// Rows [s0, s0 + ROWS) of a [S][D] FP8 matrix, row n of the tile <- source row
+// s0 + perm(n) (perm = q_of_col or k_of_row); rows >= S zero-filled.
+// NOTE: written as one base address per thread plus constant steps (the row
+// step is a multiple of 16, which both permutations preserve); a generic loop
+// made the compiler hoist every address out of the main loop (spills).
+template <int D, bool kQueryOrder, int ROWS>
+__device__ __forceinline__ void cp_rows(uint8_t* dst, const uint8_t* src, int s0, int S) {
+  constexpr int kChunks = D / 16, kStep = kWgThreads / kChunks;
+  static_assert(kStep % 16 == 0 && ROWS % kStep == 0, "row steps keep the 16-row permutation");
+  const int n = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  const int r0 = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
+  uint8_t* d0 = dst + sw128(n, c);
+  const uint8_t* g0 = src + 16 * c;
+#pragma unroll
+  for (int k = 0; k < ROWS / kStep; ++k) {
+    const int r = r0 + k * kStep;
+    const bool ok = r < S;
+    cp_async16(d0 + k * kStep * 128, g0 + static_cast<int64_t>(ok ? r : 0) * D, ok);
+  }
+}
+// Positions [s0, s0 + 128) of ROWS sequence-contiguous rows (stride ld): tile
+// row = channel, natural position order. Chunks past S are zero-filled; a
+// partial chunk reads the padding codes (0, kernel_params_sm90.h).
+template <int ROWS>
+__device__ __forceinline__ void cp_cols(uint8_t* dst, const uint8_t* src, int64_t ld, int s0, int S) {
+  constexpr int kStep = kWgThreads / 8;
+  static_assert(ROWS % kStep == 0 && kStep % 8 == 0, "whole row steps");
+  const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+  const bool ok = s0 + 16 * c < S;
+  uint8_t* d0 = dst + sw128(r, c);
+  const uint8_t* g0 = src + r * ld + (ok ? s0 + 16 * c : 0);
+#pragma unroll
+  for (int k = 0; k < ROWS / kStep; ++k) cp_async16(d0 + k * kStep * 128, g0 + k * kStep * ld, ok);
+}
+// n floats: dst[i] <- src[idx(i)] if valid(i) else 0.
+template <class Idx>
+__device__ __forceinline__ void cp_floats(float* dst, const float* src, int n, Idx idx) {
+  for (int i = threadIdx.x; i < n; i += kWgThreads) {
+    const int64_t j = idx(i);
+    cp_async4(dst + i, src + (j >= 0 ? j : 0), j >= 0);
+  }
+}
+
+// ---- the tile computations shared by the pre-pass and the main kernel ------------
+//
+// Accumulator fragment (wgmma m64nN, per warp of the warpgroup, thread g =
+// lane/4, t = lane%4): x[j][e] = (row 16 warp + g + 8 (e >> 1), column
+// 8j + 2t + (e & 1)). Rows are keys via k_of_row, columns queries via q_of_col.
+
+// S^T (#3) for this warp's rows x NQ columns (64 or 128): one head-dim block
+// (d <= 128), FP32 partial times s_q * s_k. Split in issue (one wgmma group,
+// async) and scale (after the group completed) so a caller can overlap work.
+// NOTE: always m64n64k32 per 64 columns, in the main kernel (NQ = 128) and the
+// pre-pass (NQ = 64): the same instruction per element keeps P bitwise equal.
+//   sK [128][DQK] key rows, sKs [128] (tile rows); sQ [NQ][DQK] query rows, sQs [NQ] (columns).
+template <int DQK, int NQ>
+__device__ __forceinline__ void wg_issue_s(const uint8_t* sK, const uint8_t* sQ, int warp, float (&s)[NQ / 8][4]) {
+  static_assert(DQK == 64 || DQK == 128, "one head-dim block");
+  float* acc = &s[0][0];
+  const uint8_t* a = sK + (warp >> 2) * (64 * 128);
+  fence_regs<NQ / 2>(acc);
+  wg_arrive();
+#pragma unroll
+  for (int h = 0; h < NQ / 64; ++h)
+#pragma unroll
+    for (int k = 0; k < DQK / 32; ++k)
+      gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(sQ + h * (64 * 128) + 32 * k),
+                                      acc + 32 * h, k > 0);
+  wg_commit();
+}
+template <int NQ>
+__device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, int warp, int lane,
+                                           float (&s)[NQ / 8][4]) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<NQ / 2>(&s[0][0]);
+  const float ks0 = sKs[r0], ks1 = sKs[r0 + 8];
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
+    s[j][0] = __fmul_rn(s[j][0], __fmul_rn(qs.x, ks0));
+    s[j][1] = __fmul_rn(s[j][1], __fmul_rn(qs.y, ks0));
+    s[j][2] = __fmul_rn(s[j][2], __fmul_rn(qs.x, ks1));
+    s[j][3] = __fmul_rn(s[j][3], __fmul_rn(qs.y, ks1));
+  }
+}
+
+// P = exp2(S tau log2(e) - LSE log2(e)) in place. sLse2: LSE * log2(e) per
+// column (-inf past the sequence: see lse2_in_place).
+template <bool kMask, int NQ>
+__device__ __forceinline__ void wg_tile_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg,
+                                          int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lse2 = (e & 1) ? l.y : l.x;
+      const float p = ex2(fmaf(s[j][e], tg.c2, -lse2));
+      if constexpr (kMask) {
+        const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
+        s[j][e] = (tg.visible(kl, ql) && lse2 != -INFINITY) ? p : 0.f;
+      } else {
+        s[j][e] = p;
+      }
+    }
+  }
+}
+
+// After this thread's cp.async of LSE column i (< n) completed: LSE * log2(e)
+// in place, -inf for queries past seqlen_q (the thread that copied it converts it).
+__device__ __forceinline__ void lse2_in_place(float* sLse, int n, int m0, int Sq) {
+  const int i = threadIdx.x;
+  if (i < n) sLse[i] = m0 + q_of_col(i) < Sq ? __fmul_rn(sLse[i], kLog2e) : -INFINITY;
+}
+
+// dP^T (#4) for this warp's rows x the 64 columns [64 half, 64 half + 64), one
+// dv block: FP32 partial times s_dO * s_V. Issue / scale as for S^T.
+template <int DV, int FMT>
+__device__ __forceinline__ void wg_issue_dp(const uint8_t* sV, const uint8_t* sdO, int warp, int half,
+                                            float (&dp)[8][4]) {
+  static_assert(DV == 64 || DV == 128, "one dv block");
+  float* acc = &dp[0][0];
+  const uint8_t* a = sV + (warp >> 2) * (64 * 128);
+  const uint8_t* b = sdO + half * (64 * 128);
+  fence_regs<32>(acc);
+  wg_arrive();
+#pragma unroll
+  for (int k = 0; k < DV / 32; ++k)
+    gmma_ss<kFmtE4M3, FMT, 64>(desc_sw128(a + 32 * k), desc_sw128(b + 32 * k), acc, k > 0);
+  wg_commit();
+}
+__device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs, int warp, int lane, int half,
+                                            float (&dp)[8][4]) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<32>(&dp[0][0]);
+  const float vs0 = sVs[r0], vs1 = sVs[r0 + 8];
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const float2 os = *reinterpret_cast<const float2*>(sdOs + 64 * half + 8 * jj + 2 * t);
+    dp[jj][0] = __fmul_rn(dp[jj][0], __fmul_rn(os.x, vs0));
+    dp[jj][1] = __fmul_rn(dp[jj][1], __fmul_rn(os.y, vs0));
+    dp[jj][2] = __fmul_rn(dp[jj][2], __fmul_rn(os.x, vs1));
+    dp[jj][3] = __fmul_rn(dp[jj][3], __fmul_rn(os.y, vs1));
+  }
+}
+
+// ---- pre-pass -------------------------------------------------------------------
+//
+// One CTA per (64-query tile, query head, batch): both warpgroups see the 64
+// queries, warpgroup wg the keys [64 wg, 64 wg + 64) of each 128-key tile (the
+// main kernel's rows and instructions). NOTE: 64 queries (not 128) keep the
+// registers under 128 so two CTAs share an SM (the pre-pass is latency-bound).
+
+constexpr int kPreQ = kWgPreQ;
+
+template <int DQK, int DV>
+struct WgPrepassLayout {
+  static constexpr int kQ = 0;                          // query rows (q_of_col order) [64][128 B]
+  static constexpr int kDO = kQ + kPreQ * 128;          // dO rows
+  static constexpr int kK = kDO + kPreQ * 128;          // [2] key rows (k_of_row order)
+  static constexpr int kV = kK + 2 * kTileBytes;        // [2] value rows
+  static constexpr int kF = kV + 2 * kTileBytes;
+  static constexpr int kQs = 0, kDOs = kQs + kPreQ, kLse = kDOs + kPreQ;
+  static constexpr int kKs = kLse + kPreQ;               // [2][128]
+  static constexpr int kVs = kKs + 2 * kTile;            // [2][128]
+  static constexpr int kRed = kVs + 2 * kTile;           // [8][64]
+  static constexpr int kFloats = kRed + kWarps * kPreQ;
+  static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
+  static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
+};
+
+template <int DQK, int DV, int FMT>
+__global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const KernelParams p) {
+  using L = WgPrepassLayout<DQK, DV>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* sf = reinterpret_cast<float*>(smem + L::kF);
+
+  const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
+  const int m0 = m_tile * kPreQ;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+
+  TileGeom tg;
+  tg.m0 = m0;
+  tg.seqlen_q = Sq;
+  tg.seqlen_k = Sk;
+  tg.causal_off = Sk - Sq;
+  tg.causal = p.causal;
+  tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
+  const int last_q = min(m0 + kPreQ - 1, Sq - 1);
+  const int n_end = p.causal ? max(0, min(Sk, last_q + tg.causal_off + 1)) : Sk;
+  const int n_tiles = (n_end + kTile - 1) / kTile;
+
+  auto issue_keys = [&](int it) {
+    const int n0 = it * kTile, st = it & 1;
+    cp_rows<DQK, false, kTile>(smem + L::kK + st * kTileBytes, p.k_row + bhk * Sk * DQK, n0, Sk);
+    cp_rows<DV, false, kTile>(smem + L::kV + st * kTileBytes, p.v_row + bhk * Sk * DV, n0, Sk);
+    auto k_idx = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i);
+      return r < Sk ? bhk * Sk + r : -1;
+    };
+    cp_floats(sf + L::kKs + st * kTile, p.k_row_s, kTile, k_idx);
+    cp_floats(sf + L::kVs + st * kTile, p.v_row_s, kTile, k_idx);
+  };
+
+  // Query side (once) + first key tile: group 0.
+  cp_rows<DQK, true, kPreQ>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
+  cp_rows<DV, true, kPreQ>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
+  auto q_idx = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i);
+    return r < Sq ? bhq * Sq + r : -1;
+  };
+  cp_floats(sf + L::kQs, p.q_row_s, kPreQ, q_idx);
+  cp_floats(sf + L::kDOs, p.do_row_s, kPreQ, q_idx);
+  cp_floats(sf + L::kLse, p.lse, kPreQ, q_idx);
+  if (n_tiles > 0) issue_keys(0);
+  cp_commit();
+
+  float cs[16];  // per thread: sum over its keys of P * dP; column 8j + 2t + e at [2j + e]
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cs[i] = 0.f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_wait<0>();
+    if (it == 0) lse2_in_place(sf + L::kLse, kPreQ, m0, Sq);
+    fence_async_smem();
+    __syncthreads();  // tile it visible; everyone is done with the other stage
+    if (it + 1 < n_tiles) issue_keys(it + 1);
+    cp_commit();
+    const int st = it & 1;
+    const int n0 = it * kTile;
+    tg.n0 = n0;
+    const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq && (!p.causal || n0 + kTile - 1 <= m0 + tg.causal_off);
+    const uint8_t* sK = smem + L::kK + st * kTileBytes;
+    const uint8_t* sV = smem + L::kV + st * kTileBytes;
+    const float* sKs = sf + L::kKs + st * kTile;
+    const float* sVs = sf + L::kVs + st * kTile;
+
+    // S^T and dP^T in flight together; P is computed while dP runs. The same
+    // instructions and scaling as the main kernel: bitwise equal.
+    float pt[8][4], dp[8][4];
+    wg_issue_s<DQK, kPreQ>(sK, smem + L::kQ, warp, pt);
+    wg_issue_dp<DV, FMT>(sV, smem + L::kDO, warp, 0, dp);
+    wg_wait<1>();
+    wg_scale_s<kPreQ>(sKs, sf + L::kQs, warp, lane, pt);
+    if (interior)
+      wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+    else
+      wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+    wg_wait<0>();
+    wg_scale_dp(sVs, sf + L::kDOs, warp, lane, 0, dp);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = __fmul_rn(pt[j][e], dp[j][e]);
+        if (!interior) {  // P = 0 there, but dP may be NaN
+          const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
+          if (!tg.visible(kl, ql)) v = 0.f;
+        }
+        float& c = cs[2 * j + (e & 1)];
+        c = __fadd_rn(c, v);
+      }
+  }
+  cp_wait<0>();
+
+  // Sum over the 8 lanes g of a warp (its 16 keys), then over the 8 warps.
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+  float* sRed = sf + L::kRed;
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sRed[warp * kPreQ + 8 * j + 2 * t] = cs[2 * j];
+      sRed[warp * kPreQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kPreQ; i += kWgThreads) {
+    const int q = m0 + q_of_col(i);
+    if (q >= Sq) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += sRed[w * kPreQ + i];
+    const int64_t row = bhq * Sq + q;
+    p.delta_dm[row] = s;
+    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+  }
+}
+
+// ---- main kernel ---------------------------------------------------------------------
+
+template <int DQK, int DV>
+struct WgMainLayout {
+  // bytes (every tile 1024-aligned)
+  static constexpr int kK = 0;                               // key rows (k_of_row order)
+  static constexpr int kV = kK + kTileBytes;                 // value rows
+  static constexpr int kKc = kV + kTileBytes;                // k_colT [DQK][128 keys]
+  static constexpr int kDS = kKc + DQK * 128;                // dS codes [128 q][128 keys]
+  static constexpr int kStage = kDS + kTileBytes;            // [2] query-side stages:
+  static constexpr int kSQ = 0;                              //   query rows (q_of_col order)
+  static constexpr int kSDO = kSQ + kTileBytes;              //   dO rows
+  static constexpr int kSQc = kSDO + kTileBytes;             //   q_colT [DQK][128 q]
+  static constexpr int kSDOc = kSQc + DQK * 128;             //   do_colT [DV][128 q]
+  static constexpr int kStageBytes = kSDOc + DV * 128;
+  static constexpr int kF = kStage + 2 * kStageBytes;
+  // floats from kF
+  static constexpr int kKs = 0, kVs = kKs + kTile, kKcs = kVs + kTile;
+  static constexpr int kAmax = kKcs + DQK;                    // [8][128]
+  static constexpr int kRowInv = kAmax + kWarps * kTile;      // per column
+  static constexpr int kRowSc = kRowInv + kTile;              // per column
+  static constexpr int kRowSq = kRowSc + kTile;               // per query (natural)
+  static constexpr int kFStage = kRowSq + kTile;              // [2] per-stage floats:
+  static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;  // per column
+  static constexpr int kSQcs = 4 * kTile, kSDOcs = kSQcs + DQK;                          // per channel
+  static constexpr int kFStageFloats = kSDOcs + DV;
+  static constexpr int kFloats = kFStage + 2 * kFStageFloats;
+  static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
+  static_assert(kStageBytes % 1024 == 0 && kDS % 1024 == 0, "1024-byte aligned swizzled tiles");
+  static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// part (m64 x N, this warp's rows) of A (registers, per-row scales sa) times B
+// [N channels][128 positions] (swizzled, column scales sBs) accumulated into
+// dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
+template <int FA, int FB, int N>
+__device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], float sa0, float sa1,
+                                               const uint8_t* sB, const float* sBs, int lane, float* dst) {
+  const int t = lane & 3;
+  float part[N / 8][4];
+  uint32_t a[4][4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    a[c][0] = codes[2 * c][0];
+    a[c][1] = codes[2 * c][1];
+    a[c][2] = codes[2 * c + 1][0];
+    a[c][3] = codes[2 * c + 1][1];
+  }
+  fence_regs<N / 2>(&part[0][0]);
+  wg_arrive();
+#pragma unroll
+  for (int c = 0; c < 4; ++c) gmma_rs<FA, FB, N>(a[c], desc_sw128(sB + 32 * c), &part[0][0], c > 0);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs<N / 2>(&part[0][0]);
+  fence_regs_u(&a[0][0], 16);
+#pragma unroll
+  for (int jj = 0; jj < N / 8; ++jj) {
+    const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
+    float* d = dst + 4 * jj;
+    d[0] = fmaf(part[jj][0], sa0 * sb.x, d[0]);
+    d[1] = fmaf(part[jj][1], sa0 * sb.y, d[1]);
+    d[2] = fmaf(part[jj][2], sa1 * sb.x, d[2]);
+    d[3] = fmaf(part[jj][3], sa1 * sb.y, d[3]);
+  }
+}
+
+template <int DQK, int DV, int FMT>
+__global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const KernelParams p) {
+  using L = WgMainLayout<DQK, DV>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  float* sf = reinterpret_cast<float*>(smem + L::kF);
+  const uint8_t* sK = smem + L::kK;
+  const uint8_t* sV = smem + L::kV;
+  const uint8_t* sKc = smem + L::kKc;
+  uint8_t* sDS = smem + L::kDS;
+  const float* sKs = sf + L::kKs;
+  const float* sVs = sf + L::kVs;
+  const float* sKcs = sf + L::kKcs;
+  float* sAmax = sf + L::kAmax;
+  float* sRowInv = sf + L::kRowInv;
+  float* sRowSc = sf + L::kRowSc;
+  float* sRowSq = sf + L::kRowSq;
+
+  const int n_tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int group = p.num_heads_q / p.num_heads_kv;
+  const int nblk_q = (Sq + kTile - 1) / kTile, nblk_k = (Sk + kTile - 1) / kTile;
+  const int n0 = n_tile * kTile;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool diag = p.diag != nullptr;
+  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+  const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * Sq;
+
+  TileGeom tg;
+  tg.n0 = n0;
+  tg.seqlen_q = Sq;
+  tg.seqlen_k = Sk;
+  tg.causal_off = Sk - Sq;
+  tg.causal = p.causal;
+  tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
+
+  // Query tiles that see this key tile: [m_first, nblk_q) of every head of the group.
+  int m_first = 0;
+  if (p.causal) {
+    // first query that sees key n0: qi + off >= n0
+    const int q_min = max(0, n0 - tg.causal_off);
+    m_first = q_min >= Sq ? nblk_q : q_min / kTile;
+  }
+  const int per_head = nblk_q - m_first;
+  const int n_iters = group * per_head;
+
+  auto issue_query = [&](int it) {
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it & 1;
+    const int m0 = m_tile * kTile;
+    const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+    uint8_t* S = smem + L::kStage + st * L::kStageBytes;
+    float* F = sf + L::kFStage + st * L::kFStageFloats;
+    cp_rows<DQK, true, kTile>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq);
+    cp_rows<DV, true, kTile>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq);
+    cp_cols<DQK>(S + L::kSQc, p.q_colT + bhq * DQK * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
+    cp_cols<DV>(S + L::kSDOc, p.do_colT + bhq * DV * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
+    auto q_idx = [&](int i) -> int64_t {
+      const int r = m0 + q_of_col(i);
+      return r < Sq ? bhq * Sq + r : -1;
+    };
+    cp_floats(F + L::kSQs, p.q_row_s, kTile, q_idx);
+    cp_floats(F + L::kSDOs, p.do_row_s, kTile, q_idx);
+    cp_floats(F + L::kSLse, p.lse, kTile, q_idx);
+    cp_floats(F + L::kSDelta, p.delta, kTile, q_idx);
+    cp_floats(F + L::kSQcs, p.q_col_s, DQK, [&](int i) -> int64_t { return (bhq * DQK + i) * nblk_q + m_tile; });
+    cp_floats(F + L::kSDOcs, p.do_col_s, DV, [&](int i) -> int64_t { return (bhq * DV + i) * nblk_q + m_tile; });
+  };
+
+  // Key side (once) + the first query tile: cp.async group 0.
+  cp_rows<DQK, false, kTile>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk);
+  cp_rows<DV, false, kTile>(smem + L::kV, p.v_row + bhk * Sk * DV, n0, Sk);
+  cp_cols<DQK>(smem + L::kKc, p.k_colT + bhk * DQK * p.seqlen_k_pad, p.seqlen_k_pad, n0, Sk);
+  auto k_idx = [&](int i) -> int64_t {
+    const int r = n0 + k_of_row(i);
+    return r < Sk ? bhk * Sk + r : -1;
+  };
+  cp_floats(sf + L::kKs, p.k_row_s, kTile, k_idx);
+  cp_floats(sf + L::kVs, p.v_row_s, kTile, k_idx);
+  cp_floats(sf + L::kKcs, p.k_col_s, DQK, [&](int i) -> int64_t { return (bhk * DQK + i) * nblk_k + n_tile; });
+  if (n_iters > 0) issue_query(0);
+  cp_commit();
+
+  float dk_acc[DQK / 64][8][4], dv_acc[DV / 64][8][4];
+#pragma unroll
+  for (int h = 0; h < DQK / 64; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[h][j][e] = 0.f;
+#pragma unroll
+  for (int h = 0; h < DV / 64; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
+
+  for (int it = 0; it < n_iters; ++it) {
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it & 1;
+    const int m0 = m_tile * kTile;
+    const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+    cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
+    lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
+    fence_async_smem();
+    // Tile it visible to all; everyone is done with iteration it - 1, so the
+    // other stage and sDS are free.
+    __syncthreads();
+    if (it + 1 < n_iters) issue_query(it + 1);
+    cp_commit();
+    const uint8_t* S = smem + L::kStage + st * L::kStageBytes;
+    const float* F = sf + L::kFStage + st * L::kFStageFloats;
+    const uint8_t* sQ = S + L::kSQ;
+    const uint8_t* sdO = S + L::kSDO;
+    const uint8_t* sQc = S + L::kSQc;
+    const uint8_t* sdOc = S + L::kSDOc;
+    tg.m0 = m0;
+    const bool interior = tg.interior();
+
+    // ---- S^T and P (#3) (same instructions and scaling as the pre-pass). At
+    // d = 64 both dP^T halves (#4) are issued with S^T (registers allow it).
+    constexpr bool kEarlyDp = DV <= 64;
+    float pt[16][4];
+    float dpe[kEarlyDp ? 2 : 1][8][4];
+    wg_issue_s<DQK, kTile>(sK, sQ, warp, pt);
+    if constexpr (kEarlyDp) {
+      wg_issue_dp<DV, FMT>(sV, sdO, warp, 0, dpe[0]);
+      wg_issue_dp<DV, FMT>(sV, sdO, warp, 1, dpe[1]);
+      wg_wait<2>();
+    } else {
+      wg_wait<0>();
+    }
+    wg_scale_s<kTile>(sKs, F + L::kSQs, warp, lane, pt);
+    if (interior)
+      wg_tile_p<false, kTile>(pt, F + L::kSLse, tg, warp, lane);
+    else
+      wg_tile_p<true, kTile>(pt, F + L::kSLse, tg, warp, lane);
+
+    // P^T codes for dV (#5): per key along the 128 queries (E4M3).
+    uint32_t codes_p[8][2];
+    float sp0, sp1;
+    quantize_rows<kFmtE4M3>(pt, codes_p, sp0, sp1);
+
+    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
+    if constexpr (kEarlyDp) wg_wait<0>();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float(&dp)[8][4] = dpe[kEarlyDp ? half : 0];
+      if constexpr (!kEarlyDp) {
+        wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+        wg_wait<0>();
+      }
+      wg_scale_dp(sVs, F + L::kSDOs, warp, lane, half, dp);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * half + jj;
+        const float2 dl = *reinterpret_cast<const float2*>(F + L::kSDelta + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = pt[j][e];
+          const float v = __fmul_rn(x, __fsub_rn(dp[jj][e], (e & 1) ? dl.y : dl.x));
+          if (!interior) {
+            const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
+            x = tg.visible(kl, ql) ? v : 0.f;
+          } else {
+            x = v;
+          }
+        }
+      }
+    }
+
+    // ---- dV += P^T dO (#5).
+    // NOTE: N = 32 chunks at d = 128 keep the partial small (registers).
+    constexpr int kNv = DV > 64 ? 32 : 64;
+#pragma unroll
+    for (int h = 0; h < DV / kNv; ++h)
+      wg_rows_x_tile<kFmtE4M3, FMT, kNv>(codes_p, sp0, sp1, sdOc + h * kNv * 128, F + L::kSDOcs + kNv * h, lane,
+                                         &dv_acc[0][0][0] + h * (kNv / 2));
+
+    // ---- Diagnostics: pre-cast row sums of dS over this tile's keys (sum,
+    // then sum of |.|, one at a time to keep registers low).
+    if (diag) {
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        float v[32], rs[4];
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            v[2 * j + e] = pass == 0 ? pt[j][e] + pt[j][e + 2] : fabsf(pt[j][e]) + fabsf(pt[j][e + 2]);
+        reduce_cols(v, rs, lane, OpAdd());
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = m0 + q_of_col(reduced_col(lane, i));
+          if (q < Sq) atomicAdd(p.rowsum_ws + pass * n_rows + bhq * Sq + q, rs[i]);
+        }
+      }
+    }
+
+    // ---- dS per query along the 128 keys (#6 operand): amax across the 8 warps.
+    {
+      float v[32], m[4];
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) v[2 * j + e] = max_nan(fabsf(pt[j][e]), fabsf(pt[j][e + 2]));
+      reduce_cols(v, m, lane, OpMaxNan());
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTile; i += kWgThreads) {
+      float m = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + i]);
+      const float2 sc = fast_scale<FMT>(m);
+      sRowSc[i] = sc.x;
+      sRowInv[i] = sc.y;
+      sRowSq[q_of_col(i)] = sc.x;
+    }
+    __syncthreads();
+    // sDS row q, byte (key): keys 16 warp + 2g, +1 are this thread's rows g, g + 8.
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * t + e, ql = q_of_col(col);
+        const float iv = e ? inv.y : inv.x;
+        const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+        *reinterpret_cast<uint16_t*>(sDS + sw128(ql, warp) + 2 * g) = static_cast<uint16_t>(two);
+      }
+    }
+    fence_async_smem();
+    if (diag) {  // post-cast row sums on the decoded #6 operand (re-encoded: same codes)
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        float v[32], rs[4];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + 2 * t + e;
+            const float iv = e ? inv.y : inv.x, s = sRowSc[col];
+            const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(two));
+            v[2 * j + e] = pass == 0 ? d.x * s + d.y * s : fabsf(d.x * s) + fabsf(d.y * s);
+          }
+        }
+        reduce_cols(v, rs, lane, OpAdd());
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int q = m0 + q_of_col(reduced_col(lane, i));
+          if (q < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + q, rs[i]);
+        }
+      }
+    }
+
+    // dS^T codes for dK (#7): per key along the 128 queries (grad_format).
+    uint32_t codes_s[8][2];
+    float sd0, sd1;
+    quantize_rows<FMT>(pt, codes_s, sd0, sd1);
+    uint32_t a_s[4][4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      a_s[c][0] = codes_s[2 * c][0];
+      a_s[c][1] = codes_s[2 * c][1];
+      a_s[c][2] = codes_s[2 * c + 1][0];
+      a_s[c][3] = codes_s[2 * c + 1][1];
+    }
+    __syncthreads();  // sDS complete
+
+    // ---- Per 64 output columns: dK += dS^T Q (#7, RS) and dQ_tile = dS K (#6,
+    // SS: warpgroup wg takes queries [64 wg, 64 wg + 64)) in flight together;
+    // dK's scaling overlaps dQ's MMAs, then dQ -> dq_accum atomics.
+    {
+      const uint8_t* a = sDS + (warp >> 2) * (64 * 128);
+      const int q0 = warp * 16 + g;
+      const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
+      float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + q0) * DQK;
+#pragma unroll
+      for (int h = 0; h < DQK / 64; ++h) {
+        float pk[8][4], pq[8][4];
+        fence_regs<32>(&pk[0][0]);
+        fence_regs<32>(&pq[0][0]);
+        wg_arrive();
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_sw128(sQc + h * 64 * 128 + 32 * c), &pk[0][0], c > 0);
+        wg_commit();
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          gmma_ss<FMT, kFmtE4M3, 64>(desc_sw128(a + 32 * c), desc_sw128(sKc + h * 64 * 128 + 32 * c),
+                                     &pq[0][0], c > 0);
+        wg_commit();
+        wg_wait<1>();
+        fence_regs<32>(&pk[0][0]);
+        {
+          const float* sBs = F + L::kSQcs + 64 * h;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
+            float* d = dk_acc[h][jj];
+            d[0] = fmaf(pk[jj][0], sd0 * sb.x, d[0]);
+            d[1] = fmaf(pk[jj][1], sd0 * sb.y, d[1]);
+            d[2] = fmaf(pk[jj][2], sd1 * sb.x, d[2]);
+            d[3] = fmaf(pk[jj][3], sd1 * sb.y, d[3]);
+          }
+        }
+        wg_wait<0>();
+        fence_regs<32>(&pq[0][0]);
+        fence_regs_u(&a_s[0][0], 16);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (m0 + q0 + 8 * hh >= Sq) continue;
+          const float rs = hh ? rs1 : rs0;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int c = 64 * h + 8 * jj + 2 * t;
+            const float2 ksc = *reinterpret_cast<const float2*>(sKcs + c);
+            const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc.x), pq[jj][2 * hh + 1] * (rs * ksc.y));
+            atomicAdd(reinterpret_cast<float2*>(dq_row0 + 8 * hh * DQK + c), v);
+          }
+        }
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // ---- Epilogue: dK = tau * acc, dV = acc (BF16), keys < seqlen_k.
+  __nv_bfloat16* dk = static_cast<__nv_bfloat16*>(p.dk);
+  __nv_bfloat16* dv = static_cast<__nv_bfloat16*>(p.dv);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + k_of_row(warp * 16 + g + 8 * hh);
+    if (key >= Sk) continue;
+#pragma unroll
+    for (int h = 0; h < DQK / 64; ++h)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = 64 * h + 8 * jj + 2 * t;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(dk_acc[h][jj][2 * hh], p.softmax_scale),
+                                                       __fmul_rn(dk_acc[h][jj][2 * hh + 1], p.softmax_scale));
+        *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk + key) * DQK + c) = v;
+      }
+#pragma unroll
+    for (int h = 0; h < DV / 64; ++h)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = 64 * h + 8 * jj + 2 * t;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(dv_acc[h][jj][2 * hh], dv_acc[h][jj][2 * hh + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk + key) * DV + c) = v;
+      }
+  }
+}
+
+template <class K>
+void set_smem(K kernel, int bytes, const char* what) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: ") + what + ": cudaFuncSetAttribute failed: " +
+                             cudaGetErrorString(err));
+}
+void check(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: ") + what + " launch failed: " + cudaGetErrorString(err));
+}
+
+template <class F>
+void dispatch_wgmma(const KernelParams& p, F&& f) {
+  auto with_fmt = [&](auto d) {
+    if (p.grad_format == kFmtE5M2)
+      f(d, Int<kFmtE5M2>{});
+    else
+      f(d, Int<kFmtE4M3>{});
+  };
+  if (p.head_dim_qk == 64 && p.head_dim_v == 64) return with_fmt(Int<64>{});
+  if (p.head_dim_qk == 128 && p.head_dim_v == 128) return with_fmt(Int<128>{});
+  throw std::runtime_error("fp8attn: argument 'head_dim': the wgmma backward supports 64 and 128");
+}
+
+}  // namespace
+
+bool wgmma_supported(const KernelParams& p) {
+  return p.head_dim_qk == p.head_dim_v && (p.head_dim_qk == 64 || p.head_dim_qk == 128);
+}
+
+void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
+  dispatch_wgmma(p, [&](auto d, auto fmt) {
+    constexpr int D = decltype(d)::value, FMT = decltype(fmt)::value;
+    using L = WgPrepassLayout<D, D>;
+    auto kernel = bwd_wgmma_prepass_kernel<D, D, FMT>;
+    set_smem(kernel, L::kBytes, "bwd wgmma pre-pass");
+    const dim3 grid((p.seqlen_q + kPreQ - 1) / kPreQ, p.num_heads_q, p.batch);
+    kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
+    check("bwd wgmma pre-pass");
+  });
+}
+
+void launch_wgmma_main(const KernelParams& p, cudaStream_t stream) {
+  dispatch_wgmma(p, [&](auto d, auto fmt) {
+    constexpr int D = decltype(d)::value, FMT = decltype(fmt)::value;
+    using L = WgMainLayout<D, D>;
+    auto kernel = bwd_wgmma_main_kernel<D, D, FMT>;
+    set_smem(kernel, L::kBytes, "bwd wgmma main");
+    const dim3 grid((p.seqlen_k + kTile - 1) / kTile, p.num_heads_kv, p.batch);
+    kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
+    check("bwd wgmma main");
+  });
+}
+
+}  // namespace bwd
+}  // namespace sm90
+}  // namespace fp8attn

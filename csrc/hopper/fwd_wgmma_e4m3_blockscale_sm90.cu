@@ -1,0 +1,634 @@
+// fp8attn: sm_90a FP8 attention forward with block scales on wgmma + TMA
+// (numerics.md sections 2-3, matmuls #1 and #2). Contract: run_fwd in
+// fwd_e4m3_blockscale_sm90.h (same math, same outputs); this file only changes
+// how the products are computed. Design and measurements:
+// docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
+//
+// One CTA per (query tile of fwdw::kBlockM rows, query head, batch); 128-key
+// tiles in increasing order. Warp-specialized:
+//   producer warpgroup (setmaxnreg down)
+//     warp 0   TMA of the Q tile once, then per key tile: K tile (k_row,
+//              128B/64B-swizzled) + its s_k into stage s, V^T tile (v_colT,
+//              128B-swizzled) into stage s
+//     warps 1-3  per key tile: permute the V^T tile's keys in place inside each
+//              16-key group (see "P fragment" below), copy s_v, hand the stage on
+//   consumer warpgroups (setmaxnreg up), 64 query rows each, per key tile:
+//     S = Q K^T            wgmma m64n{128}k32 SS, FP32 (one head_dim block)
+//     S *= s_k; mask; online softmax in the log2 domain; P quantized per (row,
+//       tile) with s_p = block_scale(exp2(rowmax - m_new)), exactly as the
+//       mma.sync kernel (fwd_e4m3_blockscale_sm90.cu)
+//     part = P_hat V_hat   wgmma m64n{Dv}k32 RS (P from registers), FP32
+//     O = O * alpha + part * s_p * s_v   (the FP32 partial of each 128-key block is
+//       promoted into the O accumulator with its scales)
+//   epilogue: O / l -> BF16, LSE.
+// Consumer schedules (kVariant): v1 serial as above; v2 issues QK^T (kt + 1)
+// before the softmax of kt; v3 (default) pairs the two warpgroups so they take
+// turns issuing {P V (kt), QK^T (kt + 1)} (pingpong). Measurements: the doc.
+// Stages are handed over with mbarriers: k_full/v_full (producer -> consumers),
+// k_empty/v_empty (consumers -> producer), v_raw (TMA -> permuting warps).
+//
+// P fragment: the FP32 accumulator of wgmma gives thread (g, t) of a warp the
+// columns {8j + 2t, 8j + 2t + 1} of each n8 tile j, while the 8-bit A operand
+// of a k32 step wants k indices {4t .. 4t+3} and {16 + 4t .. 16 + 4t + 3}. Packing
+// the thread's own S values of tiles (4s, 4s+1) and (4s+2, 4s+3) gives A k index
+// 4t + i = key 2t + (i & 1) + 8 (i >> 1) (inside each 16-key group). So the V^T
+// tile is permuted the same way in shared memory (byte k of each 16-key chunk
+// holds key perm(k)): no shuffles in the consumers, 4 PRMT per 16 bytes of V in
+// the otherwise idle producer warps. The permutation stays inside 16-byte
+// chunks, so the TMA swizzle is untouched.
+#include "hopper/fwd_wgmma_e4m3_blockscale_sm90.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#if !__has_include(<cute/arch/mma_sm90_gmma.hpp>)
+#error "fp8attn: CUTLASS/CuTe headers not found: run scripts/get_cutlass.sh (third_party/cutlass/include) or set FP8ATTN_CUTLASS_INCLUDE"
+#endif
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "hopper/config_sm90.h"
+#include "hopper/fwd_softmax_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+namespace {
+
+namespace gmma = cute::SM90::GMMA;
+
+// ---- PTX wrappers -------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 3-D TMA tile load global -> shared, completion counted on `bar` (bytes).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major tile whose rows are
+// kRowBytes (= the swizzle span: 128 or 64) long, 8-row groups kRowBytes * 8
+// apart; `addr` may be advanced by 32 bytes per k32 step inside the row.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "128B or 64B swizzle");
+  constexpr uint64_t kLayout = kRowBytes == 128 ? 1 : 2;  // B128 / B64
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32) | (kLayout << 62);
+}
+
+// Consumer schedules (template kVariant; FP8ATTN_FWD_KERNEL picks one, see run_fwd_wgmma).
+constexpr int kSerial = 1;    // v1: QK^T, softmax, P V in sequence per warpgroup
+constexpr int kOverlap = 2;   // v2: QK^T (kt + 1) during softmax (kt)
+constexpr int kPingpong = 3;  // v3: warpgroups alternate their wgmma phases
+
+template <int N>
+struct GmmaAtom;
+template <>
+struct GmmaAtom<64> {
+  using SS = gmma::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+  using RS = gmma::MMA_64x64x32_F32E4M3E4M3_RS_TN<>;
+};
+template <>
+struct GmmaAtom<128> {
+  using SS = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+  using RS = gmma::MMA_64x128x32_F32E4M3E4M3_RS_TN<>;
+};
+
+// d (+)= A * B over one k32 step, m64 x N, FP32 accumulators d[N / 2].
+template <int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[N / 2], bool acc,
+                                        std::index_sequence<I...>) {
+  GmmaAtom<N>::SS::fma(da, db, d[I]..., acc ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+}
+template <int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&d)[N / 2], bool acc,
+                                        std::index_sequence<I...>) {
+  GmmaAtom<N>::RS::fma(a[0], a[1], a[2], a[3], db, d[I]..., acc ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
+}
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// ---- shapes ------------------------------------------------------------------------
+
+template <int kD, int kDv>
+struct WTraits {
+  static constexpr int kBlockM = fwdw::kBlockM, kBlockN = fwdw::kBlockN, kStages = fwdw::kStages;
+  static constexpr int kQKRow = kD;  // bytes per Q / K smem row = swizzle span
+  static constexpr int kQBytes = kBlockM * kD;
+  static constexpr int kKBytes = kBlockN * kD;
+  static constexpr int kVBytes = kDv * kBlockN;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffKs = kOffV + kStages * kVBytes;        // float [kStages][kBlockN]
+  static constexpr int kOffVs = kOffKs + kStages * kBlockN * 4;   // float [kStages][kDv]
+  static constexpr int kOffBar = kOffVs + kStages * kDv * 4;      // uint64 [1 + 5 kStages]
+  static constexpr int kSmemBytes = kOffBar + 8 * (1 + 5 * kStages) + 1024;  // + base alignment
+
+  static_assert(kD == 64 || kD == 128, "one head_dim block, rows = one swizzle span");
+  static_assert(kDv == 64 || kDv == 128, "P V: m64n{64,128}k32");
+  static_assert(kOffK % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0,
+                "swizzled tiles start on 1024-byte boundaries");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+// ---- the kernel --------------------------------------------------------------------
+
+template <int kD, int kDv, int kVariant>
+__global__ void __launch_bounds__(fwdw::kThreads, 1)
+    fwd_wgmma_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q,
+                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+  using T = WTraits<kD, kDv>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
+  constexpr int kVT = kDv / 8;      // n8 tiles of O
+  // NOTE: P V runs in chunks of 64 output channels (m64n64k32): a 64-register
+  // partial next to O, S(kt) and S(kt + 1) would not fit 232 registers.
+  constexpr int kPvN = 64;
+  constexpr int kPvChunks = kDv / kPvN;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sbase = smem_u32(smem);
+  float* sKs = reinterpret_cast<float*>(smem + T::kOffKs);
+  float* sVs = reinterpret_cast<float*>(smem + T::kOffVs);
+  const uint32_t bar = sbase + T::kOffBar;
+  const uint32_t q_full = bar;
+  auto k_full = [&](int s) { return bar + 8u * (1 + s); };
+  auto k_empty = [&](int s) { return bar + 8u * (1 + kStages + s); };
+  auto v_raw = [&](int s) { return bar + 8u * (1 + 2 * kStages + s); };
+  auto v_full = [&](int s) { return bar + 8u * (1 + 3 * kStages + s); };
+  auto v_empty = [&](int s) { return bar + 8u * (1 + 4 * kStages + s); };
+  auto sK = [&](int s) { return sbase + T::kOffK + s * T::kKBytes; };
+  auto sV = [&](int s) { return sbase + T::kOffV + s * T::kVBytes; };
+
+  const int m_tile = gridDim.x - 1 - blockIdx.x;  // NOTE: heaviest causal tiles first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.num_heads_q / p.num_heads_kv);
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int nblk_k = (Sk + kBlockN - 1) / kBlockN;
+  const int q0 = m_tile * kBlockM;
+  const int diag = Sk - Sq;  // causal: key j visible to query i iff j <= i + diag
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + h;
+  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+
+  int n_tiles = nblk_k;  // key tiles [0, n_tiles)
+  if (p.causal) {
+    const int last_key = min(q0 + kBlockM, Sq) - 1 + diag;
+    n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
+  }
+
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 32);                     // warp 0: TMA bytes + s_k stores
+      mbar_init(k_empty(s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
+      mbar_init(v_raw(s), 1);                        // TMA bytes
+      mbar_init(v_full(s), 96);                      // the permuting threads
+      mbar_init(v_empty(s), 4 * fwdw::kConsumerWGs);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ================= producer warpgroup =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdw::kProducerRegs));
+    const int warp = tid / 32, lane = tid & 31;
+    if (warp == 0) {
+      const float* ks_g = p.k_row_s + bhk * Sk;  // one head_dim block: [Sk]
+      if (lane == 0) {
+        mbar_arrive_tx(q_full, T::kQBytes);
+        tma_load_3d(sbase + T::kOffQ, &tm_q, q_full, 0, q0, static_cast<int>(bhq));
+      }
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int s = kt % kStages;
+        const uint32_t ph = (kt / kStages) & 1;
+        mbar_wait(k_empty(s), ph ^ 1);
+        for (int i = lane; i < kBlockN; i += 32) {
+          const int key = kt * kBlockN + i;
+          // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
+          // the mask overwrites those S entries anyway.
+          sKs[s * kBlockN + i] = key < Sk ? ks_g[key] : 0.f;
+        }
+        if (lane == 0) {
+          mbar_arrive_tx(k_full(s), T::kKBytes);
+          tma_load_3d(sK(s), &tm_k, k_full(s), 0, kt * kBlockN, static_cast<int>(bhk));
+          mbar_wait(v_empty(s), ph ^ 1);
+          mbar_arrive_tx(v_raw(s), T::kVBytes);
+          tma_load_3d(sV(s), &tm_v, v_raw(s), kt * kBlockN, 0, static_cast<int>(bhk));
+        } else {
+          mbar_arrive(k_full(s));
+        }
+        __syncwarp();
+      }
+    } else {
+      // Warps 1-3: V^T key permutation in place (file comment), s_v.
+      const int pt = tid - 32;
+      const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int s = kt % kStages;
+        mbar_wait(v_raw(s), (kt / kStages) & 1);
+        uint4* v = reinterpret_cast<uint4*>(smem + T::kOffV + s * T::kVBytes);
+        for (int i = pt; i < T::kVBytes / 16; i += 96) {
+          const uint4 x = v[i];
+          uint4 y;
+          y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
+          y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
+          y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
+          y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
+          v[i] = y;
+        }
+        for (int ch = pt; ch < kDv; ch += 96) sVs[s * kDv + ch] = vs_g[static_cast<int64_t>(ch) * nblk_k + kt];
+        // NOTE: generic-proxy writes read next by wgmma (async proxy).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(v_full(s));
+      }
+    }
+    return;
+  }
+
+  // ================= consumer warpgroups =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fwdw::kConsumerRegs));
+  const int cw = wg - 1;
+  const int t128 = tid - 128 * wg, warp = t128 / 32, lane = t128 & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int row_w0 = q0 + 64 * cw + 16 * warp;  // first query row of this warp
+  const int row0 = row_w0 + g;                  // this thread's rows: row0, row0 + 8
+
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float rq[2];  // s_q * tau * log2(e) per row (padding rows: 0, never stored)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    rq[r] = row < Sq ? p.q_row_s[bhq * Sq + row] * scale_log2 : 0.f;
+  }
+
+  float o[kDv / 2];
+#pragma unroll
+  for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running row max (log2 domain)
+  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sum
+
+  const uint32_t sQ = sbase + T::kOffQ + cw * 64 * kD;
+  mbar_wait(q_full, 0);
+
+  // Issue t = Q K^T of key tile kt into acc (asynchronous; committed as one group).
+  auto qk_issue = [&](float (&acc)[kBlockN / 2], int kt) {
+    const int s = kt % kStages;
+    mbar_wait(k_full(s), (kt / kStages) & 1);
+    fence_acc(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kD / 32; ++ks)
+      gmma_ss<kBlockN>(gmma_desc<T::kQKRow>(sQ + 32 * ks), gmma_desc<T::kQKRow>(sK(s) + 32 * ks), acc, ks > 0,
+                       std::make_index_sequence<kBlockN / 2>{});
+    cute::warpgroup_commit_batch();
+  };
+
+  // t (complete) -> S = t * s_k, mask, online softmax, P_hat codes as the A
+  // fragments of the 4 k32 steps of P V (file comment); releases K stage kt.
+  auto softmax = [&](float (&sacc)[kBlockN / 2], int kt, uint32_t (&pa)[kNT / 4][4], float (&alpha)[2],
+                     float (&sp)[2]) {
+    const int s = kt % kStages;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+      const float2 sk = *reinterpret_cast<const float2*>(&sKs[s * kBlockN + 8 * j + 2 * tig]);
+      sacc[4 * j + 0] *= sk.x;
+      sacc[4 * j + 1] *= sk.y;
+      sacc[4 * j + 2] *= sk.x;
+      sacc[4 * j + 3] *= sk.y;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+
+    // ---- mask: keys past seqlen_k, causal ----
+    const int key0 = kt * kBlockN;
+    const bool need_mask = key0 + kBlockN > Sk || (p.causal && key0 + kBlockN - 1 > row_w0 + diag);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + 2 * tig + (e & 1);
+          const int row = row0 + 8 * (e >> 1);
+          if (key >= Sk || (p.causal && key > row + diag)) sacc[4 * j + e] = -INFINITY;
+        }
+    }
+
+    // ---- online softmax, P quantization (as fwd_e4m3_blockscale_sm90.cu) ----
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
+      const float m_new = fmaxf(m_run[r], mx2);
+      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
+      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = fast_exp2(m_run[r] - base);
+      m_run[r] = m_new;
+      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
+      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
+      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float pv = fast_exp2(fmaf(sacc[4 * j + e], rq[r], nbias));  // P / s_p
+          sacc[4 * j + e] = pv;
+          sum += pv;
+        }
+      l_run[r] = l_run[r] * alpha[r] + sum * sp[r];
+    }
+#pragma unroll
+    for (int st = 0; st < kNT / 4; ++st) {
+      const float* x = &sacc[16 * st];  // n8 tiles 4 st .. 4 st + 3
+      pa[st][0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+      pa[st][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+      pa[st][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+      pa[st][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+    }
+  };
+
+  // Issue part = P_hat V_hat of key tile kt, output channels [kPvN c, kPvN c + kPvN)
+  // (asynchronous).
+  auto pv_issue = [&](const uint32_t (&pa)[kNT / 4][4], float (&part)[kPvN / 2], int kt, int c) {
+    const int s = kt % kStages;
+    if (c == 0) mbar_wait(v_full(s), (kt / kStages) & 1);
+    fence_acc(part);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int st = 0; st < kNT / 4; ++st)
+      gmma_rs<kPvN>(pa[st], gmma_desc<128>(sV(s) + c * kPvN * kBlockN + 32 * st), part, st > 0,
+                    std::make_index_sequence<kPvN / 2>{});
+    cute::warpgroup_commit_batch();
+  };
+
+  // part (complete) -> O = O * alpha + part * s_p * s_v on channel chunk c;
+  // the last chunk releases V stage kt.
+  auto promote = [&](const float (&part)[kPvN / 2], int kt, int c, const float (&alpha)[2], const float (&sp)[2]) {
+    const int s = kt % kStages;
+#pragma unroll
+    for (int tc = 0; tc < kPvN / 8; ++tc) {
+      const int t = c * (kPvN / 8) + tc;
+      const float2 sv = *reinterpret_cast<const float2*>(&sVs[s * kDv + 8 * t + 2 * tig]);
+      o[4 * t + 0] = fmaf(part[4 * tc + 0], sp[0] * sv.x, o[4 * t + 0] * alpha[0]);
+      o[4 * t + 1] = fmaf(part[4 * tc + 1], sp[0] * sv.y, o[4 * t + 1] * alpha[0]);
+      o[4 * t + 2] = fmaf(part[4 * tc + 2], sp[1] * sv.x, o[4 * t + 2] * alpha[1]);
+      o[4 * t + 3] = fmaf(part[4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
+    }
+    if (c == kPvChunks - 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+    }
+  };
+
+  if constexpr (kVariant == kSerial) {
+    // v1: QK^T, wait, softmax, PV, wait, promote (overlap only across warpgroups).
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float sacc[kBlockN / 2], part[kPvN / 2], alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      qk_issue(sacc, kt);
+      cute::warpgroup_wait<0>();
+      fence_acc(sacc);
+      softmax(sacc, kt, pa, alpha, sp);
+#pragma unroll
+      for (int c = 0; c < kPvChunks; ++c) {
+        pv_issue(pa, part, kt, c);
+        cute::warpgroup_wait<0>();
+        fence_acc(part);
+        promote(part, kt, c, alpha, sp);
+      }
+    }
+  } else if constexpr (kVariant == kOverlap) {
+    // v2: QK^T of tile kt + 1 runs on the tensor cores during the softmax of
+    // tile kt. NOTE: fixed roles (snxt is copied into scur once complete): no
+    // instruction but wgmma writes an accumulator while it is in flight, else
+    // ptxas serializes the wgmmas (C7515).
+    float scur[kBlockN / 2], snxt[kBlockN / 2], part[kPvN / 2];
+    if (n_tiles > 0) {
+      qk_issue(scur, 0);
+      cute::warpgroup_wait<0>();
+    }
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      const bool has_next = kt + 1 < n_tiles;
+      if (has_next) qk_issue(snxt, kt + 1);
+      fence_acc(scur);
+      softmax(scur, kt, pa, alpha, sp);
+#pragma unroll
+      for (int c = 0; c < kPvChunks; ++c) {
+        pv_issue(pa, part, kt, c);
+        cute::warpgroup_wait<0>();  // P V (kt, chunk c); QK^T (kt + 1) is older
+        fence_acc(part);
+        promote(part, kt, c, alpha, sp);
+      }
+      fence_acc(snxt);
+      if (has_next) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) scur[i] = snxt[i];
+      }
+    }
+  } else {
+    // v3 (pingpong): the two consumer warpgroups take turns issuing their
+    // wgmmas (named barriers 1 and 2, FA3's scheme), so one warpgroup's softmax
+    // runs while the other's P V (kt) and QK^T (kt + 1) occupy the tensor cores.
+    // S (kt) is dead once packed into P, so QK^T (kt + 1) reuses its registers.
+    static_assert(kVariant == kPingpong && fwdw::kConsumerWGs == 2, "pingpong pairs two warpgroups");
+    auto turn_wait = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory"); };
+    auto turn_pass = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (cw ^ 1)) : "memory"); };
+    if (cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");  // warpgroup 0 starts
+    float sacc[kBlockN / 2], part[kDv / 2];
+    if (n_tiles > 0) {
+      turn_wait();
+      qk_issue(sacc, 0);
+      turn_pass();
+      cute::warpgroup_wait<0>();
+    }
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      float alpha[2], sp[2];
+      uint32_t pa[kNT / 4][4];
+      fence_acc(sacc);
+      softmax(sacc, kt, pa, alpha, sp);
+      turn_wait();
+      {
+        const int s = kt % kStages;
+        mbar_wait(v_full(s), (kt / kStages) & 1);
+        fence_acc(part);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int st = 0; st < kNT / 4; ++st)
+          gmma_rs<kDv>(pa[st], gmma_desc<128>(sV(s) + 32 * st), part, st > 0, std::make_index_sequence<kDv / 2>{});
+        cute::warpgroup_commit_batch();
+      }
+      if (kt + 1 < n_tiles) qk_issue(sacc, kt + 1);
+      turn_pass();
+      cute::warpgroup_wait<0>();
+      fence_acc(part);
+      fence_acc(sacc);
+#pragma unroll
+      for (int c = 0; c < kDv / kPvN; ++c) {
+        float (&pc)[kPvN / 2] = *reinterpret_cast<float (*)[kPvN / 2]>(&part[c * (kPvN / 2)]);
+        promote(pc, kt, c, alpha, sp);
+      }
+    }
+    if (cw == 0) turn_wait();  // consumes warpgroup 1's last pass (every arrive is matched)
+  }
+
+  // ---- epilogue: O = acc / l (BF16), LSE ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = row0 + 8 * r;
+    if (row >= Sq) continue;
+    // NOTE: l == 0 only for a row that sees no key: O = 0, LSE = -inf. A NaN l
+    // (non-finite input) propagates into O and LSE.
+    const float inv_l = l == 0.f ? 0.f : 1.f / l;
+    __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + (bhq * Sq + row) * static_cast<int64_t>(kDv);
+#pragma unroll
+    for (int t = 0; t < kVT; ++t) {
+      const __nv_bfloat162 v2 = __floats2bfloat162_rn(o[4 * t + 2 * r] * inv_l, o[4 * t + 2 * r + 1] * inv_l);
+      *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * t + 2 * tig) = v2;
+    }
+    if (tig == 0) p.lse[bhq * Sq + row] = l == 0.f ? -INFINITY : (m_run[r] + __log2f(l)) * kLn2;
+  }
+}
+
+// ---- host: tensor maps, launch ------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error("fp8attn: run_fwd_wgmma: " + what);
+}
+
+EncodeTiledFn encode_tiled() {
+  // NOTE: through the runtime's driver entry point, so the extension does not
+  // link libcuda itself.
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr)
+      fail("cuTensorMapEncodeTiled is not available from the driver");
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// 3-D uint8 tensor [d2][d1][d0] (contiguous), box [1][b1][b0]; out-of-range
+// elements of a box read as zero.
+CUtensorMap make_map(const void* base, uint64_t d0, uint64_t d1, uint64_t d2, uint32_t b0, uint32_t b1,
+                     CUtensorMapSwizzle swizzle, const char* what) {
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {d0, d1, d2};
+  const cuuint64_t strides[2] = {d0, d0 * d1};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {b0, b1, 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
+                                    elem, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) fail(std::string("cuTensorMapEncodeTiled failed for ") + what + " (" + std::to_string(r) + ")");
+  return m;
+}
+
+template <int kD, int kDv, int kVariant>
+void launch(const KernelParams& p, cudaStream_t stream) {
+  using T = WTraits<kD, kDv>;
+  const uint64_t bhq = static_cast<uint64_t>(p.batch) * p.num_heads_q;
+  const uint64_t bhk = static_cast<uint64_t>(p.batch) * p.num_heads_kv;
+  const CUtensorMapSwizzle swz_qk = kD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUtensorMap tm_q = make_map(p.q_row, kD, p.seqlen_q, bhq, kD, T::kBlockM, swz_qk, "q_row");
+  const CUtensorMap tm_k = make_map(p.k_row, kD, p.seqlen_k, bhk, kD, T::kBlockN, swz_qk, "k_row");
+  const CUtensorMap tm_v =
+      make_map(p.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
+  auto kernel = fwd_wgmma_kernel<kD, kDv, kVariant>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
+  kernel<<<grid, fwdw::kThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err));
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+}  // namespace
+
+bool fwd_wgmma_supported(const KernelParams& p) {
+  return p.block_size == kSeqBlock && fwdw::supported(p.head_dim_qk, p.head_dim_v) && aligned16(p.q_row) &&
+         aligned16(p.k_row) && aligned16(p.v_colT) && p.seqlen_k_pad % kSeqPad == 0;
+}
+
+void run_fwd_wgmma(const KernelParams& p, cudaStream_t stream) {
+  if (!fwd_wgmma_supported(p)) fail("unsupported configuration (see fwd_wgmma_supported)");
+  // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap runs v1 | v2 instead
+  // of v3 (benchmarking; measurements in the kernel doc).
+  const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
+  const std::string which = env != nullptr ? env : "";
+  const int variant = which == "wgmma_serial" ? kSerial : which == "wgmma_overlap" ? kOverlap : kPingpong;
+  if (p.head_dim_qk == 64) {
+    if (variant == kSerial) return launch<64, 64, kSerial>(p, stream);
+    if (variant == kOverlap) return launch<64, 64, kOverlap>(p, stream);
+    return launch<64, 64, kPingpong>(p, stream);
+  }
+  if (variant == kSerial) return launch<128, 128, kSerial>(p, stream);
+  if (variant == kOverlap) return launch<128, 128, kOverlap>(p, stream);
+  return launch<128, 128, kPingpong>(p, stream);
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

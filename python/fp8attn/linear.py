@@ -1,0 +1,419 @@
+"""FP8 linear layers with DeepSeek-V3-style block scaling (`FP8Linear`, `fp8_linear`).
+
+y = x W^T + b for x [..., K] (in_features K), W [N, K] (out_features N). The
+three GEMMs of a linear layer run on block-scaled FP8 operands, each operand
+blocked along the GEMM's own reduction dimension (docs/numerics.md section 2,
+the 1x128 rule; section 8 for the linear layer):
+
+| GEMM | product | reduce over | operand blocks |
+|---|---|---|---|
+| forward | y = x W^T | K | x: 1x128 per token along K; W: 128x128 tiles |
+| dgrad | dx = dy W | N | dy: 1x128 per token along N; W: the same 128x128 tiles, transposed |
+| wgrad | dW = dy^T x | tokens M | dy: 1x128 per output channel along M; x: 1x128 per input channel along M |
+
+128x128 weight tiles are the same blocks whichever way W is read, so the
+forward's quantized W (codes and scales) serves dgrad transposed. dy and x are
+re-quantized along the token dim for wgrad. x and W are E4M3; dy is
+`grad_format` (E4M3 default, E5M2 selectable). Scales are FP32 powers of two:
+s = 2^ceil(log2(amax / fp8_max)), exponent clamped to [-126, 127], s = 1 for an
+all-zero block, NaN for a block holding NaN or +-inf (section 2), so the
+quantizer here gives the same codes and scales as `fp8attn.quantize_blockwise`
+(tested bit for bit). A short last block (K not a multiple of 128) is a shorter
+block, as in the reference; that equals zero padding to 128.
+
+Backends:
+  "scaled_mm"  CUDA: cuBLASLt block-scaled GEMMs through
+               torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 /
+               BlockWise128x128 (sm_90, CUDA >= 12.9). Requires E4M3 for both
+               operands (cuBLASLt's DeepSeek recipe; so grad_format "e4m3"), K, N
+               and the token count M multiples of 128 (M is zero-padded up to one
+               if needed: padded rows add nothing). FP32 accumulation; outputs
+               in the autocast dtype (or x's dtype).
+  "emulated"   any device: the same quantized operands, dequantized exactly to
+               FP32 and multiplied with an FP32 matmul. Numerically the same
+               products as "scaled_mm" up to FP32 summation order.
+  "auto"       "scaled_mm" where its conditions hold, else "emulated" (the
+               reason is warned once per reason).
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from typing import Callable, Iterable, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["FP8Linear", "fp8_linear", "convert_to_fp8_linear", "quantize_1x128", "quantize_128x128",
+           "dequantize_1x128", "dequantize_128x128", "scaled_mm_available", "BACKENDS"]
+
+BACKENDS = ("auto", "scaled_mm", "emulated")
+_FMT = {"e4m3": (torch.float8_e4m3fn, 448.0, 9), "e5m2": (torch.float8_e5m2, 57344.0, 16)}
+# fp8_max = 0.875 * 2^p for both formats (448 = 0.875 * 2^9, 57344 = 0.875 * 2^16).
+_BLOCK = 128
+
+
+def _err(arg: str, msg: str) -> str:
+    return f"fp8attn.linear: argument '{arg}': {msg}"
+
+
+def _fmt(fmt: str, arg: str = "fmt"):
+    if fmt not in _FMT:
+        raise ValueError(_err(arg, f"expected \"e4m3\" or \"e5m2\", got {fmt!r}"))
+    return _FMT[fmt]
+
+
+# ----------------------------------------------------------------------------
+# Quantizers (numerics.md section 2), torch ops only: same on CPU and CUDA
+# ----------------------------------------------------------------------------
+
+def _scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP32 power-of-two block scales from FP32 block amax (exact, vectorized).
+
+    With amax = m 2^ea (m in [0.5, 1)) and fp8_max = 0.875 2^p, amax / 2^e <= fp8_max
+    iff e >= ea - p + [m > 0.875]; the smallest such e, clamped to [-126, 127].
+    """
+    _, _, p = _FMT[fmt]
+    m, ea = torch.frexp(amax)
+    e = (ea - p + (m > 0.875).to(ea.dtype)).clamp(-126, 127)
+    # NOTE: 2^e built from its bit pattern: exact for every e in [-126, 127].
+    s = ((e + 127).to(torch.int32) << 23).view(torch.float32)
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+
+
+def quantize_1x128(x: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of 128 consecutive elements along the last dim of a 2-D tensor.
+
+    Args:
+        x: [R, C] float32 / bfloat16 / float16 (any strides), CPU or CUDA.
+        fmt: "e4m3" or "e5m2".
+    Returns:
+        (codes, scales): codes [R, C] torch.float8_e4m3fn / float8_e5m2, contiguous;
+        scales [R, ceil(C / 128)] float32 (decode: x ~= codes.float() * scale).
+        The last block is shorter when C % 128 != 0 (same as zero padding).
+    Raises:
+        ValueError: rank != 2, non-float dtype or bad fmt.
+    Math: docs/numerics.md section 2 (same codes and scales as
+    fp8attn.quantize_blockwise(x, dim=-1, block_size=128, fmt)).
+    """
+    dt, _, _ = _fmt(fmt)
+    if x.dim() != 2:
+        raise ValueError(_err("x", f"expected a 2-D tensor, got shape {tuple(x.shape)}"))
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(_err("x", f"dtype must be float32, bfloat16 or float16, got {x.dtype}"))
+    r, c = x.shape
+    nb = -(-c // _BLOCK)
+    # NOTE: contiguous first: elementwise ops keep an input's strides, and a
+    # transposed input would give column-major codes, which cuBLASLt refuses for A.
+    xf = x.float().contiguous()
+    if c % _BLOCK:
+        xf = F.pad(xf, (0, nb * _BLOCK - c))
+    xb = xf.reshape(r, nb, _BLOCK)
+    # NOTE: amax propagates NaN; +-inf gives an inf amax; both give a NaN scale.
+    amax = xb.abs().amax(dim=-1)
+    s = _scale_from_amax(amax, fmt)
+    codes = (xb / s.unsqueeze(-1)).to(dt).reshape(r, nb * _BLOCK)
+    if c % _BLOCK:
+        codes = codes[:, :c].contiguous()
+    return codes, s
+
+
+def quantize_128x128(w: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, torch.Tensor]:
+    """128x128 tiles of a 2-D tensor (the weight recipe), one FP32 scale per tile.
+
+    Args:
+        w: [R, C] float32 / bfloat16 / float16, CPU or CUDA.
+        fmt: "e4m3" or "e5m2".
+    Returns:
+        (codes [R, C] fp8 dtype, scales [ceil(R / 128), ceil(C / 128)] float32).
+        Edge tiles are smaller when R or C is not a multiple of 128.
+    Raises:
+        ValueError: rank != 2, non-float dtype or bad fmt.
+    Math: docs/numerics.md section 2 with a 2-D block (section 8).
+    """
+    dt, _, _ = _fmt(fmt)
+    if w.dim() != 2:
+        raise ValueError(_err("w", f"expected a 2-D tensor, got shape {tuple(w.shape)}"))
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(_err("w", f"dtype must be float32, bfloat16 or float16, got {w.dtype}"))
+    r, c = w.shape
+    nr, nc = -(-r // _BLOCK), -(-c // _BLOCK)
+    wf = w.float().contiguous()
+    if r % _BLOCK or c % _BLOCK:
+        wf = F.pad(wf, (0, nc * _BLOCK - c, 0, nr * _BLOCK - r))
+    wb = wf.reshape(nr, _BLOCK, nc, _BLOCK)
+    amax = wb.abs().amax(dim=(1, 3))
+    s = _scale_from_amax(amax, fmt)
+    codes = (wb / s[:, None, :, None]).to(dt).reshape(nr * _BLOCK, nc * _BLOCK)
+    if r % _BLOCK or c % _BLOCK:
+        codes = codes[:r, :c].contiguous()
+    return codes, s
+
+
+def dequantize_1x128(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP32 values of `quantize_1x128` output (exact: power-of-two scales)."""
+    r, c = codes.shape
+    s = scales.repeat_interleave(_BLOCK, dim=1)[:, :c]
+    return codes.float() * s
+
+
+def dequantize_128x128(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP32 values of `quantize_128x128` output (exact)."""
+    r, c = codes.shape
+    s = scales.repeat_interleave(_BLOCK, dim=0).repeat_interleave(_BLOCK, dim=1)[:r, :c]
+    return codes.float() * s
+
+
+# ----------------------------------------------------------------------------
+# GEMM backends
+# ----------------------------------------------------------------------------
+
+def scaled_mm_available() -> bool:
+    """True when torch.nn.functional.scaled_mm with DeepSeek block scaling can run here:
+    a CUDA device of compute capability 9.0 and a torch built with CUDA >= 12.9."""
+    if not torch.cuda.is_available() or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False
+    if torch.cuda.get_device_capability() != (9, 0):
+        return False
+    cu = torch.version.cuda or "0.0"
+    major, minor = (int(v) for v in cu.split(".")[:2])
+    return (major, minor) >= (12, 9)
+
+
+def _l4_major(s: torch.Tensor) -> torch.Tensor:
+    """128x128 scales [tiles_outer, tiles_k] -> the cuBLASLt layout [L4, tiles_outer] with
+    strides (1, L4), L4 = tiles_k rounded up to 4 (zero padded)."""
+    pad = (-s.shape[1]) % 4
+    if pad:
+        s = F.pad(s, (0, pad))
+    return s.contiguous().t()
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """1x128 scales [rows, K/128] -> the same values with strides (1, rows)."""
+    return s.t().contiguous().t()
+
+
+def _gemm_1x128_128x128(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tensor, sb: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] row-major codes (1x128 scales sa [M, K/128]) times B^T where
+    b_codes [Nout, K] row-major codes with 128x128 scales sb [Nout/128, K/128]: [M, Nout]."""
+    return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
+                       _l4_major(sb), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+def _gemm_1x128_1x128(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tensor, sb: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] codes (1x128 scales [M, K/128]) times B^T, b_codes [Nout, K] codes (1x128
+    scales [Nout, K/128]): [M, Nout]."""
+    return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
+                       _outer_major(sb), F.ScalingType.BlockWise1x128, output_dtype=out_dtype)
+
+
+_WARNED: set = set()
+
+
+def _scaled_mm_blocker(x2: torch.Tensor, weight: torch.Tensor, grad_format: str) -> Optional[str]:
+    """Why the scaled_mm backend cannot run this call (None if it can)."""
+    if x2.device.type != "cuda":
+        return "inputs are not on CUDA"
+    if not scaled_mm_available():
+        return "torch.nn.functional.scaled_mm block scaling needs an sm_90 GPU and CUDA >= 12.9"
+    n, k = weight.shape
+    if k % _BLOCK or n % _BLOCK:
+        return f"in_features ({k}) and out_features ({n}) must be multiples of 128"
+    if grad_format != "e4m3":
+        return "cuBLASLt block scaling takes E4M3 operands only (grad_format 'e5m2')"
+    return None
+
+
+def _resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor, grad_format: str) -> str:
+    if backend == "emulated":
+        return backend
+    why = _scaled_mm_blocker(x2, weight, grad_format)
+    if backend == "scaled_mm":
+        if why:
+            raise ValueError(_err("backend", f"'scaled_mm' cannot run: {why}"))
+        return backend
+    if why and x2.device.type == "cuda" and why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"fp8attn.linear: using the emulated FP8 GEMM on CUDA: {why}", stacklevel=3)
+    return "emulated" if why else "scaled_mm"
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = (-t.shape[0]) % _BLOCK
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """x2 [M, K], weight [N, K], bias [N] or None -> y [M, N] (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, grad_format, backend, out_dtype):
+        dev = x2.device.type
+        with torch.autocast(dev, enabled=False):
+            wq, ws = quantize_128x128(weight, "e4m3")
+            if backend == "scaled_mm":
+                # NOTE: cuBLASLt wants M % 128 == 0 here; zero rows add nothing.
+                xq, xs = quantize_1x128(_pad_rows(x2), "e4m3")
+                y = _gemm_1x128_128x128(xq, xs, wq, ws, torch.float32)[:x2.shape[0]]
+            else:
+                xq, xs = quantize_1x128(x2, "e4m3")
+                y = dequantize_1x128(xq, xs) @ dequantize_128x128(wq, ws).t()
+            if bias is not None:
+                y = y + bias.float()
+        ctx.save_for_backward(x2, wq, ws)
+        ctx.has_bias = bias is not None
+        ctx.grad_format, ctx.backend = grad_format, backend
+        ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.to(out_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, wq, ws = ctx.saved_tensors
+        x_dt, w_dt, b_dt = ctx.dtypes
+        gf = ctx.grad_format
+        m = x2.shape[0]
+        with torch.autocast(dy.device.type, enabled=False):
+            dx = dw = db = None
+            if ctx.backend == "scaled_mm":
+                dyp, xp = _pad_rows(dy), _pad_rows(x2)
+                if ctx.needs_input_grad[0]:
+                    # dgrad: reduce over N. dy 1x128 along N; W^T codes reuse the forward tiles.
+                    gq, gs = quantize_1x128(dyp, gf)
+                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), torch.float32)[:m]
+                if ctx.needs_input_grad[1]:
+                    # wgrad: reduce over tokens. dy^T and x^T quantized along the token dim.
+                    gtq, gts = quantize_1x128(dyp.t(), gf)
+                    xtq, xts = quantize_1x128(xp.t(), "e4m3")
+                    dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
+            else:
+                if ctx.needs_input_grad[0]:
+                    gq, gs = quantize_1x128(dy, gf)
+                    dx = dequantize_1x128(gq, gs) @ dequantize_128x128(wq, ws)
+                if ctx.needs_input_grad[1]:
+                    gtq, gts = quantize_1x128(dy.t(), gf)
+                    xtq, xts = quantize_1x128(x2.t(), "e4m3")
+                    dw = dequantize_1x128(gtq, gts) @ dequantize_1x128(xtq, xts).t()
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy.float().sum(0).to(b_dt)
+        return (None if dx is None else dx.to(x_dt), None if dw is None else dw.to(w_dt), db,
+                None, None, None)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               grad_format: str = "e4m3", backend: str = "auto") -> torch.Tensor:
+    """y = x W^T + b with block-scaled FP8 GEMMs in forward and both backward GEMMs.
+
+    Args:
+        x: [..., K] float32 / bfloat16 / float16 (CPU or CUDA).
+        weight: [N, K] float (the FP32 master weight, or BF16).
+        bias: [N] or None (added in FP32).
+        grad_format: "e4m3" (default) or "e5m2": format of dy in dgrad and wgrad.
+        backend: "auto" | "scaled_mm" | "emulated" (module docstring).
+    Returns:
+        y [..., N]: the autocast dtype when autocast is on for x's device, else x's dtype.
+        Gradients: dx in x's dtype, dW in weight's dtype, db in bias's dtype.
+    Raises:
+        ValueError: bad grad_format / backend, shape mismatch, backend="scaled_mm"
+            where it cannot run (the message says why).
+    Math: docs/numerics.md sections 2 and 8 (module docstring table).
+    """
+    _fmt(grad_format, "grad_format")
+    if backend not in BACKENDS:
+        raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+    if weight.dim() != 2:
+        raise ValueError(_err("weight", f"expected [out_features, in_features], got shape {tuple(weight.shape)}"))
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(_err("x", f"last dim {tuple(x.shape)[-1:]} must equal in_features {weight.shape[1]}"))
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(_err("bias", f"expected shape ({weight.shape[0]},), got {tuple(bias.shape)}"))
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if out_dtype != x2.dtype and x2.is_floating_point() and x2.element_size() > torch.empty((), dtype=out_dtype).element_size():
+        # NOTE: under autocast nn.Linear computes (and saves for wgrad) its input in the
+        # autocast dtype; do the same so the saved activation is BF16, not FP32
+        # (half the memory). The extra BF16 rounding is far below the FP8 one.
+        x2 = x2.to(out_dtype)
+    if x2.shape[0] == 0:
+        return (x2.float() @ weight.float().t()).to(out_dtype).reshape(*lead, weight.shape[0])
+    be = _resolve_backend(backend, x2, weight, grad_format)
+    y = _FP8LinearFn.apply(x2, weight, bias, grad_format, be, out_dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+class FP8Linear(nn.Linear):
+    """Drop-in nn.Linear whose GEMMs (forward, dgrad, wgrad) run in block-scaled FP8.
+
+    Same parameters (weight [out_features, in_features], optional bias) and
+    state_dict as nn.Linear; see `fp8_linear` for shapes, dtypes, backends and
+    errors. `grad_format` and `backend` are plain attributes.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 *, grad_format: str = "e4m3", backend: str = "auto"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        _fmt(grad_format, "grad_format")
+        if backend not in BACKENDS:
+            raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+        self.grad_format, self.backend = grad_format, backend
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, *, grad_format: str = "e4m3", backend: str = "auto") -> "FP8Linear":
+        """An FP8Linear sharing `lin`'s Parameter objects (no copy, no RNG use)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight = lin.weight
+        new.bias = lin.bias
+        _fmt(grad_format, "grad_format")
+        if backend not in BACKENDS:
+            raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+        new.grad_format, new.backend = grad_format, backend
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, grad_format=self.grad_format, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", grad_format={self.grad_format}, backend={self.backend}"
+
+
+def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], Callable[[str], bool]] = "*",
+                          exclude: Union[str, Iterable[str], None] = None, *,
+                          grad_format: str = "e4m3", backend: str = "auto") -> list:
+    """Replaces nn.Linear submodules (not already FP8Linear) by FP8Linear in place.
+
+    Args:
+        model: any nn.Module.
+        include: glob pattern(s) on the qualified module name (e.g. "blocks.*.attn.w?"),
+            or a callable name -> bool.
+        exclude: glob pattern(s) of names to leave alone.
+        grad_format, backend: passed to every new FP8Linear.
+    Returns:
+        The sorted list of converted module names (empty if none matched).
+    The parameters are shared, not copied: optimizer state and weight tying survive.
+    """
+    def as_match(p):
+        if p is None:
+            return lambda n: False
+        if callable(p):
+            return p
+        pats = [p] if isinstance(p, str) else list(p)
+        return lambda n: any(fnmatch.fnmatchcase(n, q) for q in pats)
+
+    inc, exc = as_match(include), as_match(exclude)
+    targets = [(n, m) for n, m in model.named_modules()
+               if type(m) is nn.Linear and inc(n) and not exc(n)]
+    for name, lin in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FP8Linear.from_linear(lin, grad_format=grad_format, backend=backend))
+    return sorted(n for n, _ in targets)

@@ -1,0 +1,425 @@
+"""FP8 linear layers (fp8attn.linear): quantizers vs the reference op, the emulated
+GEMMs vs independently built operands, FP8 error bounds vs FP64, the module and
+converter; CUDA: cuBLASLt block-scaled scaled_mm vs the emulation (skip without
+an sm_90 GPU)."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp8attn
+from fp8attn import linear as L
+
+# rms relative rounding error of one FP8 operand (3 / 2 mantissa bits), as in
+# tests/cpp/test_reference_fp8.cpp: rho = 2^-(m+1) / sqrt(3).
+RHO = {"e4m3": 2.0 ** -4 / math.sqrt(3), "e5m2": 2.0 ** -3 / math.sqrt(3)}
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+DT = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def rel_fro(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def varied(rows, cols, seed=0):
+    """Random data whose magnitude changes by 2^-20..2^20 between rows and blocks,
+    with an all-zero block and a tiny (FP8-subnormal range) block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    x *= torch.exp2(torch.randint(-20, 21, (rows, 1), generator=g).float())
+    x[:, : min(cols, 128)] *= 2.0 ** 12
+    if rows > 2 and cols > 130:
+        x[1, 128:256] = 0.0
+        x[2, 128:256] *= 2.0 ** -130
+    return x
+
+
+# ---- quantizers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("cols", [128, 300, 64])
+def test_quantize_1x128_matches_reference_op(fmt, cols):
+    x = varied(37, cols, seed=cols)
+    codes, s = L.quantize_1x128(x, fmt)
+    ref_codes, ref_s = fp8attn.quantize_blockwise(x, dim=-1, block_size=128, fmt=fmt)
+    assert codes.dtype == DT[fmt] and s.dtype == torch.float32
+    assert torch.equal(codes.view(torch.uint8), ref_codes)
+    assert torch.equal(s, ref_s)
+    # bf16 input: the same as its exact float32 upcast
+    xb = x.bfloat16()
+    c2, s2 = L.quantize_1x128(xb, fmt)
+    r2, rs2 = fp8attn.quantize_blockwise(xb.float(), dim=-1, block_size=128, fmt=fmt)
+    assert torch.equal(c2.view(torch.uint8), r2) and torch.equal(s2, rs2)
+    # decode is exact: dequantize == reference dequantize
+    assert torch.equal(L.dequantize_1x128(codes, s),
+                       fp8attn.dequantize_blockwise(ref_codes, ref_s, dim=-1, block_size=128, fmt=fmt))
+
+
+def test_quantize_nonfinite_block_is_nan_only_there():
+    x = torch.randn(3, 256)
+    x[0, 5] = float("nan")
+    x[2, 200] = float("inf")
+    codes, s = L.quantize_1x128(x)
+    assert math.isnan(s[0, 0]) and math.isnan(s[2, 1])
+    assert torch.isfinite(s[0, 1]) and torch.isfinite(s[1]).all() and torch.isfinite(s[2, 0])
+    d = L.dequantize_1x128(codes, s)
+    assert torch.isnan(d[0, :128]).all() and torch.isnan(d[2, 128:]).all()
+    assert torch.isfinite(d[1]).all() and torch.isfinite(d[0, 128:]).all() and torch.isfinite(d[2, :128]).all()
+
+
+def slow_tile_quant(w, fmt):
+    """Independent 128x128 tile quantizer: scale by exact search in Python floats,
+    codes through the reference codec (fp8attn.fp8_encode)."""
+    r, c = w.shape
+    codes = torch.empty(r, c, dtype=torch.uint8)
+    scales = torch.empty(-(-r // 128), -(-c // 128))
+    for i in range(0, r, 128):
+        for j in range(0, c, 128):
+            t = w[i:i + 128, j:j + 128]
+            amax = float(t.abs().max())
+            if amax == 0:
+                e = 0
+            else:
+                e = -126
+                while amax / 2.0 ** e > FMAX[fmt]:
+                    e += 1
+            s = 2.0 ** e
+            scales[i // 128, j // 128] = s
+            codes[i:i + 128, j:j + 128] = fp8attn.fp8_encode(t / s, fmt)
+    return codes, scales
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 136)])
+def test_quantize_128x128_matches_slow_tiles(fmt, shape):
+    w = varied(*shape, seed=7)
+    codes, s = L.quantize_128x128(w, fmt)
+    rc, rs = slow_tile_quant(w, fmt)
+    assert torch.equal(s, rs)
+    assert torch.equal(codes.view(torch.uint8), rc)
+    assert torch.equal(L.dequantize_128x128(codes, s), fp8attn.fp8_decode(rc, fmt) *
+                       rs.repeat_interleave(128, 0).repeat_interleave(128, 1)[:shape[0], :shape[1]])
+
+
+# ---- the emulated GEMMs use the documented operands ------------------------------
+
+
+def ref_deq(t, dim, fmt):
+    c, s = fp8attn.quantize_blockwise(t, dim=dim, block_size=128, fmt=fmt)
+    return fp8attn.dequantize_blockwise(c, s, dim=dim, block_size=128, fmt=fmt)
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
+def test_emulated_gemms_use_operands_blocked_along_each_reduction_dim(grad_format):
+    """forward: x along K, W tiles; dgrad: dy along N, same W tiles; wgrad: dy and x
+    along tokens. Built here with the reference op (blocking along any dim) and the
+    slow tile quantizer; results must be bit-identical."""
+    torch.manual_seed(0)
+    m, k, n = 200, 320, 264
+    # per-token magnitudes spread over 2^-14..2^14 (wider than either format's
+    # range), so blocks along tokens and along features round differently
+    x = (torch.randn(m, k) * torch.exp2(torch.randint(-14, 15, (m, 1)).float())).requires_grad_()
+    lin = L.FP8Linear(k, n, bias=True, grad_format=grad_format, backend="emulated")
+    dy = torch.randn(m, n) * torch.exp2(torch.randint(-14, 15, (m, 1)).float())
+    y = lin(x)
+    y.backward(dy)
+    wc, ws = slow_tile_quant(lin.weight.detach(), "e4m3")
+    wd = fp8attn.fp8_decode(wc, "e4m3") * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    y_ref = ref_deq(x.detach(), 1, "e4m3") @ wd.t() + lin.bias.detach()
+    dx_ref = ref_deq(dy, 1, grad_format) @ wd
+    dw_ref = ref_deq(dy, 0, grad_format).t() @ ref_deq(x.detach(), 0, "e4m3")
+    assert torch.equal(y, y_ref)
+    assert torch.equal(x.grad, dx_ref)
+    assert torch.equal(lin.weight.grad, dw_ref)
+    assert torch.allclose(lin.bias.grad, dy.sum(0), rtol=1e-6, atol=1e-5)
+    # and the blocking dim matters: wgrad with dy blocked along N instead differs
+    wrong = ref_deq(dy, 1, grad_format).t() @ ref_deq(x.detach(), 0, "e4m3")
+    assert not torch.equal(lin.weight.grad, wrong)
+
+
+# ---- FP8 error bound vs FP64 -----------------------------------------------------
+
+
+@pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mkn", [(256, 512, 384), (130, 200, 72)])
+def test_error_vs_fp64_within_fp8_bound(grad_format, mkn):
+    """Relative Frobenius error of y, dx, dW vs FP64 <= sqrt(rho_a^2 + rho_b^2) of the
+    two operand formats (independent per-element rounding, errors in quadrature),
+    and well above 0 (the operands really were rounded to FP8)."""
+    m, k, n = mkn
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g, requires_grad=True)
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).requires_grad_()
+    b = torch.randn(n, generator=g).requires_grad_()
+    dy = torch.randn(m, n, generator=g)
+    y = L.fp8_linear(x, w, b, grad_format=grad_format, backend="emulated")
+    y.backward(dy)
+    xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
+    y64 = xd @ wd.t()            # bias excluded: it is exact and would hide the GEMM error
+    errs = {
+        "y": (rel_fro(y.detach() - b.detach(), y64), math.hypot(RHO["e4m3"], RHO["e4m3"])),
+        "dx": (rel_fro(x.grad, dyd @ wd), math.hypot(RHO[grad_format], RHO["e4m3"])),
+        "dw": (rel_fro(w.grad, dyd.t() @ xd), math.hypot(RHO[grad_format], RHO["e4m3"])),
+    }
+    for name, (err, bound) in errs.items():
+        assert 0.1 * bound < err <= bound, (name, err, bound)
+
+
+def test_block_scaling_bound_holds_with_outlier_tokens_where_per_tensor_fails():
+    """Tokens whose magnitude differs by 2^16: 1x128 blocks keep the bound; one
+    per-tensor scale (what block scaling guards against) breaks it."""
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 256, 256, 128
+    x = torch.randn(m, k, generator=g)
+    x[::16] *= 2.0 ** 16
+    w = torch.randn(n, k, generator=g)
+    y64 = x.double() @ w.double().t()
+    bound = math.hypot(RHO["e4m3"], RHO["e4m3"])
+    y = L.fp8_linear(x, w, backend="emulated")
+    small = torch.ones(m, dtype=torch.bool)
+    small[::16] = False
+    assert rel_fro(y[small], y64[small]) <= bound
+    # per-tensor: one scale for all of x
+    amax = float(x.abs().max())
+    e = -126
+    while amax / 2.0 ** e > 448.0:
+        e += 1
+    xt = (x / 2.0 ** e).to(torch.float8_e4m3fn).float() * 2.0 ** e
+    yt = xt @ L.dequantize_128x128(*L.quantize_128x128(w)).t()
+    assert rel_fro(yt[small], y64[small]) > 3 * bound
+
+
+def test_nan_in_one_token_stays_in_that_token():
+    x = torch.randn(8, 256)
+    x[3, 10] = float("nan")
+    y = L.fp8_linear(x, torch.randn(64, 256), backend="emulated")
+    assert torch.isnan(y[3]).all()
+    assert torch.isfinite(y[torch.arange(8) != 3]).all()
+
+
+# ---- module, converter, errors ---------------------------------------------------
+
+
+def test_fp8linear_is_a_drop_in_linear():
+    torch.manual_seed(1)
+    ref = nn.Linear(96, 40)
+    fp8 = L.FP8Linear.from_linear(ref, backend="emulated")
+    assert fp8.weight is ref.weight and fp8.bias is ref.bias
+    assert list(fp8.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 5, 96)
+    y = fp8(x)
+    assert y.shape == (2, 5, 40) and y.dtype == torch.float32
+    y_exact = ref(x)
+    assert 0 < rel_fro(y.detach(), y_exact.detach()) <= 2 * RHO["e4m3"]
+    y.sum().backward()
+    assert ref.weight.grad is not None and ref.bias.grad.shape == (40,)
+    # no bias
+    nb = L.FP8Linear(96, 40, bias=False)
+    assert nb.bias is None and nb(x).shape == (2, 5, 40)
+    # empty batch
+    assert L.FP8Linear(96, 40)(torch.randn(0, 96)).shape == (0, 40)
+
+
+def test_cpu_autocast_output_dtype_and_grad_dtypes():
+    lin = L.FP8Linear(256, 128)
+    x = torch.randn(4, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    ref = nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
+    assert rel_fro(y.detach().float(), ref) <= 2 * RHO["e4m3"]
+
+
+def test_autocast_saves_activation_in_autocast_dtype():
+    # Memory: like nn.Linear under autocast, the activation kept for wgrad is BF16,
+    # not the FP32 input (the FP32 master weight is the parameter itself, not a copy).
+    lin = L.FP8Linear(256, 128)
+    x = torch.randn(8, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)
+    acts = [dt for shape, dt in saved if shape == (8, 256)]
+    assert acts and all(dt == torch.bfloat16 for dt in acts), saved
+    # without autocast the input keeps its own dtype
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lin(x)
+    assert [dt for shape, dt in saved if shape == (8, 256)] == [torch.float32]
+
+
+def test_convert_by_name_filter():
+    model = nn.Sequential()
+    model.add_module("attn", nn.ModuleDict({"wq": nn.Linear(8, 8), "wo": nn.Linear(8, 8)}))
+    model.add_module("mlp", nn.ModuleDict({"w1": nn.Linear(8, 16), "w2": nn.Linear(16, 8)}))
+    w_before = model.attn.wq.weight
+    done = L.convert_to_fp8_linear(model, "attn.*", exclude="attn.wo", backend="emulated")
+    assert done == ["attn.wq"]
+    assert isinstance(model.attn.wq, L.FP8Linear) and model.attn.wq.weight is w_before
+    assert type(model.attn.wo) is nn.Linear and type(model.mlp.w1) is nn.Linear
+    done = L.convert_to_fp8_linear(model, lambda n: n.startswith("mlp."), grad_format="e5m2")
+    assert done == ["mlp.w1", "mlp.w2"] and model.mlp.w2.grad_format == "e5m2"
+    assert L.convert_to_fp8_linear(model, "*") == ["attn.wo"]   # already converted ones are skipped
+
+
+def test_errors_name_the_argument():
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="'grad_format'"):
+        L.fp8_linear(x, w, grad_format="e3m4")
+    with pytest.raises(ValueError, match="'backend'"):
+        L.fp8_linear(x, w, backend="cublas")
+    with pytest.raises(ValueError, match="'x'"):
+        L.fp8_linear(torch.randn(4, 15), w)
+    with pytest.raises(ValueError, match="'bias'"):
+        L.fp8_linear(x, w, torch.randn(7))
+    with pytest.raises(ValueError, match="'backend'.*scaled_mm"):
+        L.fp8_linear(x, w, backend="scaled_mm")        # CPU tensors
+    with pytest.raises(ValueError, match="'grad_format'"):
+        L.FP8Linear(16, 8, grad_format="bf16")
+    with pytest.raises(ValueError, match="'x'"):
+        L.quantize_1x128(torch.randn(2, 3, 4))
+
+
+# ---- the scaled_mm call layout, checked on CPU with a stand-in for cuBLASLt ---------
+
+
+def fake_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16):
+    """Checks what torch's _scaled_mm_v2 + cuBLASLt demand for the DeepSeek recipes
+    (A row-major, B column-major, E4M3, K % 128 == 0; scale shapes and strides as
+    in torch/_meta_registrations.py), then computes A B by reading the scales in
+    that documented layout (so a transposed or misplaced scale gives wrong numbers)."""
+    ST = torch.nn.functional.ScalingType
+    m, k = a.shape
+    n = b.shape[1]
+    assert a.dtype == b.dtype == torch.float8_e4m3fn
+    assert a.stride(1) == 1 and a.stride(0) >= k, ("A must be row-major", a.stride())
+    assert b.stride(0) == 1 and b.stride(1) >= k, ("B must be column-major", b.stride())
+    assert k % 128 == 0 and m % 16 == 0 and n % 16 == 0
+    kb, l4 = k // 128, -(-(k // 128) // 4) * 4
+    assert recipe_a == ST.BlockWise1x128
+    assert scale_a.shape == (m, kb) and scale_a.stride(0) == 1 and (kb == 1 or scale_a.stride(1) == m)
+    ad = a.float() * scale_a.repeat_interleave(128, 1)
+    if recipe_b == ST.BlockWise128x128:
+        assert n % 128 == 0
+        assert scale_b.shape == (l4, n // 128) and scale_b.stride(0) == 1
+        assert n // 128 == 1 or scale_b.stride(1) == l4
+        bd = b.float() * scale_b[:kb].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    else:
+        assert recipe_b == ST.BlockWise1x128
+        assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (kb == 1 or scale_b.stride(1) == n)
+        bd = b.float() * scale_b.t().repeat_interleave(128, 0)
+    return (ad @ bd).to(output_dtype)
+
+
+def test_scaled_mm_call_layout_with_a_stand_in(monkeypatch):
+    """The scaled_mm backend's three GEMM calls (incl. token padding to 128, L4
+    padding of 128x128 scales, and non-contiguous x / dy) meet the cuBLASLt
+    layout rules and give the emulation's numbers."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", fake_scaled_mm)
+    monkeypatch.setattr(L, "_scaled_mm_blocker", lambda *a: None)
+    g = torch.Generator().manual_seed(9)
+    m, k, n = 300, 640, 1152                              # K/128 = 5 -> L4 = 8; M padded to 384
+    x_base = torch.randn(k, m, generator=g)
+    w = torch.randn(n, k, generator=g) / math.sqrt(k)
+    dy_base = torch.randn(n, m, generator=g)
+    out = {}
+    for be in ("scaled_mm", "emulated"):
+        x = x_base.clone().requires_grad_()
+        xt = x.t()                                      # non-contiguous [m, k] input
+        ww = w.clone().requires_grad_()
+        y = L.fp8_linear(xt, ww, backend=be)
+        y.backward(dy_base.t())                         # non-contiguous dy
+        out[be] = (y.detach(), x.grad, ww.grad)
+    for name, a, e in zip(("y", "dx", "dW"), out["scaled_mm"], out["emulated"]):
+        assert rel_fro(a, e) < 1e-6, name
+
+
+# ---- CUDA: cuBLASLt block-scaled GEMMs vs the emulation ----------------------------
+
+cuda_sm90 = pytest.mark.skipif(not L.scaled_mm_available(),
+                               reason="needs an sm_90 GPU and torch with CUDA >= 12.9")
+
+
+@cuda_sm90
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cuda_quantizers_match_cpu(fmt):
+    x = varied(300, 640, seed=11)
+    c1, s1 = L.quantize_1x128(x, fmt)
+    c2, s2 = L.quantize_1x128(x.cuda(), fmt)
+    assert torch.equal(c1.view(torch.uint8), c2.cpu().view(torch.uint8)) and torch.equal(s1, s2.cpu())
+    c1, s1 = L.quantize_128x128(x, fmt)
+    c2, s2 = L.quantize_128x128(x.cuda(), fmt)
+    assert torch.equal(c1.view(torch.uint8), c2.cpu().view(torch.uint8)) and torch.equal(s1, s2.cpu())
+
+
+@cuda_sm90
+@pytest.mark.parametrize("mkn", [(512, 768, 384), (300, 640, 1152), (1000, 1792, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_scaled_mm_matches_emulation(mkn, bias):
+    """Same quantized operands -> the cuBLASLt GEMMs equal the FP32 emulation up to
+    accumulation (order and the tensor cores' FP8 accumulator width inside a
+    128-block): |diff| <= 2^-8 * (|a| |b|) elementwise and relative Frobenius
+    < 2e-3, i.e. >= 20x below the FP8 rounding error itself (~0.037), for y, dx, dW."""
+    m, k, n = mkn
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).cuda()
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).cuda()
+    b = torch.randn(n, generator=g).cuda() if bias else None
+    dy = torch.randn(m, n, generator=g).cuda()
+    out = {}
+    for be in ("scaled_mm", "emulated"):
+        xx = x.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        bb = None if b is None else b.clone().requires_grad_()
+        y = L.fp8_linear(xx, ww, bb, backend=be)
+        y.backward(dy)
+        out[be] = (y.detach(), xx.grad, ww.grad, None if bb is None else bb.grad)
+    xd = L.dequantize_1x128(*L.quantize_1x128(x)).abs()
+    wd = L.dequantize_128x128(*L.quantize_128x128(w)).abs()
+    g1 = L.dequantize_1x128(*L.quantize_1x128(dy)).abs()
+    mags = {"y": xd @ wd.t(), "dx": g1 @ wd, "dw": g1.t() @ xd}
+    for i, name in enumerate(("y", "dx", "dw")):
+        a, e = out["scaled_mm"][i], out["emulated"][i]
+        assert torch.isfinite(a).all(), name
+        assert ((a - e).abs() <= 2.0 ** -8 * mags[name] + 1e-6).all(), (name, float((a - e).abs().max()))
+        assert rel_fro(a, e) < 2e-3, name
+    if bias:
+        assert torch.allclose(out["scaled_mm"][3], out["emulated"][3])
+
+
+@cuda_sm90
+def test_cuda_autocast_bf16_training_step():
+    torch.manual_seed(0)
+    lin = L.FP8Linear(512, 256).cuda()
+    x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().square().mean().backward()
+    assert x.grad.dtype == torch.bfloat16 and lin.weight.grad.dtype == torch.float32
+    assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
+    ref = nn.functional.linear(x.detach().float(), lin.weight.detach(), lin.bias.detach())
+    assert rel_fro(y.detach().float(), ref) <= 2 * RHO["e4m3"]
+
+
+@cuda_sm90
+def test_cuda_auto_falls_back_with_a_warning_and_scaled_mm_refuses():
+    L._WARNED.clear()          # the warning is given once per reason per process
+    x = torch.randn(64, 100, device="cuda")
+    w = torch.randn(128, 100, device="cuda")
+    with pytest.warns(UserWarning, match="multiples of 128"):
+        L.fp8_linear(x, w)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        L.fp8_linear(x, w, backend="scaled_mm")
+    with pytest.raises(ValueError, match="E4M3"):
+        L.fp8_linear(torch.randn(128, 128, device="cuda"), torch.randn(128, 128, device="cuda"),
+                     grad_format="e5m2", backend="scaled_mm")
