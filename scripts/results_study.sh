@@ -51,6 +51,9 @@
 # Env knobs: STUDY_TOTAL_S (450), STUDY_PRESET, STUDY_MODEL (ModelConfig
 # overrides), STUDY_QK_NORM (0/1), STUDY_LR, STUDY_SEQ_LEN, STUDY_BATCH,
 # STUDY_MODES (main modes), STUDY_EXTRA_MODE (fp8-matched_do; "" = never),
+# (head_dim 128 instead: STUDY_MODEL=head_dim=128,n_heads=4,n_kv_heads=2; on main,
+# since the wgmma kernels landed, that runs the faster wgmma forward/backward
+# while head_dim 256 runs the mma.sync ones),
 # STUDY_MAX_STEPS (cap, 3000), STUDY_STEPS (fixed count, skips calibration),
 # STUDY_SEED, STUDY_DEVICE (auto), STUDY_DIR (run dir), STUDY_PROBE_RESERVE_S.
 # The copied tree on the device has no .git: put the commit into the command,
@@ -85,7 +88,8 @@ if [ "$GPU" = 1 ]; then
   QK_NORM="${STUDY_QK_NORM:-0}"; LR="${STUDY_LR:-5e-3}"; SEQ="${STUDY_SEQ_LEN:-2048}"
   BATCH="${STUDY_BATCH:-8}"; MAX_STEPS="${STUDY_MAX_STEPS:-3000}"; CALIB_STEPS=20
   VAL_BATCHES=8; PROBE_BATCH=4; PROBE_RESERVE="${STUDY_PROBE_RESERVE_S:-90}"
-  SCAN=(--device cuda --head-dim 256 --seq-len "$SEQ")
+  hd="$(echo "$MODEL" | sed -n 's/.*head_dim=\([0-9]*\).*/\1/p')"
+  SCAN=(--device cuda --head-dim "${hd:-128}" --seq-len "$SEQ")
 else
   PRESET="${STUDY_PRESET:-cpu-tiny}"; MODEL="${STUDY_MODEL:-head_dim=64,n_heads=2,n_kv_heads=1,n_layers=2}"
   QK_NORM="${STUDY_QK_NORM:-0}"; LR="${STUDY_LR:-2e-2}"; SEQ="${STUDY_SEQ_LEN:-128}"
