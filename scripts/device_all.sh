@@ -97,7 +97,7 @@ if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
   note "training: rc=$?"
   cp /tmp/fp8attn_train.log "$tdir/" 2>/dev/null
   tail -25 /tmp/fp8attn_train.log
-  tar czf "$OUT/train.tgz" -C "$(dirname "$tdir")" "$(basename "$tdir")"
+  tar czf "$OUT/train.tgz" --exclude="*.pt" -C "$(dirname "$tdir")" "$(basename "$tdir")"  # NOTE: checkpoints (~200 MB each) stay
 fi
 
 bench="${DEVICE_BENCH:-quick}"

@@ -100,6 +100,10 @@ def test_fsdp_log_and_same_final_parameters(fsdp_run, mode):
     assert math.isfinite(s["final_val_loss"])
     fps = s["final_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1] != s["init_fingerprint"]
+    # The checkpoint holds the gathered full parameters, not rank 0's shard.
+    from fp8attn.train.checkpoint import load_checkpoint
+    model, info = load_checkpoint(out / "run" / s["checkpoint"])
+    assert info["step"] == STEPS and init_fingerprint(model) == fps[0]
 
 
 @pytest.mark.parametrize("mode", MODES)

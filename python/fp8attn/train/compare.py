@@ -13,8 +13,11 @@ as FP8Linear), `attn-core+projections+ffn` (+ the SwiGLU FFN); the bf16 mode is
 BF16 everywhere. `--packed`: per-document causal attention inside each batch row
 (documents split at <|endoftext|>; see model.py).
 
-Writes <out>/<mode>.jsonl (trainer log per mode), <out>/report.md, loss.png,
-qk_gain.png, rowsum.png; prints the table and, last, the report path.
+Writes <out>/provenance.json (command, versions; first), <out>/<mode>.jsonl
+(trainer log per mode), <out>/<mode>.pt (final model, unless --no-save; see
+checkpoint.py), <out>/summary.json (with the provenance), <out>/report.md, loss.png, qk_gain.png, rowsum.png; prints the table
+and, last, the report path. Model shape overrides: --model KEY=VALUE (e.g. the
+stress configuration of scripts/results_study.sh: --model head_dim=256,n_heads=2,n_kv_heads=1).
 Every mode gets the same initial weights (checked), the same batches and the
 same hyper-parameters; only model.attn_mode differs.
 """
@@ -25,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from . import ddp
+from . import ddp, provenance
 from .data import prepare
 from .model import ATTN_MODES, PRESETS, SCOPES, preset_model_config
 from .report import write_report
@@ -52,6 +55,12 @@ def parse_args(argv=None):
     ap.add_argument("--data-seed", type=int, default=4321)
     ap.add_argument("--no-qk-norm", action="store_true", help="drop QK-RMSNorm")
     ap.add_argument("--nope", action="store_true", help="no positional encoding (instead of RoPE)")
+    ap.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a ModelConfig field of the preset, e.g. --model head_dim=256 "
+                         "--model n_heads=2 (repeatable; comma-separated pairs also accepted)")
+    ap.add_argument("--save-at", default="", help="comma-separated step counts after which each mode's "
+                                                   "model is also saved (<mode>.step<N>.pt)")
+    ap.add_argument("--no-save", action="store_true", help="do not save the final model (<mode>.pt)")
     ap.add_argument("--data-dir", default="data")
     ap.add_argument("--text-dir", default=None, help="train on text files from here instead of linux-doc")
     ap.add_argument("--max-mb", type=float, default=None, help="corpus cap in MB (default per preset)")
@@ -64,7 +73,31 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", required=True, help="run directory, e.g. runs/cpu-tiny")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.command = provenance.module_command("fp8attn.train.compare", argv)  # recorded in summary.json
+    return args
+
+
+# ModelConfig fields `--model` may set (the others have their own flags or are set from the data).
+_OVERRIDABLE = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
+                "mlp_hidden": int, "rope_base": float, "fp8_block_size": int, "init_std": float}
+
+
+def parse_model_overrides(items: list[str]) -> dict:
+    """["head_dim=256", "n_heads=2,n_kv_heads=1"] -> {"head_dim": 256, "n_heads": 2, "n_kv_heads": 1}.
+    Raises SystemExit naming --model for an unknown field or a bad value."""
+    out = {}
+    for item in items:
+        for pair in filter(None, (p.strip() for p in item.split(","))):
+            key, sep, val = pair.partition("=")
+            key = key.strip()
+            if not sep or key not in _OVERRIDABLE:
+                raise SystemExit(f"--model: expected KEY=VALUE with KEY in {sorted(_OVERRIDABLE)}, got {pair!r}")
+            try:
+                out[key] = _OVERRIDABLE[key](val)
+            except ValueError:
+                raise SystemExit(f"--model: {key} needs a {_OVERRIDABLE[key].__name__}, got {val!r}") from None
+    return out
 
 
 def run(args) -> tuple[Path, str, list[dict]]:
@@ -83,6 +116,11 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if args.lr is not None and not args.lr > 0:
         raise SystemExit(f"--lr: must be > 0, got {args.lr}")
     preset = PRESETS[args.preset]
+    model_overrides = parse_model_overrides(args.model)
+    try:
+        save_at = tuple(sorted({int(x) for x in args.save_at.split(",") if x.strip()}))
+    except ValueError:
+        raise SystemExit(f"--save-at: expected comma-separated integers, got {args.save_at!r}") from None
     tp = dict(preset["train"])
     for key in ("steps", "batch_size", "seq_len", "lr", "warmup"):
         if getattr(args, key) is not None:
@@ -92,7 +130,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       data_seed=args.data_seed, device=args.device, threads=args.threads,
                       progress=not args.no_progress, fsdp=args.fsdp,
                       val_every=args.val_every or max(1, tp["steps"] // 5),
-                      loss_avg_last=max(3, min(20, tp["steps"] // 10)))
+                      loss_avg_last=max(3, min(20, tp["steps"] // 10)),
+                      save_final=not args.no_save, save_at=save_at)
 
     ctx = ddp.init_from_env(args.device)  # no-op unless started by torchrun with WORLD_SIZE > 1
     say = print if ctx.is_main else (lambda *a, **k: None)
@@ -109,13 +148,15 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if data is None:
         data = prepare_data()
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
-    model_cfg = preset_model_config(args.preset, vocab_size=data.meta["vocab_size"],
-                                    qk_norm=not args.no_qk_norm, rope=not args.nope,
-                                    scope=args.scope, packed=args.packed,
-                                    max_seq_len=max(cfg.seq_len, preset["model"]["max_seq_len"]))
+    model_cfg = preset_model_config(args.preset, **{
+        **model_overrides, "vocab_size": data.meta["vocab_size"], "qk_norm": not args.no_qk_norm,
+        "rope": not args.nope, "scope": args.scope, "packed": args.packed,
+        "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])})
     out = Path(args.out)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        # NOTE: written first, so a run cut short still names its command and versions.
+        (out / "provenance.json").write_text(json.dumps(provenance.collect(getattr(args, "command", None)), indent=1))
     dev = resolve_device(cfg.device)
     say(f"[compare] preset {args.preset} on {dev}: {len(modes)} modes x {cfg.steps} steps x "
           f"{cfg.batch_size} x {cfg.seq_len} tokens, fp8 scope {args.scope}"
@@ -139,7 +180,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
     (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "scope": args.scope,
                                                   "packed": args.packed, "fsdp": args.fsdp,
                                                   "data_time_s": t_data, "train_time_s": t_train,
-                                                  "summaries": summaries}, indent=1))
+                                                  "summaries": summaries,
+                                                  "provenance": provenance.collect(getattr(args, "command", None))},
+                                                 indent=1))
     path, table = write_report(out, modes)
     return path, table, summaries
 

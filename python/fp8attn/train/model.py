@@ -196,6 +196,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+class AttentionCore(nn.Module):
+    """Parameter-free module around the attention backends: O = core(Q, K, V), with
+    cu_seqlens (packed documents) `packed_attention_backend`, else `attention_backend`.
+
+    It exists so that forward hooks can see the attention core's inputs (Q, K, V
+    after QK-norm and RoPE, [B, H, S, D]) and its output O, and tensor hooks on O
+    its upstream gradient dO (fp8attn.train.probe). No state_dict entries.
+    """
+
+    def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
+                cu_seqlens: torch.Tensor | None = None):
+        if cu_seqlens is None:
+            return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+        return packed_attention_backend(q, k, v, cu_seqlens, mode=mode, layer_name=layer_name,
+                                        block_size=block_size)
+
+
 class Attention(nn.Module):
     """GQA self-attention with optional QK-RMSNorm (gains q_norm.weight = g_q, k_norm.weight = g_k)."""
 
@@ -209,6 +226,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
+        self.core = AttentionCore()
 
     def forward(self, x, cos, sin, segments=None):
         b, s, _ = x.shape
@@ -221,12 +239,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
             q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
-        if segments is None:
-            o = attention_backend(q, k, v, mode=c.attn_mode, layer_name=self.layer_name,
-                                  block_size=c.fp8_block_size)
-        else:
-            o = packed_attention_backend(q, k, v, segments[0], mode=c.attn_mode, layer_name=self.layer_name,
-                                         block_size=c.fp8_block_size)
+        o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
+                      cu_seqlens=None if segments is None else segments[0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 

@@ -123,7 +123,8 @@ def make_plots(logs: dict[str, dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel("max_c |g| over g_q, g_k, all layers")
     ax.set_title("QK-norm max channel gain")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # NOTE: no QK-norm -> no gains, no lines
+        ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out_dir / "qk_gain.png")
     fig.savefig(paths[-1], dpi=110)

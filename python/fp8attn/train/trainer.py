@@ -16,11 +16,17 @@ JSONL log (one object per line, field "type"):
   meta    mode, model/train config, param count, init_fingerprint, device, data meta
   step    step, loss, lr, grad_norm, step_time_s, tokens_per_s,
           max_gain / top4_share (max over layers) and gains {layer: [max_gain, top4_share]},
+          every diag_every steps (all modes): act_scales {layer: [max_scale, top4_share]},
+          the same statistics of the Q/K channel scales (capture.ActivationScales;
+          defined with or without QK-norm),
           every diag_every steps for fp8 modes: diag {layer: stats} and the
           aggregates eps_absmean, eps_absmax, rowsum_pre_mean/max, rowsum_post_mean/max
           (fp8attn.diagnostics, numerics.md section 5; means over rows, max over rows)
   val     step, val_loss
   summary final numbers (see `train_mode` return value)
+
+Checkpoints (checkpoint.py): `<log stem>.pt` after the last step (save_final)
+and `<log stem>.step<N>.pt` after step N for N in save_at, rank 0 only.
 
 Data parallel (torchrun, see ddp.py): when a process group is initialized the
 model is wrapped in DistributedDataParallel, rank r trains on every
@@ -49,6 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from . import ddp
+from .capture import ActivationScales
+from .checkpoint import save_checkpoint
 from .data import PreparedData, TokenStream
 from .model import ModelConfig, Transformer, gain_stats
 
@@ -75,6 +83,8 @@ class TrainConfig:
     threads: int = 0               # CPU threads (0 = all cores)
     progress: bool = True
     fsdp: bool = False             # FSDP2 (fully_shard) instead of DDP when distributed (ddp.py)
+    save_final: bool = True        # write the final model next to the log (checkpoint.py)
+    save_at: tuple = ()            # also after these step counts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +216,16 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
     t_start = time.time()
     tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
+
+    def save(path, step):
+        """Checkpoint (rank 0 writes). NOTE: under FSDP2 every rank must take part in
+        gathering the full parameters (ddp.full is a collective)."""
+        sd = {k: ddp.full(v) for k, v in model.state_dict().items()} if ddp.is_sharded(model) else None
+        if not dctx.is_main:
+            return None
+        return save_checkpoint(path, model, mode=mode, step=step, train_config=cfg.to_dict(),
+                               data_root=str(data.root), init_fingerprint=fingerprint, state_dict=sd)
+
     with open(log_path, "w") as log:
         def write(obj):
             log.write(json.dumps(obj) + "\n")
@@ -227,10 +247,11 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 g["lr"] = lr
             x, y = ddp.rank_batch(train, rng, cfg.batch_size, dctx)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            want_diag = fp8 and cfg.diag_every > 0 and step % cfg.diag_every == 0
+            want_scales = cfg.diag_every > 0 and step % cfg.diag_every == 0
+            want_diag = fp8 and want_scales
             # The diagnostics context must cover backward(): the op reads it there.
             with (diagnostics.record() if want_diag else contextlib.nullcontext()) as rec:
-                with autocast():
+                with autocast(), (ActivationScales(model) if want_scales else contextlib.nullcontext()) as scales:
                     logits = train_model(x)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
@@ -253,6 +274,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             if last_gains:
                 rec_line["max_gain"] = max(v[0] for v in last_gains.values())
                 rec_line["top4_share"] = max(v[1] for v in last_gains.values())
+            if scales is not None and scales.scales:
+                rec_line["act_scales"] = scales.stats()
             if rec is not None and rec.records:
                 per_layer, agg = summarize_diag(rec)
                 rec_line["diag"] = per_layer
@@ -263,6 +286,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             if (dctx.is_main or ddp.is_sharded(model)) and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 val_loss = evaluate(model, val_batches, device, autocast)
                 write({"type": "val", "step": step, "val_loss": val_loss})
+            if (step + 1) in cfg.save_at:
+                save(log_path.with_name(f"{log_path.stem}.step{step + 1}.pt"), step + 1)
             bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
             if line_every and ((step + 1) % line_every == 0 or step + 1 == cfg.steps):
                 print(f"[train] {mode} step {step + 1}/{cfg.steps} loss {loss_v:.3f} "
@@ -297,6 +322,10 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         if dctx.enabled:
             summary["world_size"] = dctx.world_size
             summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
+        if cfg.save_final and losses:
+            ckpt = save(log_path.with_suffix(".pt"), len(losses))
+            if ckpt is not None:
+                summary["checkpoint"] = ckpt.name
         write(summary)
     if dctx.enabled and len(set(summary["final_fingerprints"])) != 1:
         raise RuntimeError(f"DDP ranks ended with different parameters {summary['final_fingerprints']}")

@@ -1,0 +1,84 @@
+"""Model checkpoints of the training comparison (for probes run after training).
+
+A checkpoint is one `torch.save` file holding plain Python data and CPU tensors
+(loadable with `weights_only=True`):
+
+  format        "fp8attn.train.checkpoint/1"
+  mode          attention mode the model was trained with ("bf16", "fp8-stale", ...)
+  step          number of optimizer steps taken
+  model_config  ModelConfig.to_dict()
+  train_config  TrainConfig.to_dict() (may be empty)
+  data_root     the prepared corpus directory used for training (str, as given)
+  init_fingerprint  fingerprint of the initial weights (same across modes of a run)
+  state_dict    the model's parameters, FP32 ("master weights"), on the CPU
+
+No optimizer state is kept (the probes need only the weights; it would triple
+the file). Size: 4 bytes per parameter (~5 MB for cpu-tiny, ~200 MB for gpu-50m).
+
+File names (next to the mode's JSONL log): `<mode>.pt` (end of training) and
+`<mode>.step<N>.pt` (after N steps, `--save-at N`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .model import ModelConfig, Transformer
+
+FORMAT = "fp8attn.train.checkpoint/1"
+
+
+def checkpoint_path(run_dir: str | os.PathLike, mode: str, step: int | None = None) -> Path:
+    """<run_dir>/<mode>.pt, or <run_dir>/<mode>.step<step>.pt."""
+    name = f"{mode}.pt" if step is None else f"{mode}.step{step}.pt"
+    return Path(run_dir) / name
+
+
+def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, step: int,
+                    train_config: dict | None = None, data_root: str | None = None,
+                    init_fingerprint: str | None = None, state_dict: dict | None = None) -> Path:
+    """Writes the checkpoint atomically (temp file + rename); returns its path.
+
+    state_dict: the weights to store (default model.state_dict()); a sharded
+    model passes its gathered full state dict here."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    obj = {
+        "format": FORMAT, "mode": mode, "step": int(step),
+        "model_config": model.cfg.to_dict(), "train_config": dict(train_config or {}),
+        "data_root": None if data_root is None else str(data_root),
+        "init_fingerprint": init_fingerprint,
+        "state_dict": {k: v.detach().to("cpu", copy=True)
+                       for k, v in (model.state_dict() if state_dict is None else state_dict).items()},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
+                    attn_mode: str | None = None) -> tuple[Transformer, dict]:
+    """Rebuilds the model from a checkpoint. Returns (model in eval mode on `device`, info)
+    where info is the checkpoint dict without the state_dict.
+
+    attn_mode: switch the attention backend of the loaded model (default: the
+    mode it was trained with). Raises ValueError for a file that is not a
+    checkpoint of this format, FileNotFoundError for a missing file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: not an {FORMAT} file")
+    cfg = ModelConfig(**obj["model_config"])
+    if attn_mode is not None:
+        cfg = ModelConfig(**{**cfg.to_dict(), "attn_mode": attn_mode})
+    model = Transformer(cfg)
+    model.load_state_dict(obj["state_dict"])
+    model.to(device).eval()
+    info = {k: v for k, v in obj.items() if k != "state_dict"}
+    return model, info
