@@ -48,8 +48,7 @@ else
 fi
 
 echo "== GPU tests"
-tests="tests/python/test_cuda.py"
-[ -f tests/python/test_cuda_bwd.py ] && tests="$tests tests/python/test_cuda_bwd.py"
+tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py"
 # shellcheck disable=SC2086
 timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
@@ -78,7 +77,7 @@ for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF
-for tool in memcheck racecheck; do
+for tool in ${DEVICE_SAN_TOOLS:-memcheck racecheck}; do
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
     python3 /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
@@ -98,6 +97,31 @@ if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
   cp /tmp/fp8attn_train.log "$tdir/" 2>/dev/null
   tail -25 /tmp/fp8attn_train.log
   tar czf "$OUT/train.tgz" --exclude="*.pt" -C "$(dirname "$tdir")" "$(basename "$tdir")"  # NOTE: checkpoints (~200 MB each) stay
+fi
+
+# Distributed path on this one GPU (FP8ATTN_DIST=1: a 1-rank NCCL group, DDP and
+# FSDP2 wrappers), a few steps of the smoke preset on a bundled text dir.
+if [ "${DEVICE_NCCL:-1}" = 1 ]; then
+  echo "== NCCL (1-rank group) DDP + FSDP2"
+  mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
+  for extra in "" "--fsdp"; do
+    FP8ATTN_DIST=1 timeout "${DEVICE_T_NCCL:-60}" torchrun --nproc_per_node 1 -m fp8attn.train.compare \
+      --preset smoke --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
+      --data-dir /tmp/nccl_data --text-dir /tmp/nccl_text --no-progress --no-save --out "/tmp/nccl_run$extra" \
+      $extra >>"$OUT/pytest_gpu.log" 2>&1
+    rc=$?
+    ws=$(python3 -c "import json,sys; from fp8attn.train.report import read_log; s=read_log('/tmp/nccl_run$extra/fp8-delta_matching.jsonl')['summary']; print(s.get('world_size'), s.get('fsdp'), s['final_train_loss'])" 2>&1 | tail -1)
+    note "nccl ${extra:-ddp}: rc=$rc (world_size, fsdp, final loss) = $ws"
+  done
+fi
+
+# End-to-end training throughput (BF16 cuDNN vs the FP8 scopes), a few steps each.
+if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
+  echo "== bench_train"
+  timeout "${DEVICE_T_BENCH_TRAIN:-90}" python3 benchmarks/bench_train.py --json "$OUT/bench_train.json" \
+    >/tmp/bench_train.log 2>&1
+  note "bench_train: rc=$?"
+  tail -12 /tmp/bench_train.log | tee -a "$SUMMARY"
 fi
 
 bench="${DEVICE_BENCH:-quick}"
