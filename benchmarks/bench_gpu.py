@@ -13,6 +13,7 @@ Writes bench_gpu.json and bench_gpu.md under --out (default $OUT, else
 """
 import argparse
 import datetime
+import glob
 import json
 import math
 import os
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):  # NOTE: in-tree build first, else the installed package
+    sys.path.insert(0, _PY)
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
 
 OPS = torch.ops.fp8attn

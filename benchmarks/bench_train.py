@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "python") not in sys.path:
+# NOTE: prefer the in-tree package only when it holds a build (like tests/python/conftest.py);
+# otherwise the installed fp8attn (pip install .) is used.
+if list((ROOT / "python" / "fp8attn").glob("_C*.so")) and str(ROOT / "python") not in sys.path:
     sys.path.insert(0, str(ROOT / "python"))
 
 from fp8attn.train import model as M  # noqa: E402
