@@ -48,7 +48,7 @@ else
 fi
 
 echo "== GPU tests"
-tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py"
+tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py tests/python/test_varlen.py"
 # shellcheck disable=SC2086
 timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
@@ -114,6 +114,20 @@ if [ "${DEVICE_NCCL:-1}" = 1 ]; then
     ws=$(python3 -c "import json,sys; from fp8attn.train.report import read_log; s=read_log('/tmp/nccl_run$extra/fp8-delta_matching.jsonl')['summary']; print(s.get('world_size'), s.get('fsdp'), s['final_train_loss'])" 2>&1 | tail -1)
     note "nccl ${extra:-ddp}: rc=$rc (world_size, fsdp, final loss) = $ws"
   done
+fi
+
+# Packed documents on the GPU (--packed: per-document causal attention through
+# varlen_attention), a few steps of the smoke preset at head_dim 64.
+if [ "${DEVICE_PACKED:-1}" = 1 ]; then
+  echo "== packed documents (smoke, GPU)"
+  mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
+  timeout "${DEVICE_T_PACKED:-60}" python3 -m fp8attn.train.compare --preset smoke --model head_dim=64 --packed \
+    --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
+    --data-dir /tmp/nccl_data --text-dir /tmp/nccl_text --no-progress --no-save --out /tmp/packed_run \
+    >>"$OUT/pytest_gpu.log" 2>&1
+  rc=$?
+  pk=$(python3 -c "from fp8attn.train.report import read_log; s=read_log('/tmp/packed_run/fp8-delta_matching.jsonl')['summary']; print(s.get('packed'), s['final_train_loss'], s['final_val_loss'])" 2>&1 | tail -1)
+  note "packed: rc=$rc (packed, final train loss, val loss) = $pk"
 fi
 
 # End-to-end training throughput (BF16 cuDNN vs the FP8 scopes), a few steps each.
