@@ -1,7 +1,9 @@
 // fp8attn: sm_90a FP8 backward on warpgroup MMAs (wgmma, QGMMA in the SASS),
 // block scales (numerics.md sections 3-5). Same math, delta modes and
 // diagnostics as the mma.sync backward (bwd_e4m3_blockscale_sm90.cu), which
-// stays the fallback for shapes this file does not cover (head_dim 192/256).
+// stays selectable (FP8ATTN_BWD_KERNEL=mma). head_dim 64, 128, 256 and
+// (192, 128); at d > 128 the main kernel's CTAs take 128-column slices of
+// the outputs (see WgMainLayout).
 // Design and measurements: docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md.
 //
 // Two kernels, both 2 warpgroups (256 threads), warp w (0..7) owning rows
