@@ -1,7 +1,9 @@
 // fp8attn: sm_90a FP8 backward on warpgroup MMAs (wgmma, QGMMA in the SASS),
 // block scales (numerics.md sections 3-5). Same math, delta modes and
 // diagnostics as the mma.sync backward (bwd_e4m3_blockscale_sm90.cu), which
-// stays the fallback for shapes this file does not cover (head_dim 192/256).
+// stays selectable (FP8ATTN_BWD_KERNEL=mma). head_dim 64, 128, 256 and
+// (192, 128); at d > 128 the main kernel's CTAs take 128-column slices of
+// the outputs (see WgMainLayout).
 // Design and measurements: docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md.
 //
 // Two kernels, both 2 warpgroups (256 threads), warp w (0..7) owning rows
@@ -160,25 +162,40 @@ constexpr int kTileBytes = kTile * kWgRowBytes;  // one swizzled [128][128 B] ti
 
 // ---- cp.async tile fills -------------------------------------------------------------
 
-// Rows [s0, s0 + ROWS) of a [S][D] FP8 matrix, row n of the tile <- source row
-// s0 + perm(n) (perm = q_of_col or k_of_row); rows >= S zero-filled.
+// Head-dim blocks (numerics.md section 2): D <= 128 is one block, 192 and 256
+// two (128 + 64, 128 + 128). A row tile of ROWS rows keeps block b in its own
+// [ROWS][128 B] swizzled tile at b * ROWS * 128 bytes.
+template <int D>
+constexpr int nb_of() { return D > 128 ? 2 : 1; }
+template <int D, int B>
+constexpr int bw_of() { return B == 0 ? (D < 128 ? D : 128) : D - 128; }
+
+// Columns [C0, C0 + W) (one block) of rows [s0, s0 + ROWS) of a [S][LD] FP8
+// matrix, row n of the tile <- source row s0 + perm(n) (perm = q_of_col or
+// k_of_row); rows >= S zero-filled.
 // NOTE: written as one base address per thread plus constant steps (the row
 // step is a multiple of 16, which both permutations preserve); a generic loop
 // made the compiler hoist every address out of the main loop (spills).
-template <int D, bool kQueryOrder, int ROWS>
-__device__ __forceinline__ void cp_rows(uint8_t* dst, const uint8_t* src, int s0, int S) {
-  constexpr int kChunks = D / 16, kStep = kWgThreads / kChunks;
+template <int LD, int C0, int W, bool kQueryOrder, int ROWS>
+__device__ __forceinline__ void cp_rows_blk(uint8_t* dst, const uint8_t* src, int s0, int S) {
+  constexpr int kChunks = W / 16, kStep = kWgThreads / kChunks;
   static_assert(kStep % 16 == 0 && ROWS % kStep == 0, "row steps keep the 16-row permutation");
   const int n = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
   const int r0 = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
   uint8_t* d0 = dst + sw128(n, c);
-  const uint8_t* g0 = src + 16 * c;
+  const uint8_t* g0 = src + C0 + 16 * c;
 #pragma unroll
   for (int k = 0; k < ROWS / kStep; ++k) {
     const int r = r0 + k * kStep;
     const bool ok = r < S;
-    cp_async16(d0 + k * kStep * 128, g0 + static_cast<int64_t>(ok ? r : 0) * D, ok);
+    cp_async16(d0 + k * kStep * 128, g0 + static_cast<int64_t>(ok ? r : 0) * LD, ok);
   }
+}
+// All head-dim blocks of rows [s0, s0 + ROWS) of a [S][D] FP8 matrix.
+template <int D, bool kQueryOrder, int ROWS>
+__device__ __forceinline__ void cp_rows(uint8_t* dst, const uint8_t* src, int s0, int S) {
+  cp_rows_blk<D, 0, bw_of<D, 0>(), kQueryOrder, ROWS>(dst, src, s0, S);
+  if constexpr (nb_of<D>() > 1) cp_rows_blk<D, 128, bw_of<D, 1>(), kQueryOrder, ROWS>(dst + ROWS * 128, src, s0, S);
 }
 // Positions [s0, s0 + 128) of ROWS sequence-contiguous rows (stride ld): tile
 // row = channel, natural position order. Chunks past S are zero-filled; a
@@ -217,7 +234,8 @@ __device__ __forceinline__ void cp_floats(float* dst, const float* src, int n, I
 //   sK [128][DQK] key rows, sKs [128] (tile rows); sQ [NQ][DQK] query rows, sQs [NQ] (columns).
 template <int DQK, int NQ>
 __device__ __forceinline__ void wg_issue_s(const uint8_t* sK, const uint8_t* sQ, int warp, float (&s)[NQ / 8][4]) {
-  static_assert(DQK == 64 || DQK == 128, "one head-dim block");
+  constexpr int W0 = bw_of<DQK, 0>();  // head-dim block 0 (the only one at d <= 128)
+  static_assert(W0 == 64 || W0 == 128, "one head-dim block");
   float* acc = &s[0][0];
   const uint8_t* a = sK + (warp >> 2) * (64 * 128);
   fence_regs<NQ / 2>(acc);
@@ -225,7 +243,7 @@ __device__ __forceinline__ void wg_issue_s(const uint8_t* sK, const uint8_t* sQ,
 #pragma unroll
   for (int h = 0; h < NQ / 64; ++h)
 #pragma unroll
-    for (int k = 0; k < DQK / 32; ++k)
+    for (int k = 0; k < W0 / 32; ++k)
       gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(sQ + h * (64 * 128) + 32 * k),
                                       acc + 32 * h, k > 0);
   wg_commit();
@@ -281,14 +299,15 @@ __device__ __forceinline__ void lse2_in_place(float* sLse, int n, int m0, int Sq
 template <int DV, int FMT>
 __device__ __forceinline__ void wg_issue_dp(const uint8_t* sV, const uint8_t* sdO, int warp, int half,
                                             float (&dp)[8][4]) {
-  static_assert(DV == 64 || DV == 128, "one dv block");
+  constexpr int W0 = bw_of<DV, 0>();  // head-dim block 0 (the only one at d <= 128)
+  static_assert(W0 == 64 || W0 == 128, "one dv block");
   float* acc = &dp[0][0];
   const uint8_t* a = sV + (warp >> 2) * (64 * 128);
   const uint8_t* b = sdO + half * (64 * 128);
   fence_regs<32>(acc);
   wg_arrive();
 #pragma unroll
-  for (int k = 0; k < DV / 32; ++k)
+  for (int k = 0; k < W0 / 32; ++k)
     gmma_ss<kFmtE4M3, FMT, 64>(desc_sw128(a + 32 * k), desc_sw128(b + 32 * k), acc, k > 0);
   wg_commit();
 }
@@ -307,6 +326,105 @@ __device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs,
   }
 }
 
+// ---- head_dim 192 / 256: the second head-dim block ------------------------------
+//
+// S^T (and dP^T) over every head-dim block, shared by the pre-pass and the main
+// kernel (so P and dP_hat stay bitwise equal): block 0 exactly as at d <= 128
+// (its scaled partial is __fmul_rn(part, s_a * s_b)), then block 1's partial is
+// added as fmaf(part, s_a * s_b, acc), the order of the mma.sync kernels
+// (bwd_tile_sm90.cuh) and of numerics.md section 3. Scales: block b of a key
+// tile at sKs[b * 128 + row], of a query tile at sQs[b * NQ + column].
+// NOTE: block 1 of S^T runs per 64 columns (one m64n64 chain, 32 more
+// registers while dP is not live); block 1 of dP^T per 32 columns (m64n32,
+// 16 registers), because dP is computed with P, dK and dV all live.
+template <int DQK, int NQ>
+__device__ __forceinline__ void wg_compute_s(const uint8_t* sK, const uint8_t* sQ, const float* sKs, const float* sQs,
+                                             int warp, int lane, float (&s)[NQ / 8][4]) {
+  wg_issue_s<DQK, NQ>(sK, sQ, warp, s);
+  if constexpr (nb_of<DQK>() == 1) {
+    wg_wait<0>();
+    wg_scale_s<NQ>(sKs, sQs, warp, lane, s);
+  } else {
+    constexpr int W1 = bw_of<DQK, 1>();
+    static_assert(W1 == 64 || W1 == 128, "second head-dim block of 64 or 128");
+    const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+    const uint8_t* a = sK + kTileBytes + (warp >> 2) * (64 * 128);
+    const uint8_t* b1 = sQ + NQ * 128;
+#pragma unroll
+    for (int h = 0; h < NQ / 64; ++h) {
+      float part[8][4];
+      fence_regs<32>(&part[0][0]);
+      wg_arrive();
+#pragma unroll
+      for (int k = 0; k < W1 / 32; ++k)
+        gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(b1 + h * (64 * 128) + 32 * k),
+                                        &part[0][0], k > 0);
+      wg_commit();
+      if (h == 0) {
+        wg_wait<1>();
+        wg_scale_s<NQ>(sKs, sQs, warp, lane, s);
+      }
+      wg_wait<0>();
+      fence_regs<32>(&part[0][0]);
+      const float ks0 = sKs[kTile + r0], ks1 = sKs[kTile + r0 + 8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * h + jj;
+        const float2 qs = *reinterpret_cast<const float2*>(sQs + NQ + 8 * j + 2 * t);
+        s[j][0] = fmaf(part[jj][0], __fmul_rn(qs.x, ks0), s[j][0]);
+        s[j][1] = fmaf(part[jj][1], __fmul_rn(qs.y, ks0), s[j][1]);
+        s[j][2] = fmaf(part[jj][2], __fmul_rn(qs.x, ks1), s[j][2]);
+        s[j][3] = fmaf(part[jj][3], __fmul_rn(qs.y, ks1), s[j][3]);
+      }
+    }
+  }
+}
+
+// dP^T (#4) for the 64 columns of `half`, every dv block (NQ: query rows of
+// the sdO tile, so block 1 of dO sits at sdO + NQ * 128).
+template <int DV, int FMT, int NQ>
+__device__ __forceinline__ void wg_compute_dp(const uint8_t* sV, const uint8_t* sdO, const float* sVs,
+                                              const float* sdOs, int warp, int lane, int half, float (&dp)[8][4]) {
+  wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+  if constexpr (nb_of<DV>() == 1) {
+    wg_wait<0>();
+    wg_scale_dp(sVs, sdOs, warp, lane, half, dp);
+  } else {
+    constexpr int W1 = bw_of<DV, 1>();
+    static_assert(W1 == 64 || W1 == 128, "second dv block of 64 or 128");
+    const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+    const uint8_t* a = sV + kTileBytes + (warp >> 2) * (64 * 128);
+    const uint8_t* b1 = sdO + NQ * 128 + half * (64 * 128);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float part[4][4];
+      fence_regs<16>(&part[0][0]);
+      wg_arrive();
+#pragma unroll
+      for (int k = 0; k < W1 / 32; ++k)
+        gmma_ss<kFmtE4M3, FMT, 32>(desc_sw128(a + 32 * k), desc_sw128(b1 + c * (32 * 128) + 32 * k), &part[0][0],
+                                   k > 0);
+      wg_commit();
+      if (c == 0) {
+        wg_wait<1>();
+        wg_scale_dp(sVs, sdOs, warp, lane, half, dp);
+      }
+      wg_wait<0>();
+      fence_regs<16>(&part[0][0]);
+      const float vs0 = sVs[kTile + r0], vs1 = sVs[kTile + r0 + 8];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = 4 * c + jj;
+        const float2 os = *reinterpret_cast<const float2*>(sdOs + NQ + 64 * half + 8 * j + 2 * t);
+        dp[j][0] = fmaf(part[jj][0], __fmul_rn(os.x, vs0), dp[j][0]);
+        dp[j][1] = fmaf(part[jj][1], __fmul_rn(os.y, vs0), dp[j][1]);
+        dp[j][2] = fmaf(part[jj][2], __fmul_rn(os.x, vs1), dp[j][2]);
+        dp[j][3] = fmaf(part[jj][3], __fmul_rn(os.y, vs1), dp[j][3]);
+      }
+    }
+  }
+}
+
 // ---- pre-pass -------------------------------------------------------------------
 //
 // One CTA per (64-query tile, query head, batch): both warpgroups see the 64
@@ -318,15 +436,21 @@ constexpr int kPreQ = kWgPreQ;
 
 template <int DQK, int DV>
 struct WgPrepassLayout {
-  static constexpr int kQ = 0;                          // query rows (q_of_col order) [64][128 B]
-  static constexpr int kDO = kQ + kPreQ * 128;          // dO rows
-  static constexpr int kK = kDO + kPreQ * 128;          // [2] key rows (k_of_row order)
-  static constexpr int kV = kK + 2 * kTileBytes;        // [2] value rows
-  static constexpr int kF = kV + 2 * kTileBytes;
-  static constexpr int kQs = 0, kDOs = kQs + kPreQ, kLse = kDOs + kPreQ;
-  static constexpr int kKs = kLse + kPreQ;               // [2][128]
-  static constexpr int kVs = kKs + 2 * kTile;            // [2][128]
-  static constexpr int kRed = kVs + 2 * kTile;           // [8][64]
+  static constexpr int kNbQK = nb_of<DQK>(), kNbV = nb_of<DV>();
+  // NOTE: one key stage at d > 128 (double buffers would not fit two CTAs per
+  // SM); the second CTA on the SM hides the load latency instead.
+  static constexpr int kStages = (kNbQK > 1 || kNbV > 1) ? 1 : 2;
+  static constexpr int kKStage = (kNbQK + kNbV) * kTileBytes;  // bytes of one key stage
+  static constexpr int kQ = 0;                          // query rows (q_of_col order) [blocks][64][128 B]
+  static constexpr int kDO = kQ + kNbQK * kPreQ * 128;  // dO rows
+  static constexpr int kK = kDO + kNbV * kPreQ * 128;   // [stages] key rows (k_of_row order), then value rows
+  static constexpr int kV = kK + kNbQK * kTileBytes;    //   (stage st at + st * kKStage)
+  static constexpr int kF = kK + kStages * kKStage;
+  static constexpr int kQs = 0, kDOs = kQs + kNbQK * kPreQ, kLse = kDOs + kNbV * kPreQ;  // [block][64]
+  static constexpr int kKStageF = (kNbQK + kNbV) * kTile;  // floats of one key stage
+  static constexpr int kKs = kLse + kPreQ;                // [stages]: [block][128] K scales, then V scales
+  static constexpr int kVs = kKs + kNbQK * kTile;
+  static constexpr int kRed = kKs + kStages * kKStageF;  // [8][64]
   static constexpr int kFloats = kRed + kWarps * kPreQ;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
@@ -359,15 +483,20 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
   const int n_tiles = (n_end + kTile - 1) / kTile;
 
   auto issue_keys = [&](int it) {
-    const int n0 = it * kTile, st = it & 1;
-    cp_rows<DQK, false, kTile>(smem + L::kK + st * kTileBytes, p.k_row + bhk * Sk * DQK, n0, Sk);
-    cp_rows<DV, false, kTile>(smem + L::kV + st * kTileBytes, p.v_row + bhk * Sk * DV, n0, Sk);
-    auto k_idx = [&](int i) -> int64_t {
-      const int r = n0 + k_of_row(i);
-      return r < Sk ? bhk * Sk + r : -1;
+    const int n0 = it * kTile, st = it % L::kStages;
+    cp_rows<DQK, false, kTile>(smem + L::kK + st * L::kKStage, p.k_row + bhk * Sk * DQK, n0, Sk);
+    cp_rows<DV, false, kTile>(smem + L::kV + st * L::kKStage, p.v_row + bhk * Sk * DV, n0, Sk);
+    // scale of tile row i % 128, head-dim block i / 128 (row-major [S][nb] in global)
+    auto k_idx_qk = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i % kTile);
+      return r < Sk ? (bhk * Sk + r) * L::kNbQK + i / kTile : -1;
     };
-    cp_floats(sf + L::kKs + st * kTile, p.k_row_s, kTile, k_idx);
-    cp_floats(sf + L::kVs + st * kTile, p.v_row_s, kTile, k_idx);
+    auto k_idx_v = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i % kTile);
+      return r < Sk ? (bhk * Sk + r) * L::kNbV + i / kTile : -1;
+    };
+    cp_floats(sf + L::kKs + st * L::kKStageF, p.k_row_s, L::kNbQK * kTile, k_idx_qk);
+    cp_floats(sf + L::kVs + st * L::kKStageF, p.v_row_s, L::kNbV * kTile, k_idx_v);
   };
 
   // Query side (once) + first key tile: group 0.
@@ -377,8 +506,16 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
     const int r = m0 + q_of_col(i);
     return r < Sq ? bhq * Sq + r : -1;
   };
-  cp_floats(sf + L::kQs, p.q_row_s, kPreQ, q_idx);
-  cp_floats(sf + L::kDOs, p.do_row_s, kPreQ, q_idx);
+  auto q_idx_qk = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i % kPreQ);
+    return r < Sq ? (bhq * Sq + r) * L::kNbQK + i / kPreQ : -1;
+  };
+  auto q_idx_v = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i % kPreQ);
+    return r < Sq ? (bhq * Sq + r) * L::kNbV + i / kPreQ : -1;
+  };
+  cp_floats(sf + L::kQs, p.q_row_s, L::kNbQK * kPreQ, q_idx_qk);
+  cp_floats(sf + L::kDOs, p.do_row_s, L::kNbV * kPreQ, q_idx_v);
   cp_floats(sf + L::kLse, p.lse, kPreQ, q_idx);
   if (n_tiles > 0) issue_keys(0);
   cp_commit();
@@ -392,30 +529,44 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
     if (it == 0) lse2_in_place(sf + L::kLse, kPreQ, m0, Sq);
     fence_async_smem();
     __syncthreads();  // tile it visible; everyone is done with the other stage
-    if (it + 1 < n_tiles) issue_keys(it + 1);
-    cp_commit();
-    const int st = it & 1;
+    if constexpr (L::kStages == 2) {
+      if (it + 1 < n_tiles) issue_keys(it + 1);
+      cp_commit();
+    }
+    const int st = it % L::kStages;
     const int n0 = it * kTile;
     tg.n0 = n0;
     const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq && (!p.causal || n0 + kTile - 1 <= m0 + tg.causal_off);
-    const uint8_t* sK = smem + L::kK + st * kTileBytes;
-    const uint8_t* sV = smem + L::kV + st * kTileBytes;
-    const float* sKs = sf + L::kKs + st * kTile;
-    const float* sVs = sf + L::kVs + st * kTile;
+    const uint8_t* sK = smem + L::kK + st * L::kKStage;
+    const uint8_t* sV = smem + L::kV + st * L::kKStage;
+    const float* sKs = sf + L::kKs + st * L::kKStageF;
+    const float* sVs = sf + L::kVs + st * L::kKStageF;
 
-    // S^T and dP^T in flight together; P is computed while dP runs. The same
-    // instructions and scaling as the main kernel: bitwise equal.
+    // The same instructions and scaling as the main kernel: bitwise equal.
     float pt[8][4], dp[8][4];
-    wg_issue_s<DQK, kPreQ>(sK, smem + L::kQ, warp, pt);
-    wg_issue_dp<DV, FMT>(sV, smem + L::kDO, warp, 0, dp);
-    wg_wait<1>();
-    wg_scale_s<kPreQ>(sKs, sf + L::kQs, warp, lane, pt);
-    if (interior)
-      wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
-    else
-      wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
-    wg_wait<0>();
-    wg_scale_dp(sVs, sf + L::kDOs, warp, lane, 0, dp);
+    if constexpr (L::kStages == 2) {
+      // d <= 128: S^T and dP^T in flight together; P is computed while dP runs.
+      wg_issue_s<DQK, kPreQ>(sK, smem + L::kQ, warp, pt);
+      wg_issue_dp<DV, FMT>(sV, smem + L::kDO, warp, 0, dp);
+      wg_wait<1>();
+      wg_scale_s<kPreQ>(sKs, sf + L::kQs, warp, lane, pt);
+      if (interior)
+        wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      else
+        wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      wg_wait<0>();
+      wg_scale_dp(sVs, sf + L::kDOs, warp, lane, 0, dp);
+    } else {
+      wg_compute_s<DQK, kPreQ>(sK, smem + L::kQ, sKs, sf + L::kQs, warp, lane, pt);
+      if (interior)
+        wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      else
+        wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      wg_compute_dp<DV, FMT, kPreQ>(sV, smem + L::kDO, sVs, sf + L::kDOs, warp, lane, 0, dp);
+      __syncthreads();  // everyone's wgmmas of this stage completed: refill it
+      if (it + 1 < n_tiles) issue_keys(it + 1);
+      cp_commit();
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -459,31 +610,45 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
 
 // ---- main kernel ---------------------------------------------------------------------
 
+// NOTE: head_dim 192 / 256 ("sliced"): one CTA per (key tile, kv head, batch,
+// 128-column slice of the outputs): slice s owns columns [128 s, 128 s + 128)
+// of dK, dV and dQ (192: slice 1 has 64 dK/dQ columns and no dV) and
+// recomputes S^T, P, dP_hat^T and dS over the full head_dim, so the dK + dV
+// accumulators stay at the d = 128 size (128 registers). Its query-side tiles
+// are single-buffered (two stages would not fit 227 KB): the column tiles of
+// the tile pair load during S/dP, the next pair's row tiles during dV/dK/dQ.
 template <int DQK, int DV>
 struct WgMainLayout {
+  static constexpr int kNbQK = nb_of<DQK>(), kNbV = nb_of<DV>();
+  static constexpr bool kSliced = kNbQK > 1 || kNbV > 1;
+  static constexpr int kSlices = kSliced ? ((DQK > DV ? DQK : DV) + 127) / 128 : 1;
+  static constexpr int kWk = kSliced ? 128 : DQK;  // dK / dQ columns per CTA (at most)
+  static constexpr int kWv = kSliced ? 128 : DV;   // dV columns per CTA (at most)
+  static constexpr int kStages = kSliced ? 1 : 2;
   // bytes (every tile 1024-aligned)
-  static constexpr int kK = 0;                               // key rows (k_of_row order)
-  static constexpr int kV = kK + kTileBytes;                 // value rows
-  static constexpr int kKc = kV + kTileBytes;                // k_colT [DQK][128 keys]
-  static constexpr int kDS = kKc + DQK * 128;                // dS codes [128 q][128 keys]
-  static constexpr int kStage = kDS + kTileBytes;            // [2] query-side stages:
-  static constexpr int kSQ = 0;                              //   query rows (q_of_col order)
-  static constexpr int kSDO = kSQ + kTileBytes;              //   dO rows
-  static constexpr int kSQc = kSDO + kTileBytes;             //   q_colT [DQK][128 q]
-  static constexpr int kSDOc = kSQc + DQK * 128;             //   do_colT [DV][128 q]
-  static constexpr int kStageBytes = kSDOc + DV * 128;
-  static constexpr int kF = kStage + 2 * kStageBytes;
+  static constexpr int kK = 0;                               // key rows (k_of_row order) [block][128][128 B]
+  static constexpr int kV = kK + kNbQK * kTileBytes;         // value rows
+  static constexpr int kKc = kV + kNbV * kTileBytes;         // k_colT [kWk][128 keys] (this slice)
+  static constexpr int kDS = kKc + kWk * 128;                // dS codes [128 q][128 keys]
+  static constexpr int kStage = kDS + kTileBytes;            // [kStages] query-side stages:
+  static constexpr int kSQ = 0;                              //   query rows (q_of_col order) [block][128][128 B]
+  static constexpr int kSDO = kSQ + kNbQK * kTileBytes;      //   dO rows
+  static constexpr int kSQc = kSDO + kNbV * kTileBytes;      //   q_colT [kWk][128 q]
+  static constexpr int kSDOc = kSQc + kWk * 128;             //   do_colT [kWv][128 q]
+  static constexpr int kStageBytes = kSDOc + kWv * 128;
+  static constexpr int kF = kStage + kStages * kStageBytes;
   // floats from kF
-  static constexpr int kKs = 0, kVs = kKs + kTile, kKcs = kVs + kTile;
-  static constexpr int kAmax = kKcs + DQK;                    // [8][128]
+  static constexpr int kKs = 0, kVs = kKs + kNbQK * kTile, kKcs = kVs + kNbV * kTile;  // [block][128]
+  static constexpr int kAmax = kKcs + kWk;                    // [8][128]
   static constexpr int kRowInv = kAmax + kWarps * kTile;      // per column
   static constexpr int kRowSc = kRowInv + kTile;              // per column
   static constexpr int kRowSq = kRowSc + kTile;               // per query (natural)
-  static constexpr int kFStage = kRowSq + kTile;              // [2] per-stage floats:
-  static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;  // per column
-  static constexpr int kSQcs = 4 * kTile, kSDOcs = kSQcs + DQK;                          // per channel
-  static constexpr int kFStageFloats = kSDOcs + DV;
-  static constexpr int kFloats = kFStage + 2 * kFStageFloats;
+  static constexpr int kFStage = kRowSq + kTile;              // [kStages] per-stage floats:
+  static constexpr int kSQs = 0, kSDOs = kNbQK * kTile;       //   per column, [block][128]
+  static constexpr int kSLse = kSDOs + kNbV * kTile, kSDelta = kSLse + kTile;  // per column
+  static constexpr int kSQcs = kSDelta + kTile, kSDOcs = kSQcs + kWk;          // per channel
+  static constexpr int kFStageFloats = kSDOcs + kWv;
+  static constexpr int kFloats = kFStage + kStages * kFStageFloats;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kDS % 1024 == 0, "1024-byte aligned swizzled tiles");
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
@@ -542,13 +707,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   float* sRowSc = sf + L::kRowSc;
   float* sRowSq = sf + L::kRowSq;
 
-  const int n_tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  constexpr bool kSliced = L::kSliced;
+  const int n_tile = blockIdx.x, hk = blockIdx.y / L::kSlices, b = blockIdx.z;
+  // This CTA's output columns: dK/dQ [cb, cb + wk), dV [cb, cb + wv).
+  const int slice = kSliced ? static_cast<int>(blockIdx.y) % L::kSlices : 0;
+  const int cb = 128 * slice;
+  const int wk = kSliced ? max(0, min(L::kWk, DQK - cb)) : DQK;
+  const int wv = kSliced ? max(0, min(L::kWv, DV - cb)) : DV;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int group = p.num_heads_q / p.num_heads_kv;
   const int nblk_q = (Sq + kTile - 1) / kTile, nblk_k = (Sk + kTile - 1) / kTile;
   const int n0 = n_tile * kTile;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const bool diag = p.diag != nullptr;
+  // NOTE: the diagnostics' row sums are over keys only: one slice adds them.
+  const bool diag = p.diag != nullptr && slice == 0;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
   const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * Sq;
 
@@ -570,67 +742,132 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   const int per_head = nblk_q - m_first;
   const int n_iters = group * per_head;
 
-  auto issue_query = [&](int it) {
-    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it & 1;
+  // Query-side tiles of tile pair `it` into stage st: the row tiles (#3, #4
+  // operands, with their scales, LSE and delta) and this slice's column tiles
+  // (#5, #7 operands).
+  auto issue_rows = [&](int it, int st) {
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head;
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     float* F = sf + L::kFStage + st * L::kFStageFloats;
     cp_rows<DQK, true, kTile>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq);
     cp_rows<DV, true, kTile>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq);
-    cp_cols<DQK>(S + L::kSQc, p.q_colT + bhq * DQK * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
-    cp_cols<DV>(S + L::kSDOc, p.do_colT + bhq * DV * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
     auto q_idx = [&](int i) -> int64_t {
       const int r = m0 + q_of_col(i);
       return r < Sq ? bhq * Sq + r : -1;
     };
-    cp_floats(F + L::kSQs, p.q_row_s, kTile, q_idx);
-    cp_floats(F + L::kSDOs, p.do_row_s, kTile, q_idx);
+    if constexpr (kSliced) {
+      // scale of tile column i % 128, head-dim block i / 128
+      auto q_idx_qk = [&](int i) -> int64_t {
+        const int r = m0 + q_of_col(i % kTile);
+        return r < Sq ? (bhq * Sq + r) * L::kNbQK + i / kTile : -1;
+      };
+      auto q_idx_v = [&](int i) -> int64_t {
+        const int r = m0 + q_of_col(i % kTile);
+        return r < Sq ? (bhq * Sq + r) * L::kNbV + i / kTile : -1;
+      };
+      cp_floats(F + L::kSQs, p.q_row_s, L::kNbQK * kTile, q_idx_qk);
+      cp_floats(F + L::kSDOs, p.do_row_s, L::kNbV * kTile, q_idx_v);
+    } else {
+      cp_floats(F + L::kSQs, p.q_row_s, kTile, q_idx);
+      cp_floats(F + L::kSDOs, p.do_row_s, kTile, q_idx);
+    }
     cp_floats(F + L::kSLse, p.lse, kTile, q_idx);
     cp_floats(F + L::kSDelta, p.delta, kTile, q_idx);
-    cp_floats(F + L::kSQcs, p.q_col_s, DQK, [&](int i) -> int64_t { return (bhq * DQK + i) * nblk_q + m_tile; });
-    cp_floats(F + L::kSDOcs, p.do_col_s, DV, [&](int i) -> int64_t { return (bhq * DV + i) * nblk_q + m_tile; });
+  };
+  auto issue_cols = [&](int it, int st) {
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head;
+    const int m0 = m_tile * kTile;
+    const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+    uint8_t* S = smem + L::kStage + st * L::kStageBytes;
+    float* F = sf + L::kFStage + st * L::kFStageFloats;
+    if constexpr (kSliced) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (64 * h < wk)
+          cp_cols<64>(S + L::kSQc + h * 64 * 128, p.q_colT + (bhq * DQK + cb + 64 * h) * p.seqlen_q_pad,
+                      p.seqlen_q_pad, m0, Sq);
+        if (64 * h < wv)
+          cp_cols<64>(S + L::kSDOc + h * 64 * 128, p.do_colT + (bhq * DV + cb + 64 * h) * p.seqlen_q_pad,
+                      p.seqlen_q_pad, m0, Sq);
+      }
+    } else {
+      cp_cols<DQK>(S + L::kSQc, p.q_colT + bhq * DQK * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
+      cp_cols<DV>(S + L::kSDOc, p.do_colT + bhq * DV * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
+    }
+    cp_floats(F + L::kSQcs, p.q_col_s, wk,
+              [&](int i) -> int64_t { return (bhq * DQK + cb + i) * nblk_q + m_tile; });
+    cp_floats(F + L::kSDOcs, p.do_col_s, wv,
+              [&](int i) -> int64_t { return (bhq * DV + cb + i) * nblk_q + m_tile; });
   };
 
-  // Key side (once) + the first query tile: cp.async group 0.
+  // Key side (once) + the first query tile: cp.async group 0 (sliced: the
+  // first column tiles load at the top of the loop).
   cp_rows<DQK, false, kTile>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk);
   cp_rows<DV, false, kTile>(smem + L::kV, p.v_row + bhk * Sk * DV, n0, Sk);
-  cp_cols<DQK>(smem + L::kKc, p.k_colT + bhk * DQK * p.seqlen_k_pad, p.seqlen_k_pad, n0, Sk);
-  auto k_idx = [&](int i) -> int64_t {
-    const int r = n0 + k_of_row(i);
-    return r < Sk ? bhk * Sk + r : -1;
-  };
-  cp_floats(sf + L::kKs, p.k_row_s, kTile, k_idx);
-  cp_floats(sf + L::kVs, p.v_row_s, kTile, k_idx);
-  cp_floats(sf + L::kKcs, p.k_col_s, DQK, [&](int i) -> int64_t { return (bhk * DQK + i) * nblk_k + n_tile; });
-  if (n_iters > 0) issue_query(0);
+  if constexpr (kSliced) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (64 * h < wk)
+        cp_cols<64>(smem + L::kKc + h * 64 * 128, p.k_colT + (bhk * DQK + cb + 64 * h) * p.seqlen_k_pad,
+                    p.seqlen_k_pad, n0, Sk);
+    auto k_idx_qk = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i % kTile);
+      return r < Sk ? (bhk * Sk + r) * L::kNbQK + i / kTile : -1;
+    };
+    auto k_idx_v = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i % kTile);
+      return r < Sk ? (bhk * Sk + r) * L::kNbV + i / kTile : -1;
+    };
+    cp_floats(sf + L::kKs, p.k_row_s, L::kNbQK * kTile, k_idx_qk);
+    cp_floats(sf + L::kVs, p.v_row_s, L::kNbV * kTile, k_idx_v);
+  } else {
+    cp_cols<DQK>(smem + L::kKc, p.k_colT + bhk * DQK * p.seqlen_k_pad, p.seqlen_k_pad, n0, Sk);
+    auto k_idx = [&](int i) -> int64_t {
+      const int r = n0 + k_of_row(i);
+      return r < Sk ? bhk * Sk + r : -1;
+    };
+    cp_floats(sf + L::kKs, p.k_row_s, kTile, k_idx);
+    cp_floats(sf + L::kVs, p.v_row_s, kTile, k_idx);
+  }
+  cp_floats(sf + L::kKcs, p.k_col_s, wk, [&](int i) -> int64_t { return (bhk * DQK + cb + i) * nblk_k + n_tile; });
+  if (n_iters > 0) {
+    issue_rows(0, 0);
+    if constexpr (!kSliced) issue_cols(0, 0);
+  }
   cp_commit();
 
-  float dk_acc[DQK / 64][8][4], dv_acc[DV / 64][8][4];
+  float dk_acc[L::kWk / 64][8][4], dv_acc[L::kWv / 64][8][4];
 #pragma unroll
-  for (int h = 0; h < DQK / 64; ++h)
+  for (int h = 0; h < L::kWk / 64; ++h)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk_acc[h][j][e] = 0.f;
 #pragma unroll
-  for (int h = 0; h < DV / 64; ++h)
+  for (int h = 0; h < L::kWv / 64; ++h)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
 
   for (int it = 0; it < n_iters; ++it) {
-    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it & 1;
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it % L::kStages;
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
     lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
     fence_async_smem();
     // Tile it visible to all; everyone is done with iteration it - 1, so the
-    // other stage and sDS are free.
+    // other stage (sliced: the column tiles) and sDS are free.
     __syncthreads();
-    if (it + 1 < n_iters) issue_query(it + 1);
+    if constexpr (kSliced) {
+      issue_cols(it, st);
+    } else if (it + 1 < n_iters) {
+      issue_rows(it + 1, st ^ 1);
+      issue_cols(it + 1, st ^ 1);
+    }
     cp_commit();
     const uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
@@ -646,15 +883,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     constexpr bool kEarlyDp = DV <= 64;
     float pt[16][4];
     float dpe[kEarlyDp ? 2 : 1][8][4];
-    wg_issue_s<DQK, kTile>(sK, sQ, warp, pt);
-    if constexpr (kEarlyDp) {
-      wg_issue_dp<DV, FMT>(sV, sdO, warp, 0, dpe[0]);
-      wg_issue_dp<DV, FMT>(sV, sdO, warp, 1, dpe[1]);
-      wg_wait<2>();
+    if constexpr (kSliced) {
+      wg_compute_s<DQK, kTile>(sK, sQ, sKs, F + L::kSQs, warp, lane, pt);
     } else {
-      wg_wait<0>();
+      wg_issue_s<DQK, kTile>(sK, sQ, warp, pt);
+      if constexpr (kEarlyDp) {
+        wg_issue_dp<DV, FMT>(sV, sdO, warp, 0, dpe[0]);
+        wg_issue_dp<DV, FMT>(sV, sdO, warp, 1, dpe[1]);
+        wg_wait<2>();
+      } else {
+        wg_wait<0>();
+      }
+      wg_scale_s<kTile>(sKs, F + L::kSQs, warp, lane, pt);
     }
-    wg_scale_s<kTile>(sKs, F + L::kSQs, warp, lane, pt);
     if (interior)
       wg_tile_p<false, kTile>(pt, F + L::kSLse, tg, warp, lane);
     else
@@ -670,11 +911,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float(&dp)[8][4] = dpe[kEarlyDp ? half : 0];
-      if constexpr (!kEarlyDp) {
-        wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
-        wg_wait<0>();
+      if constexpr (kSliced) {
+        wg_compute_dp<DV, FMT, kTile>(sV, sdO, sVs, F + L::kSDOs, warp, lane, half, dp);
+      } else {
+        if constexpr (!kEarlyDp) {
+          wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+          wg_wait<0>();
+        }
+        wg_scale_dp(sVs, F + L::kSDOs, warp, lane, half, dp);
       }
-      wg_scale_dp(sVs, F + L::kSDOs, warp, lane, half, dp);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int j = 8 * half + jj;
@@ -693,13 +938,25 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       }
     }
 
+    // Sliced: this pair's column tiles are in; the row tiles are free (every
+    // S/dP wgmma completed, the row scales, LSE and delta read): load the
+    // next pair's rows under dV, dK and dQ.
+    if constexpr (kSliced) {
+      cp_wait<0>();
+      fence_async_smem();
+      __syncthreads();
+      if (it + 1 < n_iters) issue_rows(it + 1, st);
+      cp_commit();
+    }
+
     // ---- dV += P^T dO (#5).
     // NOTE: N = 32 chunks at d = 128 keep the partial small (registers).
-    constexpr int kNv = DV > 64 ? 32 : 64;
+    constexpr int kNv = L::kWv > 64 ? 32 : 64;
 #pragma unroll
-    for (int h = 0; h < DV / kNv; ++h)
-      wg_rows_x_tile<kFmtE4M3, FMT, kNv>(codes_p, sp0, sp1, sdOc + h * kNv * 128, F + L::kSDOcs + kNv * h, lane,
-                                         &dv_acc[0][0][0] + h * (kNv / 2));
+    for (int h = 0; h < L::kWv / kNv; ++h)
+      if (kNv * h < wv)
+        wg_rows_x_tile<kFmtE4M3, FMT, kNv>(codes_p, sp0, sp1, sdOc + h * kNv * 128, F + L::kSDOcs + kNv * h, lane,
+                                           &dv_acc[0][0][0] + h * (kNv / 2));
 
     // ---- Diagnostics: pre-cast row sums of dS over this tile's keys (sum,
     // then sum of |.|, one at a time to keep registers low).
@@ -802,9 +1059,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       const uint8_t* a = sDS + (warp >> 2) * (64 * 128);
       const int q0 = warp * 16 + g;
       const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
-      float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + q0) * DQK;
+      float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb;
 #pragma unroll
-      for (int h = 0; h < DQK / 64; ++h) {
+      for (int h = 0; h < L::kWk / 64; ++h) {
+        if (64 * h >= wk) continue;
         float pk[8][4], pq[8][4];
         fence_regs<32>(&pk[0][0]);
         fence_regs<32>(&pq[0][0]);
@@ -860,22 +1118,26 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     const int key = n0 + k_of_row(warp * 16 + g + 8 * hh);
     if (key >= Sk) continue;
 #pragma unroll
-    for (int h = 0; h < DQK / 64; ++h)
+    for (int h = 0; h < L::kWk / 64; ++h) {
+      if (64 * h >= wk) continue;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
-        const int c = 64 * h + 8 * jj + 2 * t;
+        const int c = cb + 64 * h + 8 * jj + 2 * t;
         const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(dk_acc[h][jj][2 * hh], p.softmax_scale),
                                                        __fmul_rn(dk_acc[h][jj][2 * hh + 1], p.softmax_scale));
         *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk + key) * DQK + c) = v;
       }
+    }
 #pragma unroll
-    for (int h = 0; h < DV / 64; ++h)
+    for (int h = 0; h < L::kWv / 64; ++h) {
+      if (64 * h >= wv) continue;
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
-        const int c = 64 * h + 8 * jj + 2 * t;
+        const int c = cb + 64 * h + 8 * jj + 2 * t;
         const __nv_bfloat162 v = __floats2bfloat162_rn(dv_acc[h][jj][2 * hh], dv_acc[h][jj][2 * hh + 1]);
         *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk + key) * DV + c) = v;
       }
+    }
   }
 }
 
@@ -894,28 +1156,32 @@ void check(const char* what) {
 
 template <class F>
 void dispatch_wgmma(const KernelParams& p, F&& f) {
-  auto with_fmt = [&](auto d) {
+  auto with_fmt = [&](auto dqk, auto dv) {
     if (p.grad_format == kFmtE5M2)
-      f(d, Int<kFmtE5M2>{});
+      f(dqk, dv, Int<kFmtE5M2>{});
     else
-      f(d, Int<kFmtE4M3>{});
+      f(dqk, dv, Int<kFmtE4M3>{});
   };
-  if (p.head_dim_qk == 64 && p.head_dim_v == 64) return with_fmt(Int<64>{});
-  if (p.head_dim_qk == 128 && p.head_dim_v == 128) return with_fmt(Int<128>{});
-  throw std::runtime_error("fp8attn: argument 'head_dim': the wgmma backward supports 64 and 128");
+  if (p.head_dim_qk == 64 && p.head_dim_v == 64) return with_fmt(Int<64>{}, Int<64>{});
+  if (p.head_dim_qk == 128 && p.head_dim_v == 128) return with_fmt(Int<128>{}, Int<128>{});
+  if (p.head_dim_qk == 256 && p.head_dim_v == 256) return with_fmt(Int<256>{}, Int<256>{});
+  if (p.head_dim_qk == 192 && p.head_dim_v == 128) return with_fmt(Int<192>{}, Int<128>{});
+  throw std::runtime_error(
+      "fp8attn: argument 'head_dim': the wgmma backward supports (64, 64), (128, 128), (256, 256) and (192, 128)");
 }
 
 }  // namespace
 
 bool wgmma_supported(const KernelParams& p) {
-  return p.head_dim_qk == p.head_dim_v && (p.head_dim_qk == 64 || p.head_dim_qk == 128);
+  return (p.head_dim_qk == p.head_dim_v && (p.head_dim_qk == 64 || p.head_dim_qk == 128 || p.head_dim_qk == 256)) ||
+         (p.head_dim_qk == 192 && p.head_dim_v == 128);
 }
 
 void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
-  dispatch_wgmma(p, [&](auto d, auto fmt) {
-    constexpr int D = decltype(d)::value, FMT = decltype(fmt)::value;
-    using L = WgPrepassLayout<D, D>;
-    auto kernel = bwd_wgmma_prepass_kernel<D, D, FMT>;
+  dispatch_wgmma(p, [&](auto dqk, auto dv, auto fmt) {
+    constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
+    using L = WgPrepassLayout<DQK, DV>;
+    auto kernel = bwd_wgmma_prepass_kernel<DQK, DV, FMT>;
     set_smem(kernel, L::kBytes, "bwd wgmma pre-pass");
     const dim3 grid((p.seqlen_q + kPreQ - 1) / kPreQ, p.num_heads_q, p.batch);
     kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
@@ -924,12 +1190,12 @@ void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
 }
 
 void launch_wgmma_main(const KernelParams& p, cudaStream_t stream) {
-  dispatch_wgmma(p, [&](auto d, auto fmt) {
-    constexpr int D = decltype(d)::value, FMT = decltype(fmt)::value;
-    using L = WgMainLayout<D, D>;
-    auto kernel = bwd_wgmma_main_kernel<D, D, FMT>;
+  dispatch_wgmma(p, [&](auto dqk, auto dv, auto fmt) {
+    constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
+    using L = WgMainLayout<DQK, DV>;
+    auto kernel = bwd_wgmma_main_kernel<DQK, DV, FMT>;
     set_smem(kernel, L::kBytes, "bwd wgmma main");
-    const dim3 grid((p.seqlen_k + kTile - 1) / kTile, p.num_heads_kv, p.batch);
+    const dim3 grid((p.seqlen_k + kTile - 1) / kTile, p.num_heads_kv * L::kSlices, p.batch);
     kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
     check("bwd wgmma main");
   });

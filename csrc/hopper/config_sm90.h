@@ -102,7 +102,8 @@ constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8
 constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, head_dim 64/128): two
+// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, every head_dim; d > 128
+// in 128-column output slices per main-kernel CTA): two
 // consumer warpgroups, warp w owning key rows [16w, 16w+16) as above; shared
 // operand tiles are rows of kWgRowBytes (one 128-byte swizzle atom, K-major);
 // the Delta-Matching pre-pass takes kWgPreQ queries per CTA (<= 128 registers,
