@@ -45,11 +45,10 @@ Backends:
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import warnings
 from typing import Callable, Iterable, Optional, Tuple, Union
-
-import os
 
 import torch
 import torch.nn as nn

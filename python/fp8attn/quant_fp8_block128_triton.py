@@ -181,8 +181,9 @@ def quantize_1x128(x: torch.Tensor, fmt: str, rows_out: int = None, cols_out: in
         # input) 64 x 2 bytes per load row still coalesce; triton specializes stride 1.
         br = 64
         grid = (triton.cdiv(rows_out, br), nb)
-        _q1x128_kernel[grid](x, q.view(torch.uint8), s, r, c, rows_out, cols_out, x.stride(0), x.stride(1),
-                             q.stride(0), s.stride(0), s.stride(1), P=p, FP8=tfp8, BLOCK_R=br, num_warps=8)
+        with torch.cuda.device(x.device):
+            _q1x128_kernel[grid](x, q.view(torch.uint8), s, r, c, rows_out, cols_out, x.stride(0), x.stride(1),
+                                 q.stride(0), s.stride(0), s.stride(1), P=p, FP8=tfp8, BLOCK_R=br, num_warps=8)
     return q, s
 
 
@@ -204,9 +205,10 @@ def quantize_1x128_dual(x: torch.Tensor, fmt: str, rows_out: int = None, outer_m
     st = _scales(c, nbr, outer_major, x.device)
     if rows_out and c:
         grid = (nbr, c // _BLOCK)
-        _q1x128_dual_kernel[grid](x, q.view(torch.uint8), s, qt.view(torch.uint8), st, r, c, rows_out,
-                                  x.stride(0), x.stride(1), s.stride(0), s.stride(1), st.stride(0), st.stride(1),
-                                  P=p, FP8=tfp8, num_warps=8)
+        with torch.cuda.device(x.device):
+            _q1x128_dual_kernel[grid](x, q.view(torch.uint8), s, qt.view(torch.uint8), st, r, c, rows_out,
+                                      x.stride(0), x.stride(1), s.stride(0), s.stride(1), st.stride(0),
+                                      st.stride(1), P=p, FP8=tfp8, num_warps=8)
     return q, s, qt, st
 
 
@@ -220,6 +222,7 @@ def quantize_128x128(w: torch.Tensor, fmt: str):
     q = torch.empty(r, c, dtype=dt, device=w.device)
     s = torch.empty(nr, nc, dtype=torch.float32, device=w.device)
     if r and c:
-        _q128x128_kernel[(nr, nc)](w, q.view(torch.uint8), s, r, c, w.stride(0), w.stride(1),
-                                   s.stride(0), s.stride(1), P=p, FP8=tfp8, num_warps=8)
+        with torch.cuda.device(w.device):
+            _q128x128_kernel[(nr, nc)](w, q.view(torch.uint8), s, r, c, w.stride(0), w.stride(1),
+                                       s.stride(0), s.stride(1), P=p, FP8=tfp8, num_warps=8)
     return q, s
