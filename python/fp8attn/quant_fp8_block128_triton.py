@@ -83,7 +83,9 @@ if _HAVE_TRITON:
         q = (x * r).to(FP8).to(tl.uint8, bitcast=True)
         return tl.where(is_nan, (q & 0) | 0x7F, q)
 
-    @triton.jit
+    # NOTE: no specialization on the scale strides (nor on R for the dual kernel, whose
+    # loads run along C): fewer compiles per shape, and those stores are scalar per row.
+    @triton.jit(do_not_specialize=["ss_r", "ss_b"])
     def _q1x128_kernel(x_ptr, q_ptr, s_ptr, R, C, R_out, C_out, sx_r, sx_c, sq_r, ss_r, ss_b,
                        P: tl.constexpr, FP8: tl.constexpr, BLOCK_R: tl.constexpr):
         """Blocks of 128 along the logical columns of x [R, C] (strides sx_r, sx_c).
@@ -102,7 +104,7 @@ if _HAVE_TRITON:
         tl.store(q_ptr + rows64[:, None] * sq_r + cols64[None, :], q, mask=m_out)
         tl.store(s_ptr + rows64 * ss_r + tl.program_id(1) * ss_b, s, mask=rows < R_out)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R", "ss_r", "ss_b", "sst_c", "sst_b"])
     def _q1x128_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, R_out, sx_r, sx_c,
                             ss_r, ss_b, sst_c, sst_b,
                             P: tl.constexpr, FP8: tl.constexpr):
