@@ -474,6 +474,59 @@ def _same(a, b):
             and torch.equal(a[1].cpu().view(torch.int32), b[1].cpu().view(torch.int32)))
 
 
+def _sm90_ptx(fn, sig, consts):
+    """PTX of a triton kernel compiled ahead of time for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return k.asm["ptx"]
+
+
+def _inexact_ops(ptx):
+    """Instructions that would break bit-exactness: flush-to-zero, division (IEEE or
+    approximate), approximate math; and the RNE saturating FP8 cast must be there."""
+    bad = sorted({w for w in ("ftz", "div.", "approx") if w in ptx})
+    return bad + ([] if "cvt.rn.satfinite.e" in ptx else ["no cvt.rn.satfinite"])
+
+
+@pytest.mark.skipif(not L._TQ._HAVE_TRITON, reason="needs triton")
+def test_fused_quantizer_ptx_is_exact():
+    """Runs without a GPU: the fused kernels compile for sm_90 and use only exact
+    operations (integer amax, multiply by an exact power of two, one RNE cast):
+    no .ftz (would flush subnormal inputs), no division, no approximate math."""
+    import triton
+    import triton.language as tl
+    TQ = L._TQ
+    q1 = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": "i32", "C": "i32", "R_out": "i32",
+          "C_out": "i32", "sx_r": "i32", "sx_c": "constexpr", "sq_r": "i32", "ss_r": "i32", "ss_b": "i32",
+          "P": "constexpr", "FP8": "constexpr", "BLOCK_R": "constexpr"}
+    dual = {"x_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32", "R": "i32",
+            "C": "i32", "R_out": "i32", "sx_r": "i32", "sx_c": "constexpr", "ss_r": "i32", "ss_b": "i32",
+            "sst_c": "i32", "sst_b": "i32", "P": "constexpr", "FP8": "constexpr"}
+    w = {"w_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "R": "i32", "C": "i32", "sw_r": "i32",
+         "sw_c": "constexpr", "ss_r": "i32", "ss_c": "constexpr", "P": "constexpr", "FP8": "constexpr"}
+    ptxs = [_sm90_ptx(TQ._q1x128_kernel, q1, {"sx_c": 1, "P": 9, "FP8": tl.float8e4nv, "BLOCK_R": 64}),
+            _sm90_ptx(TQ._q1x128_dual_kernel, dual, {"sx_c": 1, "P": 16, "FP8": tl.float8e5}),
+            _sm90_ptx(TQ._q128x128_kernel, w, {"sw_c": 1, "ss_c": 1, "P": 9, "FP8": tl.float8e4nv})]
+    for ptx in ptxs:
+        assert _inexact_ops(ptx) == [], _inexact_ops(ptx)
+        assert "mul.f32" in ptx or "mul.rn.f32" in ptx
+    assert "cvt.rn.satfinite.e5m2x2.f32" in ptxs[1] and "cvt.rn.satfinite.e4m3x2.f32" in ptxs[0]
+
+    # the check sees what it guards against: a quantizer dividing by the scale and
+    # using approximate math is flagged
+    @triton.jit
+    def divide(x_ptr, s_ptr, q_ptr):
+        o = tl.arange(0, 128)
+        y = tl.exp(tl.load(x_ptr + o)) / tl.load(s_ptr)
+        tl.store(q_ptr + o, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+
+    bad = _inexact_ops(_sm90_ptx(divide, {"x_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*u8"}, {}))
+    assert "div." in bad and "approx" in bad, bad
+
+
 @cuda_triton
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_cuda_fused_quantizers_bit_identical(fmt):
