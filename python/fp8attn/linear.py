@@ -21,6 +21,13 @@ quantizer here gives the same codes and scales as `fp8attn.quantize_blockwise`
 (tested bit for bit). A short last block (K not a multiple of 128) is a shorter
 block, as in the reference; that equals zero padding to 128.
 
+Quantizers: on CUDA one fused Triton kernel per quantization
+(fp8attn/quant_fp8_block128_triton.py; bit-identical to the torch ops used on
+CPU; FP8ATTN_FUSED_QUANT=0 or `FUSED_QUANT = False` selects the torch ops). With
+"scaled_mm" the forward quantizes x along K and, when W needs a gradient, x^T
+along the tokens from the same read, and saves only the FP8 x^T (and the
+weight codes) for backward; backward quantizes dy both ways from one read.
+
 Backends:
   "scaled_mm"  CUDA: cuBLASLt block-scaled GEMMs through
                torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 /
@@ -38,6 +45,7 @@ Backends:
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import warnings
 from typing import Callable, Iterable, Optional, Tuple, Union
@@ -46,6 +54,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import quant_fp8_block128_triton as _TQ
+
 __all__ = ["FP8Linear", "fp8_linear", "convert_to_fp8_linear", "quantize_1x128", "quantize_128x128",
            "dequantize_1x128", "dequantize_128x128", "scaled_mm_available", "BACKENDS"]
 
@@ -53,6 +63,14 @@ BACKENDS = ("auto", "scaled_mm", "emulated")
 _FMT = {"e4m3": (torch.float8_e4m3fn, 448.0, 9), "e5m2": (torch.float8_e5m2, 57344.0, 16)}
 # fp8_max = 0.875 * 2^p for both formats (448 = 0.875 * 2^9, 57344 = 0.875 * 2^16).
 _BLOCK = 128
+# Fused Triton quantizers for CUDA tensors (fp8attn/quant_fp8_block128_triton.py):
+# same codes and scales as the torch ops below. FP8ATTN_FUSED_QUANT=0 turns them off.
+FUSED_QUANT = os.environ.get("FP8ATTN_FUSED_QUANT", "1") != "0"
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """True when `t` is quantized by the fused Triton kernels (CUDA, triton present)."""
+    return FUSED_QUANT and t.is_cuda and _TQ.available()
 
 
 def _err(arg: str, msg: str) -> str:
@@ -66,7 +84,8 @@ def _fmt(fmt: str, arg: str = "fmt"):
 
 
 # ----------------------------------------------------------------------------
-# Quantizers (numerics.md section 2), torch ops only: same on CPU and CUDA
+# Quantizers (numerics.md section 2): torch ops (CPU, and CUDA without triton),
+# fused Triton kernels on CUDA (bit-identical; tests/python/test_linear.py)
 # ----------------------------------------------------------------------------
 
 def _scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -84,6 +103,23 @@ def _scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
+_NAN_CODE = 0x7F  # S=0 NaN in E4M3 (S.1111.111) and E5M2 (S.11111.11)
+
+
+def _canonical_nan_codes(codes: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """codes (fp8), s: the block scales, broadcastable to codes: every code of a
+    NaN-scale block -> 0x7F.
+
+    NOTE: x / NaN is NaN, but its sign (and so the code 0x7F or 0xFF) depends on
+    the hardware's NaN propagation; one fixed code makes the codes the same on every
+    device and in the fused kernels. Either way the block decodes to NaN."""
+    nanb = torch.isnan(s)
+    if codes.device.type == "cpu" and not bool(nanb.any()):
+        return codes
+    u = codes.view(torch.uint8)
+    return torch.where(nanb, torch.full_like(u, _NAN_CODE), u).view(codes.dtype)
+
+
 def quantize_1x128(x: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, torch.Tensor]:
     """Blocks of 128 consecutive elements along the last dim of a 2-D tensor.
 
@@ -94,16 +130,27 @@ def quantize_1x128(x: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, to
         (codes, scales): codes [R, C] torch.float8_e4m3fn / float8_e5m2, contiguous;
         scales [R, ceil(C / 128)] float32 (decode: x ~= codes.float() * scale).
         The last block is shorter when C % 128 != 0 (same as zero padding).
+        A block holding NaN or +-inf: scale NaN, every code 0x7F (a NaN code).
+        CUDA tensors go through one fused Triton kernel (pass x.t() to quantize
+        the transpose: the transpose is fused too), with the same codes and scales.
     Raises:
         ValueError: rank != 2, non-float dtype or bad fmt.
     Math: docs/numerics.md section 2 (same codes and scales as
-    fp8attn.quantize_blockwise(x, dim=-1, block_size=128, fmt)).
+    fp8attn.quantize_blockwise(x, dim=-1, block_size=128, fmt) outside NaN blocks).
     """
     dt, _, _ = _fmt(fmt)
     if x.dim() != 2:
         raise ValueError(_err("x", f"expected a 2-D tensor, got shape {tuple(x.shape)}"))
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(_err("x", f"dtype must be float32, bfloat16 or float16, got {x.dtype}"))
+    if _fused(x):
+        return _TQ.quantize_1x128(x, fmt)
+    return _quantize_1x128_torch(x, fmt)
+
+
+def _quantize_1x128_torch(x: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_1x128 with torch ops (no argument checks)."""
+    dt, _, _ = _FMT[fmt]
     r, c = x.shape
     nb = -(-c // _BLOCK)
     # NOTE: contiguous first: elementwise ops keep an input's strides, and a
@@ -115,7 +162,7 @@ def quantize_1x128(x: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, to
     # NOTE: amax propagates NaN; +-inf gives an inf amax; both give a NaN scale.
     amax = xb.abs().amax(dim=-1)
     s = _scale_from_amax(amax, fmt)
-    codes = (xb / s.unsqueeze(-1)).to(dt).reshape(r, nb * _BLOCK)
+    codes = _canonical_nan_codes((xb / s.unsqueeze(-1)).to(dt), s.unsqueeze(-1)).reshape(r, nb * _BLOCK)
     if c % _BLOCK:
         codes = codes[:, :c].contiguous()
     return codes, s
@@ -129,7 +176,8 @@ def quantize_128x128(w: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, 
         fmt: "e4m3" or "e5m2".
     Returns:
         (codes [R, C] fp8 dtype, scales [ceil(R / 128), ceil(C / 128)] float32).
-        Edge tiles are smaller when R or C is not a multiple of 128.
+        Edge tiles are smaller when R or C is not a multiple of 128. A tile holding
+        NaN or +-inf: scale NaN, codes 0x7F. CUDA: one fused Triton kernel (same result).
     Raises:
         ValueError: rank != 2, non-float dtype or bad fmt.
     Math: docs/numerics.md section 2 with a 2-D block (section 8).
@@ -139,6 +187,14 @@ def quantize_128x128(w: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, 
         raise ValueError(_err("w", f"expected a 2-D tensor, got shape {tuple(w.shape)}"))
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(_err("w", f"dtype must be float32, bfloat16 or float16, got {w.dtype}"))
+    if _fused(w):
+        return _TQ.quantize_128x128(w, fmt)
+    return _quantize_128x128_torch(w, fmt)
+
+
+def _quantize_128x128_torch(w: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_128x128 with torch ops (no argument checks)."""
+    dt, _, _ = _FMT[fmt]
     r, c = w.shape
     nr, nc = -(-r // _BLOCK), -(-c // _BLOCK)
     wf = w.float().contiguous()
@@ -147,7 +203,8 @@ def quantize_128x128(w: torch.Tensor, fmt: str = "e4m3") -> Tuple[torch.Tensor, 
     wb = wf.reshape(nr, _BLOCK, nc, _BLOCK)
     amax = wb.abs().amax(dim=(1, 3))
     s = _scale_from_amax(amax, fmt)
-    codes = (wb / s[:, None, :, None]).to(dt).reshape(nr * _BLOCK, nc * _BLOCK)
+    sb = s[:, None, :, None]
+    codes = _canonical_nan_codes((wb / sb).to(dt), sb).reshape(nr * _BLOCK, nc * _BLOCK)
     if r % _BLOCK or c % _BLOCK:
         codes = codes[:r, :c].contiguous()
     return codes, s
@@ -244,29 +301,77 @@ def _resolve_backend(backend: str, x2: torch.Tensor, weight: torch.Tensor, grad_
     return "emulated" if why else "scaled_mm"
 
 
+def _direct(dt: torch.dtype) -> torch.dtype:
+    """Output dtype to ask the 1x128 x 128x128 GEMM for: BF16 and FP32 as asked (both
+    measured on the H200), else FP32 (converted afterwards)."""
+    return dt if dt in (torch.bfloat16, torch.float32) else torch.float32
+
+
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = (-t.shape[0]) % _BLOCK
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
+# Operands of the scaled_mm GEMMs: t [M, C] with M zero-padded to mp (a multiple of
+# 128, cuBLASLt's rule); scales come back in (or are later copied to) the layout
+# cuBLASLt wants. CUDA: fused kernels (no padded copy of t, no separate transpose).
+
+def _q_rows(t: torch.Tensor, fmt: str, mp: int):
+    """1x128 blocks along C: (codes [mp, C], scales [mp, C/128])."""
+    if _fused(t):
+        return _TQ.quantize_1x128(t, fmt, rows_out=mp, outer_major=True)
+    return _quantize_1x128_torch(_pad_rows(t), fmt)
+
+
+def _q_cols(t: torch.Tensor, fmt: str, mp: int):
+    """1x128 blocks along the tokens, i.e. of t^T: (codes [C, mp], scales [C, mp/128])."""
+    if _fused(t):
+        return _TQ.quantize_1x128(t.t(), fmt, cols_out=mp, outer_major=True)
+    return _quantize_1x128_torch(_pad_rows(t).t(), fmt)
+
+
+def _q_rows_cols(t: torch.Tensor, fmt: str, mp: int):
+    """_q_rows and _q_cols of t; on CUDA from one read of t (C % 128 == 0)."""
+    if _fused(t):
+        return _TQ.quantize_1x128_dual(t, fmt, rows_out=mp, outer_major=True)
+    return (*_q_rows(t, fmt, mp), *_q_cols(t, fmt, mp))
+
+
 class _FP8LinearFn(torch.autograd.Function):
-    """x2 [M, K], weight [N, K], bias [N] or None -> y [M, N] (see module docstring)."""
+    """x2 [M, K], weight [N, K], bias [N] or None -> y [M, N] (see module docstring).
+
+    Saved for backward: the forward's weight codes and tile scales (dgrad reuses
+    them, transposed) and, with the scaled_mm backend, x^T already quantized along
+    the tokens for wgrad (FP8, half the bytes of a BF16 x; only when the weight
+    needs a gradient) instead of x itself. The emulated backend saves x."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, grad_format, backend, out_dtype):
+    def forward(ctx, x2, weight, bias, grad_format, backend, out_dtype, need_wgrad):
         dev = x2.device.type
+        m = x2.shape[0]
+        xtq = xts = None
         with torch.autocast(dev, enabled=False):
             wq, ws = quantize_128x128(weight, "e4m3")
             if backend == "scaled_mm":
                 # NOTE: cuBLASLt wants M % 128 == 0 here; zero rows add nothing.
-                xq, xs = quantize_1x128(_pad_rows(x2), "e4m3")
-                y = _gemm_1x128_128x128(xq, xs, wq, ws, torch.float32)[:x2.shape[0]]
+                mp = m + (-m) % _BLOCK
+                if need_wgrad:
+                    # wgrad's x^T operand (blocks along tokens) from the same read of x.
+                    xq, xs, xtq, xts = _q_rows_cols(x2, "e4m3", mp)
+                else:
+                    xq, xs = _q_rows(x2, "e4m3", mp)
+                # NOTE: without bias cuBLASLt writes BF16 / FP32 directly (no FP32 y pass).
+                y = _gemm_1x128_128x128(xq, xs, wq, ws, _direct(out_dtype) if bias is None else torch.float32)[:m]
             else:
                 xq, xs = quantize_1x128(x2, "e4m3")
                 y = dequantize_1x128(xq, xs) @ dequantize_128x128(wq, ws).t()
             if bias is not None:
                 y = y + bias.float()
-        ctx.save_for_backward(x2, wq, ws)
+        if backend == "scaled_mm":
+            ctx.save_for_backward(wq, ws, xtq, xts)
+        else:
+            ctx.save_for_backward(wq, ws, x2)
+        ctx.m = m
         ctx.has_bias = bias is not None
         ctx.grad_format, ctx.backend = grad_format, backend
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -275,35 +380,40 @@ class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x2, wq, ws = ctx.saved_tensors
         x_dt, w_dt, b_dt = ctx.dtypes
         gf = ctx.grad_format
-        m = x2.shape[0]
+        m = ctx.m
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(dy.device.type, enabled=False):
             dx = dw = db = None
             if ctx.backend == "scaled_mm":
-                dyp, xp = _pad_rows(dy), _pad_rows(x2)
-                if ctx.needs_input_grad[0]:
-                    # dgrad: reduce over N. dy 1x128 along N; W^T codes reuse the forward tiles.
-                    gq, gs = quantize_1x128(dyp, gf)
-                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), torch.float32)[:m]
-                if ctx.needs_input_grad[1]:
-                    # wgrad: reduce over tokens. dy^T and x^T quantized along the token dim.
-                    gtq, gts = quantize_1x128(dyp.t(), gf)
-                    xtq, xts = quantize_1x128(xp.t(), "e4m3")
+                wq, ws, xtq, xts = ctx.saved_tensors
+                mp = m + (-m) % _BLOCK
+                # dgrad reduces over N: dy 1x128 along N; W^T codes reuse the forward tiles.
+                # wgrad reduces over tokens: dy^T and x^T (saved) quantized along the tokens.
+                if need_dx and need_dw:
+                    gq, gs, gtq, gts = _q_rows_cols(dy, gf, mp)
+                elif need_dx:
+                    gq, gs = _q_rows(dy, gf, mp)
+                elif need_dw:
+                    gtq, gts = _q_cols(dy, gf, mp)
+                if need_dx:
+                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), _direct(x_dt))[:m]
+                if need_dw:
                     dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
             else:
-                if ctx.needs_input_grad[0]:
+                wq, ws, x2 = ctx.saved_tensors
+                if need_dx:
                     gq, gs = quantize_1x128(dy, gf)
                     dx = dequantize_1x128(gq, gs) @ dequantize_128x128(wq, ws)
-                if ctx.needs_input_grad[1]:
+                if need_dw:
                     gtq, gts = quantize_1x128(dy.t(), gf)
                     xtq, xts = quantize_1x128(x2.t(), "e4m3")
                     dw = dequantize_1x128(gtq, gts) @ dequantize_1x128(xtq, xts).t()
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.float().sum(0).to(b_dt)
+                db = dy.sum(0, dtype=torch.float32).to(b_dt)
         return (None if dx is None else dx.to(x_dt), None if dw is None else dw.to(w_dt), db,
-                None, None, None)
+                None, None, None, None)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -345,7 +455,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if x2.shape[0] == 0:
         return (x2.float() @ weight.float().t()).to(out_dtype).reshape(*lead, weight.shape[0])
     be = _resolve_backend(backend, x2, weight, grad_format)
-    y = _FP8LinearFn.apply(x2, weight, bias, grad_format, be, out_dtype)
+    need_wgrad = torch.is_grad_enabled() and weight.requires_grad
+    y = _FP8LinearFn.apply(x2, weight, bias, grad_format, be, out_dtype, need_wgrad)
     return y.reshape(*lead, weight.shape[0])
 
 

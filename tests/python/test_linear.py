@@ -60,6 +60,7 @@ def test_quantize_1x128_matches_reference_op(fmt, cols):
 def test_quantize_nonfinite_block_is_nan_only_there():
     x = torch.randn(3, 256)
     x[0, 5] = float("nan")
+    x[0, 9] = -float("nan")
     x[2, 200] = float("inf")
     codes, s = L.quantize_1x128(x)
     assert math.isnan(s[0, 0]) and math.isnan(s[2, 1])
@@ -67,6 +68,15 @@ def test_quantize_nonfinite_block_is_nan_only_there():
     d = L.dequantize_1x128(codes, s)
     assert torch.isnan(d[0, :128]).all() and torch.isnan(d[2, 128:]).all()
     assert torch.isfinite(d[1]).all() and torch.isfinite(d[0, 128:]).all() and torch.isfinite(d[2, :128]).all()
+    # every code of a NaN block is the one canonical code 0x7F (same on every device and
+    # in the fused CUDA kernels); x / NaN alone would give 0xFF for the -NaN element here
+    u = codes.view(torch.uint8)
+    assert (u[0, :128] == 0x7F).all() and (u[2, 128:] == 0x7F).all()
+    assert int((x[0, 9] / s[0, 0]).to(torch.float8_e4m3fn).view(torch.uint8)) == 0xFF
+    for fmt in ("e4m3", "e5m2"):
+        wc, ws = L.quantize_128x128(x, fmt)
+        assert math.isnan(ws[0, 0]) and math.isnan(ws[0, 1])
+        assert (wc.view(torch.uint8) == 0x7F).all()
 
 
 def slow_tile_quant(w, fmt):
@@ -423,3 +433,185 @@ def test_cuda_auto_falls_back_with_a_warning_and_scaled_mm_refuses():
     with pytest.raises(ValueError, match="E4M3"):
         L.fp8_linear(torch.randn(128, 128, device="cuda"), torch.randn(128, 128, device="cuda"),
                      grad_format="e5m2", backend="scaled_mm")
+
+
+# ---- CUDA: fused (Triton) quantizers vs the torch-op quantizers, bit for bit --------
+
+cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and L._TQ.available()),
+                                 reason="needs a CUDA GPU and triton")
+
+
+def special(rows, cols, seed):
+    """varied() plus the cases a fused quantizer can get wrong: FP32 subnormals (a whole
+    block, and mixed into a normal block), FP32-max-sized values, -0.0, NaN, -NaN,
+    +-inf, a partial last block; all in distinct rows so each block has one case."""
+    x = varied(rows, cols, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x[0] = torch.randn(cols, generator=g) * 2.0 ** -128            # all-subnormal blocks
+    x[3] = torch.randn(cols, generator=g) * 2.0 ** 120              # huge (amax near 2^127)
+    x[3, 0] = 3.0e38
+    x[4, ::3] = torch.randn(len(range(0, cols, 3)), generator=g) * 2.0 ** -135
+    x[5, 1] = -0.0
+    x[5, 2:4] = 0.0
+    x[6, 3] = float("nan")
+    x[7, 1] = -float("nan")
+    x[8, -1] = float("inf")                                        # in the partial block
+    x[9, 0] = -float("inf")
+    x[10] = 0.0                                                     # all-zero row
+    x[11] = torch.randn(cols, generator=g) * 1e-4                   # E4M3 subnormal codes
+    x[12] = torch.randn(cols, generator=g) * 1e-9                   # E5M2 subnormal codes
+    x[11:13, ::128] = 1.0
+    return x
+
+
+def _u8(t):
+    return t.view(torch.uint8)
+
+
+def _same(a, b):
+    """Bit-identical codes (uint8) and scales (FP32 bit patterns)."""
+    return (torch.equal(_u8(a[0]).cpu(), _u8(b[0]).cpu())
+            and torch.equal(a[1].cpu().view(torch.int32), b[1].cpu().view(torch.int32)))
+
+
+def _sm90_ptx(fn, sig, consts):
+    """PTX of a triton kernel compiled ahead of time for sm_90 (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return k.asm["ptx"]
+
+
+def _inexact_ops(ptx):
+    """Instructions that would break bit-exactness: flush-to-zero, division (IEEE or
+    approximate), approximate math; and the RNE saturating FP8 cast must be there."""
+    bad = sorted({w for w in ("ftz", "div.", "approx") if w in ptx})
+    return bad + ([] if "cvt.rn.satfinite.e" in ptx else ["no cvt.rn.satfinite"])
+
+
+@pytest.mark.skipif(not L._TQ._HAVE_TRITON, reason="needs triton")
+def test_fused_quantizer_ptx_is_exact():
+    """Runs without a GPU: the fused kernels compile for sm_90 and use only exact
+    operations (integer amax, multiply by an exact power of two, one RNE cast):
+    no .ftz (would flush subnormal inputs), no division, no approximate math."""
+    import triton
+    import triton.language as tl
+    TQ = L._TQ
+    q1 = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": "i32", "C": "i32", "R_out": "i32",
+          "C_out": "i32", "sx_r": "i32", "sx_c": "constexpr", "sq_r": "i32", "ss_r": "i32", "ss_b": "i32",
+          "P": "constexpr", "FP8": "constexpr", "BLOCK_R": "constexpr"}
+    dual = {"x_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32", "R": "i32",
+            "C": "i32", "R_out": "i32", "sx_r": "i32", "sx_c": "constexpr", "ss_r": "i32", "ss_b": "i32",
+            "sst_c": "i32", "sst_b": "i32", "P": "constexpr", "FP8": "constexpr"}
+    w = {"w_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*fp32", "R": "i32", "C": "i32", "sw_r": "i32",
+         "sw_c": "constexpr", "ss_r": "i32", "ss_c": "constexpr", "P": "constexpr", "FP8": "constexpr"}
+    ptxs = [_sm90_ptx(TQ._q1x128_kernel, q1, {"sx_c": 1, "P": 9, "FP8": tl.float8e4nv, "BLOCK_R": 64}),
+            _sm90_ptx(TQ._q1x128_dual_kernel, dual, {"sx_c": 1, "P": 16, "FP8": tl.float8e5}),
+            _sm90_ptx(TQ._q128x128_kernel, w, {"sw_c": 1, "ss_c": 1, "P": 9, "FP8": tl.float8e4nv})]
+    for ptx in ptxs:
+        assert _inexact_ops(ptx) == [], _inexact_ops(ptx)
+        assert "mul.f32" in ptx or "mul.rn.f32" in ptx
+    assert "cvt.rn.satfinite.e5m2x2.f32" in ptxs[1] and "cvt.rn.satfinite.e4m3x2.f32" in ptxs[0]
+
+    # the check sees what it guards against: a quantizer dividing by the scale and
+    # using approximate math is flagged
+    @triton.jit
+    def divide(x_ptr, s_ptr, q_ptr):
+        o = tl.arange(0, 128)
+        y = tl.exp(tl.load(x_ptr + o)) / tl.load(s_ptr)
+        tl.store(q_ptr + o, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+
+    bad = _inexact_ops(_sm90_ptx(divide, {"x_ptr": "*fp32", "s_ptr": "*fp32", "q_ptr": "*u8"}, {}))
+    assert "div." in bad and "approx" in bad, bad
+
+
+@cuda_triton
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cuda_fused_quantizers_bit_identical(fmt):
+    """The fused kernels give the torch path's codes and scales bit for bit (CUDA torch
+    path and CPU torch path): 1x128 rows, 1x128 of the transpose (fused transpose,
+    also of a non-contiguous view), row/column zero padding for cuBLASLt, both at once
+    (dual), and 128x128 tiles; FP32 and BF16 inputs incl. partial blocks, zeros,
+    subnormals, huge values, -0.0, NaN, -NaN and +-inf."""
+    TQ = L._TQ
+    # NOTE: few shapes and dtypes: each new specialization is one more triton compile.
+    for (r, c), dts in [((300, 640), (torch.float32, torch.bfloat16)), ((37, 300), (torch.bfloat16,))]:
+        x = special(r, c, seed=r + c)
+        for xc in [x.cuda().to(dt) for dt in dts]:
+            ref = L._quantize_1x128_torch(xc, fmt)
+            got = TQ.quantize_1x128(xc, fmt)
+            assert _same(got, ref), (r, c, xc.dtype, "rows")
+            assert _same(got, L._quantize_1x128_torch(xc.cpu(), fmt)), (r, c, xc.dtype, "rows vs cpu")
+            assert _same(L.quantize_1x128(xc, fmt), ref)        # the public entry uses the kernel
+            # transpose (strided input: stride 1 along the block dim's neighbour)
+            assert _same(TQ.quantize_1x128(xc.t(), fmt), L._quantize_1x128_torch(xc.t(), fmt)), (r, c, "t")
+            # cuBLASLt padding: rows to a multiple of 128, for rows and for the transpose
+            mp = r + (-r) % 128
+            got = TQ.quantize_1x128(xc, fmt, rows_out=mp, outer_major=True)
+            assert got[1].stride() == (1, mp)
+            assert _same(got, L._quantize_1x128_torch(L._pad_rows(xc), fmt)), (r, c, "rows padded")
+            got_t = TQ.quantize_1x128(xc.t(), fmt, cols_out=mp, outer_major=True)
+            ref_t = L._quantize_1x128_torch(L._pad_rows(xc).t(), fmt)
+            assert _same(got_t, ref_t), (r, c, "t padded")
+            if c % 128 == 0:
+                d = TQ.quantize_1x128_dual(xc, fmt, rows_out=mp)
+                assert _same(d[:2], got) and _same(d[2:], ref_t), (r, c, "dual")
+                xn = xc.t().contiguous().t()                     # column-major input
+                d = TQ.quantize_1x128_dual(xn, fmt, rows_out=mp)
+                assert _same(d[:2], got) and _same(d[2:], ref_t), (r, c, "dual col-major")
+            got = TQ.quantize_128x128(xc, fmt)
+            assert _same(got, L._quantize_128x128_torch(xc, fmt)), (r, c, "128x128")
+            assert _same(got, L._quantize_128x128_torch(xc.cpu(), fmt)), (r, c, "128x128 vs cpu")
+    # the inputs really exercise the special cases (else the test would be vacuous) ...
+    x = special(300, 640, seed=940)
+    codes, s = L._quantize_1x128_torch(x, fmt)
+    assert torch.isnan(s).any() and (s == 1).any() and (s == 2.0 ** -126).any() and (s >= 2.0 ** 100).any()
+    u = _u8(codes) & 0x7F
+    assert ((u > 0) & (u < (8 if fmt == "e4m3" else 4))).any()    # FP8 subnormal codes
+    assert (_u8(codes)[0] & 0x7F > 0).any()                      # from FP32 subnormal inputs
+    assert (_u8(codes) == 0x80).any()                               # -0.0
+    # ... and the comparison sees the faults it guards against: flushing subnormal
+    # inputs to zero, or a float max that drops NaN
+    ftz = torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)
+    assert not _same(L._quantize_1x128_torch(ftz, fmt), (codes, s))
+    assert not _same(L._quantize_1x128_torch(x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), fmt), (codes, s))
+
+
+@cuda_sm90
+@pytest.mark.skipif(not L._TQ.available(), reason="needs triton")
+def test_cuda_fp8linear_fused_equals_unfused_and_saves_fp8_xt(monkeypatch):
+    """FP8Linear (scaled_mm) with the fused quantizers gives bit-identical y, dx, dW to
+    the torch-op quantizers (same operands, same GEMM calls), and saves x^T as FP8
+    codes (not the BF16 x) for wgrad; without a weight gradient it saves no x at all."""
+    m, k, n = 300, 640, 384
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=g).cuda().bfloat16()
+    w = (torch.randn(n, k, generator=g) / math.sqrt(k)).cuda()
+    dy = torch.randn(m, n, generator=g).cuda().bfloat16()
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(L, "FUSED_QUANT", fused)
+        xx = x.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                      lambda t: t):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = L.fp8_linear(xx, ww, backend="scaled_mm")
+        y.backward(dy)
+        out[fused] = (y.detach(), xx.grad, ww.grad)
+        assert (k, 384) in [sh for sh, dt in saved if dt == torch.float8_e4m3fn], saved
+        assert not [sh for sh, dt in saved if sh == (m, k)], saved
+    for a, b, name in zip(out[True], out[False], ("y", "dx", "dW")):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b), name
+    monkeypatch.setattr(L, "FUSED_QUANT", True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
+        xx = x.clone().requires_grad_()
+        y = L.fp8_linear(xx, w, backend="scaled_mm")             # frozen weight
+    y.backward(dy)
+    assert not [sh for sh, dt in saved if k in sh and sh != (n, k) and sh != (k, n)], saved
+    assert torch.equal(xx.grad, out[True][1])
