@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import ddp, provenance
 from .data import prepare
-from .model import ATTN_MODES, PRESETS, SCOPES, preset_model_config
+from .model import ATTN_MODES, PRESETS, SCOPES, ModelConfig, preset_model_config
 from .report import write_report
 from .trainer import TrainConfig, resolve_device, train_mode
 
@@ -96,8 +96,29 @@ def parse_model_overrides(items: list[str]) -> dict:
             try:
                 out[key] = _OVERRIDABLE[key](val)
             except ValueError:
-                raise SystemExit(f"--model: {key} needs a {_OVERRIDABLE[key].__name__}, got {val!r}") from None
+                raise SystemExit(f"--model: {key} needs {'an int' if _OVERRIDABLE[key] is int else 'a float'}, "
+                                 f"got {val!r}") from None
     return out
+
+
+def model_configs(preset: str, modes: list[str], fields: dict):
+    """The preset's ModelConfig with `fields`, checked for every mode before any training
+    (an invalid fp8 configuration must not surface after the bf16 mode has trained).
+    Raises SystemExit naming --model for an invalid configuration."""
+    try:
+        cfg = preset_model_config(preset, **fields)
+        for mode in modes:
+            ModelConfig(**{**cfg.to_dict(), "attn_mode": mode})
+    except ValueError as exc:
+        raise SystemExit(f"--model: invalid model configuration: {exc}") from None
+    return cfg
+
+
+def mode_line(s: dict) -> str:
+    """One progress line per finished mode (a mode that diverged at once has no losses)."""
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
+    return (f"[compare] {s['mode']}: train loss {fmt(s['final_train_loss'])}, val loss {fmt(s['final_val_loss'])}, "
+            f"{s['train_time_s']:.0f} s" + (" (DIVERGED)" if s.get("diverged") else ""))
 
 
 def run(args) -> tuple[Path, str, list[dict]]:
@@ -117,6 +138,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
         raise SystemExit(f"--lr: must be > 0, got {args.lr}")
     preset = PRESETS[args.preset]
     model_overrides = parse_model_overrides(args.model)
+    if args.max_mb is not None and not args.max_mb > 0:
+        raise SystemExit(f"--max-mb: must be > 0, got {args.max_mb}")
     try:
         save_at = tuple(sorted({int(x) for x in args.save_at.split(",") if x.strip()}))
     except ValueError:
@@ -125,6 +148,10 @@ def run(args) -> tuple[Path, str, list[dict]]:
     for key in ("steps", "batch_size", "seq_len", "lr", "warmup"):
         if getattr(args, key) is not None:
             tp[key] = getattr(args, key)
+    bad_at = [n for n in save_at if not 1 <= n <= tp["steps"]]
+    if bad_at:
+        # NOTE: a step outside the run would silently never be saved.
+        raise SystemExit(f"--save-at: step counts must be in [1, {tp['steps']}] (the run's steps), got {bad_at}")
     tp["warmup"] = min(tp["warmup"], max(1, tp["steps"] // 10)) if args.warmup is None else tp["warmup"]
     cfg = TrainConfig(**tp, diag_every=args.diag_every, val_batches=args.val_batches, seed=args.seed,
                       data_seed=args.data_seed, device=args.device, threads=args.threads,
@@ -133,8 +160,17 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)),
                       save_final=not args.no_save, save_at=save_at)
 
+    model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
+                    "scope": args.scope, "packed": args.packed,
+                    "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])}
+    model_configs(args.preset, modes, model_fields)   # NOTE: fail before any data or training work
+
     ctx = ddp.init_from_env(args.device)  # no-op unless started by torchrun with WORLD_SIZE > 1
     say = print if ctx.is_main else (lambda *a, **k: None)
+    if args.fsdp and not ctx.enabled:
+        # NOTE: FSDP2 needs a process group; a plain one-process run trains unsharded.
+        say("[compare] NOTE: --fsdp has no effect without a process group (start with torchrun); "
+            "training unsharded", flush=True)
     model_vocab = preset["model"]["vocab_size"]
     t_data = time.time()
 
@@ -148,10 +184,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if data is None:
         data = prepare_data()
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
-    model_cfg = preset_model_config(args.preset, **{
-        **model_overrides, "vocab_size": data.meta["vocab_size"], "qk_norm": not args.no_qk_norm,
-        "rope": not args.nope, "scope": args.scope, "packed": args.packed,
-        "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])})
+    model_cfg = model_configs(args.preset, modes, {**model_fields, "vocab_size": data.meta["vocab_size"]})
     out = Path(args.out)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -166,10 +199,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     summaries, t0 = [], time.time()
     for mode in modes:
         summaries.append(train_mode(mode, model_cfg, cfg, data, out / f"{mode}.jsonl"))
-        s = summaries[-1]
-        say(f"[compare] {mode}: train loss {s['final_train_loss']:.4f}, val loss "
-              f"{s['final_val_loss'] if s['final_val_loss'] is None else round(s['final_val_loss'], 4)}, "
-              f"{s['train_time_s']:.0f} s", flush=True)
+        say(mode_line(summaries[-1]), flush=True)
     t_train = time.time() - t0
     say(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
     fps = {s["init_fingerprint"] for s in summaries}
@@ -178,7 +208,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if not ctx.is_main:
         return None, "", summaries
     (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "scope": args.scope,
-                                                  "packed": args.packed, "fsdp": args.fsdp,
+                                                  "packed": args.packed, "fsdp": bool(args.fsdp and ctx.enabled),
                                                   "data_time_s": t_data, "train_time_s": t_train,
                                                   "summaries": summaries,
                                                   "provenance": provenance.collect(getattr(args, "command", None))},

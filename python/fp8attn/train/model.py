@@ -42,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
+FP8_MAX_HEAD_DIM = 256            # fp8attn.ops.MAX_HEAD_DIM
 SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
 EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
 
@@ -70,6 +72,23 @@ class ModelConfig:
     def __post_init__(self):
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {self.attn_mode!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "mlp_hidden", "max_seq_len"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if not (isinstance(self.rope_base, (int, float)) and math.isfinite(self.rope_base) and self.rope_base > 0):
+            raise ValueError(f"rope_base must be finite and > 0, got {self.rope_base!r}")
+        if self.init_std is not None and not (isinstance(self.init_std, (int, float))
+                                              and math.isfinite(self.init_std) and self.init_std > 0):
+            raise ValueError(f"init_std must be None or finite and > 0, got {self.init_std!r}")
+        if self.fp8_block_size not in FP8_BLOCK_SIZES:
+            raise ValueError(f"fp8_block_size must be one of {FP8_BLOCK_SIZES}, got {self.fp8_block_size!r}")
+        # NOTE: checked here, not only in the op, so that a comparison fails before it
+        # trains its bf16 mode rather than after.
+        if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be <= {FP8_MAX_HEAD_DIM} for the fp8 attention modes, "
+                             f"got {self.head_dim}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rope and self.head_dim % 2:

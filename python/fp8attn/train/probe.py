@@ -364,9 +364,12 @@ def parse_args(argv=None):
         ap.error("give --run-dir or --ckpt")
     if not a.out and not a.run_dir:
         ap.error("--out is required with --ckpt only")
-    for flag in ("batch_size", "val_batches", "mask_batch_size"):
+    # NOTE: `is not None`, not truthiness: --seq-len 0 must not silently mean "the default".
+    for flag in ("batch_size", "val_batches", "mask_batch_size", "seq_len", "step"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')}: must be >= 1")
+            ap.error(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(a, flag)}")
+    if a.threads < 0:
+        ap.error(f"--threads: must be >= 0 (0 = all cores), got {a.threads}")
     bad = [m for m in a.delta_modes.split(",") if m not in DELTA_MODES]
     if bad:
         ap.error(f"--delta-modes: unknown {bad}; choose from {DELTA_MODES}")

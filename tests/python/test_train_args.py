@@ -1,0 +1,77 @@
+"""Trainer CLI (python -m fp8attn.train.compare / probe) on bad values: every one must stop
+with a message naming the flag before any data or training work, never train a mode
+and crash later, silently ignore the value, or produce NaN from a degenerate config."""
+import json
+
+import pytest
+
+from fp8attn.train import compare, probe
+from fp8attn.train.model import ModelConfig
+
+
+def _run(tmp_path, argv):
+    args = compare.parse_args(["--preset", "smoke", "--device", "cpu", "--steps", "3",
+                               "--text-dir", str(tmp_path / "no-such-dir"), "--data-dir", str(tmp_path / "data"),
+                               "--out", str(tmp_path / "run")] + argv)
+    return compare.run(args)
+
+
+@pytest.mark.parametrize("override", [
+    "n_kv_heads=0",          # ZeroDivisionError
+    "head_dim=0",            # crashed in gain_stats after the model was built
+    "d_model=0",             # ZeroDivisionError in the init
+    "n_layers=0", "n_layers=-1",   # trained a model without blocks
+    "mlp_hidden=0",
+    "rope_base=0",           # NaN losses, then a crash formatting them
+    "rope_base=nan", "init_std=nan", "init_std=-1", "init_std=0",
+    "fp8_block_size=100",    # failed only after the bf16 mode had trained
+    "head_dim=300",          # idem (the fp8 op's head_dim limit)
+])
+def test_compare_rejects_bad_model_overrides_before_any_work(tmp_path, override):
+    # NOTE: the text dir does not exist, so reaching data preparation would raise RuntimeError.
+    with pytest.raises(SystemExit, match="--model"):
+        _run(tmp_path, ["--model", override])
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_config_head_dim_limit_only_for_fp8_modes():
+    ModelConfig(head_dim=300, n_heads=1, n_kv_heads=1, attn_mode="bf16")
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelConfig(head_dim=300, n_heads=1, n_kv_heads=1, attn_mode="fp8-stale")
+
+
+@pytest.mark.parametrize("save_at", ["0", "-3", "4", "2,99"])
+def test_compare_rejects_save_at_outside_the_run(tmp_path, save_at):
+    with pytest.raises(SystemExit, match="--save-at"):
+        _run(tmp_path, ["--save-at", save_at])
+
+
+@pytest.mark.parametrize("max_mb", ["0", "-1"])
+def test_compare_rejects_non_positive_max_mb(tmp_path, max_mb):
+    with pytest.raises(SystemExit, match="--max-mb"):
+        _run(tmp_path, ["--max-mb", max_mb])
+
+
+def test_mode_line_of_a_mode_that_diverged_at_once():
+    s = {"mode": "fp8-stale", "final_train_loss": None, "final_val_loss": None, "train_time_s": 1.0,
+         "diverged": True}
+    line = compare.mode_line(s)     # was: TypeError formatting None with :.4f
+    assert "n/a" in line and "DIVERGED" in line
+
+
+def test_fsdp_without_process_group_is_not_recorded_as_fsdp(tmp_path, text_dir, capsys):
+    args = compare.parse_args(["--preset", "smoke", "--device", "cpu", "--steps", "1", "--modes", "bf16",
+                               "--text-dir", str(text_dir), "--data-dir", str(tmp_path / "data"),
+                               "--out", str(tmp_path / "run"), "--fsdp", "--no-save", "--no-progress",
+                               "--val-batches", "1", "--diag-every", "0"])
+    compare.run(args)
+    assert "--fsdp has no effect" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["fsdp"] is False
+
+
+@pytest.mark.parametrize("argv, flag", [(["--seq-len", "0"], "--seq-len"), (["--seq-len", "-5"], "--seq-len"),
+                                        (["--threads", "-1"], "--threads"), (["--step", "0"], "--step")])
+def test_probe_rejects_bad_flags(tmp_path, argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--run-dir", str(tmp_path)] + argv)
+    assert flag in capsys.readouterr().err
