@@ -178,7 +178,8 @@ def _config_line(meta: dict) -> str:
     m, t = meta["model"], meta["train"]
     return (f"{meta['params'] / 1e6:.1f} M params, d_model {m['d_model']}, {m['n_layers']} layers, "
             f"{m['n_heads']}/{m['n_kv_heads']} q/kv heads, head_dim {m['head_dim']}, "
-            f"QK-norm {'on' if m['qk_norm'] else 'off'}, {'RoPE' if m['rope'] else 'NoPE'}; "
+            f"QK-norm {'on' if m['qk_norm'] else 'off'}, {'RoPE' if m['rope'] else 'NoPE'}, "
+            f"fp8 scope {m.get('scope', 'attn-core')}{', packed documents' if m.get('packed') else ''}; "
             f"{t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens, lr {t['lr']} "
             f"(warmup {t['warmup']}), seed {t['seed']}, device {meta['device']}")
 
@@ -210,6 +211,12 @@ def _rel(path: Path, out: Path) -> str:
 def _probed(run: dict) -> list[dict]:
     """The probe's checkpoint results without the failed ones."""
     return [ck for ck in (run["probe"] or {}).get("checkpoints", []) if "error" not in ck]
+
+
+def _probe_failures(run: dict) -> list[str]:
+    """One markdown line per checkpoint the probe failed on (shown, not dropped silently)."""
+    return [f"- probe failed on `{ck.get('checkpoint', '?')}`: {ck['error']}"
+            for ck in (run["probe"] or {}).get("checkpoints", []) if "error" in ck]
 
 
 def _final_layer_gains(log: dict, key: str) -> dict:
@@ -278,6 +285,8 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
                          f"| {_e(s['rowsum_post'].get('p99'))} "
                          f"| {_e(s['eps_rel'].get('p50'))} / {_e(s['eps_rel'].get('p99'))} | {cell} |")
         L.append("")
+        if _probe_failures(run):
+            L += _probe_failures(run) + [""]
         for name in ("probe_rowsum", "probe_eps"):
             if name in figs[label]:
                 L.append(f"![{label} {name}]({_rel(figs[label][name], out)})")
