@@ -37,6 +37,9 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str) 
         raise TypeError(_err(_FN, name, f"dtype must be int32 or int64, got {cu.dtype}"))
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(_err(_FN, name, f"must be 1-D of length batch + 1 >= 1, got shape {tuple(cu.shape)}"))
+    if cu.device.type == "meta":
+        raise ValueError(_err(_FN, name, "is a meta tensor, but its values are read on the host; "
+                                         "pass a CPU or CUDA tensor"))
     # NOTE: read on the host (a device sync for CUDA tensors); the per-sequence
     # loop needs the lengths as Python ints anyway.
     vals = cu.tolist()
