@@ -75,3 +75,21 @@ def test_probe_rejects_bad_flags(tmp_path, argv, flag, capsys):
     with pytest.raises(SystemExit):
         probe.parse_args(["--run-dir", str(tmp_path)] + argv)
     assert flag in capsys.readouterr().err
+
+
+def test_compare_rejects_a_repeated_mode(tmp_path):
+    with pytest.raises(SystemExit, match="--modes"):
+        _run(tmp_path, ["--modes", "bf16,fp8-stale,bf16"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--run", "a=x", "--run", "a=y"], "--run"),        # the first run was silently dropped
+    (["--run", "a=x", "--scan", "/no/such/dir"], "--scan"),
+    (["--run", "a=x", "--prior", "/no/such/dir"], "--prior"),
+    (["--run", "a=x", "--verdict", "/no/such/file.md"], "--verdict"),
+])
+def test_results_rejects_bad_flags(argv, flag, capsys):
+    from fp8attn.train import results
+    with pytest.raises(SystemExit):
+        results.parse_args(argv)
+    assert flag in capsys.readouterr().err

@@ -126,6 +126,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
     bad = [m for m in modes if m not in ATTN_MODES]
     if bad or not modes:
         raise SystemExit(f"--modes: unknown or empty mode list {args.modes!r}; choose from {','.join(ATTN_MODES)}")
+    if len(set(modes)) != len(modes):
+        # NOTE: a repeated mode would train again and overwrite its own log and checkpoint.
+        raise SystemExit(f"--modes: a mode is listed twice in {args.modes!r}")
     for flag in ("steps", "batch_size", "seq_len", "val_batches"):
         val = getattr(args, flag)
         if val is not None and val < 1:

@@ -422,8 +422,17 @@ def parse_args(argv=None):
         label, sep, d = item.partition("=")
         if not sep or not label or not d or "/" in label:
             ap.error(f"--run: expected LABEL=DIR with a LABEL free of '/', got {item!r}")
+        if label in runs:
+            # NOTE: a repeated label would silently drop the earlier run (and share its figures).
+            ap.error(f"--run: label {label!r} given twice ({runs[label]} and {d})")
         runs[label] = d
     a.runs = runs
+    for flag, paths in (("--scan", a.scan), ("--prior", a.prior)):
+        for d in paths:
+            if not Path(d).is_dir():
+                ap.error(f"{flag}: {d} is not a directory")
+    if a.verdict and not Path(a.verdict).is_file():
+        ap.error(f"--verdict: {a.verdict} is not a file")
     if not runs and not a.prior and not a.scan:
         ap.error("give at least one --run, --prior or --scan")
     return a
