@@ -172,8 +172,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
                         lse_in.size(0) == p.batch && lse_in.size(1) == p.num_heads_q &&
                         lse_in.size(2) == p.seqlen_q,
                     "fp8attn: argument 'lse': expected a CPU tensor of shape [", p.batch, ", ",
-                    p.num_heads_q, ", ", p.seqlen_q, "]");
-  const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
+                    p.num_heads_q, ", ", p.seqlen_q, "], got ",
+                    lse_in.defined() ? lse_in.device().str() : std::string("undefined"), " ",
+                    lse_in.defined() ? lse_in.sizes() : at::IntArrayRef{});
+  // NOTE: float32 as fwd returns it (and as the CUDA op requires): a bf16 LSE would be
+  // silently widened here and shift every P = exp(S - LSE) by its rounding error.
+  TORCH_CHECK_TYPE(lse_in.scalar_type() == at::kFloat, "fp8attn: argument 'lse': expected float32, got ",
+                   lse_in.scalar_type());
+  const at::Tensor lse = lse_in.contiguous();
 
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
