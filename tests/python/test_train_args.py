@@ -67,6 +67,8 @@ def test_fsdp_without_process_group_is_not_recorded_as_fsdp(tmp_path, text_dir, 
     compare.run(args)
     assert "--fsdp has no effect" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["fsdp"] is False
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "Diagnostics off" in report and "every 0 steps" not in report
 
 
 @pytest.mark.parametrize("argv, flag", [(["--seq-len", "0"], "--seq-len"), (["--seq-len", "-5"], "--seq-len"),
