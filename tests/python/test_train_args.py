@@ -95,3 +95,9 @@ def test_results_rejects_bad_flags(argv, flag, capsys):
     with pytest.raises(SystemExit):
         results.parse_args(argv)
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lr", ["inf", "nan", "-1"])
+def test_compare_rejects_a_non_finite_lr(tmp_path, lr):
+    with pytest.raises(SystemExit, match="--lr"):      # inf was accepted: NaN weights after one step
+        _run(tmp_path, ["--lr", lr])

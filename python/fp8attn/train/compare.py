@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -137,8 +138,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
         val = getattr(args, flag)
         if val is not None and val < 0:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be >= 0, got {val}")
-    if args.lr is not None and not args.lr > 0:
-        raise SystemExit(f"--lr: must be > 0, got {args.lr}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"--lr: must be finite and > 0, got {args.lr}")
     preset = PRESETS[args.preset]
     model_overrides = parse_model_overrides(args.model)
     if args.max_mb is not None and not args.max_mb > 0:
