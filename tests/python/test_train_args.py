@@ -101,3 +101,8 @@ def test_results_rejects_bad_flags(argv, flag, capsys):
 def test_compare_rejects_a_non_finite_lr(tmp_path, lr):
     with pytest.raises(SystemExit, match="--lr"):      # inf was accepted: NaN weights after one step
         _run(tmp_path, ["--lr", lr])
+
+
+def test_probe_names_the_missing_step(tmp_path):
+    with pytest.raises(SystemExit, match=r"step7\.pt \(--step 7\)"):
+        probe.main(["--run-dir", str(tmp_path), "--step", "7"])

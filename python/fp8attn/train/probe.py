@@ -386,7 +386,8 @@ def main(argv=None) -> None:
         modes = [m.strip() for m in a.modes.split(",")] if a.modes else None
         paths += find_checkpoints(a.run_dir, modes, a.step)
     if not paths:
-        raise SystemExit(f"probe: no checkpoints found in {a.run_dir}")
+        want = "<mode>.pt" if a.step is None else f"<mode>.step{a.step}.pt (--step {a.step})"
+        raise SystemExit(f"probe: no checkpoints {want} found in {a.run_dir}")
     out = Path(a.out or Path(a.run_dir) / "probe")
     results, failed = [], 0
     for p in paths:
