@@ -106,3 +106,8 @@ def test_compare_rejects_a_non_finite_lr(tmp_path, lr):
 def test_probe_names_the_missing_step(tmp_path):
     with pytest.raises(SystemExit, match=r"step7\.pt \(--step 7\)"):
         probe.main(["--run-dir", str(tmp_path), "--step", "7"])
+
+
+def test_model_override_given_twice_is_refused():
+    with pytest.raises(SystemExit, match="--model: head_dim given twice"):   # the last one silently won
+        compare.parse_model_overrides(["head_dim=64", "n_heads=2,head_dim=32"])

@@ -94,6 +94,8 @@ def parse_model_overrides(items: list[str]) -> dict:
             key = key.strip()
             if not sep or key not in _OVERRIDABLE:
                 raise SystemExit(f"--model: expected KEY=VALUE with KEY in {sorted(_OVERRIDABLE)}, got {pair!r}")
+            if key in out:
+                raise SystemExit(f"--model: {key} given twice")
             try:
                 out[key] = _OVERRIDABLE[key](val)
             except ValueError:
