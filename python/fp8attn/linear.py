@@ -44,6 +44,7 @@ Backends:
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -63,6 +64,7 @@ BACKENDS = ("auto", "scaled_mm", "emulated")
 _FMT = {"e4m3": (torch.float8_e4m3fn, 448.0, 9), "e5m2": (torch.float8_e5m2, 57344.0, 16)}
 # fp8_max = 0.875 * 2^p for both formats (448 = 0.875 * 2^9, 57344 = 0.875 * 2^16).
 _BLOCK = 128
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Fused Triton quantizers for CUDA tensors (fp8attn/quant_fp8_block128_triton.py):
 # same codes and scales as the torch ops below. FP8ATTN_FUSED_QUANT=0 turns them off.
 FUSED_QUANT = os.environ.get("FP8ATTN_FUSED_QUANT", "1") != "0"
@@ -78,7 +80,7 @@ def _err(arg: str, msg: str) -> str:
 
 
 def _fmt(fmt: str, arg: str = "fmt"):
-    if fmt not in _FMT:
+    if not isinstance(fmt, str) or fmt not in _FMT:
         raise ValueError(_err(arg, f"expected \"e4m3\" or \"e5m2\", got {fmt!r}"))
     return _FMT[fmt]
 
@@ -307,6 +309,12 @@ def _direct(dt: torch.dtype) -> torch.dtype:
     return dt if dt in (torch.bfloat16, torch.float32) else torch.float32
 
 
+def _no_autocast(dev: str):
+    """autocast off for `dev`; a no-op context for meta tensors (no autocast there).
+    NOTE: a string test, not torch.amp.is_autocast_available, which dynamo cannot trace."""
+    return torch.autocast(dev, enabled=False) if dev != "meta" else contextlib.nullcontext()
+
+
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = (-t.shape[0]) % _BLOCK
     return F.pad(t, (0, 0, 0, pad)) if pad else t
@@ -350,7 +358,7 @@ class _FP8LinearFn(torch.autograd.Function):
         dev = x2.device.type
         m = x2.shape[0]
         xtq = xts = None
-        with torch.autocast(dev, enabled=False):
+        with _no_autocast(dev):
             wq, ws = quantize_128x128(weight, "e4m3")
             if backend == "scaled_mm":
                 # NOTE: cuBLASLt wants M % 128 == 0 here; zero rows add nothing.
@@ -384,7 +392,7 @@ class _FP8LinearFn(torch.autograd.Function):
         gf = ctx.grad_format
         m = ctx.m
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(dy.device.type, enabled=False):
+        with _no_autocast(dy.device.type):
             dx = dw = db = None
             if ctx.backend == "scaled_mm":
                 wq, ws, xtq, xts = ctx.saved_tensors
@@ -430,13 +438,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         y [..., N]: the autocast dtype when autocast is on for x's device, else x's dtype.
         Gradients: dx in x's dtype, dW in weight's dtype, db in bias's dtype.
     Raises:
-        ValueError: bad grad_format / backend, shape mismatch, backend="scaled_mm"
-            where it cannot run (the message says why).
+        TypeError: x, weight or bias not a tensor, or not float32 / bfloat16 / float16.
+        ValueError: bad grad_format / backend, shape mismatch, weight or bias not on
+            x's device, backend="scaled_mm" where it cannot run (the message says why).
     Math: docs/numerics.md sections 2 and 8 (module docstring table).
     """
     _fmt(grad_format, "grad_format")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(_err(name, f"must be a torch.Tensor, got {type(t).__name__}"))
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(_err(name, f"dtype must be float32, bfloat16 or float16, got {t.dtype}"))
+        if name != "x" and t.device != x.device:
+            raise ValueError(_err(name, f"must be on x's device {x.device}, got {t.device}"))
     if weight.dim() != 2:
         raise ValueError(_err("weight", f"expected [out_features, in_features], got shape {tuple(weight.shape)}"))
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -444,16 +462,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(_err("bias", f"expected shape ({weight.shape[0]},), got {tuple(bias.shape)}"))
     dev = x.device.type
-    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    # NOTE: is_autocast_enabled raises for meta tensors (no autocast there).
+    autocast_on = dev != "meta" and torch.is_autocast_enabled(dev)
+    out_dtype = torch.get_autocast_dtype(dev) if autocast_on else x.dtype
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    # NOTE: the row count is explicit: reshape(-1, 0) is ambiguous for in_features 0.
+    x2 = x.reshape(lead.numel(), x.shape[-1])
     if out_dtype != x2.dtype and x2.is_floating_point() and x2.element_size() > torch.empty((), dtype=out_dtype).element_size():
         # NOTE: under autocast nn.Linear computes (and saves for wgrad) its input in the
         # autocast dtype; do the same so the saved activation is BF16, not FP32
         # (half the memory). The extra BF16 rounding is far below the FP8 one.
         x2 = x2.to(out_dtype)
-    if x2.shape[0] == 0:
-        return (x2.float() @ weight.float().t()).to(out_dtype).reshape(*lead, weight.shape[0])
+    if x2.numel() == 0 or weight.numel() == 0:
+        # No product to quantize (no rows, or in_features / out_features 0): the exact
+        # result (zeros, + bias), still connected to x, weight and bias so that every
+        # parameter gets a (zero) gradient, as with nn.Linear.
+        y = x2.float() @ weight.float().t()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(out_dtype).reshape(*lead, weight.shape[0])
     be = _resolve_backend(backend, x2, weight, grad_format)
     need_wgrad = torch.is_grad_enabled() and weight.requires_grad
     y = _FP8LinearFn.apply(x2, weight, bias, grad_format, be, out_dtype, need_wgrad)
@@ -472,20 +499,22 @@ class FP8Linear(nn.Linear):
                  *, grad_format: str = "e4m3", backend: str = "auto"):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         _fmt(grad_format, "grad_format")
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
         self.grad_format, self.backend = grad_format, backend
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, *, grad_format: str = "e4m3", backend: str = "auto") -> "FP8Linear":
         """An FP8Linear sharing `lin`'s Parameter objects (no copy, no RNG use)."""
+        if not isinstance(lin, nn.Linear):
+            raise TypeError(_err("lin", f"must be an nn.Linear, got {type(lin).__name__}"))
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight = lin.weight
         new.bias = lin.bias
         _fmt(grad_format, "grad_format")
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
         new.grad_format, new.backend = grad_format, backend
         return new
@@ -510,19 +539,35 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         grad_format, backend: passed to every new FP8Linear.
     Returns:
         The sorted list of converted module names (empty if none matched).
+    Raises:
+        TypeError: model not an nn.Module, include / exclude of another type.
+        ValueError: model itself a matching nn.Linear (use FP8Linear.from_linear),
+            bad grad_format / backend.
     The parameters are shared, not copied: optimizer state and weight tying survive.
     """
-    def as_match(p):
+    def as_match(p, arg):
         if p is None:
             return lambda n: False
         if callable(p):
             return p
-        pats = [p] if isinstance(p, str) else list(p)
+        pats = [p] if isinstance(p, str) else (list(p) if isinstance(p, (list, tuple, set, frozenset)) else None)
+        if pats is None or not all(isinstance(q, str) for q in pats):
+            raise TypeError(_err(arg, f"expected a glob pattern, a list of them or a callable, got {p!r}"))
         return lambda n: any(fnmatch.fnmatchcase(n, q) for q in pats)
 
-    inc, exc = as_match(include), as_match(exclude)
+    if not isinstance(model, nn.Module):
+        raise TypeError(_err("model", f"must be an nn.Module, got {type(model).__name__}"))
+    _fmt(grad_format, "grad_format")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+    inc, exc = as_match(include, "include"), as_match(exclude, "exclude")
     targets = [(n, m) for n, m in model.named_modules()
                if type(m) is nn.Linear and inc(n) and not exc(n)]
+    if any(n == "" for n, _ in targets):
+        # NOTE: a module cannot replace itself in place (setattr(model, "", ...) would
+        # add a stray child and leave the model an nn.Linear).
+        raise ValueError(_err("model", "is itself an nn.Linear and cannot be converted in place; "
+                                       "use FP8Linear.from_linear(model)"))
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
