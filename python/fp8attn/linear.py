@@ -116,7 +116,9 @@ def _canonical_nan_codes(codes: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     the hardware's NaN propagation; one fixed code makes the codes the same on every
     device and in the fused kernels. Either way the block decodes to NaN."""
     nanb = torch.isnan(s)
-    if codes.device.type == "cpu" and not bool(nanb.any()):
+    # NOTE: the CPU shortcut reads a value (a data-dependent branch), which
+    # torch.compile(fullgraph=True) cannot trace; compiled code takes the where().
+    if codes.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(nanb.any()):
         return codes
     u = codes.view(torch.uint8)
     return torch.where(nanb, torch.full_like(u, _NAN_CODE), u).view(codes.dtype)

@@ -89,3 +89,13 @@ def test_convert_and_from_linear_argument_errors():
     with pytest.raises(TypeError, match="'lin'"):
         L.FP8Linear.from_linear(nn.Conv1d(3, 3, 1))
     assert type(model[0]) is nn.Linear   # untouched by the failed calls
+
+
+def test_fp8_linear_compiles_with_fullgraph():
+    """torch.compile(fullgraph=True) traces FP8Linear (dynamo only: the eager backend keeps
+    this fast). The CPU NaN-code shortcut's data-dependent branch broke the trace."""
+    m = L.FP8Linear(256, 128)
+    x = torch.randn(4, 256, requires_grad=True)
+    y = torch.compile(m, fullgraph=True, backend="eager")(x)
+    y.sum().backward()
+    assert torch.equal(y.detach(), m(x.detach())) and x.grad is not None
