@@ -275,3 +275,34 @@ def test_kernel_probe_refuses_packed_checkpoints(tmp_path):
                            data_root=str(tmp_path))
     with pytest.raises(ValueError, match="packed"):
         probe.probe_checkpoint(path, device="cpu")
+
+
+def test_attention_logit_stats_uniform_and_one_hot():
+    # Uniform attention (Q = 0): logit std 0, entropy = mean_i log(i + 1) over the
+    # causal rows. One-hot attention (huge aligned logits on the diagonal): entropy
+    # ~ 0 and a large max logit. These are the numbers that tell a collapsed run.
+    from fp8attn.train.capture import attention_logit_stats
+    s, d = 16, 8
+    k = torch.randn(1, 2, s, d)
+    st = attention_logit_stats(torch.zeros(1, 4, s, d), k)
+    want = torch.log(torch.arange(1, s + 1, dtype=torch.float32)).mean()
+    assert st[0].item() == 0.0 and abs(st[2].item() - want.item()) < 1e-5
+    q = torch.zeros(1, 2, s, s)
+    q[0, :, torch.arange(s), torch.arange(s)] = 1000.0
+    kk = torch.zeros(1, 1, s, s)
+    kk[0, 0, torch.arange(s), torch.arange(s)] = 1.0
+    st1 = attention_logit_stats(q, kk)
+    assert st1[2].item() < 1e-6 and st1[1].item() > 100
+    assert torch.isfinite(st1).all()
+
+
+def test_trainer_logs_attention_logit_stats(tmp_path, text_dir):
+    from fp8attn.train.report import read_log
+    out = tmp_path / "run"
+    compare.main(["--preset", "smoke", "--modes", "bf16", "--steps", "3", "--diag-every", "1",
+                  "--val-every", "3", "--val-batches", "1", "--device", "cpu", "--no-progress", "--no-save",
+                  "--data-dir", str(tmp_path / "data"), "--text-dir", str(text_dir), "--out", str(out)])
+    log = read_log(out / "bf16.jsonl")
+    st = log["steps"][-1]["attn_logits"]
+    assert set(st) == {"layer0", "layer1"} and all(len(v) == 3 and v[2] > 0 for v in st.values())
+    assert log["summary"]["entropy_min"] == min(v[2] for v in st.values())

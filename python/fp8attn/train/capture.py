@@ -76,24 +76,55 @@ def channel_scales(x: torch.Tensor) -> torch.Tensor:
     return ms.sqrt()
 
 
+def attention_logit_stats(q: torch.Tensor, k: torch.Tensor, max_queries: int = 256) -> torch.Tensor:
+    """How sharp attention is, from a sample of one layer's Q [B, Hq, S, D] and
+    K [B, Hkv, S, D] (after QK-norm and RoPE; GQA by head counts): the logits
+    S = Q K^T / sqrt(D) of batch row 0, the last `max_queries` queries, every
+    query head, causal (bottom-right) mask, in FP32. Returns FP32 [3] on q's
+    device (no sync): std of the visible logits (the x-axis of
+    fp8attn.train.logit_scan), max logit, and the mean softmax entropy per row in
+    nats (log of the number of visible keys for uniform attention, 0 for
+    one-hot rows, where row-sum residuals are rounding noise)."""
+    q0 = q[0, :, -max_queries:].detach().float()
+    k0 = k[0].detach().float().repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+    sq, sk = q0.shape[1], k0.shape[1]
+    logits = (q0 @ k0.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    rows = torch.arange(sq, device=q.device).unsqueeze(1) + (sk - sq)
+    visible = torch.arange(sk, device=q.device).unsqueeze(0) <= rows          # [sq, sk]
+    vis = visible.expand_as(logits)
+    lv = logits[vis]
+    logp = torch.log_softmax(logits.masked_fill(~vis, float("-inf")), dim=-1)
+    ent = -(logp.exp() * logp.masked_fill(~vis, 0.0)).sum(-1)
+    return torch.stack([lv.std(unbiased=False), lv.max(), ent.mean()])
+
+
 class ActivationScales:
     """Context manager: while active, each attention core's forward records
-    `channel_scales` of Q and K (on the device, no sync). `stats()` returns
+    `channel_scales` of Q and K and `attention_logit_stats` (on the device, no
+    sync; the logit statistics only for unpacked batches). `stats()` returns
     {layer: [max_scale, top4_share]} with max_scale = max over channels of the Q
     and K scales and top4_share = the top-4 channels' share of
-    sum_c (a_q[c] a_k[c])^2 (the `gain_stats` of the scales)."""
+    sum_c (a_q[c] a_k[c])^2 (the `gain_stats` of the scales); `logit_stats()`
+    returns {layer: [logit_std, logit_max, entropy_mean]}."""
 
     def __init__(self, model: Transformer):
         self.model = model
         self.scales: Dict[str, tuple] = {}
+        self.logits: Dict[str, torch.Tensor] = {}
         self._handles = []
 
     def __enter__(self) -> "ActivationScales":
         for name, core in _cores(self.model):
-            def hook(_mod, args, _output, name=name):
+            def hook(_mod, args, kwargs, _output, name=name):
                 self.scales[name] = (channel_scales(args[0]), channel_scales(args[1]))
-            self._handles.append(core.register_forward_hook(hook))
+                # NOTE: packed documents mask per document; the causal sample would be wrong.
+                if kwargs.get("cu_seqlens") is None:
+                    self.logits[name] = attention_logit_stats(args[0], args[1])
+            self._handles.append(core.register_forward_hook(hook, with_kwargs=True))
         return self
+
+    def logit_stats(self) -> Dict[str, list]:
+        return {name: [float(x) for x in t.tolist()] for name, t in self.logits.items()}
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:

@@ -18,7 +18,9 @@ JSONL log (one object per line, field "type"):
           max_gain / top4_share (max over layers) and gains {layer: [max_gain, top4_share]},
           every diag_every steps (all modes): act_scales {layer: [max_scale, top4_share]},
           the same statistics of the Q/K channel scales (capture.ActivationScales;
-          defined with or without QK-norm),
+          defined with or without QK-norm), and attn_logits {layer: [logit_std,
+          logit_max, entropy_mean]} (capture.attention_logit_stats; unpacked runs);
+          the summary keeps logit_std_max / entropy_min of the last such step,
           every diag_every steps for fp8 modes: diag {layer: stats} and the
           aggregates eps_absmean, eps_absmax, rowsum_pre_mean/max, rowsum_post_mean/max
           (fp8attn.diagnostics, numerics.md section 5; means over rows, max over rows)
@@ -214,6 +216,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     if dctx.is_main:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
+    last_logits: dict = {}     # {layer: [logit_std, logit_max, entropy_mean]} of the last diag step
     t_start = time.time()
     tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
 
@@ -276,6 +279,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 rec_line["top4_share"] = max(v[1] for v in last_gains.values())
             if scales is not None and scales.scales:
                 rec_line["act_scales"] = scales.stats()
+            if scales is not None and scales.logits:
+                rec_line["attn_logits"] = last_logits = scales.logit_stats()
             if rec is not None and rec.records:
                 per_layer, agg = summarize_diag(rec)
                 rec_line["diag"] = per_layer
@@ -315,6 +320,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             "eps_absmean": mean_of("eps_absmean"),
             "max_gain": max((v[0] for v in last_gains.values()), default=None),
             "top4_share": max((v[1] for v in last_gains.values()), default=None),
+            "logit_std_max": max((v[0] for v in last_logits.values()), default=None),
+            "entropy_min": min((v[2] for v in last_logits.values()), default=None),
             "init_fingerprint": fingerprint, "train_time_s": train_time,
             "scope": model_cfg.scope if fp8 else "bf16", "packed": model_cfg.packed, "fsdp": ddp.is_sharded(model),
             "tokens_per_s": tokens_per_step * len(losses) / train_time if losses else None,
