@@ -615,3 +615,13 @@ def test_cuda_fp8linear_fused_equals_unfused_and_saves_fp8_xt(monkeypatch):
     y.backward(dy)
     assert not [sh for sh, dt in saved if k in sh and sh != (n, k) and sh != (k, n)], saved
     assert torch.equal(xx.grad, out[True][1])
+
+
+def test_convert_warns_about_linear_subclasses_it_leaves_alone():
+    # nn.MultiheadAttention's out_proj is an nn.Linear subclass whose weight the
+    # parent reads directly: converting it would do nothing, skipping it silently
+    # would mislead; it is skipped with a warning that names it.
+    model = nn.ModuleDict({"mha": nn.MultiheadAttention(16, 2), "fc": nn.Linear(16, 16)})
+    with pytest.warns(UserWarning, match="mha.out_proj"):
+        done = L.convert_to_fp8_linear(model)
+    assert done == ["fc"] and type(model["mha"].out_proj) is not L.FP8Linear
