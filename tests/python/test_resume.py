@@ -9,7 +9,6 @@ command is refused naming the flag. CPU, smoke preset, real text; ~30 s on 2 cor
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -184,3 +183,31 @@ def test_resume_without_a_run_and_bad_flags_are_refused(text_dir, tmp_path, runs
                         (["--state-every", "-1"], "--state-every")):
         with pytest.raises(SystemExit, match=flag):
             _run(text_dir, runs["data"], tmp_path / "x", *extra)
+
+
+def test_state_every_bounds_the_loss_of_a_crashed_call(runs, text_dir, tmp_path, monkeypatch):
+    """--state-every 2, and the call dies in the val loss after the last (6th) step of the
+    first mode, whose log already holds all 6 steps: the resume restarts from the state
+    after 4 steps, drops the logged steps 5-6, and ends equal to the uninterrupted run."""
+    from fp8attn.train import trainer
+
+    out = tmp_path / "crash"
+    real, calls = trainer.evaluate, []
+
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(trainer, "evaluate", dying)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(text_dir, runs["data"], out, "--state-every", "2")
+    monkeypatch.setattr(trainer, "evaluate", real)
+    assert load_state(state_path(out, MODES[0]))["step"] == 4
+    assert len(read_log(out / f"{MODES[0]}.jsonl")["steps"]) == STEPS
+    assert not (out / f"{MODES[1]}.jsonl").exists()
+    _run(text_dir, runs["data"], out, "--resume", "--state-every", "2")
+    _assert_same_run(runs["full"], out)
+    lines = [json.loads(l) for l in (out / f"{MODES[0]}.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["type"] == "resume"] == [4]
