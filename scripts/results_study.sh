@@ -55,12 +55,41 @@
 # since the wgmma kernels landed, that runs the faster wgmma forward/backward
 # while head_dim 256 runs the mma.sync ones),
 # STUDY_MAX_STEPS (cap, 3000), STUDY_STEPS (fixed count, skips calibration),
-# STUDY_SEED, STUDY_DEVICE (auto), STUDY_DIR (run dir), STUDY_PROBE_RESERVE_S.
+# STUDY_SEED, STUDY_DEVICE (auto), STUDY_DIR (run dir), STUDY_PROBE_RESERVE_S,
+# STUDY_RESUME (0/1), STUDY_STATE_EVERY (0), STUDY_RESTORE_DIR (see below).
 # The copied tree on the device has no .git: put the commit into the command,
 # e.g. run(command="FP8ATTN_GIT_COMMIT=<sha> bash scripts/results_study.sh", ...),
 # and it lands in summary.json / probe.json.
 # Without a GPU the defaults switch to a CPU-scale trial (cpu-tiny, a few tens of
 # steps) that exercises the same pipeline end to end.
+#
+# Continuing a study over several calls (STUDY_RESUME=1): training runs with
+# `compare --deadline-s` (the training window), so every mode stops cleanly after
+# a step and saves <mode>.state.pt (weights + AdamW state + RNGs + accumulators,
+# 12 bytes per parameter) instead of being killed; with STUDY_RESUME=1 the run dir
+# is kept, calibration is skipped (steps and modes come from its run_config.json:
+# a split run must keep them) and training continues with `compare --resume`,
+# which gives the same weights and loss curve as one uninterrupted run. Probes and
+# the results page then use whatever modes are complete (incomplete ones are
+# marked). STUDY_STATE_EVERY=K also saves the states every K steps (a call killed
+# by `timeout` loses at most K steps).
+# LIMIT, plainly: the states live in the run dir ON THE DEVICE. The device is a
+# fresh, bare machine after it is given back (idle release, or 30 min held), and
+# only 8 files of <= 16 MiB each come back in $OUT. A gpu-50m state is ~600 MB
+# per mode (head_dim 256 stress model ~0.6 GB too), so it CANNOT travel back:
+# for gpu-50m, resume works only between calls on the same warm machine (one
+# lease: keep calls close together, STUDY_DIR on the device, default
+# /tmp/fp8attn_study/stress); once the machine is released the study restarts.
+# Small states (total <= 15 MiB, e.g. cpu-tiny or smoke) are packed into
+# $OUT/states.tgz; to continue on a fresh machine copy study.tgz and states.tgz
+# into an ignored folder of the checkout (e.g. runs/study_in), carry it, and set
+# STUDY_RESTORE_DIR=runs/study_in STUDY_RESUME=1. The final <mode>.pt checkpoints
+# are not packed (study.tgz leaves out *.pt), so after such a restore the probes
+# cover only the modes that finish in that call. Measured on CPU (cpu-tiny trial,
+# 60 steps): call 1 stopped fp8-delta_matching at 10/60 steps, states.tgz 10 MiB;
+# call 2 on a wiped run dir restored it and ended with weights and per-step losses
+# bit-identical to an uninterrupted run. On resume STUDY_STEPS/STUDY_MODES are
+# ignored (the saved run_config.json decides); other changed knobs are refused.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -72,7 +101,7 @@ TOTAL_S="${STUDY_TOTAL_S:-450}"
 DEADLINE=$((T0 + TOTAL_S))
 left() { echo $((DEADLINE - $(date +%s))); }
 tmo() { local t=$(( $(left) - $1 )); echo $(( t > 5 ? t : 5 )); }   # seconds left minus a reserve, >= 5
-rm -f "$OUT"/study.tgz "$OUT"/report.md "$OUT"/probe.md "$OUT"/results.md
+rm -f "$OUT"/study.tgz "$OUT"/states.tgz "$OUT"/report.md "$OUT"/probe.md "$OUT"/results.md
 LOG="$OUT/study.log"
 SUMMARY="$OUT/summary.txt"
 : >"$LOG"
@@ -112,6 +141,17 @@ pack() {
   if [ -d "$RUN" ]; then
     cp "$LOG" "$RUN/study.log" 2>/dev/null
     tar czf "$OUT/study.tgz" --exclude='*.pt' --exclude='*.pt.tmp' -C "$(dirname "$RUN")" "$(basename "$RUN")"
+    states=$(cd "$(dirname "$RUN")" && ls "$(basename "$RUN")"/*.state.pt 2>/dev/null)
+    if [ -n "$states" ]; then
+      mb=$(( $(cd "$(dirname "$RUN")" && du -cb $states | tail -1 | cut -f1) / 1048576 ))
+      if [ "$mb" -le 15 ]; then
+        tar czf "$OUT/states.tgz" -C "$(dirname "$RUN")" $states
+        note "training states ($mb MiB) packed into states.tgz (continue: STUDY_RESTORE_DIR + STUDY_RESUME=1)"
+      else
+        note "training states ($mb MiB) stay on the device ($RUN): too big for \$OUT (<= 16 MiB per file);" \
+             "STUDY_RESUME=1 continues them only on this same warm machine"
+      fi
+    fi
     for f in report.md probe/probe.md results.md; do
       [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$(basename "$f")"
     done
@@ -149,9 +189,26 @@ fi
 note "config: preset $PRESET, model $MODEL, qk_norm $QK_NORM, lr $LR, ${BATCH}x${SEQ} tokens/step, seed $SEED, device $DEVICE"
 
 # ---- 1. calibration -> step count ------------------------------------------------
-rm -rf "$RUN"
-mkdir -p "$RUN"
-if [ -n "${STUDY_STEPS:-}" ]; then
+RESUME=()
+if [ "${STUDY_RESUME:-0}" = 1 ] && [ -n "${STUDY_RESTORE_DIR:-}" ] && [ ! -f "$RUN/run_config.json" ]; then
+  # A fresh machine: the run dir (logs) and small states carried in from an earlier call.
+  mkdir -p "$(dirname "$RUN")"
+  for t in study.tgz states.tgz; do
+    [ -f "$STUDY_RESTORE_DIR/$t" ] && tar xzf "$STUDY_RESTORE_DIR/$t" -C "$(dirname "$RUN")"
+  done
+  note "restored $(ls "$RUN" 2>/dev/null | wc -l) files of the run from $STUDY_RESTORE_DIR"
+fi
+if [ "${STUDY_RESUME:-0}" = 1 ] && [ -f "$RUN/run_config.json" ]; then
+  # NOTE: a split run must keep its step count and modes (compare --resume refuses others).
+  read -r STEPS RUN_MODES <<<"$(python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c['train']['steps'], ','.join(c['modes']))" "$RUN/run_config.json")"
+  RESUME=(--resume)
+  note "resuming $RUN: $STEPS steps x $RUN_MODES ($(ls "$RUN"/*.state.pt 2>/dev/null | wc -l) saved states)"
+elif [ "${STUDY_RESUME:-0}" = 1 ]; then
+  note "STUDY_RESUME=1 but $RUN holds no run (run_config.json missing; the device machine was probably released): starting fresh"
+fi
+if [ ${#RESUME[@]} -gt 0 ]; then
+  :
+elif rm -rf "$RUN" && mkdir -p "$RUN" && [ -n "${STUDY_STEPS:-}" ]; then
   STEPS="$STUDY_STEPS"; RUN_MODES="$MODES"
   note "steps: fixed STUDY_STEPS=$STEPS"
 else
@@ -195,15 +252,18 @@ fi
 
 # ---- 2. training -----------------------------------------------------------------
 echo "== training ($STEPS steps x $RUN_MODES)" | tee -a "$LOG"
+# NOTE: --deadline-s stops cleanly (state saved, report written); timeout is only the backstop.
 timeout "$(tmo $((PROBE_RESERVE - 20)))" python3 -m fp8attn.train.compare "${common[@]}" --modes "$RUN_MODES" --steps "$STEPS" \
-  --diag-every 10 --val-batches "$VAL_BATCHES" --out "$RUN" >>"$LOG" 2>&1
-note "training: rc=$? (124 = cut by the deadline), $(( $(date +%s) - T0 )) s since start"
+  --diag-every 10 --val-batches "$VAL_BATCHES" --deadline-s "$(tmo "$PROBE_RESERVE")" \
+  --state-every "${STUDY_STATE_EVERY:-0}" "${RESUME[@]}" --out "$RUN" >>"$LOG" 2>&1
+note "training: rc=$? (124 = killed by the backstop timeout), $(( $(date +%s) - T0 )) s since start"
+grep -q 'run INCOMPLETE' "$LOG" && note "training INCOMPLETE: $(grep 'run INCOMPLETE' "$LOG" | tail -1) (STUDY_RESUME=1 continues)"
 grep -E '^\[compare\]' "$LOG" | tail -6 | tee -a "$SUMMARY"
 [ -f "$RUN/report.md" ] && sed -n '/^| mode/,/^$/p' "$RUN/report.md" | tee -a "$SUMMARY"
 
 # ---- 3. probes -------------------------------------------------------------------
 echo "== probes" | tee -a "$LOG"
-if ls "$RUN"/*.pt >/dev/null 2>&1; then
+if ls "$RUN"/*.pt 2>/dev/null | grep -qvE '\.(state|step[0-9]+)\.pt$'; then   # final <mode>.pt only
   timeout "$(tmo 20)" python3 -m fp8attn.train.probe --run-dir "$RUN" --batch-size "$PROBE_BATCH" \
     --mask-layers all --device "$DEVICE" >>"$LOG" 2>&1
   note "probe: rc=$?"

@@ -164,3 +164,41 @@ def test_single_rank_process_group_on_request(tmp_path, text_dir, fsdp):
     assert summ["world_size"] == 1 and len(summ["final_fingerprints"]) == 1, summ
     assert summ["fsdp"] is fsdp
     assert math.isfinite(summ["final_train_loss"])
+
+
+# ---- split run under DDP (compare --stop-after-steps / --resume) -------------------------
+
+
+def test_ddp_split_run_equals_uninterrupted(ddp_run, text_dir):
+    """2 ranks, stopped after 4 steps (rank 0 writes the states), then resumed: the same
+    per-step losses, val losses and final fingerprints (both ranks) as the uninterrupted
+    ddp_run (--resume with --fsdp is refused: test_resume.py)."""
+    out, proc = ddp_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    split = out / "split"
+
+    def launch(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               "-m", "fp8attn.train.compare", "--preset", "smoke", "--modes", ",".join(MODES),
+               "--steps", str(STEPS), "--diag-every", "3", "--val-every", "3", "--val-batches", "2",
+               "--data-dir", str(out / "data"), "--text-dir", str(text_dir), "--device", "cpu",
+               "--no-progress", "--out", str(split), *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    p1 = launch("--stop-after-steps", "4")
+    assert p1.returncode == 0, p1.stdout[-3000:] + p1.stderr[-3000:]
+    assert sorted(p.name for p in split.glob("*.state.pt")) == sorted(f"{m}.state.pt" for m in MODES)
+    assert json.loads((split / "summary.json").read_text())["complete"] is False
+    p2 = launch("--resume")
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    timing = {"step_time_s", "tokens_per_s", "train_time_s"}
+    strip = lambda r: {k: v for k, v in r.items() if k not in timing}
+    for mode in MODES:
+        a, b = read_log(out / "run" / f"{mode}.jsonl"), read_log(split / f"{mode}.jsonl")
+        assert [strip(r) for r in a["steps"]] == [strip(r) for r in b["steps"]], mode
+        assert a["vals"] == b["vals"], mode
+        assert b["summary"]["final_fingerprints"] == a["summary"]["final_fingerprints"], mode
+    assert not list(split.glob("*.state.pt"))

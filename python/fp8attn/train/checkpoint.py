@@ -16,7 +16,9 @@ No optimizer state is kept (the probes need only the weights; it would triple
 the file). Size: 4 bytes per parameter (~5 MB for cpu-tiny, ~200 MB for gpu-50m).
 
 File names (next to the mode's JSONL log): `<mode>.pt` (end of training) and
-`<mode>.step<N>.pt` (after N steps, `--save-at N`).
+`<mode>.step<N>.pt` (after N steps, `--save-at N`). The training states of split
+runs (`<mode>.state.pt`, with the AdamW state and RNGs, for `compare --resume`)
+are a different format: see state.py.
 """
 from __future__ import annotations
 

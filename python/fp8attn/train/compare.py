@@ -20,20 +20,38 @@ and, last, the report path. Model shape overrides: --model KEY=VALUE (e.g. the
 stress configuration of scripts/results_study.sh: --model head_dim=256,n_heads=2,n_kv_heads=1).
 Every mode gets the same initial weights (checked), the same batches and the
 same hyper-parameters; only model.attn_mode differs.
+
+Split runs (GPU time comes in calls of limited length): `--deadline-s S` stops
+every mode cleanly after the step that would otherwise cross S seconds of wall
+time since the command started, and writes its full training state
+<out>/<mode>.state.pt (model, AdamW state, step, batch-order and global RNG
+states, summary accumulators; see state.py); modes not reached are left
+unstarted. The summary then says steps_done < steps ("complete": false), and
+summary.json ("complete": false) and report.md are still written. `--resume`
+continues every mode from its state (appending to its log; a complete mode is
+skipped, an unstarted one starts), so a run split over any number of calls ends
+with the same weights and loss curve as an uninterrupted one (bit for bit on the
+CPU with the same thread count). The flags that define the run (preset, modes,
+steps, lr, seeds, batch/seq, model, data, world size) are recorded in
+<out>/run_config.json and a --resume with different ones is refused, naming the
+flag. `--state-every K` also saves the state every K steps (a call killed from
+outside then loses at most K steps). Not with --fsdp (refused). Testing:
+`--stop-after-steps N` stops each mode after N steps of this call (deterministic split).
 """
 from __future__ import annotations
 
 import argparse
+import argparse as _argparse
 import json
 import math
 import time
 from pathlib import Path
 
-from . import ddp, provenance
+from . import ddp, provenance, state
 from .data import prepare
 from .model import ATTN_MODES, PRESETS, SCOPES, ModelConfig, preset_model_config
 from .report import write_report
-from .trainer import TrainConfig, resolve_device, train_mode
+from .trainer import StopRule, TrainConfig, resolve_device, train_mode
 
 # Corpus cap (MB of text) per preset: enough tokens for the preset's run.
 DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0}
@@ -74,6 +92,14 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", required=True, help="run directory, e.g. runs/cpu-tiny")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="wall-time budget of this call in seconds: stop each mode after the step that "
+                         "would cross it, save <mode>.state.pt, mark the run incomplete (continue with --resume)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out from its saved states (same flags required)")
+    ap.add_argument("--state-every", type=int, default=0,
+                    help="also save each mode's training state every K steps (0 = only when stopping)")
+    ap.add_argument("--stop-after-steps", type=int, default=None, help=_argparse.SUPPRESS)  # testing
     args = ap.parse_args(argv)
     args.command = provenance.module_command("fp8attn.train.compare", argv)  # recorded in summary.json
     return args
@@ -120,11 +146,16 @@ def model_configs(preset: str, modes: list[str], fields: dict):
 def mode_line(s: dict) -> str:
     """One progress line per finished mode (a mode that diverged at once has no losses)."""
     fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
-    return (f"[compare] {s['mode']}: train loss {fmt(s['final_train_loss'])}, val loss {fmt(s['final_val_loss'])}, "
+    part = "" if s.get("complete", True) else f" (incomplete: {s.get('steps_done')} steps done)"
+    return (f"[compare] {s['mode']}{part}: train loss {fmt(s['final_train_loss'])}, val loss {fmt(s['final_val_loss'])}, "
             f"{s['train_time_s']:.0f} s" + (" (DIVERGED)" if s.get("diverged") else ""))
 
 
 def run(args) -> tuple[Path, str, list[dict]]:
+    """Trains every mode (or continues them, --resume) and writes logs, summary.json and
+    report.md; returns (report path, table, summaries); (None, "", summaries) on a
+    non-zero DDP rank. Raises SystemExit naming the flag for a bad or changed flag."""
+    t_begin = time.time()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in ATTN_MODES]
     if bad or not modes:
@@ -136,6 +167,20 @@ def run(args) -> tuple[Path, str, list[dict]]:
         val = getattr(args, flag)
         if val is not None and val < 1:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be >= 1, got {val}")
+    deadline_s, stop_after = getattr(args, "deadline_s", None), getattr(args, "stop_after_steps", None)
+    resume, state_every = getattr(args, "resume", False), getattr(args, "state_every", 0) or 0
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise SystemExit(f"--deadline-s: must be finite and > 0, got {deadline_s}")
+    if stop_after is not None and stop_after < 1:
+        raise SystemExit(f"--stop-after-steps: must be >= 1, got {stop_after}")
+    if state_every < 0:
+        raise SystemExit(f"--state-every: must be >= 0, got {state_every}")
+    if args.fsdp:
+        for flag, on in (("--resume", resume), ("--deadline-s", deadline_s is not None),
+                         ("--state-every", state_every > 0), ("--stop-after-steps", stop_after is not None)):
+            if on:
+                raise SystemExit(f"{flag}: not supported with --fsdp (the sharded AdamW state is not gathered "
+                                 f"into the training state); use DDP (no --fsdp) or one process")
     for flag in ("warmup", "diag_every", "val_every", "threads"):
         val = getattr(args, flag)
         if val is not None and val < 0:
@@ -192,8 +237,23 @@ def run(args) -> tuple[Path, str, list[dict]]:
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
     model_cfg = model_configs(args.preset, modes, {**model_fields, "vocab_size": data.meta["vocab_size"]})
     out = Path(args.out)
+    run_cfg = state.run_config(preset=args.preset, modes=modes, train_config=cfg.to_dict(),
+                               model_config=model_cfg.to_dict(), data_meta=data.meta,
+                               world_size=ctx.world_size if ctx.enabled else 1)
+    if resume:
+        saved_cfg = state.read_run_config(out)
+        if saved_cfg is None:
+            raise SystemExit(f"--resume: {out} holds no run to resume ({state.RUN_CONFIG} is missing); "
+                             f"start it without --resume")
+        bad = state.config_mismatches(saved_cfg, json.loads(json.dumps(run_cfg)))
+        if bad:
+            raise SystemExit("--resume: the command differs from the saved run in " + out.as_posix() + ": "
+                             + "; ".join(bad))
+    ddp.barrier(ctx)   # NOTE: every rank has checked before rank 0 writes anything
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            state.write_run_config(out, run_cfg)
         # NOTE: written first, so a run cut short still names its command and versions.
         (out / "provenance.json").write_text(json.dumps(provenance.collect(getattr(args, "command", None)), indent=1))
     dev = resolve_device(cfg.device)
@@ -202,10 +262,19 @@ def run(args) -> tuple[Path, str, list[dict]]:
           f"{', packed documents' if args.packed else ''}{', FSDP2' if args.fsdp and ctx.enabled else ''} -> {out}",
         flush=True)
     t_data = time.time() - t_data
+    stop = None
+    if deadline_s is not None or stop_after is not None:
+        stop = StopRule(deadline=None if deadline_s is None else t_begin + deadline_s, max_steps=stop_after)
     summaries, t0 = [], time.time()
     for mode in modes:
-        summaries.append(train_mode(mode, model_cfg, cfg, data, out / f"{mode}.jsonl"))
+        summaries.append(train_mode(mode, model_cfg, cfg, data, out / f"{mode}.jsonl", stop=stop,
+                                    resume=resume, state_every=state_every))
         say(mode_line(summaries[-1]), flush=True)
+    complete = all(s.get("complete", True) for s in summaries)
+    if not complete:
+        say("[compare] run INCOMPLETE (" + ", ".join(f"{s['mode']} {s['steps_done']}/{cfg.steps}"
+                                                      for s in summaries) + " steps); continue with --resume",
+            flush=True)
     t_train = time.time() - t0
     say(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
     fps = {s["init_fingerprint"] for s in summaries}
@@ -213,7 +282,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
         raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
     if not ctx.is_main:
         return None, "", summaries
-    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "scope": args.scope,
+    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "complete": complete,
+                                                  "steps": cfg.steps, "scope": args.scope,
                                                   "packed": args.packed, "fsdp": bool(args.fsdp and ctx.enabled),
                                                   "data_time_s": t_data, "train_time_s": t_train,
                                                   "summaries": summaries,

@@ -56,7 +56,8 @@ def markdown_table(summaries: list[dict]) -> str:
         gap = (s["final_val_loss"] - base_val) if (base_val is not None and s["final_val_loss"] is not None) else None
         rowsum = ("n/a" if s.get("rowsum_post_mean") is None
                   else f"{s['rowsum_post_mean']:.2e} / {s['rowsum_post_max']:.2e}")
-        mode = s["mode"] + (" (diverged)" if s.get("diverged") else "")
+        mode = s["mode"] + (" (diverged)" if s.get("diverged") else "") + (
+            f" (incomplete: {s.get('steps_done')} steps)" if s.get("complete") is False else "")
         lines.append(f"| {mode} | {_fmt(s['final_train_loss'])} | {_fmt(s['final_val_loss'])} | "
                      f"{_fmt(gap, '+.4f')} | {rowsum} | {_fmt(s.get('eps_absmean'), '.2e')} | "
                      f"{_fmt(s.get('max_gain'), '.3f')} | {_fmt(s.get('top4_share'), '.3f')} |")
@@ -102,12 +103,13 @@ def make_plots(logs: dict[str, dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(f"Loss (train: moving average over {window} steps)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:   # NOTE: a run stopped before its first step has no lines
+        ax.legend(fontsize=7)
     axd.axhline(0.0, color="k", lw=0.8)
     axd.set_xlabel("step")
     axd.set_ylabel("train loss - bf16 (same batch)")
     axd.grid(alpha=0.3)
-    if base and len(logs) > 1:
+    if base and len(logs) > 1 and axd.get_legend_handles_labels()[0]:
         axd.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "loss.png")
@@ -146,7 +148,8 @@ def make_plots(logs: dict[str, dict], out_dir: Path) -> list[Path]:
     ax.set_ylabel("mean_i |sum_j dS_ij| / sum_j |dS_ij|")
     ax.set_title("dS row-sum residual (mean over rows and layers)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "rowsum.png")
     fig.savefig(paths[-1], dpi=110)

@@ -54,7 +54,7 @@ def load_run(run_dir: str | os.PathLike) -> dict:
     summaries = []
     for m, log in logs.items():
         s = log["summary"]
-        if s is None:
+        if s is None or s.get("complete") is False:   # NOTE: a call stopped by --deadline-s (compare --resume)
             losses = [r["loss"] for r in log["steps"] if "loss" in r]
             s = {"mode": m, "steps_done": len(losses), "incomplete": True,
                  "diverged": any(r.get("diverged") for r in log["steps"]),
@@ -69,7 +69,8 @@ def load_run(run_dir: str | os.PathLike) -> dict:
             "provenance": json.loads(prov.read_text()) if prov.is_file() else None,
             "summary_json": json.loads(sj.read_text()) if sj.is_file() else None,
             "probe": json.loads(probe.read_text()) if probe.is_file() else None,
-            "complete": sj.is_file() and all(log["summary"] for log in logs.values())}
+            "complete": sj.is_file() and all(log["summary"] and log["summary"].get("complete", True)
+                                             for log in logs.values())}
 
 
 def load_prior(prior_dir: str | os.PathLike) -> dict:

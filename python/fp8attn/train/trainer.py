@@ -30,6 +30,20 @@ JSONL log (one object per line, field "type"):
 Checkpoints (checkpoint.py): `<log stem>.pt` after the last step (save_final)
 and `<log stem>.step<N>.pt` after step N for N in save_at, rank 0 only.
 
+Split runs (state.py; compare --deadline-s / --stop-after-steps / --resume):
+with a StopRule the loop stops cleanly after a step when the wall-clock deadline
+would be passed by the next step (or after max_steps steps in this call), writes
+the full training state to `<log stem>.state.pt` (model, AdamW state, step,
+batch-order RNG, global RNGs, summary accumulators) and ends the log with a
+summary whose "complete" is False (steps_done < steps). resume=True loads that
+state, truncates the log to the saved step (dropping the incomplete summary and
+any lines a killed call wrote after its last state) and appends from there: the
+weights and per-step losses equal those of an uninterrupted run (bit for bit on
+the CPU with the same thread count). A mode whose log already ends in a complete
+summary is not trained again (its summary is returned). The state file is
+removed once the mode completes. FSDP2 is not supported (the sharded AdamW state
+is not gathered); compare refuses the combination.
+
 Data parallel (torchrun, see ddp.py): when a process group is initialized the
 model is wrapped in DistributedDataParallel, rank r trains on every
 world_size-th batch of the shared order (offset r), the logged loss is the mean
@@ -59,6 +73,7 @@ import torch.nn.functional as F
 from . import ddp
 from .capture import ActivationScales
 from .checkpoint import save_checkpoint
+from .state import load_state, restore_rngs, save_state, state_path
 from .data import PreparedData, TokenStream
 from .model import ModelConfig, Transformer, gain_stats
 
@@ -90,6 +105,55 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class StopRule:
+    """When a call of a split run stops early (compare --deadline-s / --stop-after-steps).
+
+    deadline: absolute time.time() after which no step may end (None = none); a
+    step is not started when 1.5 x the last step time would cross it (the last
+    step of this mode, else of the previous mode: step_time_s, kept here).
+    max_steps: at most this many steps per mode in this call (None = no limit)."""
+    deadline: float | None = None
+    max_steps: int | None = None
+    step_time_s: float = 0.0
+
+    def stop_now(self, steps_this_call: int, last_dt: float) -> bool:
+        """True if the next step must not run."""
+        if self.max_steps is not None and steps_this_call >= self.max_steps:
+            return True
+        if last_dt:
+            self.step_time_s = last_dt
+        return self.deadline is not None and time.time() + 1.5 * (last_dt or self.step_time_s) > self.deadline
+
+
+def log_is_complete(summary: dict | None, steps: int) -> bool:
+    """True if a log's summary line marks the mode finished (all steps or diverged).
+    Logs written before resume support have no "complete" field: steps_done decides."""
+    if not summary:
+        return False
+    if "complete" in summary:
+        return bool(summary["complete"])
+    return bool(summary.get("diverged")) or summary.get("steps_done") == steps
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keeps the meta line and the step/val lines of steps < `step` (drops summaries and
+    whatever a call wrote after its last saved state); adds a "resume" line."""
+    keep = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        t = r.get("type")
+        if t == "meta" or (t in ("step", "val") and r.get("step", step) < step) or (
+                t == "resume" and r.get("step", step) < step):
+            keep.append(line)
+    keep.append(json.dumps({"type": "resume", "step": step}))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(keep) + "\n")
+    tmp.replace(path)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -176,10 +240,17 @@ def evaluate(model, batches, device, autocast) -> float:
 
 
 def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: PreparedData,
-               log_path: str | os.PathLike) -> dict:
+               log_path: str | os.PathLike, *, stop: StopRule | None = None, resume: bool = False,
+               state_every: int = 0) -> dict:
     """Trains one model with attention mode `mode`; writes the JSONL log; returns the summary.
 
-    Summary keys: mode, steps_done, diverged, final_train_loss (mean of the last
+    stop: stop early and save the training state (see StopRule; module docstring).
+    resume: continue from `<log stem>.state.pt` if it exists; a mode whose log is
+    complete returns its logged summary without training; with neither, trains
+    from scratch. state_every: also save the state every k steps (0 = only at a
+    stop), so a call killed from outside loses at most k steps.
+
+    Summary keys: mode, steps_done, complete, diverged, final_train_loss (mean of the last
     loss_avg_last steps), final_val_loss, rowsum_post_mean / rowsum_post_max /
     rowsum_pre_mean / eps_absmean (means over the diagnostic steps, max for *_max;
     None for bf16), max_gain / top4_share (final step, max over layers),
@@ -188,6 +259,23 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     from tqdm import tqdm
 
     dctx = ddp.context()
+    if (stop is not None or resume or state_every) and cfg.fsdp and dctx.enabled:
+        raise ValueError("fsdp: saving or resuming a training state is not supported with FSDP2")
+    if state_every < 0:
+        raise ValueError(f"state_every: must be >= 0, got {state_every}")
+    log_path = Path(log_path)
+    spath = state_path(log_path.parent, log_path.stem)
+    saved = None
+    if resume:
+        if log_path.is_file():
+            from .report import read_log
+            prev = read_log(log_path)
+            if log_is_complete(prev["summary"], cfg.steps):
+                return prev["summary"]
+        if spath.is_file() and log_path.is_file():
+            saved = load_state(spath, mode=mode)
+            if not 0 <= saved["step"] <= cfg.steps:
+                raise ValueError(f"resume: {spath} is at step {saved['step']}, outside the run's {cfg.steps} steps")
     device = resolve_device(cfg.device)
     if device.type == "cpu":
         # NOTE: ranks on one host share its cores.
@@ -197,9 +285,16 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
     model = build_model(model_cfg, cfg.seed)
     fingerprint = init_fingerprint(model)
+    if saved is not None:
+        if saved["init_fingerprint"] != fingerprint:
+            raise ValueError(f"resume: {spath} started from other initial weights "
+                             f"({saved['init_fingerprint']} != {fingerprint}); was the model config changed?")
+        model.load_state_dict(saved["model"])
     model.to(device)
     train_model = ddp.wrap_model(model, dctx, device, fsdp=cfg.fsdp)   # `model` itself with one process
     opt = make_optimizer(model, cfg)
+    if saved is not None:
+        opt.load_state_dict(saved["optim"])
     use_autocast = device.type == "cuda"
 
     def autocast():
@@ -208,16 +303,28 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     train = TokenStream(data.train_path, cfg.seq_len)
     val_batches = TokenStream(data.val_path, cfg.seq_len).fixed_batches(cfg.val_batches, cfg.batch_size)
     rng = np.random.Generator(np.random.PCG64(cfg.data_seed))
+    start = 0
+    acc = {"losses": [], "diag_aggs": [], "val_loss": None, "last_gains": {}, "last_logits": {},
+           "train_time_s": 0.0}
+    if saved is not None:
+        rng = restore_rngs(saved)
+        start, acc = saved["step"], saved["acc"]
     fp8 = mode.startswith("fp8-")
     if fp8:
         from fp8attn import diagnostics
 
-    log_path = Path(log_path) if dctx.is_main else Path(os.devnull)
+    log_path = log_path if dctx.is_main else Path(os.devnull)
     if dctx.is_main:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-    losses, diag_aggs, val_loss, last_gains, diverged = [], [], None, {}, False
-    last_logits: dict = {}     # {layer: [logit_std, logit_max, entropy_mean]} of the last diag step
-    t_start = time.time()
+        if saved is not None:
+            _truncate_log(log_path, start)
+        elif spath.exists():
+            spath.unlink()      # NOTE: a state of an earlier run must not be resumed into this one
+    losses, diag_aggs, val_loss, last_gains, diverged = (acc["losses"], acc["diag_aggs"], acc["val_loss"],
+                                                         acc["last_gains"], False)
+    last_logits: dict = acc["last_logits"]  # {layer: [logit_std, logit_max, entropy_mean]} of the last diag step
+    t_start = time.time() - acc["train_time_s"]     # NOTE: wall time accumulates over the calls
+    steps_this_call, last_dt, stopped = 0, 0.0, False
     tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
 
     def save(path, step):
@@ -229,21 +336,47 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         return save_checkpoint(path, model, mode=mode, step=step, train_config=cfg.to_dict(),
                                data_root=str(data.root), init_fingerprint=fingerprint, state_dict=sd)
 
-    with open(log_path, "w") as log:
+    def save_train_state(step):
+        """Full training state after `step` steps (rank 0 writes; every rank holds the same)."""
+        if not dctx.is_main:
+            return None
+        a = {"losses": losses, "diag_aggs": diag_aggs, "val_loss": val_loss, "last_gains": last_gains,
+             "last_logits": last_logits, "train_time_s": time.time() - t_start}
+        return save_state(spath, mode=mode, step=step, init_fingerprint=fingerprint,
+                          model_state=model.state_dict(), optim_state=opt.state_dict(), data_rng=rng, acc=a,
+                          train_config=cfg.to_dict(), model_config=model_cfg.to_dict())
+
+    def must_stop():
+        """The stop decision, taken on rank 0 and shared (ranks' clocks differ slightly)."""
+        if stop is None:
+            return False
+        want = stop.stop_now(steps_this_call, last_dt)
+        if dctx.enabled and stop.deadline is not None:
+            want = ddp.mean_over_ranks(1.0 if (want and dctx.is_main) else 0.0, dctx, device) > 0
+        return want
+
+    with open(log_path, "a" if saved is not None else "w") as log:
         def write(obj):
             log.write(json.dumps(obj) + "\n")
             log.flush()
 
-        write({"type": "meta", "mode": mode, "model": model_cfg.to_dict(), "train": cfg.to_dict(),
-               "params": model.num_params(), "init_fingerprint": fingerprint, "device": str(device),
-               "torch": torch.__version__, "data": {k: v for k, v in data.meta.items() if k != "val_paths"}})
+        if saved is None:
+            write({"type": "meta", "mode": mode, "model": model_cfg.to_dict(), "train": cfg.to_dict(),
+                   "params": model.num_params(), "init_fingerprint": fingerprint, "device": str(device),
+                   "torch": torch.__version__, "data": {k: v for k, v in data.meta.items() if k != "val_paths"}})
         # NOTE: a tqdm bar only on a terminal; in a log file (CI) a plain line every 10 %.
         tty = sys.stderr.isatty()
         progress = cfg.progress and dctx.is_main
-        bar = tqdm(range(cfg.steps), desc=f"{mode:>18}", disable=not (progress and tty),
-                   mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(range(start, cfg.steps), desc=f"{mode:>18}", disable=not (progress and tty),
+                   mininterval=1.0, file=sys.stderr, dynamic_ncols=True, initial=start, total=cfg.steps)
         line_every = max(1, cfg.steps // 10) if progress and not tty else 0
         for step in bar:
+            if must_stop():
+                stopped = True
+                # NOTE: a call that stops before its first step keeps the state it resumed from.
+                if steps_this_call:
+                    save_train_state(step)
+                break
             t0 = time.time()
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
@@ -269,7 +402,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             opt.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            dt = time.time() - t0
+            dt = last_dt = time.time() - t0
+            steps_this_call += 1
             losses.append(loss_v)
             last_gains = layer_gain_stats(model)
             rec_line = {"type": "step", "step": step, "loss": loss_v, "lr": lr, "grad_norm": grad_norm,
@@ -293,6 +427,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 write({"type": "val", "step": step, "val_loss": val_loss})
             if (step + 1) in cfg.save_at:
                 save(log_path.with_name(f"{log_path.stem}.step{step + 1}.pt"), step + 1)
+            if state_every and (step + 1) % state_every == 0 and step + 1 < cfg.steps:
+                save_train_state(step + 1)
             bar.set_postfix(loss=f"{loss_v:.3f}", val=f"{val_loss:.3f}" if val_loss else "-")
             if line_every and ((step + 1) % line_every == 0 or step + 1 == cfg.steps):
                 print(f"[train] {mode} step {step + 1}/{cfg.steps} loss {loss_v:.3f} "
@@ -312,7 +448,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             return float(np.max(v)) if v else None
 
         summary = {
-            "type": "summary", "mode": mode, "steps_done": len(losses), "diverged": diverged,
+            "type": "summary", "mode": mode, "steps_done": len(losses),
+            "complete": diverged or (not stopped and len(losses) == cfg.steps), "diverged": diverged,
             "final_train_loss": float(np.mean(losses[-k:])) if k else None,
             "final_val_loss": val_loss,
             "rowsum_post_mean": mean_of("rowsum_post_mean"), "rowsum_post_max": max_of("rowsum_post_max"),
@@ -329,7 +466,9 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         if dctx.enabled:
             summary["world_size"] = dctx.world_size
             summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
-        if cfg.save_final and losses:
+        if summary["complete"] and dctx.is_main and spath.exists():
+            spath.unlink()      # NOTE: a finished mode needs no state (it can be ~600 MB)
+        if cfg.save_final and losses and summary["complete"]:
             ckpt = save(log_path.with_suffix(".pt"), len(losses))
             if ckpt is not None:
                 summary["checkpoint"] = ckpt.name
