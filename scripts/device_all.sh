@@ -99,12 +99,14 @@ if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
   tar czf "$OUT/train.tgz" --exclude="*.pt" -C "$(dirname "$tdir")" "$(basename "$tdir")"  # NOTE: checkpoints (~200 MB each) stay
 fi
 
+# A small text folder (this repo's docs) for the two smoke runs below.
+mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
+
 # Distributed path on this one GPU (FP8ATTN_DIST=1: a 1-rank NCCL group, DDP and
 # FSDP2 wrappers), a few steps of the smoke preset (head_dim 64: the CUDA kernels
 # have no head_dim 32) on a bundled text dir.
 if [ "${DEVICE_NCCL:-1}" = 1 ]; then
   echo "== NCCL (1-rank group) DDP + FSDP2"
-  mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
   for extra in "" "--fsdp"; do
     FP8ATTN_DIST=1 timeout "${DEVICE_T_NCCL:-60}" torchrun --nproc_per_node 1 -m fp8attn.train.compare \
       --preset smoke --model head_dim=64 --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
@@ -120,7 +122,6 @@ fi
 # varlen_attention), a few steps of the smoke preset at head_dim 64.
 if [ "${DEVICE_PACKED:-1}" = 1 ]; then
   echo "== packed documents (smoke, GPU)"
-  mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
   timeout "${DEVICE_T_PACKED:-60}" python3 -m fp8attn.train.compare --preset smoke --model head_dim=64 --packed \
     --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
     --data-dir /tmp/nccl_data --text-dir /tmp/nccl_text --no-progress --no-save --out /tmp/packed_run \

@@ -570,7 +570,7 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
     # weight the parent reads directly) may not route through forward(): they are
     # left alone, but said so rather than skipped silently.
     skipped = sorted(n for n, m in model.named_modules()
-                     if isinstance(m, nn.Linear) and type(m) not in (nn.Linear, FP8Linear)
+                     if isinstance(m, nn.Linear) and type(m) is not nn.Linear
                      and not isinstance(m, FP8Linear) and inc(n) and not exc(n))
     if skipped:
         warnings.warn(f"fp8attn.linear.convert_to_fp8_linear: left {len(skipped)} nn.Linear subclass module(s) "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +18,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fp8attn
 from fp8attn.train import ddp
 from fp8attn.train.data import TokenStream
-from fp8attn.train.model import ModelConfig
 from fp8attn.train.report import read_log
-from fp8attn.train.trainer import build_model, init_fingerprint
+
+from dist_helpers import first_batch_losses, free_port
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -73,11 +71,6 @@ def test_rank_batches_are_strided_over_one_order(tmp_path):
 
 
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -127,17 +120,7 @@ def test_ddp_step0_loss_is_mean_over_rank_batches(ddp_run):
     out, proc = ddp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(out / "run" / "bf16.jsonl")
-    meta, train = log["meta"], log["meta"]["train"]
-    model = build_model(ModelConfig(**meta["model"]), train["seed"])
-    assert init_fingerprint(model) == meta["init_fingerprint"]
-    (data_root,) = [p.parent for p in (out / "data").glob("*/meta.json")]
-    ts = TokenStream(data_root / "train.bin", train["seq_len"])
-    rng = np.random.Generator(np.random.PCG64(train["data_seed"]))
-    with torch.no_grad():
-        per_batch = []
-        for _ in range(2):
-            x, y = ts.random_batch(rng, train["batch_size"])
-            per_batch.append(float(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
+    per_batch = first_batch_losses(out, log)
     got = log["steps"][0]["loss"]
     assert got == pytest.approx(np.mean(per_batch), rel=1e-5, abs=1e-5), (got, per_batch)
     # Guard: the two batches give distinguishable losses, so rank 1 training on batch #0 would show.

@@ -16,15 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import fp8attn
-from fp8attn.train.data import TokenStream
-from fp8attn.train.model import ModelConfig
 from fp8attn.train.report import read_log
-from fp8attn.train.trainer import build_model, init_fingerprint
+from fp8attn.train.trainer import init_fingerprint
+
+from dist_helpers import first_batch_losses, free_port
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -33,13 +31,6 @@ PY_DIR = Path(fp8attn.__file__).resolve().parents[1]
 MODES = ("bf16", "fp8-delta_matching")
 STEPS = 4
 SCOPE = "attn-core+projections+ffn"
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path_factory, text_dir, fsdp: bool):
@@ -111,16 +102,6 @@ def test_fsdp_step0_loss_is_mean_over_rank_batches(fsdp_run, mode):
     out, proc = fsdp_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = read_log(out / "run" / f"{mode}.jsonl")
-    meta, train = log["meta"], log["meta"]["train"]
-    model = build_model(ModelConfig(**meta["model"]), train["seed"])
-    assert init_fingerprint(model) == meta["init_fingerprint"]
-    (data_root,) = [p.parent for p in (out / "data").glob("*/meta.json")]
-    ts = TokenStream(data_root / "train.bin", train["seq_len"])
-    rng = np.random.Generator(np.random.PCG64(train["data_seed"]))
-    with torch.no_grad():
-        per_batch = []
-        for _ in range(2):
-            x, y = ts.random_batch(rng, train["batch_size"])
-            per_batch.append(float(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
+    per_batch = first_batch_losses(out, log)
     assert abs(per_batch[0] - per_batch[1]) > 1e-3
     assert log["steps"][0]["loss"] == pytest.approx(np.mean(per_batch), rel=1e-5, abs=1e-5)
