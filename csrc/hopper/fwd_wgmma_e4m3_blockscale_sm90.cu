@@ -106,6 +106,24 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// 32-bit shared-memory accesses (the d >= 192 producer, which runs at 24
+// registers: no 64-bit generic pointers).
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 x;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(addr)
+               : "memory");
+  return x;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 x) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+               : "memory");
+}
+
 // Shared-memory matrix descriptor of a K-major tile whose rows are
 // kRowBytes (= the swizzle span: 128 or 64) long, 8-row groups kRowBytes * 8
 // apart; `addr` may be advanced by 32 bytes per k32 step inside the row.
@@ -679,7 +697,8 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
           const int key = kt * kBlockN + (i >> 1);
           // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
           // the mask overwrites those S entries anyway.
-          sKs[(s * 2 + (i & 1)) * kBlockN + (i >> 1)] = key < Sk ? ks_g[kt * 2 * kBlockN + i] : 0.f;
+          st_shared_f32(sbase + T::kOffKs + 4 * ((s * 2 + (i & 1)) * kBlockN + (i >> 1)),
+                        key < Sk ? ks_g[kt * 2 * kBlockN + i] : 0.f);
         }
         if (lane == 0) {
           mbar_arrive_tx(k_full(s), T::kKBytes);
@@ -700,17 +719,17 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       for (int kt = 0; kt < n_tiles; ++kt) {
         const int s = kt % kStages;
         mbar_wait(v_raw(s), (kt / kStages) & 1);
-        uint4* v = reinterpret_cast<uint4*>(smem + T::kOffV + s * T::kVBytes);
-        for (int i = pt; i < T::kVBytes / 16; i += 96) {
-          const uint4 x = v[i];
+        for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
+          const uint4 x = ld_shared_v4(a);
           uint4 y;
           y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
           y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
           y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
           y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
-          v[i] = y;
+          st_shared_v4(a, y);
         }
-        for (int ch = pt; ch < kDv; ch += 96) sVs[s * kDv + ch] = vs_g[static_cast<int64_t>(ch) * nblk_k + kt];
+        for (int ch = pt; ch < kDv; ch += 96)
+          st_shared_f32(sbase + T::kOffVs + 4 * (s * kDv + ch), vs_g[static_cast<int64_t>(ch) * nblk_k + kt]);
         // NOTE: generic-proxy writes read next by wgmma (async proxy).
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(v_full(s));
