@@ -101,7 +101,7 @@ static_assert(kD2ProducerRegs + kConsumerWGs * kD2ConsumerRegs <= (1 + kConsumer
               "setmaxnreg pool: the registers allocated at launch (d >= 192)");
 static_assert(kD2ProducerRegs % 8 == 0 && kD2ConsumerRegs % 8 == 0 && kD2ProducerRegs >= 24 && kD2ConsumerRegs <= 256,
               "setmaxnreg takes multiples of 8 in [24, 256]");
-static_assert(kBlockN % kD2S1ChunkN == 0 && kD2S1ChunkN % 8 == 0, "S chunks: whole groups of four n8 tiles");
+static_assert(kBlockN % kD2S1ChunkN == 0 && kD2S1ChunkN % 8 == 0, "S chunks: whole n8 tiles (GmmaAtom<kD2S1ChunkN> in the kernel)");
 static_assert(kD2PvN == 64 || kD2PvN == 128, "P V chains: m64n64 or m64n128");
 
 }  // namespace fwdw
