@@ -73,10 +73,17 @@ constexpr int kStages = 2;                           // K/V pipeline depth
 // setmaxnreg budgets (the register file is 64K 32-bit registers per SM; one CTA per SM).
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-// Head dims the wgmma kernel instantiates; others use fwd_e4m3_blockscale_sm90.cu.
-// NOTE: d >= 192 needs a second head_dim block (two S accumulators) and a
-// 128..256-wide O accumulator: over the consumer register budget as written.
-constexpr bool supported(int d_qk, int d_v) { return (d_qk == 64 && d_v == 64) || (d_qk == 128 && d_v == 128); }
+// Head dims the wgmma kernel instantiates (every supported_head_dims pair).
+// NOTE: d_qk >= 192 (two head_dim blocks) runs its own kernel,
+// fwd_wgmma_d2_kernel: O is up to 64x256 FP32 per warpgroup (128 registers),
+// so the consumers get 240 registers (the producer 24, FA3's split) and the
+// second head_dim block's S partial runs in n32 chunks (16 registers) next to
+// S (64): peak O + S + chunk = 208 in arrays (kernel doc, "head_dim 192 / 256").
+constexpr bool supported(int d_qk, int d_v) { return supported_head_dims(d_qk, d_v); }
+constexpr int kD2ProducerRegs = 24;
+constexpr int kD2ConsumerRegs = 240;
+constexpr int kD2S1ChunkN = 32;  // keys per wgmma chain of head_dim block 1's S partial
+constexpr int kD2PvN = 64;       // output channels per P V wgmma chain (partial: 32 registers)
 
 static_assert(kBlockN == 128, "P block scale per (row, 128-key tile); V^T tile rows are 128 bytes");
 static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");
@@ -84,6 +91,18 @@ static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs 
               "setmaxnreg takes multiples of 8 in [24, 256]");
 static_assert(128 * (kProducerRegs + kConsumerWGs * kConsumerRegs) <= 65536, "register file of one SM");
 static_assert(kStages >= 2, "double buffering at least");
+// NOTE: setmaxnreg moves registers inside what the CTA got at launch: 384
+// threads at __launch_bounds__(384, 1) get 168 each (65536 / 384 rounded down
+// to 8), so producer + consumers must stay within 3 * 168 = 504 per thread
+// slot (40 + 2 * 232 and 24 + 2 * 240 both are exactly that).
+static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch");
+static_assert(kD2ProducerRegs + kConsumerWGs * kD2ConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch (d >= 192)");
+static_assert(kD2ProducerRegs % 8 == 0 && kD2ConsumerRegs % 8 == 0 && kD2ProducerRegs >= 24 && kD2ConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(kBlockN % kD2S1ChunkN == 0 && kD2S1ChunkN % 8 == 0, "S chunks: whole n8 tiles (GmmaAtom<kD2S1ChunkN> in the kernel)");
+static_assert(kD2PvN == 64 || kD2PvN == 128, "P V chains: m64n64 or m64n128");
 
 }  // namespace fwdw
 

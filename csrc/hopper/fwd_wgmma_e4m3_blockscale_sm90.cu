@@ -36,6 +36,10 @@
 // holds key perm(k)): no shuffles in the consumers, 4 PRMT per 16 bytes of V in
 // the otherwise idle producer warps. The permutation stays inside 16-byte
 // chunks, so the TMA swizzle is untouched.
+//
+// head_dim_qk 192 / 256 (two head_dim blocks): fwd_wgmma_d2_kernel below, the
+// same producer and the v1 schedule with the second block's S partial in n32
+// chunks and P V in 64-channel chains (registers: see its comment).
 #include "hopper/fwd_wgmma_e4m3_blockscale_sm90.h"
 
 #include <cuda.h>
@@ -102,6 +106,24 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// 32-bit shared-memory accesses (the d >= 192 producer, which runs at 24
+// registers: no 64-bit generic pointers).
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 x;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(addr)
+               : "memory");
+  return x;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 x) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
+               : "memory");
+}
+
 // Shared-memory matrix descriptor of a K-major tile whose rows are
 // kRowBytes (= the swizzle span: 128 or 64) long, 8-row groups kRowBytes * 8
 // apart; `addr` may be advanced by 32 bytes per k32 step inside the row.
@@ -120,6 +142,10 @@ constexpr int kPingpong = 3;  // v3: warpgroups alternate their wgmma phases
 
 template <int N>
 struct GmmaAtom;
+template <>
+struct GmmaAtom<32> {  // head_dim block 1 of S at d >= 192 (fwd_wgmma_d2_kernel)
+  using SS = gmma::MMA_64x32x32_F32E4M3E4M3_SS_TN<>;
+};
 template <>
 struct GmmaAtom<64> {
   using SS = gmma::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
@@ -545,6 +571,370 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
   }
 }
 
+// ---- head_dim 192 / 256: two head_dim blocks ---------------------------------------
+//
+// fwd_wgmma_d2_kernel: the v1 (kSerial) schedule per consumer warpgroup, the
+// same producer, and the same math (numerics.md sections 2-3) as the
+// mma.sync kernel at d_qk > 128:
+//   Q and K tiles are stored per head_dim block (block 0: rows of 128 bytes,
+//     128B swizzle; block 1: rows of kD - 128 = 64 or 128 bytes, 64B / 128B
+//     swizzle), each block with its own TMA map;
+//   S = t0 * s_k0 (t0 = Q0 K0^T, m64n128k32 SS over block 0), then block 1's
+//     FP32 partial t1 in n32 chunks, each added right away as
+//     fmaf(t1, s_k1 * (s_q1 / s_q0), S) (the mma.sync kernel's order; the row
+//     factor s_q0 * tau * log2(e) stays in the exp's FMA);
+//   mask, online softmax, P quantization: exactly as fwd_wgmma_kernel;
+//   P V in chains of fwdw::kD2PvN output channels (m64n64k32 RS), two partial
+//     buffers so chain c + 1 runs while chain c is promoted into O.
+// NOTE: registers per consumer thread (setmaxnreg 240): O kDv / 2 (128 at
+// dv = 256) is live throughout; QK^T phase + S 64 + one S chunk 16 = 208;
+// P V phase + P codes 16 + two partials 2 x 32 = 208. A whole-width t1 (64)
+// or a single m64n256 P V partial (128) would not fit.
+
+template <int kD, int kDv>
+struct WTraits2 {
+  static constexpr int kBlockM = fwdw::kBlockM, kBlockN = fwdw::kBlockN, kStages = fwdw::kStages;
+  static constexpr int kD0 = kMaxDimBlock, kD1 = kD - kMaxDimBlock;  // head_dim blocks (bytes per row)
+  static constexpr int kQ0Bytes = kBlockM * kD0, kQ1Bytes = kBlockM * kD1;
+  static constexpr int kK0Bytes = kBlockN * kD0, kK1Bytes = kBlockN * kD1;
+  static constexpr int kKBytes = kK0Bytes + kK1Bytes;  // one stage: block 0, then block 1
+  static constexpr int kVBytes = kDv * kBlockN;
+  static constexpr int kOffQ = 0;                                    // block 0, then block 1
+  static constexpr int kOffK = kOffQ + kQ0Bytes + kQ1Bytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffKs = kOffV + kStages * kVBytes;           // float [kStages][2][kBlockN]
+  static constexpr int kOffVs = kOffKs + kStages * 2 * kBlockN * 4;  // float [kStages][kDv]
+  static constexpr int kOffBar = kOffVs + kStages * kDv * 4;         // uint64 [1 + 5 kStages]
+  static constexpr int kSmemBytes = kOffBar + 8 * (1 + 5 * kStages) + 1024;  // + base alignment
+
+  static_assert((kD == 256 && kDv == 256) || (kD == 192 && kDv == 128), "two head_dim blocks: (256,256), (192,128)");
+  static_assert(num_dim_blocks(kD) == 2 && dim_block(kD) == kD0, "head_dim block rule (numerics.md section 2)");
+  static_assert(kD1 == 64 || kD1 == 128, "block 1 rows = one 64B or 128B swizzle span");
+  static_assert(kDv % fwdw::kD2PvN == 0, "whole P V chains");
+  static_assert(kQ0Bytes % 1024 == 0 && kOffK % 1024 == 0 && kK0Bytes % 1024 == 0 && kKBytes % 1024 == 0 &&
+                    kVBytes % 1024 == 0 && (fwdw::kD2S1ChunkN * kD1) % 1024 == 0,
+                "swizzled tiles and chunk starts on 1024-byte boundaries");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+template <int kD, int kDv>
+__global__ void __launch_bounds__(fwdw::kThreads, 1)
+    fwd_wgmma_d2_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q0,
+                        const __grid_constant__ CUtensorMap tm_q1, const __grid_constant__ CUtensorMap tm_k0,
+                        const __grid_constant__ CUtensorMap tm_k1, const __grid_constant__ CUtensorMap tm_v) {
+  using T = WTraits2<kD, kDv>;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kD0 = T::kD0, kD1 = T::kD1;
+  constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
+  constexpr int kVT = kDv / 8;      // n8 tiles of O
+  constexpr int kCN = fwdw::kD2S1ChunkN;
+  constexpr int kPvN = fwdw::kD2PvN;
+  constexpr int kPvChunks = kDv / kPvN;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sbase = smem_u32(smem);
+  float* sKs = reinterpret_cast<float*>(smem + T::kOffKs);
+  float* sVs = reinterpret_cast<float*>(smem + T::kOffVs);
+  const uint32_t bar = sbase + T::kOffBar;
+  const uint32_t q_full = bar;
+  auto k_full = [&](int s) { return bar + 8u * (1 + s); };
+  auto k_empty = [&](int s) { return bar + 8u * (1 + kStages + s); };
+  auto v_raw = [&](int s) { return bar + 8u * (1 + 2 * kStages + s); };
+  auto v_full = [&](int s) { return bar + 8u * (1 + 3 * kStages + s); };
+  auto v_empty = [&](int s) { return bar + 8u * (1 + 4 * kStages + s); };
+  auto sK = [&](int s) { return sbase + T::kOffK + s * T::kKBytes; };  // block 1 at + kK0Bytes
+  auto sV = [&](int s) { return sbase + T::kOffV + s * T::kVBytes; };
+
+  const int m_tile = gridDim.x - 1 - blockIdx.x;  // NOTE: heaviest causal tiles first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.num_heads_q / p.num_heads_kv);
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int nblk_k = (Sk + kBlockN - 1) / kBlockN;
+  const int q0 = m_tile * kBlockM;
+  const int diag = Sk - Sq;  // causal: key j visible to query i iff j <= i + diag
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + h;
+  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+
+  int n_tiles = nblk_k;  // key tiles [0, n_tiles)
+  if (p.causal) {
+    const int last_key = min(q0 + kBlockM, Sq) - 1 + diag;
+    n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
+  }
+
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 32);                       // warp 0: TMA bytes + s_k stores
+      mbar_init(k_empty(s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
+      mbar_init(v_raw(s), 1);                         // TMA bytes
+      mbar_init(v_full(s), 96);                       // the permuting threads
+      mbar_init(v_empty(s), 4 * fwdw::kConsumerWGs);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ================= producer warpgroup (as fwd_wgmma_kernel, two K blocks) =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdw::kD2ProducerRegs));
+    const int warp = tid / 32, lane = tid & 31;
+    if (warp == 0) {
+      const float* ks_g = p.k_row_s + bhk * Sk * 2;  // two head_dim blocks: [Sk][2]
+      if (lane == 0) {
+        mbar_arrive_tx(q_full, T::kQ0Bytes + T::kQ1Bytes);
+        tma_load_3d(sbase + T::kOffQ, &tm_q0, q_full, 0, q0, static_cast<int>(bhq));
+        tma_load_3d(sbase + T::kOffQ + T::kQ0Bytes, &tm_q1, q_full, kD0, q0, static_cast<int>(bhq));
+      }
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int s = kt % kStages;
+        const uint32_t ph = (kt / kStages) & 1;
+        mbar_wait(k_empty(s), ph ^ 1);
+        for (int i = lane; i < 2 * kBlockN; i += 32) {
+          const int key = kt * kBlockN + (i >> 1);
+          // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
+          // the mask overwrites those S entries anyway.
+          st_shared_f32(sbase + T::kOffKs + 4 * ((s * 2 + (i & 1)) * kBlockN + (i >> 1)),
+                        key < Sk ? ks_g[kt * 2 * kBlockN + i] : 0.f);
+        }
+        if (lane == 0) {
+          mbar_arrive_tx(k_full(s), T::kKBytes);
+          tma_load_3d(sK(s), &tm_k0, k_full(s), 0, kt * kBlockN, static_cast<int>(bhk));
+          tma_load_3d(sK(s) + T::kK0Bytes, &tm_k1, k_full(s), kD0, kt * kBlockN, static_cast<int>(bhk));
+          mbar_wait(v_empty(s), ph ^ 1);
+          mbar_arrive_tx(v_raw(s), T::kVBytes);
+          tma_load_3d(sV(s), &tm_v, v_raw(s), kt * kBlockN, 0, static_cast<int>(bhk));
+        } else {
+          mbar_arrive(k_full(s));
+        }
+        __syncwarp();
+      }
+    } else {
+      // Warps 1-3: V^T key permutation in place (file comment), s_v.
+      const int pt = tid - 32;
+      const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
+      for (int kt = 0; kt < n_tiles; ++kt) {
+        const int s = kt % kStages;
+        mbar_wait(v_raw(s), (kt / kStages) & 1);
+        for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
+          const uint4 x = ld_shared_v4(a);
+          uint4 y;
+          y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
+          y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
+          y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
+          y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
+          st_shared_v4(a, y);
+        }
+        for (int ch = pt; ch < kDv; ch += 96)
+          st_shared_f32(sbase + T::kOffVs + 4 * (s * kDv + ch), vs_g[static_cast<int64_t>(ch) * nblk_k + kt]);
+        // NOTE: generic-proxy writes read next by wgmma (async proxy).
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(v_full(s));
+      }
+    }
+    return;
+  }
+
+  // ================= consumer warpgroups =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fwdw::kD2ConsumerRegs));
+  const int cw = wg - 1;
+  const int t128 = tid - 128 * wg, warp = t128 / 32, lane = t128 & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int row_w0 = q0 + 64 * cw + 16 * warp;  // first query row of this warp
+  const int row0 = row_w0 + g;                  // this thread's rows: row0, row0 + 8
+
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float rq[2];  // s_q (head_dim block 0) * tau * log2(e) per row
+  float qr[2];  // s_q of head_dim block 1 over block 0 (a power of two, or NaN)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    // NOTE: padding rows (row >= Sq) get rq = 0 and ratio 0; they are never stored.
+    const float sq0 = row < Sq ? p.q_row_s[(bhq * Sq + row) * 2] : 0.f;
+    const float sq1 = row < Sq ? p.q_row_s[(bhq * Sq + row) * 2 + 1] : 0.f;
+    rq[r] = sq0 * scale_log2;
+    qr[r] = row < Sq ? sq1 / sq0 : 0.f;
+  }
+
+  float o[kDv / 2];
+#pragma unroll
+  for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running row max (log2 domain)
+  float l_run[2] = {0.f, 0.f};              // this thread's share of the row sum
+
+  const uint32_t sQ0 = sbase + T::kOffQ + cw * 64 * kD0;
+  const uint32_t sQ1 = sbase + T::kOffQ + T::kQ0Bytes + cw * 64 * kD1;
+  mbar_wait(q_full, 0);
+
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    const int s = kt % kStages;
+    const uint32_t ph = (kt / kStages) & 1;
+    const float* ks0 = sKs + s * 2 * kBlockN;  // s_k of head_dim block 0
+    const float* ks1 = ks0 + kBlockN;          // block 1
+
+    // ---- S = t0 * s_k0, then + t1 * s_k1 * (s_q1 / s_q0) per n32 chunk ----
+    float sacc[kBlockN / 2], part[kCN / 2];
+    mbar_wait(k_full(s), ph);
+    fence_acc(sacc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < kD0 / 32; ++ks)
+      gmma_ss<kBlockN>(gmma_desc<kD0>(sQ0 + 32 * ks), gmma_desc<kD0>(sK(s) + 32 * ks), sacc, ks > 0,
+                       std::make_index_sequence<kBlockN / 2>{});
+    cute::warpgroup_commit_batch();
+#pragma unroll
+    for (int c = 0; c < kBlockN / kCN; ++c) {
+      fence_acc(part);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int ks = 0; ks < kD1 / 32; ++ks)
+        gmma_ss<kCN>(gmma_desc<kD1>(sQ1 + 32 * ks), gmma_desc<kD1>(sK(s) + T::kK0Bytes + c * kCN * kD1 + 32 * ks),
+                     part, ks > 0, std::make_index_sequence<kCN / 2>{});
+      cute::warpgroup_commit_batch();
+      if (c == 0) {
+        cute::warpgroup_wait<1>();  // t0 complete; chunk 0 of t1 still in flight
+        fence_acc(sacc);
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+          const float2 sk = *reinterpret_cast<const float2*>(&ks0[8 * j + 2 * tig]);
+          sacc[4 * j + 0] *= sk.x;
+          sacc[4 * j + 1] *= sk.y;
+          sacc[4 * j + 2] *= sk.x;
+          sacc[4 * j + 3] *= sk.y;
+        }
+      }
+      cute::warpgroup_wait<0>();
+      fence_acc(part);
+#pragma unroll
+      for (int i = 0; i < kCN / 8; ++i) {
+        const int j = c * (kCN / 8) + i;
+        const float2 sk = *reinterpret_cast<const float2*>(&ks1[8 * j + 2 * tig]);
+        sacc[4 * j + 0] = fmaf(part[4 * i + 0], sk.x * qr[0], sacc[4 * j + 0]);
+        sacc[4 * j + 1] = fmaf(part[4 * i + 1], sk.y * qr[0], sacc[4 * j + 1]);
+        sacc[4 * j + 2] = fmaf(part[4 * i + 2], sk.x * qr[1], sacc[4 * j + 2]);
+        sacc[4 * j + 3] = fmaf(part[4 * i + 3], sk.y * qr[1], sacc[4 * j + 3]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+
+    // ---- mask: keys past seqlen_k, causal ----
+    const int key0 = kt * kBlockN;
+    const bool need_mask = key0 + kBlockN > Sk || (p.causal && key0 + kBlockN - 1 > row_w0 + diag);
+    if (need_mask) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + 2 * tig + (e & 1);
+          const int row = row0 + 8 * (e >> 1);
+          if (key >= Sk || (p.causal && key > row + diag)) sacc[4 * j + e] = -INFINITY;
+        }
+    }
+
+    // ---- online softmax, P quantization (as fwd_wgmma_kernel) ----
+    float alpha[2], sp[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
+      const float m_new = fmaxf(m_run[r], mx2);
+      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
+      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = fast_exp2(m_run[r] - base);
+      m_run[r] = m_new;
+      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
+      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
+      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float pv = fast_exp2(fmaf(sacc[4 * j + e], rq[r], nbias));  // P / s_p
+          sacc[4 * j + e] = pv;
+          sum += pv;
+        }
+      l_run[r] = l_run[r] * alpha[r] + sum * sp[r];
+    }
+    uint32_t pa[kNT / 4][4];  // S is dead after this: P V runs on the E4M3 codes
+#pragma unroll
+    for (int st = 0; st < kNT / 4; ++st) {
+      const float* x = &sacc[16 * st];  // n8 tiles 4 st .. 4 st + 3
+      pa[st][0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+      pa[st][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+      pa[st][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+      pa[st][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+    }
+
+    // ---- O = O * alpha + (P_hat V_hat) * s_p * s_v, kPvN channels per chain ----
+    // NOTE: chain c + 1 is issued before chain c is promoted (two fixed
+    // partial buffers, selected by the unrolled c: no register moves while a
+    // wgmma is in flight).
+    float pv[2][kPvN / 2];
+    auto pv_issue = [&](int c) {
+      fence_acc(pv[c & 1]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int st = 0; st < kNT / 4; ++st)
+        gmma_rs<kPvN>(pa[st], gmma_desc<128>(sV(s) + c * kPvN * kBlockN + 32 * st), pv[c & 1], st > 0,
+                      std::make_index_sequence<kPvN / 2>{});
+      cute::warpgroup_commit_batch();
+    };
+    mbar_wait(v_full(s), ph);
+    pv_issue(0);
+#pragma unroll
+    for (int c = 0; c < kPvChunks; ++c) {
+      if (c + 1 < kPvChunks) {
+        pv_issue(c + 1);
+        cute::warpgroup_wait<1>();  // chain c complete, chain c + 1 in flight
+      } else {
+        cute::warpgroup_wait<0>();
+      }
+      fence_acc(pv[c & 1]);
+#pragma unroll
+      for (int tc = 0; tc < kPvN / 8; ++tc) {
+        const int t = c * (kPvN / 8) + tc;
+        const float2 sv = *reinterpret_cast<const float2*>(&sVs[s * kDv + 8 * t + 2 * tig]);
+        o[4 * t + 0] = fmaf(pv[c & 1][4 * tc + 0], sp[0] * sv.x, o[4 * t + 0] * alpha[0]);
+        o[4 * t + 1] = fmaf(pv[c & 1][4 * tc + 1], sp[0] * sv.y, o[4 * t + 1] * alpha[0]);
+        o[4 * t + 2] = fmaf(pv[c & 1][4 * tc + 2], sp[1] * sv.x, o[4 * t + 2] * alpha[1]);
+        o[4 * t + 3] = fmaf(pv[c & 1][4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+  }
+
+  // ---- epilogue: O = acc / l (BF16), LSE (as fwd_wgmma_kernel) ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = row0 + 8 * r;
+    if (row >= Sq) continue;
+    // NOTE: l == 0 only for a row that sees no key: O = 0, LSE = -inf. A NaN l
+    // (non-finite input) propagates into O and LSE.
+    const float inv_l = l == 0.f ? 0.f : 1.f / l;
+    __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(p.out) + (bhq * Sq + row) * static_cast<int64_t>(kDv);
+#pragma unroll
+    for (int t = 0; t < kVT; ++t) {
+      const __nv_bfloat162 v2 = __floats2bfloat162_rn(o[4 * t + 2 * r] * inv_l, o[4 * t + 2 * r + 1] * inv_l);
+      *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * t + 2 * tig) = v2;
+    }
+    if (tig == 0) p.lse[bhq * Sq + row] = l == 0.f ? -INFINITY : (m_run[r] + __log2f(l)) * kLn2;
+  }
+}
+
 // ---- host: tensor maps, launch ------------------------------------------------------
 
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -604,6 +994,31 @@ void launch(const KernelParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err));
 }
 
+template <int kD, int kDv>
+void launch_d2(const KernelParams& p, cudaStream_t stream) {
+  using T = WTraits2<kD, kDv>;
+  const uint64_t bhq = static_cast<uint64_t>(p.batch) * p.num_heads_q;
+  const uint64_t bhk = static_cast<uint64_t>(p.batch) * p.num_heads_kv;
+  // NOTE: one map per head_dim block: the box of block 1 is 64 bytes wide at
+  // d = 192 (64B swizzle), and a box row must be one swizzle span.
+  const CUtensorMapSwizzle swz1 = T::kD1 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUtensorMap tm_q0 =
+      make_map(p.q_row, kD, p.seqlen_q, bhq, T::kD0, T::kBlockM, CU_TENSOR_MAP_SWIZZLE_128B, "q_row (block 0)");
+  const CUtensorMap tm_q1 = make_map(p.q_row, kD, p.seqlen_q, bhq, T::kD1, T::kBlockM, swz1, "q_row (block 1)");
+  const CUtensorMap tm_k0 =
+      make_map(p.k_row, kD, p.seqlen_k, bhk, T::kD0, T::kBlockN, CU_TENSOR_MAP_SWIZZLE_128B, "k_row (block 0)");
+  const CUtensorMap tm_k1 = make_map(p.k_row, kD, p.seqlen_k, bhk, T::kD1, T::kBlockN, swz1, "k_row (block 1)");
+  const CUtensorMap tm_v =
+      make_map(p.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
+  auto kernel = fwd_wgmma_d2_kernel<kD, kDv>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
+  kernel<<<grid, fwdw::kThreads, T::kSmemBytes, stream>>>(p, tm_q0, tm_q1, tm_k0, tm_k1, tm_v);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err));
+}
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 }  // namespace
@@ -616,10 +1031,13 @@ bool fwd_wgmma_supported(const KernelParams& p) {
 void run_fwd_wgmma(const KernelParams& p, cudaStream_t stream) {
   if (!fwd_wgmma_supported(p)) fail("unsupported configuration (see fwd_wgmma_supported)");
   // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap runs v1 | v2 instead
-  // of v3 (benchmarking; measurements in the kernel doc).
+  // of v3 at head_dim_qk <= 128 (benchmarking; measurements in the kernel doc).
   const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
   const std::string which = env != nullptr ? env : "";
   const int variant = which == "wgmma_serial" ? kSerial : which == "wgmma_overlap" ? kOverlap : kPingpong;
+  // NOTE: two head_dim blocks run fwd_wgmma_d2_kernel (one schedule, v1-like).
+  if (p.head_dim_qk == 256) return launch_d2<256, 256>(p, stream);
+  if (p.head_dim_qk == 192) return launch_d2<192, 128>(p, stream);
   if (p.head_dim_qk == 64) {
     if (variant == kSerial) return launch<64, 64, kSerial>(p, stream);
     if (variant == kOverlap) return launch<64, 64, kOverlap>(p, stream);

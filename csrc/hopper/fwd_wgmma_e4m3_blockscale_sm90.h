@@ -6,7 +6,8 @@
 // run_fwd dispatches here when fwd_wgmma_supported(p) and the environment does
 // not ask for the mma.sync kernel (FP8ATTN_FWD_KERNEL=mma);
 // FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap selects the v1 | v2 consumer
-// schedule instead of v3 (benchmarking). Design and measurements:
+// schedule instead of v3 at head_dim_qk <= 128 (benchmarking; head_dim_qk 192
+// and 256 have one schedule). Design and measurements:
 // docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
 #pragma once
 
@@ -18,7 +19,8 @@ namespace fp8attn {
 namespace sm90 {
 
 // True when the wgmma kernel covers p: (head_dim_qk, head_dim_v) in
-// {(64, 64), (128, 128)}, block_size 128, 16-byte aligned operand buffers.
+// {(64, 64), (128, 128), (256, 256), (192, 128)}, block_size 128, 16-byte
+// aligned operand buffers.
 bool fwd_wgmma_supported(const KernelParams& p);
 
 // Preconditions: those of run_fwd and fwd_wgmma_supported(p). Errors: a CUDA

@@ -124,13 +124,15 @@ def check_fwd(shape, causal, seed, q=None, k=None, v=None):
 
 def wgmma_fwd_active(d, dv):
     """True when the CUDA forward runs on the wgmma kernel (fwd_wgmma_e4m3_blockscale_sm90.cu):
-    (d, dv) in {(64, 64), (128, 128)} unless FP8ATTN_FWD_KERNEL=mma."""
-    return os.environ.get("FP8ATTN_FWD_KERNEL") != "mma" and (d, dv) in ((64, 64), (128, 128))
+    (d, dv) in {(64, 64), (128, 128), (256, 256), (192, 128)} unless FP8ATTN_FWD_KERNEL=mma."""
+    return os.environ.get("FP8ATTN_FWD_KERNEL") != "mma" and (d, dv) in ((64, 64), (128, 128), (256, 256), (192, 128))
 
 
 def wgmma_s_bound(q, k):
     """Per query row, the bound on |S_cuda - S_exact-from-codes| of FP8 wgmma (numerics.md
-    section 7, "FP8 wgmma accumulation"): 2^-12 * tau * ||q_i|| * max_j ||k_j||, [B, Hq, Sq]."""
+    section 7, "FP8 wgmma accumulation"): 2^-12 * tau * ||q_i|| * max_j ||k_j||, [B, Hq, Sq].
+    With two head_dim blocks (d = 192, 256) the per-block errors add and stay under the same
+    bound (sum_b ||q_ib|| ||k_jb|| <= ||q_i|| ||k_j||)."""
     tau = f32_scale(q.shape[-1])
     kmax = k.double().norm(dim=-1).amax()
     return 2.0**-12 * tau * q.double().norm(dim=-1) * kmax
@@ -316,7 +318,7 @@ def test_fwd_softmax_scale_and_large_logits():
     check_close("LSE", lse, l_cpu, l_ex, "large logits")
 
 
-# ---- the two forward kernels: wgmma (default at d = 64, 128), mma.sync (FP8ATTN_FWD_KERNEL=mma) ----
+# ---- the two forward kernels: wgmma (default), mma.sync (FP8ATTN_FWD_KERNEL=mma) ----
 
 KERNEL_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv): partial tiles, GQA, Sq > Sk and Sq < Sk, several key tiles
     (1, 4, 2, 200, 333, 64, 64),
@@ -324,6 +326,11 @@ KERNEL_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv): partial tiles, GQA, Sq > Sk an
     (1, 2, 1, 45, 700, 128, 128),
     (1, 4, 1, 700, 45, 64, 64),
     (1, 2, 2, 640, 640, 128, 128),
+    # two head_dim blocks (fwd_wgmma_d2_kernel): 64- and 128-wide second block
+    (1, 4, 2, 200, 333, 256, 256),
+    (1, 2, 1, 333, 200, 256, 256),
+    (1, 6, 3, 45, 700, 192, 128),
+    (1, 2, 2, 300, 300, 192, 128),
 ]
 
 
