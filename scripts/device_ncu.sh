@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the FP8 forward and backward kernels on the lent H200,
+# with per-SASS-instruction warp-stall sampling (docs/kernels/*.md cite it).
+#
+#   run(command="bash scripts/device_ncu.sh", carry=[".devbuild/lib"], timeout_s=420)
+#
+# Profiles the last of (NCU_WARMUP + 1) launches of each kernel named in NCU_KERNELS
+# (default: the wgmma forward and the wgmma backward main kernel) at NCU_SHAPE
+# (default 4x16x4096x128, non-causal; NCU_CAUSAL=1 for causal), `--set full
+# --import-source yes`. Outputs under $OUT (<= 8 files): <tag>.ncu-rep (NCU_KEEP_REP=1;
+# <= 16 MiB to come back), <tag>_sass.csv.gz (the source page), <tag>_details.txt (all sections), <tag>_stalls.md (top SASS
+# lines by stall samples, stall reasons by opcode; benchmarks/ncu_stalls.py),
+# summary.txt.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/ncu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+rm -f python/fp8attn/_C*.so
+so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
+[ -n "$so" ] || { note "no carried .devbuild/lib/fp8attn/_C*.so"; exit 1; }
+cp "$so" python/fp8attn/
+python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" || { note "library has no CUDA kernels"; exit 1; }
+note "$(ncu --version | tail -1); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+
+SHAPE="${NCU_SHAPE:-4x16x4096x128}"
+WARM="${NCU_WARMUP:-2}"
+causal=(); [ "${NCU_CAUSAL:-0}" = 1 ] && causal=(--causal)
+# tag:kernel-regex:extra target args
+KERNELS="${NCU_KERNELS:-fwd:fwd_wgmma_kernel: bwd:bwd_wgmma_main_kernel:--bwd}"
+for spec in $KERNELS; do
+  IFS=: read -r tag kre extra <<<"$spec"
+  note "== $tag ($kre, $SHAPE ${causal[*]})"
+  # shellcheck disable=SC2086
+  timeout "${NCU_T:-150}" ncu --set full --import-source yes -k "regex:$kre" --launch-skip "$WARM" --launch-count 1 \
+    -f -o "$OUT/$tag" python3 benchmarks/ncu_target.py --shape "$SHAPE" --warmup "$WARM" "${causal[@]}" $extra \
+    >"$OUT/${tag}_ncu.log" 2>&1
+  note "ncu rc=$?"
+  tail -3 "$OUT/${tag}_ncu.log"
+  if [ -f "$OUT/$tag.ncu-rep" ]; then
+    ncu --import "$OUT/$tag.ncu-rep" --page details >"$OUT/${tag}_details.txt" 2>&1
+    ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass >"/tmp/${tag}_sass.csv" 2>/tmp/${tag}_sass.err
+    note "source page rc=$? ($(wc -l <"/tmp/${tag}_sass.csv") lines)"
+    python3 benchmarks/ncu_stalls.py "/tmp/${tag}_sass.csv" --top "${NCU_TOP:-45}" >"$OUT/${tag}_stalls.md" 2>&1
+    gzip -c "/tmp/${tag}_sass.csv" >"$OUT/${tag}_sass.csv.gz"
+    head -60 "$OUT/${tag}_stalls.md"
+    grep -E "Duration|Issue Slots Busy|Executed Ipc A|Compute \(SM\) Throughput|Registers Per|Warp Cycles Per Issued" \
+      "$OUT/${tag}_details.txt" | head -12 | tee -a "$SUMMARY"
+    # NOTE: only 8 files come back from a device call: keep the report only when asked.
+    [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$OUT/$tag.ncu-rep"
+  fi
+done
+rm -f "$OUT"/*_ncu.log
+ls -la "$OUT"
