@@ -266,7 +266,7 @@ def _f(v, spec=".4f"):
     return "n/a" if v is None else format(v, spec)
 
 
-def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path]) -> str:
+def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], prov: dict | None = None) -> str:
     seeds, cfg = study["seeds"], study["config"]
     m, t = cfg["model"], cfg["train"]
     any_rowsum = any(v is not None for s in stats.values() for v in s["rowsum_post"].values())
@@ -323,6 +323,21 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path]) -> 
                  + "a paired difference whose sign flips between seeds shows no difference between the modes; "
                  f"with {len(seeds)} seeds a sign that agrees is weak evidence (it happens by chance with "
                  f"probability {0.5 ** (len(seeds) - 1):.2g} when the modes do not differ)."), ""]
+    rh = ["run", "steps done", "final train loss", "max QK gain", "top-4 share", "rowsum post last / mean",
+          "logit std max", "attn entropy min", "train time (s)"]
+    out += ["## Per run, at the end", "", "| " + " | ".join(rh) + " |", "|" + "---|" * len(rh)]
+    for r in study["runs"]:
+        rs = ("n/a" if r["rowsum_post_last"] is None
+              else f"{r['rowsum_post_last']:.3e} / {_f(r['rowsum_post_mean'], '.3e')}")
+        out.append("| " + " | ".join([
+            r["dir"], f"{r['steps_done']}/{r['steps']}" + (" (diverged)" if r["diverged"] else ""),
+            _f(r["final_train_loss"]), _f(r["max_gain_end"], ".3f"), _f(r["top4_share_end"], ".3f"), rs,
+            _f(r["logit_std_max_end"], ".2f"), _f(r["entropy_min_end"], ".3f"), _f(r["train_time_s"], ".0f")]) + " |")
+    out += ["", "logit std max / attn entropy min: over layers, at the last diagnostic step (capture.py); "
+            "rowsum post mean: over all diagnostic steps.", ""]
+    if prov:
+        out += [f"Commit {prov.get('git_commit')}, {prov.get('gpu') or 'CPU'}, torch {prov.get('torch')}; "
+                f"command of the first run: `{prov.get('command')}`", ""]
     if study["problems"]:
         out += ["## Problems", ""] + [f"- {p}" for p in study["problems"]] + [""]
     out += [f"![{p.stem}]({p.name})" for p in plots] + [""]
@@ -398,7 +413,7 @@ def make_plots(study: dict, out_dir: Path) -> list[Path]:
             ax.plot(*zip(*pts), label=f"{mode} s{seed}", **style(mode, seed))
         post = [(r["step"], r["rowsum_post_mean"]) for r in l["steps"] if r.get("rowsum_post_mean") is not None]
         if post:
-            axr.plot(*zip(*post), label=f"{mode} s{seed}", **style(mode, seed))
+            axr.plot(*zip(*post), marker="o", ms=2.5, label=f"{mode} s{seed}", **style(mode, seed))
     ax.set_ylabel("max_c |g| over g_q, g_k, all layers")
     ax.set_title("QK-norm max channel gain" + ("" if ax.get_legend_handles_labels()[0] else " (none logged: no QK-norm)"))
     ax.grid(alpha=0.3)
@@ -426,14 +441,14 @@ def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False) -> dic
     stats = mode_stats(study)
     pairs = paired(study, stats)
     plots = make_plots(study, out)
-    md = markdown(study, stats, pairs, plots)
-    (out / "seeds.md").write_text(md)
     prov = None
     for r in study["runs"]:
         p = study["study"] / r["dir"] / "provenance.json"
         if p.is_file():
             prov = json.loads(p.read_text())
             break
+    md = markdown(study, stats, pairs, plots, prov)
+    (out / "seeds.md").write_text(md)
     js = {"study": str(study["study"]), "modes": study["modes"], "seeds": study["seeds"], "config": study["config"],
           "runs": study["runs"], "stats": stats, "pairs": pairs, "problems": study["problems"],
           "complete": not study["problems"], "provenance": prov}
