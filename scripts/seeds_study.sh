@@ -27,7 +27,7 @@
 #      (time-sliced). Stopped in the EXIT trap (echo quit | nvidia-cuda-mps-control).
 #   1. calibration: every run at once for SEEDS_CALIB_STEPS (20) steps (--no-save,
 #      1 val batch) -> the slowest run's mean step time over steps >= 3 under that
-#      concurrency (x1.1 margin) -> the step count (multiple of 10) that fits the
+#      concurrency (x SEEDS_MARGIN, 1.25) -> the step count (multiple of 10) that fits the
 #      training window (python -m fp8attn.train.seeds plan). If a calibration run
 #      runs out of GPU memory, SEEDS_PARALLEL is halved (runs then go in waves);
 #      if one fails otherwise under MPS, MPS is stopped and the calibration repeated
@@ -38,8 +38,13 @@
 #   3. python -m fp8attn.train.seeds aggregate -> seeds.md (per mode: final val
 #      loss per seed, mean, spread, gap to the bf16 mean, max QK-norm gain and
 #      post-cast row-sum residual at the end per seed; paired per-seed differences),
-#      seeds.json, seeds_loss.png, seeds_gain.png. A run cut short or missing is
-#      listed and left out of the means (--partial, only when the strict pass fails).
+#      seeds.json, seeds_loss.png, seeds_gain.png. When the deadline cut some run,
+#      every run is read at the last val step all of them logged (--at-step common:
+#      same lr schedule and batches there); when that fails too (a run missing or
+#      diverged), the rest is aggregated and the bad runs listed (--partial).
+#      NOTE (first H200 run, 2026-11-29): the 20-step calibration measured 311 ms per
+#      step under 8-way MPS concurrency, training ran at ~368 ms (x1.18), so every
+#      run was cut at 1055-1137 of 1150 steps; hence the 1.25 margin and --at-step.
 # GPU memory (nvidia-smi every 2 s) and utilization are logged to gpu_mem.txt, the
 # peaks per phase to summary.txt.
 #
@@ -64,7 +69,7 @@
 # n_kv_heads=2), SEEDS_QK_NORM (1), SEEDS_PRESET (gpu-50m), SEEDS_SEQ_LEN /
 # SEEDS_BATCH (the preset's), SEEDS_STEPS (fixed count, skips the calibration),
 # SEEDS_PARALLEL (max concurrent processes, 8), SEEDS_MPS (1; 0 = never),
-# SEEDS_VARY_DATA (1), SEEDS_CALIB_STEPS (20), SEEDS_MAX_STEPS (3000),
+# SEEDS_VARY_DATA (1), SEEDS_MARGIN (1.25), SEEDS_CALIB_STEPS (20), SEEDS_MAX_STEPS (3000),
 # SEEDS_RESERVE_S (45), SEEDS_VAL_BATCHES (8), SEEDS_DIR (/tmp/fp8attn_seeds/study),
 # SEEDS_DEVICE (auto).
 # Without a GPU the defaults switch to a CPU trial (cpu-tiny, 2 layers, 2 modes x 2
@@ -222,16 +227,22 @@ kill_runs() {   # TERM to the timeout processes of unfinished runs (timeout forw
 }
 
 AGG_DONE=0
-aggregate() {   # strict first; a missing / cut-short run -> --partial (listed, left out of the means)
+aggregate() {   # strict first; a cut-short run -> --at-step common; a missing / diverged run -> --partial
   local t=$(( $(left) - 5 )); [ "$t" -gt 90 ] && t=90; [ "$t" -lt 10 ] && t=10
   if timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
        --out "$RUN/seeds" >"$RUN/seeds_aggregate.txt" 2>&1; then
     note "aggregation: all $(( ${#JOBS[@]} )) runs complete"
   else
-    note "aggregation (strict) failed: $(tail -1 "$RUN/seeds_aggregate.txt"); again with --partial"
-    timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
-       --out "$RUN/seeds" --partial >"$RUN/seeds_aggregate.txt" 2>&1
-    note "aggregation --partial: rc=$?"
+    note "aggregation (strict) failed: $(tail -1 "$RUN/seeds_aggregate.txt"); again at the last shared val step"
+    if timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
+       --out "$RUN/seeds" --at-step common >"$RUN/seeds_aggregate.txt" 2>&1; then
+      note "aggregation --at-step common: rc=0 ($(grep -o 'Read at step [0-9]* of [0-9]*' "$RUN/seeds/seeds.md"))"
+    else
+      note "aggregation --at-step common failed: $(tail -1 "$RUN/seeds_aggregate.txt"); again with --partial"
+      timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
+         --out "$RUN/seeds" --partial >"$RUN/seeds_aggregate.txt" 2>&1
+      note "aggregation --partial: rc=$?"
+    fi
   fi
   AGG_DONE=1
   [ -f "$RUN/seeds/seeds.md" ] && awk '/^\| (mode|comparison) /{t=1} t&&/^$/{t=0; print} t; /^## Problems/{p=1} /^!\[/{p=0} p' "$RUN/seeds/seeds.md" | tee -a "$SUMMARY"
@@ -326,7 +337,7 @@ else
     TRAIN_END=$(( DEADLINE - RESERVE ))
     read -r STEPS CAL_NOTE <<<"$(python3 -m fp8attn.train.seeds plan --calib "$CAL" --window-s $(( TRAIN_END - $(date +%s) )) \
         --parallel "$PARALLEL" --n-runs "${#JOBS[@]}" --cal-wall-s $(( tc1 - tc0 )) --val-batches "$VAL_BATCHES" \
-        --max-steps "$MAX_STEPS" 2>>"$LOG")"
+        --max-steps "$MAX_STEPS" --margin "${SEEDS_MARGIN:-1.25}" 2>>"$LOG")"
     STEPS=${STEPS:-0}
     note "calibration $attempt: $CAL_NOTE -> $STEPS steps"
     if [ "$(grep -c 'rc=0$' "$CAL/rc.txt")" != "$n" ]; then   # NOTE: a run that failed before its dir existed

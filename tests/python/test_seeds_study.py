@@ -196,3 +196,41 @@ def test_plan_uses_the_slowest_run_after_warm_up(tmp_path):
     steps3, why = seeds.plan_steps(cal, 200.0, 8)
     assert steps3 == 0 and "fp8-stale seed 2" in why
     assert seeds.main(["plan", "--calib", str(cal), "--window-s", "200", "--parallel", "8"]) == 2
+
+
+def test_at_step_reads_every_run_at_a_shared_val_step(study, text_dir, tmp_path):
+    """A deadline-cut run is compared at the last val step every run logged (same lr schedule
+    and batches there); a step the cut run never reached is refused, naming it."""
+    s = tmp_path / "study"
+    shutil.copytree(study / "study", s)
+    shutil.rmtree(s / seeds.run_dir_name("fp8-delta_matching", 7))
+    _run(text_dir, study / "data", s / seeds.run_dir_name("fp8-delta_matching", 7), "fp8-delta_matching", 7,
+         "--stop-after-steps", "4")
+    val_steps = {(m, sd): [v["step"] for v in read_log(s / seeds.run_dir_name(m, sd) / f"{m}.jsonl")["vals"]]
+                 for m in MODES for sd in SEEDS}
+    shared = set.intersection(*(set(v) for v in val_steps.values()))
+    assert shared and max(shared) < STEPS - 1, val_steps      # the cut run lacks the final val step
+    at = seeds.common_val_step(s)
+    assert at == max(shared)
+    res = seeds.aggregate(s, out=tmp_path / "agg", at_step="common")
+    stats = res["json"]["stats"]
+    for m in MODES:
+        for sd in SEEDS:
+            logged = {v["step"]: v["val_loss"] for v in
+                      read_log(s / seeds.run_dir_name(m, sd) / f"{m}.jsonl")["vals"]}
+            assert stats[m]["vals"][sd] == logged[at]
+        assert stats[m]["n"] == 2
+    assert res["json"]["at_step"] == at and not res["json"]["problems"]
+    assert f"at step {at}" in res["markdown"]
+    d = stats["fp8-delta_matching"]["vals"][7] - stats["bf16"]["vals"][7]
+    pair = next(p for p in res["json"]["pairs"] if (p["a"], p["b"]) == ("fp8-delta_matching", "bf16"))
+    assert pair["diffs"][7] == pytest.approx(d)
+    # The strict read (at the end) still refuses the cut run; a step it never logged is an error.
+    with pytest.raises(ValueError, match="incomplete"):
+        seeds.load_study(s)
+    with pytest.raises(ValueError, match=r"fp8-delta_matching seed 7 .* no val loss at step"):
+        seeds.aggregate(s, out=tmp_path / "agg2", at_step=STEPS - 1)
+    with pytest.raises(SystemExit):
+        seeds.main(["aggregate", "--study", str(s), "--at-step", "x"])
+    with pytest.raises(SystemExit):
+        seeds.main(["aggregate", "--study", str(s), "--at-step", "common", "--partial"])

@@ -2,7 +2,7 @@
 trained concurrently (scripts/seeds_study.sh), aggregated into a table and plots.
 
     python -m fp8attn.train.seeds aggregate --study DIR [--modes M1,M2,..] [--seeds S1,S2,..] \\
-        [--out DIR] [--partial]
+        [--out DIR] [--partial | --at-step N|common]
     python -m fp8attn.train.seeds plan --calib DIR --window-s S --parallel P [--modes ..] [--seeds ..] \\
         [--cal-wall-s S] [--val-batches N] [--max-steps N] [--margin F]
 
@@ -34,6 +34,15 @@ aggregate: writes <out>/seeds.md, seeds.json, seeds_loss.png, seeds_gain.png
   one seed with different initial weights or data seeds. With --partial a
   missing, cut-short (--deadline-s) or diverged run is listed under "problems"
   and left out of the means instead (configuration mismatches stay errors).
+  With --at-step N every run is read at training step N instead of at its end:
+    the val loss logged at step N (the trainer logs val every val_every steps and
+    after the last step), the max gain and row-sum residual of the last step
+    record <= N; a run that was cut (--deadline-s) after step N counts as
+    complete there. All runs share the step count, so at step N every run has had
+    the same lr schedule and the same batches (per seed): the paired comparison is
+    fair even when the deadline cut the runs at different steps. `common` picks
+    the largest val step that every run logged. Errors: N is not a logged val
+    step of some run, or no val step is shared.
 
 plan: from a calibration (the same layout, a few steps of every run under the same
 concurrency) picks the step count for the training window: per-step time = the
@@ -100,9 +109,11 @@ def _last(steps: list[dict], key: str):
     return next((r[key] for r in reversed(steps) if r.get(key) is not None), None)
 
 
-def _run_record(mode: str, seed: int, d: Path, log: dict) -> dict:
+def _run_record(mode: str, seed: int, d: Path, log: dict, at_step: int | None = None) -> dict:
     meta, steps, vals, s = log["meta"], log["steps"], log["vals"], log["summary"]
     t = meta["train"]
+    if at_step is not None:
+        return _run_record_at(mode, seed, d, log, at_step)
     losses = [r["loss"] for r in steps if "loss" in r]
     diverged = bool((s or {}).get("diverged")) or any(r.get("diverged") for r in steps)
     complete = s is not None and bool(s.get("complete", s.get("steps_done") == t["steps"])) and not diverged
@@ -125,8 +136,45 @@ def _run_record(mode: str, seed: int, d: Path, log: dict) -> dict:
     }
 
 
+def _run_record_at(mode: str, seed: int, d: Path, log: dict, at_step: int) -> dict:
+    """The run read at training step `at_step` (see --at-step in the module docstring)."""
+    rec = _run_record(mode, seed, d, log)
+    vals = [v for v in log["vals"] if v["step"] == at_step]
+    if not vals:
+        have = ", ".join(str(v["step"]) for v in log["vals"]) or "none"
+        raise ValueError(f"seeds: mode {mode} seed {seed} ({d}) logged no val loss at step {at_step} "
+                         f"(val steps: {have})")
+    upto = [r for r in log["steps"] if r.get("step", -1) <= at_step]
+    diverged = any(r.get("diverged") for r in upto)
+    rec.update({"final_val_loss": vals[-1]["val_loss"], "final_val_step": at_step,
+                "complete": not diverged, "diverged": diverged, "read_at_step": at_step,
+                "final_train_loss": None,
+                "max_gain_end": _last(upto, "max_gain"), "top4_share_end": _last(upto, "top4_share"),
+                "rowsum_post_last": _last(upto, "rowsum_post_mean")})
+    return rec
+
+
+def common_val_step(study: str | Path, modes: list[str] | None = None, seeds: list[int] | None = None) -> int:
+    """Largest val step logged by every (mode, seed) run of `study` (ValueError if none)."""
+    study = Path(study)
+    if modes is None or seeds is None:
+        found_modes, found_seeds = discover(study)
+        modes, seeds = modes or found_modes, seeds or found_seeds
+    common = None
+    for seed in seeds:
+        for mode in modes:
+            path = study / run_dir_name(mode, seed) / f"{mode}.jsonl"
+            if not path.is_file():
+                raise ValueError(f"seeds: mode {mode} seed {seed}: {path} is missing")
+            steps = {v["step"] for v in read_log(path)["vals"]}
+            common = steps if common is None else common & steps
+    if not common:
+        raise ValueError(f"seeds: the runs in {study} share no val step")
+    return max(common)
+
+
 def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[int] | None = None,
-               partial: bool = False) -> dict:
+               partial: bool = False, at_step: int | None = None) -> dict:
     """Reads every (mode, seed) run of `study` and checks they form one study.
     Returns {study, modes, seeds, config, runs [record], logs {(mode, seed): read_log},
     problems [str]}. Raises ValueError (see the module docstring)."""
@@ -160,7 +208,7 @@ def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[in
                 ref = (d.name, meta)
             else:
                 _check_same_config(ref, d.name, meta)
-            rec = _run_record(mode, seed, d, log)
+            rec = _run_record(mode, seed, d, log, at_step)
             if not rec["complete"] or rec["final_val_loss"] is None:
                 why = ("diverged" if rec["diverged"] else
                        f"incomplete: {rec['steps_done']}/{rec['steps']} steps" if rec["steps_done"] < rec["steps"]
@@ -194,7 +242,7 @@ def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[in
               "data": {k: meta["data"].get(k) for k in _SHARED_DATA},
               "data_seeds": {s: next((r["data_seed"] for r in runs if r["seed"] == s), None) for s in seeds}}
     return {"study": study, "modes": list(modes), "seeds": list(seeds), "config": config, "runs": runs,
-            "logs": logs, "problems": problems}
+            "logs": logs, "problems": problems, "at_step": at_step}
 
 
 def _check_same_config(ref: tuple[str, dict], name: str, meta: dict) -> None:
@@ -307,17 +355,22 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         f"{', '.join(str(ds[s]) for s in seeds)}. Within a seed every mode has the same initial weights "
         f"(checked) and the same batches; one process per run, all runs concurrent.",
         "",
-        "## Final val loss per mode",
+        *([f"**Read at step {study['at_step']} of {t['steps']}** (--at-step): the val loss logged at that step, "
+           "gains and residuals of the last step record <= it; the deadline cut the runs at different later "
+           "steps, and at this step every run has had the same lr schedule and (per seed) the same batches.",
+           ""] if study.get("at_step") is not None else []),
+        "## Final val loss per mode" if study.get("at_step") is None else f"## Val loss per mode at step {study['at_step']}",
         "",
         *lines,
         "",
-        "val = loss on the fixed val batches after the last step; spread = max - min over the seeds; "
+        "val = loss on the fixed val batches after the last step (or at the --at-step step); spread = max - min over the seeds; "
         "max QK gain = max over layers and channels of |g_q|, |g_k| at the last step; rowsum post = mean "
         "post-cast dS row-sum residual |sum_j dS_ij| / sum_j |dS_ij| of the last diagnostic step (fp8 modes).",
         "",
     ]
     if ptab:
-        out += ["## Paired differences of the final val loss (same init and batches within a seed)", "", *ptab, ""]
+        what = "final val loss" if study.get("at_step") is None else f"val loss at step {study['at_step']}"
+        out += [f"## Paired differences of the {what} (same init and batches within a seed)", "", *ptab, ""]
         out += [("Reading: " + (f"the bf16 seed spread ({bspread:.4f}) is the noise of an unpaired comparison "
                                 "of the means; " if bspread is not None else "")
                  + "a paired difference whose sign flips between seeds shows no difference between the modes; "
@@ -325,7 +378,8 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
                  f"probability {0.5 ** (len(seeds) - 1):.2g} when the modes do not differ)."), ""]
     rh = ["run", "steps done", "final train loss", "max QK gain", "top-4 share", "rowsum post last / mean",
           "logit std max", "attn entropy min", "train time (s)"]
-    out += ["## Per run, at the end", "", "| " + " | ".join(rh) + " |", "|" + "---|" * len(rh)]
+    out += ["## Per run" + (", at the end" if study.get("at_step") is None else
+                            f" (max QK gain, top-4 share, rowsum: at step {study['at_step']}; the rest at the end)"), "", "| " + " | ".join(rh) + " |", "|" + "---|" * len(rh)]
     for r in study["runs"]:
         rs = ("n/a" if r["rowsum_post_last"] is None
               else f"{r['rowsum_post_last']:.3e} / {_f(r['rowsum_post_mean'], '.3e')}")
@@ -432,10 +486,13 @@ def make_plots(study: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False) -> dict:
+def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False, at_step=None) -> dict:
     """Loads the study, writes seeds.md / seeds.json / the two PNGs into `out` (default: the
-    study dir); returns {"markdown", "json", "paths"}."""
-    study = load_study(study_dir, modes, seeds, partial=partial)
+    study dir); returns {"markdown", "json", "paths"}. at_step: an int, "common" or None
+    (see --at-step in the module docstring)."""
+    if at_step == "common":
+        at_step = common_val_step(study_dir, modes, seeds)
+    study = load_study(study_dir, modes, seeds, partial=partial, at_step=at_step)
     out = Path(out) if out is not None else study["study"]
     out.mkdir(parents=True, exist_ok=True)
     stats = mode_stats(study)
@@ -451,7 +508,7 @@ def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False) -> dic
     (out / "seeds.md").write_text(md)
     js = {"study": str(study["study"]), "modes": study["modes"], "seeds": study["seeds"], "config": study["config"],
           "runs": study["runs"], "stats": stats, "pairs": pairs, "problems": study["problems"],
-          "complete": not study["problems"], "provenance": prov}
+          "complete": not study["problems"], "at_step": study["at_step"], "provenance": prov}
     (out / "seeds.json").write_text(json.dumps(js, indent=1, default=str))
     return {"markdown": md, "json": js, "paths": [out / "seeds.md", out / "seeds.json", *plots]}
 
@@ -513,6 +570,9 @@ def main(argv=None) -> int:
     a.add_argument("--seeds", default=None, help="comma-separated (default: from the run dirs)")
     a.add_argument("--out", default=None, help="default: the study dir")
     a.add_argument("--partial", action="store_true", help="leave missing/cut-short/diverged runs out, list them")
+    a.add_argument("--at-step", default=None,
+                   help="read every run at this training step (a logged val step) or 'common' (the largest "
+                        "val step all runs logged) instead of at its end")
     p = sub.add_parser("plan", help="step count for a training window from a calibration")
     p.add_argument("--calib", required=True)
     p.add_argument("--window-s", type=float, required=True)
@@ -535,8 +595,18 @@ def main(argv=None) -> int:
                                  args.val_batches, args.max_steps, args.margin, args.n_runs)
         print(steps, note)
         return 0 if steps else 2
+    at_step = args.at_step
+    if at_step is not None and at_step != "common":
+        try:
+            at_step = int(at_step)
+        except ValueError:
+            ap.error(f"--at-step: expected an integer step or 'common', got {args.at_step!r}")
+        if at_step < 0:
+            ap.error(f"--at-step: expected a step >= 0, got {at_step}")
+    if at_step is not None and args.partial:
+        ap.error("--at-step and --partial exclude each other")
     try:
-        res = aggregate(args.study, modes, seeds, args.out, args.partial)
+        res = aggregate(args.study, modes, seeds, args.out, args.partial, at_step)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
