@@ -1272,7 +1272,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       };
       float pk0[4][4], pk1[4][4], pq0[8][4], pq1[8][4];
       static_assert((kKch == 4 && kQch == 2) || (kKch == 2 && kQch == 1), "dK / dQ chunk schedule");
-      if (wk == L::kWk) {  // every column (always, unless a partial slice of d = 192)
+      // NOTE: the pipelined schedule only where it was validated with every
+      // head_dim it serves (d <= 128). Sliced kernels (d = 256, 192/128) take
+      // the one-chunk-at-a-time schedule: with the pipelined one, (192, 128)
+      // gave wrong dQ columns 0..63 of slice 0 on the H200 (ratio 1.2-1.5 to the
+      // reference; dK, dV and the other dQ columns right; cause not found: the
+      // SASS of the branch, descriptors and offsets checked). The serial
+      // schedule is correct for any wk.
+      if (!kSliced && wk == L::kWk) {  // every column, d <= 128
         issue_dk(0, pk0);
         issue_dk(1, pk1);
         if constexpr (kKch == 4) {
