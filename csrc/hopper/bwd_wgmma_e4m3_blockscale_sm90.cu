@@ -79,6 +79,7 @@ FP8ATTN_GMMA_OPS(kFmtE5M2, kFmtE4M3, E5M2, E4M3, 64)
 FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 128)
 FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE4M3, E4M3, E4M3, 32)
 FP8ATTN_GMMA_OPS(kFmtE4M3, kFmtE5M2, E4M3, E5M2, 32)
+FP8ATTN_GMMA_OPS(kFmtE5M2, kFmtE4M3, E5M2, E4M3, 32)
 #undef FP8ATTN_GMMA_OPS
 
 template <class Op, size_t... I>
@@ -123,10 +124,30 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups
-// 1024 bytes apart (SBO); LBO unused for swizzled K-major layouts.
-__device__ __forceinline__ uint64_t desc_sw128(const uint8_t* p) {
-  const uint64_t a = smem_u32(p);
-  return ((a & 0x3FFFFull) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+// 1024 bytes apart (SBO); LBO unused for swizzled K-major layouts. The high
+// word is constant (SBO = 1024 >> 4, layout type 1 = 128-byte swizzle); the
+// low word is the start address >> 4 (bits 0-13) | LBO = 1 (bit 16).
+// NOTE: descriptors are built as desc_lo(tile base) + (byte offset >> 4) with
+// compile-time offsets (every shared address is < 2^18, so the start-address
+// field never carries), from warp-uniform bases: a few uniform adds per wgmma
+// instead of the cvta / mask / shift / or chain per descriptor (~370
+// instructions per warp and tile pair before, ncu 2026-11-29).
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t smem_addr) { return (smem_addr >> 4) | (1u << 16); }
+__device__ __forceinline__ uint32_t desc_lo(const void* p) { return desc_lo(smem_u32(p)); }
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
+constexpr uint32_t kDesc64Rows = 64 * 128 / 16;  // descriptor step of 64 rows of a swizzled tile
+constexpr uint32_t kDescK32 = 32 / 16;           // descriptor step of 32 bytes (one k32 slice) along K
+// Warpgroup index as a warp-uniform value (a shuffle from lane 0), so that
+// descriptor arithmetic stays in uniform registers.
+__device__ __forceinline__ int warpgroup_uniform() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 7, 0);
+}
+// Dynamic shared memory rounded up to 1024 bytes (swizzle atoms). NOTE: by
+// pointer arithmetic on the __shared__ array (not through uintptr_t), so the
+// compiler keeps the shared address space: LDS / STS instead of generic LD / ST.
+__device__ __forceinline__ uint8_t* smem_aligned_1024(uint8_t* raw) {
+  return raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u);
 }
 
 // Byte offset of (row, 16-byte chunk) in a 128-byte-swizzled tile.
@@ -227,27 +248,29 @@ __device__ __forceinline__ void cp_floats(float* dst, const float* src, int n, I
 // 8j + 2t + (e & 1)). Rows are keys via k_of_row, columns queries via q_of_col.
 
 // S^T (#3) for this warp's rows x NQ columns (64 or 128): one head-dim block
-// (d <= 128), FP32 partial times s_q * s_k. Split in issue (one wgmma group,
-// async) and scale (after the group completed) so a caller can overlap work.
+// (d <= 128). Split in issue (one wgmma group, async) and scale (after the
+// group completed) so a caller can overlap work.
 // NOTE: always m64n64k32 per 64 columns, in the main kernel (NQ = 128) and the
 // pre-pass (NQ = 64): the same instruction per element keeps P bitwise equal.
-//   sK [128][DQK] key rows, sKs [128] (tile rows); sQ [NQ][DQK] query rows, sQs [NQ] (columns).
+//   k_lo: descriptor of this warpgroup's 64 key rows (sK + 64 wg rows), q_lo:
+//   of the [NQ][DQK] query rows (sQ).
 template <int DQK, int NQ>
-__device__ __forceinline__ void wg_issue_s(const uint8_t* sK, const uint8_t* sQ, int warp, float (&s)[NQ / 8][4]) {
+__device__ __forceinline__ void wg_issue_s(uint32_t k_lo, uint32_t q_lo, float (&s)[NQ / 8][4]) {
   constexpr int W0 = bw_of<DQK, 0>();  // head-dim block 0 (the only one at d <= 128)
   static_assert(W0 == 64 || W0 == 128, "one head-dim block");
   float* acc = &s[0][0];
-  const uint8_t* a = sK + (warp >> 2) * (64 * 128);
   fence_regs<NQ / 2>(acc);
   wg_arrive();
 #pragma unroll
   for (int h = 0; h < NQ / 64; ++h)
 #pragma unroll
     for (int k = 0; k < W0 / 32; ++k)
-      gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(sQ + h * (64 * 128) + 32 * k),
+      gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_of(k_lo + kDescK32 * k), desc_of(q_lo + h * kDesc64Rows + kDescK32 * k),
                                       acc + 32 * h, k > 0);
   wg_commit();
 }
+// S^T times its block scales (sliced path, where block 1 is added to it).
+//   sKs [128] key scales (tile rows), sQs [NQ] query scales (columns).
 template <int NQ>
 __device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, int warp, int lane,
                                            float (&s)[NQ / 8][4]) {
@@ -264,27 +287,72 @@ __device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, i
   }
 }
 
-// P = exp2(S tau log2(e) - LSE log2(e)) in place. sLse2: LSE * log2(e) per
-// column (-inf past the sequence: see lse2_in_place).
-template <bool kMask, int NQ>
-__device__ __forceinline__ void wg_tile_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg,
-                                          int warp, int lane) {
+// P = exp2(S tau log2(e) - LSE log2(e)) in place, unmasked. sLse2: LSE *
+// log2(e) per column (-inf past the sequence: see lse2_in_place).
+// d <= 128 (wg_tile_p_raw): s is the raw FP32 partial of S^T and the block
+// scales are folded into the exponent's coefficient:
+//   fmaf(part, (s_q (s_k c2)), -lse2) == fmaf(part s_q s_k, c2, -lse2)
+// bitwise, because s_q, s_k are powers of two (exact products; both are one
+// rounding of the same real number), except where s_q s_k c2 or part s_q s_k
+// leaves the normal range (|scales| < 2^-100 or so: not a real input). One
+// FMUL per element instead of two (docs/kernels/bwd_wgmma_..., v4).
+// d > 128 (wg_tile_p_scaled): s is S^T already scaled (sum over the blocks).
+template <int NQ>
+__device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float* sKs, const float* sQs,
+                                              const float* sLse2, float c2, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<NQ / 2>(&s[0][0]);
+  const float kc0 = __fmul_rn(sKs[r0], c2), kc1 = __fmul_rn(sKs[r0 + 8], c2);
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
+    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
+    s[j][0] = ex2(fmaf(s[j][0], __fmul_rn(qs.x, kc0), -l.x));
+    s[j][1] = ex2(fmaf(s[j][1], __fmul_rn(qs.y, kc0), -l.y));
+    s[j][2] = ex2(fmaf(s[j][2], __fmul_rn(qs.x, kc1), -l.x));
+    s[j][3] = ex2(fmaf(s[j][3], __fmul_rn(qs.y, kc1), -l.y));
+  }
+}
+template <int NQ>
+__device__ __forceinline__ void wg_tile_p_scaled(float (&s)[NQ / 8][4], const float* sLse2, float c2, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = ex2(fmaf(s[j][e], c2, -((e & 1) ? l.y : l.x)));
+  }
+}
+// Masks of a tile pair that is not interior (TileGeom::interior), applied as a
+// pass of their own after the unmasked element work (interior tiles, most of
+// them, skip it; no per-element branches in the hot code):
+//   P: 0 where the key is not visible or the query is past the sequence;
+//   dS: 0 where the key is not visible (P = 0 there, but dP_hat may be NaN).
+template <int NQ>
+__device__ __forceinline__ void wg_mask_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg, int warp,
+                                          int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
     const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
+      const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
       const float lse2 = (e & 1) ? l.y : l.x;
-      const float p = ex2(fmaf(s[j][e], tg.c2, -lse2));
-      if constexpr (kMask) {
-        const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
-        s[j][e] = (tg.visible(kl, ql) && lse2 != -INFINITY) ? p : 0.f;
-      } else {
-        s[j][e] = p;
-      }
+      if (!(tg.visible(kl, ql) && lse2 != -INFINITY)) s[j][e] = 0.f;
     }
   }
+}
+template <int NQ>
+__device__ __forceinline__ void wg_mask_vis(float (&s)[NQ / 8][4], const TileGeom& tg, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
+      if (!tg.visible(kl, ql)) s[j][e] = 0.f;
+    }
 }
 
 // After this thread's cp.async of LSE column i (< n) completed: LSE * log2(e)
@@ -296,19 +364,18 @@ __device__ __forceinline__ void lse2_in_place(float* sLse, int n, int m0, int Sq
 
 // dP^T (#4) for this warp's rows x the 64 columns [64 half, 64 half + 64), one
 // dv block: FP32 partial times s_dO * s_V. Issue / scale as for S^T.
+//   v_lo: this warpgroup's 64 value rows, do_lo: the dO rows tile.
 template <int DV, int FMT>
-__device__ __forceinline__ void wg_issue_dp(const uint8_t* sV, const uint8_t* sdO, int warp, int half,
-                                            float (&dp)[8][4]) {
+__device__ __forceinline__ void wg_issue_dp(uint32_t v_lo, uint32_t do_lo, int half, float (&dp)[8][4]) {
   constexpr int W0 = bw_of<DV, 0>();  // head-dim block 0 (the only one at d <= 128)
   static_assert(W0 == 64 || W0 == 128, "one dv block");
   float* acc = &dp[0][0];
-  const uint8_t* a = sV + (warp >> 2) * (64 * 128);
-  const uint8_t* b = sdO + half * (64 * 128);
+  const uint32_t b = do_lo + half * kDesc64Rows;
   fence_regs<32>(acc);
   wg_arrive();
 #pragma unroll
   for (int k = 0; k < W0 / 32; ++k)
-    gmma_ss<kFmtE4M3, FMT, 64>(desc_sw128(a + 32 * k), desc_sw128(b + 32 * k), acc, k > 0);
+    gmma_ss<kFmtE4M3, FMT, 64>(desc_of(v_lo + kDescK32 * k), desc_of(b + kDescK32 * k), acc, k > 0);
   wg_commit();
 }
 __device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs, int warp, int lane, int half,
@@ -338,44 +405,40 @@ __device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs,
 // registers while dP is not live); block 1 of dP^T per 32 columns (m64n32,
 // 16 registers), because dP is computed with P, dK and dV all live.
 template <int DQK, int NQ>
-__device__ __forceinline__ void wg_compute_s(const uint8_t* sK, const uint8_t* sQ, const float* sKs, const float* sQs,
+__device__ __forceinline__ void wg_compute_s(uint32_t k_lo, uint32_t q_lo, const float* sKs, const float* sQs,
                                              int warp, int lane, float (&s)[NQ / 8][4]) {
-  wg_issue_s<DQK, NQ>(sK, sQ, warp, s);
-  if constexpr (nb_of<DQK>() == 1) {
+  static_assert(nb_of<DQK>() == 2, "d <= 128 uses wg_issue_s + wg_tile_p_raw");
+  wg_issue_s<DQK, NQ>(k_lo, q_lo, s);
+  constexpr int W1 = bw_of<DQK, 1>();
+  static_assert(W1 == 64 || W1 == 128, "second head-dim block of 64 or 128");
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  const uint32_t a = k_lo + kTileBytes / 16;
+  const uint32_t b1 = q_lo + NQ * 128 / 16;
+#pragma unroll
+  for (int h = 0; h < NQ / 64; ++h) {
+    float part[8][4];
+    fence_regs<32>(&part[0][0]);
+    wg_arrive();
+#pragma unroll
+    for (int k = 0; k < W1 / 32; ++k)
+      gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_of(a + kDescK32 * k), desc_of(b1 + h * kDesc64Rows + kDescK32 * k),
+                                      &part[0][0], k > 0);
+    wg_commit();
+    if (h == 0) {
+      wg_wait<1>();
+      wg_scale_s<NQ>(sKs, sQs, warp, lane, s);
+    }
     wg_wait<0>();
-    wg_scale_s<NQ>(sKs, sQs, warp, lane, s);
-  } else {
-    constexpr int W1 = bw_of<DQK, 1>();
-    static_assert(W1 == 64 || W1 == 128, "second head-dim block of 64 or 128");
-    const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
-    const uint8_t* a = sK + kTileBytes + (warp >> 2) * (64 * 128);
-    const uint8_t* b1 = sQ + NQ * 128;
+    fence_regs<32>(&part[0][0]);
+    const float ks0 = sKs[kTile + r0], ks1 = sKs[kTile + r0 + 8];
 #pragma unroll
-    for (int h = 0; h < NQ / 64; ++h) {
-      float part[8][4];
-      fence_regs<32>(&part[0][0]);
-      wg_arrive();
-#pragma unroll
-      for (int k = 0; k < W1 / 32; ++k)
-        gmma_ss<kFmtE4M3, kFmtE4M3, 64>(desc_sw128(a + 32 * k), desc_sw128(b1 + h * (64 * 128) + 32 * k),
-                                        &part[0][0], k > 0);
-      wg_commit();
-      if (h == 0) {
-        wg_wait<1>();
-        wg_scale_s<NQ>(sKs, sQs, warp, lane, s);
-      }
-      wg_wait<0>();
-      fence_regs<32>(&part[0][0]);
-      const float ks0 = sKs[kTile + r0], ks1 = sKs[kTile + r0 + 8];
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * h + jj;
-        const float2 qs = *reinterpret_cast<const float2*>(sQs + NQ + 8 * j + 2 * t);
-        s[j][0] = fmaf(part[jj][0], __fmul_rn(qs.x, ks0), s[j][0]);
-        s[j][1] = fmaf(part[jj][1], __fmul_rn(qs.y, ks0), s[j][1]);
-        s[j][2] = fmaf(part[jj][2], __fmul_rn(qs.x, ks1), s[j][2]);
-        s[j][3] = fmaf(part[jj][3], __fmul_rn(qs.y, ks1), s[j][3]);
-      }
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 8 * h + jj;
+      const float2 qs = *reinterpret_cast<const float2*>(sQs + NQ + 8 * j + 2 * t);
+      s[j][0] = fmaf(part[jj][0], __fmul_rn(qs.x, ks0), s[j][0]);
+      s[j][1] = fmaf(part[jj][1], __fmul_rn(qs.y, ks0), s[j][1]);
+      s[j][2] = fmaf(part[jj][2], __fmul_rn(qs.x, ks1), s[j][2]);
+      s[j][3] = fmaf(part[jj][3], __fmul_rn(qs.y, ks1), s[j][3]);
     }
   }
 }
@@ -383,9 +446,9 @@ __device__ __forceinline__ void wg_compute_s(const uint8_t* sK, const uint8_t* s
 // dP^T (#4) for the 64 columns of `half`, every dv block (NQ: query rows of
 // the sdO tile, so block 1 of dO sits at sdO + NQ * 128).
 template <int DV, int FMT, int NQ>
-__device__ __forceinline__ void wg_compute_dp(const uint8_t* sV, const uint8_t* sdO, const float* sVs,
-                                              const float* sdOs, int warp, int lane, int half, float (&dp)[8][4]) {
-  wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+__device__ __forceinline__ void wg_compute_dp(uint32_t v_lo, uint32_t do_lo, const float* sVs, const float* sdOs,
+                                              int warp, int lane, int half, float (&dp)[8][4]) {
+  wg_issue_dp<DV, FMT>(v_lo, do_lo, half, dp);
   if constexpr (nb_of<DV>() == 1) {
     wg_wait<0>();
     wg_scale_dp(sVs, sdOs, warp, lane, half, dp);
@@ -393,8 +456,8 @@ __device__ __forceinline__ void wg_compute_dp(const uint8_t* sV, const uint8_t* 
     constexpr int W1 = bw_of<DV, 1>();
     static_assert(W1 == 64 || W1 == 128, "second dv block of 64 or 128");
     const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
-    const uint8_t* a = sV + kTileBytes + (warp >> 2) * (64 * 128);
-    const uint8_t* b1 = sdO + NQ * 128 + half * (64 * 128);
+    const uint32_t a = v_lo + kTileBytes / 16;
+    const uint32_t b1 = do_lo + (NQ * 128 + half * (64 * 128)) / 16;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       float part[4][4];
@@ -402,8 +465,8 @@ __device__ __forceinline__ void wg_compute_dp(const uint8_t* sV, const uint8_t* 
       wg_arrive();
 #pragma unroll
       for (int k = 0; k < W1 / 32; ++k)
-        gmma_ss<kFmtE4M3, FMT, 32>(desc_sw128(a + 32 * k), desc_sw128(b1 + c * (32 * 128) + 32 * k), &part[0][0],
-                                   k > 0);
+        gmma_ss<kFmtE4M3, FMT, 32>(desc_of(a + kDescK32 * k), desc_of(b1 + c * (32 * 128 / 16) + kDescK32 * k),
+                                   &part[0][0], k > 0);
       wg_commit();
       if (c == 0) {
         wg_wait<1>();
@@ -460,7 +523,7 @@ template <int DQK, int DV, int FMT>
 __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const KernelParams p) {
   using L = WgPrepassLayout<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = smem_aligned_1024(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + L::kF);
 
   const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
@@ -468,6 +531,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
   const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
   const int m0 = m_tile * kPreQ;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warpgroup_uniform();
+  const uint32_t d_base = desc_lo(smem);  // descriptor low word of smem + 0
   const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
 
@@ -537,8 +602,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
     const int n0 = it * kTile;
     tg.n0 = n0;
     const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq && (!p.causal || n0 + kTile - 1 <= m0 + tg.causal_off);
-    const uint8_t* sK = smem + L::kK + st * L::kKStage;
-    const uint8_t* sV = smem + L::kV + st * L::kKStage;
+    // Descriptors of this warpgroup's 64 key / value rows and of the query-side tiles.
+    const uint32_t k_lo = d_base + (L::kK + st * L::kKStage) / 16 + wg * kDesc64Rows;
+    const uint32_t v_lo = d_base + (L::kV + st * L::kKStage) / 16 + wg * kDesc64Rows;
     const float* sKs = sf + L::kKs + st * L::kKStageF;
     const float* sVs = sf + L::kVs + st * L::kKStageF;
 
@@ -546,23 +612,18 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
     float pt[8][4], dp[8][4];
     if constexpr (L::kStages == 2) {
       // d <= 128: S^T and dP^T in flight together; P is computed while dP runs.
-      wg_issue_s<DQK, kPreQ>(sK, smem + L::kQ, warp, pt);
-      wg_issue_dp<DV, FMT>(sV, smem + L::kDO, warp, 0, dp);
+      wg_issue_s<DQK, kPreQ>(k_lo, d_base + L::kQ / 16, pt);
+      wg_issue_dp<DV, FMT>(v_lo, d_base + L::kDO / 16, 0, dp);
       wg_wait<1>();
-      wg_scale_s<kPreQ>(sKs, sf + L::kQs, warp, lane, pt);
-      if (interior)
-        wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
-      else
-        wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      wg_tile_p_raw<kPreQ>(pt, sKs, sf + L::kQs, sf + L::kLse, tg.c2, warp, lane);
+      if (!interior) wg_mask_p<kPreQ>(pt, sf + L::kLse, tg, warp, lane);
       wg_wait<0>();
       wg_scale_dp(sVs, sf + L::kDOs, warp, lane, 0, dp);
     } else {
-      wg_compute_s<DQK, kPreQ>(sK, smem + L::kQ, sKs, sf + L::kQs, warp, lane, pt);
-      if (interior)
-        wg_tile_p<false, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
-      else
-        wg_tile_p<true, kPreQ>(pt, sf + L::kLse, tg, warp, lane);
-      wg_compute_dp<DV, FMT, kPreQ>(sV, smem + L::kDO, sVs, sf + L::kDOs, warp, lane, 0, dp);
+      wg_compute_s<DQK, kPreQ>(k_lo, d_base + L::kQ / 16, sKs, sf + L::kQs, warp, lane, pt);
+      wg_tile_p_scaled<kPreQ>(pt, sf + L::kLse, tg.c2, lane);
+      if (!interior) wg_mask_p<kPreQ>(pt, sf + L::kLse, tg, warp, lane);
+      wg_compute_dp<DV, FMT, kPreQ>(v_lo, d_base + L::kDO / 16, sVs, sf + L::kDOs, warp, lane, 0, dp);
       __syncthreads();  // everyone's wgmmas of this stage completed: refill it
       if (it + 1 < n_tiles) issue_keys(it + 1);
       cp_commit();
@@ -570,14 +631,14 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
+      for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(pt[j][e], dp[j][e]);
+    if (!interior) wg_mask_vis<kPreQ>(dp, tg, warp, lane);  // P = 0 there, but dP may be NaN
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = __fmul_rn(pt[j][e], dp[j][e]);
-        if (!interior) {  // P = 0 there, but dP may be NaN
-          const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
-          if (!tg.visible(kl, ql)) v = 0.f;
-        }
         float& c = cs[2 * j + (e & 1)];
-        c = __fadd_rn(c, v);
+        c = __fadd_rn(c, dp[j][e]);
       }
   }
   cp_wait<0>();
@@ -654,12 +715,38 @@ struct WgMainLayout {
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
+// reduce_cols (bwd_tile_sm90.cuh) over one 64-column half: v[2j + e] is the
+// thread's value for column 8j + 2t + e (j < 8); returns column 8g + 2t + e
+// in out[e]. Same butterfly (14 shuffles), half the registers.
+template <class Op>
+__device__ __forceinline__ void reduce_cols16(const float (&v)[16], float (&out)[2], int lane, Op op) {
+  const int g = lane >> 2;
+  float w[8], x[4];
+  const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float mine = b2 ? v[i + 8] : v[i], send = b2 ? v[i] : v[i + 8];
+    w[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 16));
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float mine = b1 ? w[i + 4] : w[i], send = b1 ? w[i] : w[i + 4];
+    x[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 8));
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float mine = b0 ? x[i + 2] : x[i], send = b0 ? x[i] : x[i + 2];
+    out[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 4));
+  }
+}
+
 // part (m64 x N, this warp's rows) of A (registers, per-row scales sa) times B
 // [N channels][128 positions] (swizzled, column scales sBs) accumulated into
 // dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
+// b_lo: descriptor of the B tile.
 template <int FA, int FB, int N>
 __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], float sa0, float sa1,
-                                               const uint8_t* sB, const float* sBs, int lane, float* dst) {
+                                               uint32_t b_lo, const float* sBs, int lane, float* dst) {
   const int t = lane & 3;
   float part[N / 8][4];
   uint32_t a[4][4];
@@ -673,7 +760,7 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
   fence_regs<N / 2>(&part[0][0]);
   wg_arrive();
 #pragma unroll
-  for (int c = 0; c < 4; ++c) gmma_rs<FA, FB, N>(a[c], desc_sw128(sB + 32 * c), &part[0][0], c > 0);
+  for (int c = 0; c < 4; ++c) gmma_rs<FA, FB, N>(a[c], desc_of(b_lo + kDescK32 * c), &part[0][0], c > 0);
   wg_commit();
   wg_wait<0>();
   fence_regs<N / 2>(&part[0][0]);
@@ -693,11 +780,8 @@ template <int DQK, int DV, int FMT>
 __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const KernelParams p) {
   using L = WgMainLayout<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = smem_aligned_1024(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + L::kF);
-  const uint8_t* sK = smem + L::kK;
-  const uint8_t* sV = smem + L::kV;
-  const uint8_t* sKc = smem + L::kKc;
   uint8_t* sDS = smem + L::kDS;
   const float* sKs = sf + L::kKs;
   const float* sVs = sf + L::kVs;
@@ -719,6 +803,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   const int nblk_q = (Sq + kTile - 1) / kTile, nblk_k = (Sk + kTile - 1) / kTile;
   const int n0 = n_tile * kTile;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warpgroup_uniform();
+  const uint32_t d_base = desc_lo(smem);  // descriptor low word of smem + 0
   // NOTE: the diagnostics' row sums are over keys only: one slice adds them.
   const bool diag = p.diag != nullptr && slice == 0;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
@@ -745,19 +831,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   // Query-side tiles of tile pair `it` into stage st: the row tiles (#3, #4
   // operands, with their scales, LSE and delta) and this slice's column tiles
   // (#5, #7 operands).
-  auto issue_rows = [&](int it, int st) {
-    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head;
+  // Tile pair it = (query head hq, query tile m_tile); the loop walks them
+  // with counters (NOTE: no integer division per tile pair).
+  auto issue_rows = [&](int hq, int m_tile, int st) {
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     float* F = sf + L::kFStage + st * L::kFStageFloats;
     cp_rows<DQK, true, kTile>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq);
     cp_rows<DV, true, kTile>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq);
-    auto q_idx = [&](int i) -> int64_t {
-      const int r = m0 + q_of_col(i);
-      return r < Sq ? bhq * Sq + r : -1;
-    };
     if constexpr (kSliced) {
+      auto q_idx = [&](int i) -> int64_t {
+        const int r = m0 + q_of_col(i);
+        return r < Sq ? bhq * Sq + r : -1;
+      };
       // scale of tile column i % 128, head-dim block i / 128
       auto q_idx_qk = [&](int i) -> int64_t {
         const int r = m0 + q_of_col(i % kTile);
@@ -769,15 +856,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       };
       cp_floats(F + L::kSQs, p.q_row_s, L::kNbQK * kTile, q_idx_qk);
       cp_floats(F + L::kSDOs, p.do_row_s, L::kNbV * kTile, q_idx_v);
-    } else {
-      cp_floats(F + L::kSQs, p.q_row_s, kTile, q_idx);
-      cp_floats(F + L::kSDOs, p.do_row_s, kTile, q_idx);
+      cp_floats(F + L::kSLse, p.lse, kTile, q_idx);
+      cp_floats(F + L::kSDelta, p.delta, kTile, q_idx);
     }
-    cp_floats(F + L::kSLse, p.lse, kTile, q_idx);
-    cp_floats(F + L::kSDelta, p.delta, kTile, q_idx);
   };
-  auto issue_cols = [&](int it, int st) {
-    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head;
+  auto issue_cols = [&](int hq, int m_tile, int st) {
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     uint8_t* S = smem + L::kStage + st * L::kStageBytes;
@@ -792,14 +875,37 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           cp_cols<64>(S + L::kSDOc + h * 64 * 128, p.do_colT + (bhq * DV + cb + 64 * h) * p.seqlen_q_pad,
                       p.seqlen_q_pad, m0, Sq);
       }
+      cp_floats(F + L::kSQcs, p.q_col_s, wk,
+                [&](int i) -> int64_t { return (bhq * DQK + cb + i) * nblk_q + m_tile; });
+      cp_floats(F + L::kSDOcs, p.do_col_s, wv,
+                [&](int i) -> int64_t { return (bhq * DV + cb + i) * nblk_q + m_tile; });
     } else {
       cp_cols<DQK>(S + L::kSQc, p.q_colT + bhq * DQK * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
       cp_cols<DV>(S + L::kSDOc, p.do_colT + bhq * DV * p.seqlen_q_pad, p.seqlen_q_pad, m0, Sq);
     }
-    cp_floats(F + L::kSQcs, p.q_col_s, wk,
-              [&](int i) -> int64_t { return (bhq * DQK + cb + i) * nblk_q + m_tile; });
-    cp_floats(F + L::kSDOcs, p.do_col_s, wv,
-              [&](int i) -> int64_t { return (bhq * DV + cb + i) * nblk_q + m_tile; });
+  };
+  // d <= 128: every per-query / per-channel float of tile pair `it` in one
+  // step, one float column per thread (NOTE: replaces four generic cp_floats
+  // loops, ~250 integer instructions per tile pair; ncu 2026-11-29):
+  // threads 0..127 query column fi (q_of_col order): Q and dO row scales, LSE,
+  // delta; threads 128..255 channel fi: Q and dO column scales.
+  const int fi = threadIdx.x & (kTile - 1);
+  const int q_fi = q_of_col(fi);
+  auto issue_floats = [&](int hq, int m_tile, int st) {
+    const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+    float* F = sf + L::kFStage + st * L::kFStageFloats;
+    if (threadIdx.x < kTile) {
+      const int r = m_tile * kTile + q_fi;
+      const bool ok = r < Sq;
+      const int64_t row = bhq * Sq + (ok ? r : 0);
+      cp_async4(F + L::kSQs + fi, p.q_row_s + row, ok);
+      cp_async4(F + L::kSDOs + fi, p.do_row_s + row, ok);
+      cp_async4(F + L::kSLse + fi, p.lse + row, ok);
+      cp_async4(F + L::kSDelta + fi, p.delta + row, ok);
+    } else {
+      if (fi < DQK) cp_async4(F + L::kSQcs + fi, p.q_col_s + (bhq * DQK + fi) * nblk_q + m_tile, true);
+      if (fi < DV) cp_async4(F + L::kSDOcs + fi, p.do_col_s + (bhq * DV + fi) * nblk_q + m_tile, true);
+    }
   };
 
   // Key side (once) + the first query tile: cp.async group 0 (sliced: the
@@ -833,8 +939,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   }
   cp_floats(sf + L::kKcs, p.k_col_s, wk, [&](int i) -> int64_t { return (bhk * DQK + cb + i) * nblk_k + n_tile; });
   if (n_iters > 0) {
-    issue_rows(0, 0);
-    if constexpr (!kSliced) issue_cols(0, 0);
+    issue_rows(hk * group, m_first, 0);
+    if constexpr (!kSliced) {
+      issue_cols(hk * group, m_first, 0);
+      issue_floats(hk * group, m_first, 0);
+    }
   }
   cp_commit();
 
@@ -852,8 +961,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
 
+  int hq_it = hk * group, m_it = m_first;  // tile pair it (then it + 1, see the top of the loop)
   for (int it = 0; it < n_iters; ++it) {
-    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head, st = it % L::kStages;
+    const int hq = hq_it, m_tile = m_it, st = it % L::kStages;
+    // the next tile pair
+    if (++m_it == nblk_q) {
+      m_it = m_first;
+      ++hq_it;
+    }
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
@@ -863,18 +978,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     // other stage (sliced: the column tiles) and sDS are free.
     __syncthreads();
     if constexpr (kSliced) {
-      issue_cols(it, st);
+      issue_cols(hq, m_tile, st);
     } else if (it + 1 < n_iters) {
-      issue_rows(it + 1, st ^ 1);
-      issue_cols(it + 1, st ^ 1);
+      issue_rows(hq_it, m_it, st ^ 1);
+      issue_cols(hq_it, m_it, st ^ 1);
+      issue_floats(hq_it, m_it, st ^ 1);
     }
     cp_commit();
-    const uint8_t* S = smem + L::kStage + st * L::kStageBytes;
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
-    const uint8_t* sQ = S + L::kSQ;
-    const uint8_t* sdO = S + L::kSDO;
-    const uint8_t* sQc = S + L::kSQc;
-    const uint8_t* sdOc = S + L::kSDOc;
+    // Descriptors (warp-uniform): key / value rows of this warpgroup's 64
+    // keys, the stage's query-side tiles.
+    const uint32_t k_lo = d_base + L::kK / 16 + wg * kDesc64Rows;
+    const uint32_t v_lo = d_base + L::kV / 16 + wg * kDesc64Rows;
+    const uint32_t st_lo = d_base + (L::kStage + st * L::kStageBytes) / 16;
+    const uint32_t q_lo = st_lo + L::kSQ / 16, do_lo = st_lo + L::kSDO / 16;
+    const uint32_t qc_lo = st_lo + L::kSQc / 16, doc_lo = st_lo + L::kSDOc / 16;
     tg.m0 = m0;
     const bool interior = tg.interior();
 
@@ -884,59 +1002,82 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     float pt[16][4];
     float dpe[kEarlyDp ? 2 : 1][8][4];
     if constexpr (kSliced) {
-      wg_compute_s<DQK, kTile>(sK, sQ, sKs, F + L::kSQs, warp, lane, pt);
+      wg_compute_s<DQK, kTile>(k_lo, q_lo, sKs, F + L::kSQs, warp, lane, pt);
+      wg_tile_p_scaled<kTile>(pt, F + L::kSLse, tg.c2, lane);
     } else {
-      wg_issue_s<DQK, kTile>(sK, sQ, warp, pt);
+      wg_issue_s<DQK, kTile>(k_lo, q_lo, pt);
       if constexpr (kEarlyDp) {
-        wg_issue_dp<DV, FMT>(sV, sdO, warp, 0, dpe[0]);
-        wg_issue_dp<DV, FMT>(sV, sdO, warp, 1, dpe[1]);
+        wg_issue_dp<DV, FMT>(v_lo, do_lo, 0, dpe[0]);
+        wg_issue_dp<DV, FMT>(v_lo, do_lo, 1, dpe[1]);
         wg_wait<2>();
       } else {
         wg_wait<0>();
       }
-      wg_scale_s<kTile>(sKs, F + L::kSQs, warp, lane, pt);
+      wg_tile_p_raw<kTile>(pt, sKs, F + L::kSQs, F + L::kSLse, tg.c2, warp, lane);
     }
-    if (interior)
-      wg_tile_p<false, kTile>(pt, F + L::kSLse, tg, warp, lane);
-    else
-      wg_tile_p<true, kTile>(pt, F + L::kSLse, tg, warp, lane);
+    if (!interior) wg_mask_p<kTile>(pt, F + L::kSLse, tg, warp, lane);
 
     // P^T codes for dV (#5): per key along the 128 queries (E4M3).
     uint32_t codes_p[8][2];
     float sp0, sp1;
     quantize_rows<kFmtE4M3>(pt, codes_p, sp0, sp1);
 
+    // ---- dV += P^T dO (#5).
+    // NOTE: N = 32 chunks at d = 128 keep the partial small (registers).
+    // d <= 128: right after P^T's codes, before dP (the codes are dead before
+    // dP's 32 accumulator registers are live: peak pt + dP instead of pt +
+    // codes + dP; spills). Sliced: after the mid-pair barrier (do_colT loads
+    // at the top of the pair).
+    auto dv_step = [&](const uint32_t (&cp)[8][2], float s0, float s1) {
+      constexpr int kNv = L::kWv > 64 ? 32 : 64;
+#pragma unroll
+      for (int h = 0; h < L::kWv / kNv; ++h)
+        if (kNv * h < wv)
+          wg_rows_x_tile<kFmtE4M3, FMT, kNv>(cp, s0, s1, doc_lo + h * (kNv * 128 / 16), F + L::kSDOcs + kNv * h, lane,
+                                             &dv_acc[0][0][0] + h * (kNv / 2));
+    };
+    if constexpr (!kSliced) dv_step(codes_p, sp0, sp1);
+
     // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
+    // NOTE: d <= 128: dP_hat - delta = fmaf(part, s_dO s_V, -delta), the same
+    // value as __fsub_rn(part * (s_dO s_V), delta) (the scale product is a
+    // power of two, so part * s_dO * s_V is exact: one rounding either way),
+    // i.e. the pre-pass's dP_hat bitwise; one FMUL + FFMA per element instead
+    // of two FMUL + FADD.
     if constexpr (kEarlyDp) wg_wait<0>();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float(&dp)[8][4] = dpe[kEarlyDp ? half : 0];
       if constexpr (kSliced) {
-        wg_compute_dp<DV, FMT, kTile>(sV, sdO, sVs, F + L::kSDOs, warp, lane, half, dp);
+        wg_compute_dp<DV, FMT, kTile>(v_lo, do_lo, sVs, F + L::kSDOs, warp, lane, half, dp);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * half + jj;
+          const float2 dl = *reinterpret_cast<const float2*>(F + L::kSDelta + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pt[j][e] = __fmul_rn(pt[j][e], __fsub_rn(dp[jj][e], (e & 1) ? dl.y : dl.x));
+        }
       } else {
         if constexpr (!kEarlyDp) {
-          wg_issue_dp<DV, FMT>(sV, sdO, warp, half, dp);
+          wg_issue_dp<DV, FMT>(v_lo, do_lo, half, dp);
           wg_wait<0>();
         }
-        wg_scale_dp(sVs, F + L::kSDOs, warp, lane, half, dp);
-      }
+        fence_regs<32>(&dp[0][0]);
+        const int r0 = warp * 16 + g;
+        const float vs0 = sVs[r0], vs1 = sVs[r0 + 8];
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = 8 * half + jj;
-        const float2 dl = *reinterpret_cast<const float2*>(F + L::kSDelta + 8 * j + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& x = pt[j][e];
-          const float v = __fmul_rn(x, __fsub_rn(dp[jj][e], (e & 1) ? dl.y : dl.x));
-          if (!interior) {
-            const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
-            x = tg.visible(kl, ql) ? v : 0.f;
-          } else {
-            x = v;
-          }
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 8 * half + jj;
+          const float2 dl = *reinterpret_cast<const float2*>(F + L::kSDelta + 8 * j + 2 * t);
+          const float2 os = *reinterpret_cast<const float2*>(F + L::kSDOs + 8 * j + 2 * t);
+          pt[j][0] = __fmul_rn(pt[j][0], fmaf(dp[jj][0], __fmul_rn(os.x, vs0), -dl.x));
+          pt[j][1] = __fmul_rn(pt[j][1], fmaf(dp[jj][1], __fmul_rn(os.y, vs0), -dl.y));
+          pt[j][2] = __fmul_rn(pt[j][2], fmaf(dp[jj][2], __fmul_rn(os.x, vs1), -dl.x));
+          pt[j][3] = __fmul_rn(pt[j][3], fmaf(dp[jj][3], __fmul_rn(os.y, vs1), -dl.y));
         }
       }
     }
+    if (!interior) wg_mask_vis<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
 
     // Sliced: this pair's column tiles are in; the row tiles are free (every
     // S/dP wgmma completed, the row scales, LSE and delta read): load the
@@ -945,37 +1086,37 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       cp_wait<0>();
       fence_async_smem();
       __syncthreads();
-      if (it + 1 < n_iters) issue_rows(it + 1, st);
+      if (it + 1 < n_iters) issue_rows(hq_it, m_it, st);
       cp_commit();
     }
 
-    // ---- dV += P^T dO (#5).
-    // NOTE: N = 32 chunks at d = 128 keep the partial small (registers).
-    constexpr int kNv = L::kWv > 64 ? 32 : 64;
-#pragma unroll
-    for (int h = 0; h < L::kWv / kNv; ++h)
-      if (kNv * h < wv)
-        wg_rows_x_tile<kFmtE4M3, FMT, kNv>(codes_p, sp0, sp1, sdOc + h * kNv * 128, F + L::kSDOcs + kNv * h, lane,
-                                           &dv_acc[0][0][0] + h * (kNv / 2));
+    if constexpr (kSliced) dv_step(codes_p, sp0, sp1);
 
     // ---- Diagnostics: pre-cast row sums of dS over this tile's keys (sum,
-    // then sum of |.|, one at a time to keep registers low).
+    // then sum of |.|, one at a time and per 64 columns to keep registers
+    // low). NOTE: the diagnostics' register peak sets the kernel's spills
+    // (ptxas allocates the loop as a whole): 16 values at a time here, and
+    // the post-cast sums below read the codes from shared memory.
     if (diag) {
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        float v[32], rs[4];
+      for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
+        for (int hf = 0; hf < 2; ++hf) {
+          float v[16], rs[2];
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            v[2 * j + e] = pass == 0 ? pt[j][e] + pt[j][e + 2] : fabsf(pt[j][e]) + fabsf(pt[j][e + 2]);
-        reduce_cols(v, rs, lane, OpAdd());
+          for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int q = m0 + q_of_col(reduced_col(lane, i));
-          if (q < Sq) atomicAdd(p.rowsum_ws + pass * n_rows + bhq * Sq + q, rs[i]);
+            for (int e = 0; e < 2; ++e) {
+              const float* x = pt[8 * hf + j];
+              v[2 * j + e] = pass == 0 ? x[e] + x[e + 2] : fabsf(x[e]) + fabsf(x[e + 2]);
+            }
+          reduce_cols16(v, rs, lane, OpAdd());
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int q = m0 + q_of_col(64 * hf + 8 * g + 2 * t + e);
+            if (q < Sq) atomicAdd(p.rowsum_ws + pass * n_rows + bhq * Sq + q, rs[e]);
+          }
         }
-      }
     }
 
     // ---- dS per query along the 128 keys (#6 operand): amax across the 8 warps.
@@ -990,7 +1131,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTile; i += kWgThreads) {
+    static_assert(kTile <= kWgThreads, "one column per thread");
+    if (threadIdx.x < kTile) {
+      const int i = threadIdx.x;
       float m = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + i]);
@@ -1001,43 +1144,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
     __syncthreads();
     // sDS row q, byte (key): keys 16 warp + 2g, +1 are this thread's rows g, g + 8.
+    // NOTE: column 8j + 2t + e is query ql = 16 (j >> 1) + 4t + c with
+    // c = 2 (j & 1) + e, so ql & 7 = 4 (t & 1) + c and its swizzled chunk is
+    // warp ^ 4 (t & 1) ^ c: four per-thread bases (one per c), then
+    // compile-time offsets 2048 (j >> 1) (was ~190 integer instructions per
+    // tile pair of sw128 / q_of_col arithmetic, ncu 2026-11-29).
+    {
+      uint8_t* ds_base[4];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+      for (int c = 0; c < 4; ++c)
+        ds_base[c] = sDS + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * t + e, ql = q_of_col(col);
-        const float iv = e ? inv.y : inv.x;
-        const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
-        *reinterpret_cast<uint16_t*>(sDS + sw128(ql, warp) + 2 * g) = static_cast<uint16_t>(two);
+      for (int j = 0; j < 16; ++j) {
+        const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float iv = e ? inv.y : inv.x;
+          const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+          *reinterpret_cast<uint16_t*>(ds_base[2 * (j & 1) + e] + 2048 * (j >> 1)) = static_cast<uint16_t>(two);
+        }
       }
     }
     fence_async_smem();
-    if (diag) {  // post-cast row sums on the decoded #6 operand (re-encoded: same codes)
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        float v[32], rs[4];
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = 8 * j + 2 * t + e;
-            const float iv = e ? inv.y : inv.x, s = sRowSc[col];
-            const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
-            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(two));
-            v[2 * j + e] = pass == 0 ? d.x * s + d.y * s : fabsf(d.x * s) + fabsf(d.y * s);
-          }
-        }
-        reduce_cols(v, rs, lane, OpAdd());
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int q = m0 + q_of_col(reduced_col(lane, i));
-          if (q < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + q, rs[i]);
-        }
-      }
-    }
-
     // dS^T codes for dK (#7): per key along the 128 queries (grad_format).
     uint32_t codes_s[8][2];
     float sd0, sd1;
@@ -1051,59 +1179,152 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       a_s[c][3] = codes_s[2 * c + 1][1];
     }
     __syncthreads();  // sDS complete
-
-    // ---- Per 64 output columns: dK += dS^T Q (#7, RS) and dQ_tile = dS K (#6,
-    // SS: warpgroup wg takes queries [64 wg, 64 wg + 64)) in flight together;
-    // dK's scaling overlaps dQ's MMAs, then dQ -> dq_accum atomics.
-    {
-      const uint8_t* a = sDS + (warp >> 2) * (64 * 128);
-      const int q0 = warp * 16 + g;
-      const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
-      float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb;
+    if (diag) {
+      // Post-cast row sums on the #6 operand: the codes of query row ql (sDS,
+      // any key order) decoded, summed, times the query's scale (a power of
+      // two). Two threads per row, 64 keys each.
+      const int ql = threadIdx.x >> 1, hf = threadIdx.x & 1;
+      const float sq = sRowSq[ql];
+      float acc[2] = {0.f, 0.f};
 #pragma unroll
-      for (int h = 0; h < L::kWk / 64; ++h) {
-        if (64 * h >= wk) continue;
-        float pk[8][4], pq[8][4];
-        fence_regs<32>(&pk[0][0]);
+      for (int u = 0; u < 4; ++u) {
+        const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * hf + u));
+        const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int hw = 0; hw < 2; ++hw) {
+            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
+            acc[0] += d.x + d.y;
+            acc[1] += fabsf(d.x) + fabsf(d.y);
+          }
+      }
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const float r = (acc[pass] + __shfl_xor_sync(0xffffffffu, acc[pass], 1)) * sq;
+        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + m0 + ql, r);
+      }
+    }
+
+    // ---- dK += dS^T Q (#7, RS, per 32 output columns) and dQ_tile = dS K (#6,
+    // SS per 64 columns: warpgroup wg takes queries [64 wg, 64 wg + 64)) ->
+    // dq_accum atomics, software-pipelined: two dK chunks in flight, each
+    // scaled while the next runs, then the dQ chunks (issued under the last
+    // dK scaling).
+    // NOTE: registers: at most 2 x 16 (dK) + 16 (dS^T codes) or 2 x 32 (dQ)
+    // accumulator registers in flight next to dK + dV (128); the previous
+    // "dK and dQ per 64 columns together" (32 + 32 + 16) spilled dk_acc
+    // (ptxas 396 B / ncu 66 LDL/STL per tile pair).
+    {
+      const uint32_t ds_lo = d_base + L::kDS / 16 + wg * kDesc64Rows;  // this warpgroup's 64 queries
+      const uint32_t kc_lo = d_base + L::kKc / 16;
+      const int q0 = warp * 16 + g;
+      // NOTE: per-thread bases (column 2t), then compile-time offsets: REDG /
+      // LDS with immediates instead of 64-bit address arithmetic per atomic.
+      float* dq_t = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb + 2 * t;
+      const float* ksc_t = sKcs + 2 * t;
+      constexpr int kKch = L::kWk / 32, kQch = L::kWk / 64;
+      auto issue_dk = [&](int c, float(&pk)[4][4]) {
+        fence_regs<16>(&pk[0][0]);
+        wg_arrive();
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          gmma_rs<FMT, kFmtE4M3, 32>(a_s[k], desc_of(qc_lo + c * (32 * 128 / 16) + kDescK32 * k), &pk[0][0], k > 0);
+        wg_commit();
+      };
+      auto scale_dk = [&](int c, float(&pk)[4][4]) {
+        fence_regs<16>(&pk[0][0]);
+        const float* sBs = F + L::kSQcs + 32 * c;
+        float* d = &dk_acc[0][0][0] + 16 * c;  // columns [32 c, 32 c + 32): dk_acc[c / 2][4 (c % 2) + jj]
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
+          d[4 * jj + 0] = fmaf(pk[jj][0], sd0 * sb.x, d[4 * jj + 0]);
+          d[4 * jj + 1] = fmaf(pk[jj][1], sd0 * sb.y, d[4 * jj + 1]);
+          d[4 * jj + 2] = fmaf(pk[jj][2], sd1 * sb.x, d[4 * jj + 2]);
+          d[4 * jj + 3] = fmaf(pk[jj][3], sd1 * sb.y, d[4 * jj + 3]);
+        }
+      };
+      auto issue_dq = [&](int h, float(&pq)[8][4]) {
         fence_regs<32>(&pq[0][0]);
         wg_arrive();
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_sw128(sQc + h * 64 * 128 + 32 * c), &pk[0][0], c > 0);
+        for (int k = 0; k < 4; ++k)
+          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + h * kDesc64Rows + kDescK32 * k),
+                                     &pq[0][0], k > 0);
         wg_commit();
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          gmma_ss<FMT, kFmtE4M3, 64>(desc_sw128(a + 32 * c), desc_sw128(sKc + h * 64 * 128 + 32 * c),
-                                     &pq[0][0], c > 0);
-        wg_commit();
-        wg_wait<1>();
-        fence_regs<32>(&pk[0][0]);
-        {
-          const float* sBs = F + L::kSQcs + 64 * h;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
-            float* d = dk_acc[h][jj];
-            d[0] = fmaf(pk[jj][0], sd0 * sb.x, d[0]);
-            d[1] = fmaf(pk[jj][1], sd0 * sb.y, d[1]);
-            d[2] = fmaf(pk[jj][2], sd1 * sb.x, d[2]);
-            d[3] = fmaf(pk[jj][3], sd1 * sb.y, d[3]);
-          }
-        }
-        wg_wait<0>();
+      };
+      auto store_dq = [&](int h, float(&pq)[8][4]) {
         fence_regs<32>(&pq[0][0]);
-        fence_regs_u(&a_s[0][0], 16);
+        const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           if (m0 + q0 + 8 * hh >= Sq) continue;
           const float rs = hh ? rs1 : rs0;
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
-            const int c = 64 * h + 8 * jj + 2 * t;
-            const float2 ksc = *reinterpret_cast<const float2*>(sKcs + c);
+            const int c = 64 * h + 8 * jj;
+            const float2 ksc = *reinterpret_cast<const float2*>(ksc_t + c);
             const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc.x), pq[jj][2 * hh + 1] * (rs * ksc.y));
-            atomicAdd(reinterpret_cast<float2*>(dq_row0 + 8 * hh * DQK + c), v);
+            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + c), v);
           }
+        }
+      };
+      float pk0[4][4], pk1[4][4], pq0[8][4], pq1[8][4];
+      static_assert((kKch == 4 && kQch == 2) || (kKch == 2 && kQch == 1), "dK / dQ chunk schedule");
+      // NOTE: the pipelined schedule only where it was validated with every
+      // head_dim it serves (d <= 128). Sliced kernels (d = 256, 192/128) take
+      // the one-chunk-at-a-time schedule: with the pipelined one, (192, 128)
+      // gave wrong dQ columns 0..63 of slice 0 on the H200 (ratio 1.2-1.5 to the
+      // reference; dK, dV and the other dQ columns right; cause not found: the
+      // SASS of the branch, descriptors and offsets checked). The serial
+      // schedule is correct for any wk.
+      if (!kSliced && wk == L::kWk) {  // every column, d <= 128
+        issue_dk(0, pk0);
+        issue_dk(1, pk1);
+        if constexpr (kKch == 4) {
+          wg_wait<1>();
+          scale_dk(0, pk0);
+          issue_dk(2, pk0);
+          wg_wait<1>();
+          scale_dk(1, pk1);
+          issue_dk(3, pk1);
+          wg_wait<1>();
+          scale_dk(2, pk0);
+          issue_dq(0, pq0);
+          wg_wait<1>();
+          scale_dk(3, pk1);
+          fence_regs_u(&a_s[0][0], 16);
+          issue_dq(1, pq1);
+          wg_wait<1>();
+          store_dq(0, pq0);
+          wg_wait<0>();
+          store_dq(1, pq1);
+        } else {
+          wg_wait<1>();
+          scale_dk(0, pk0);
+          issue_dq(0, pq0);
+          wg_wait<1>();
+          scale_dk(1, pk1);
+          fence_regs_u(&a_s[0][0], 16);
+          wg_wait<0>();
+          store_dq(0, pq0);
+        }
+      } else {  // a slice with fewer columns: one chunk at a time
+#pragma unroll
+        for (int c = 0; c < kKch; ++c) {
+          if (32 * c >= wk) continue;
+          issue_dk(c, pk0);
+          wg_wait<0>();
+          scale_dk(c, pk0);
+        }
+        fence_regs_u(&a_s[0][0], 16);
+#pragma unroll
+        for (int h = 0; h < kQch; ++h) {
+          if (64 * h >= wk) continue;
+          issue_dq(h, pq0);
+          wg_wait<0>();
+          store_dq(h, pq0);
         }
       }
     }
