@@ -24,19 +24,29 @@ def read_log(path: str | Path) -> dict:
     """Parses a trainer JSONL log into {meta, steps, vals, summary}."""
     out = {"meta": None, "steps": [], "vals": [], "summary": None}
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
+        lines = f.readlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
             r = json.loads(line)
-            t = r.get("type")
-            if t == "meta":
-                out["meta"] = r
-            elif t == "step":
-                out["steps"].append(r)
-            elif t == "val":
-                out["vals"].append(r)
-            elif t == "summary":
-                out["summary"] = r
+        except json.JSONDecodeError as exc:
+            # NOTE: a run killed while writing (timeout backstop) leaves a cut-off last line.
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({exc.msg} at column {exc.colno})"
+                             + ("; it is the last line: cut off when the run was killed while writing?"
+                                if i == last else "")) from None
+        if not isinstance(r, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object (not a trainer log?)")
+        t = r.get("type")
+        if t == "meta":
+            out["meta"] = r
+        elif t == "step":
+            out["steps"].append(r)
+        elif t == "val":
+            out["vals"].append(r)
+        elif t == "summary":
+            out["summary"] = r
     return out
 
 

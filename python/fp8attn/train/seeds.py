@@ -31,8 +31,10 @@ aggregate: writes <out>/seeds.md, seeds.json, seeds_loss.png, seeds_gain.png
   Errors (ValueError naming the run): a missing run dir or log, a log without a
   meta line, runs that differ in the training or model configuration (step
   count, lr, batch, model shape, ...: the lr schedule must be the same), runs of
-  one seed with different initial weights or data seeds. With --partial a
-  missing, cut-short (--deadline-s) or diverged run is listed under "problems"
+  one seed with different initial weights or data seeds, a log line that is not
+  JSON (a cut-off last line: the run was killed while writing), a <mode>-s<seed>
+  dir of an unknown mode, --out naming a file. With --partial a missing, cut-short
+  (--deadline-s), diverged or non-finite-val run is listed under "problems"
   and left out of the means instead (configuration mismatches stay errors).
   With --at-step N every run is read at training step N instead of at its end:
     the val loss logged at step N (the trainer logs val every val_every steps and
@@ -97,9 +99,16 @@ def discover(study: Path) -> tuple[list[str], list[int]]:
 
 def discover_runs(study: Path) -> list[tuple[str, int]]:
     """(mode, seed) of every <mode>-s<seed> subdirectory of `study`, in mode order then seed."""
-    if not study.is_dir():
+    if not study.exists():
         raise ValueError(f"seeds: study dir {study} does not exist")
+    if not study.is_dir():
+        raise ValueError(f"seeds: study dir {study} is not a directory")
     found = [m.groupdict() for m in (_DIR_RE.match(p.name) for p in study.iterdir() if p.is_dir()) if m]
+    bad = sorted(f"{f['mode']}-s{f['seed']}" for f in found if f["mode"] not in MODE_ORDER)
+    if bad:
+        raise ValueError(f"seeds: run dir(s) {', '.join(bad)} in {study} name an unknown mode (expected "
+                         f"<mode>-s<seed> with mode one of {', '.join(MODE_ORDER)}); move them away or pass "
+                         "--modes/--seeds")
     order = {m: i for i, m in enumerate(_sorted_modes(f["mode"] for f in found))}
     return sorted(((f["mode"], int(f["seed"])) for f in found), key=lambda ms: (order[ms[0]], ms[1]))
 
@@ -114,12 +123,13 @@ def _run_record(mode: str, seed: int, d: Path, log: dict, at_step: int | None = 
     t = meta["train"]
     if at_step is not None:
         return _run_record_at(mode, seed, d, log, at_step)
-    losses = [r["loss"] for r in steps if "loss" in r]
+    losses = [r["loss"] for r in steps if "loss" in r and not r.get("diverged")]
     diverged = bool((s or {}).get("diverged")) or any(r.get("diverged") for r in steps)
     complete = s is not None and bool(s.get("complete", s.get("steps_done") == t["steps"])) and not diverged
     final_val = vals[-1]["val_loss"] if vals else None
     if s is not None and s.get("final_val_loss") is not None and final_val is not None \
-            and s["final_val_loss"] != final_val:
+            and s["final_val_loss"] != final_val \
+            and not (math.isnan(s["final_val_loss"]) and math.isnan(final_val)):
         raise ValueError(f"seeds: {d}: summary final_val_loss {s['final_val_loss']} is not the last logged "
                          f"val loss {final_val} (log edited or truncated?)")
     times = [r["step_time_s"] for r in steps if "step_time_s" in r]
@@ -144,6 +154,9 @@ def _run_record_at(mode: str, seed: int, d: Path, log: dict, at_step: int) -> di
         have = ", ".join(str(v["step"]) for v in log["vals"]) or "none"
         raise ValueError(f"seeds: mode {mode} seed {seed} ({d}) logged no val loss at step {at_step} "
                          f"(val steps: {have})")
+    if not math.isfinite(vals[-1]["val_loss"]):
+        raise ValueError(f"seeds: mode {mode} seed {seed} ({d}) logged val loss {vals[-1]['val_loss']} at step "
+                         f"{at_step} (not finite); pick an earlier --at-step")
     upto = [r for r in log["steps"] if r.get("step", -1) <= at_step]
     diverged = any(r.get("diverged") for r in upto)
     rec.update({"final_val_loss": vals[-1]["val_loss"], "final_val_step": at_step,
@@ -179,9 +192,14 @@ def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[in
     Returns {study, modes, seeds, config, runs [record], logs {(mode, seed): read_log},
     problems [str]}. Raises ValueError (see the module docstring)."""
     study = Path(study)
+    hint = ""
     if modes is None or seeds is None:
         found_modes, found_seeds = discover(study)
+        hint = (f" (every mode x seed of the run dirs: modes {', '.join(modes or found_modes)}, seeds "
+                f"{', '.join(map(str, seeds or found_seeds))}; --modes/--seeds pick a subset)")
         modes, seeds = modes or found_modes, seeds or found_seeds
+    if not study.is_dir():
+        raise ValueError(f"seeds: study dir {study} " + ("is not a directory" if study.exists() else "does not exist"))
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds: a seed is listed twice in {seeds}")
     if len(set(modes)) != len(modes):
@@ -194,7 +212,7 @@ def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[in
             if not path.is_file():
                 what = f"run dir {d} is missing" if not d.is_dir() else f"{path} is missing (the run did not start?)"
                 if not partial:
-                    raise ValueError(f"seeds: mode {mode} seed {seed}: {what}")
+                    raise ValueError(f"seeds: mode {mode} seed {seed}: {what}{hint}")
                 problems.append(f"{mode} seed {seed}: {what}")
                 continue
             log = read_log(path)
@@ -209,10 +227,11 @@ def load_study(study: str | Path, modes: list[str] | None = None, seeds: list[in
             else:
                 _check_same_config(ref, d.name, meta)
             rec = _run_record(mode, seed, d, log, at_step)
-            if not rec["complete"] or rec["final_val_loss"] is None:
+            if not _ok(rec):
                 why = ("diverged" if rec["diverged"] else
                        f"incomplete: {rec['steps_done']}/{rec['steps']} steps" if rec["steps_done"] < rec["steps"]
-                       else "no val loss")
+                       else "no val loss" if rec["final_val_loss"] is None
+                       else f"val loss {rec['final_val_loss']} at step {rec['final_val_step']} (not finite)")
                 if not partial:
                     raise ValueError(f"seeds: mode {mode} seed {seed} ({d}) is {why}; "
                                      f"use --partial to aggregate the rest")
@@ -269,7 +288,7 @@ def _check_same_config(ref: tuple[str, dict], name: str, meta: dict) -> None:
 
 
 def _ok(r: dict) -> bool:
-    return r["complete"] and r["final_val_loss"] is not None
+    return r["complete"] and r["final_val_loss"] is not None and math.isfinite(r["final_val_loss"])
 
 
 def mode_stats(study: dict) -> dict:
@@ -303,7 +322,7 @@ def paired(study: dict, stats: dict) -> list[dict]:
         d = {s: stats[a]["vals"][s] - stats[b]["vals"][s] for s in seeds}
         signs = {np.sign(v) for v in d.values()}
         out.append({"a": a, "b": b, "diffs": d, "mean": float(np.mean(list(d.values()))),
-                    "same_sign": len(d) >= 2 and len(signs) == 1 and 0 not in signs})
+                    "same_sign": None if len(d) < 2 else (len(signs) == 1 and 0 not in signs)})
     return out
 
 
@@ -328,7 +347,13 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
             if v is not None:
                 return _f(v)
             r = next((r for r in study["runs"] if r["mode"] == mode and r["seed"] == seed), None)
-            return "missing" if r is None else ("diverged" if r["diverged"] else f"cut at {r['steps_done']}")
+            if r is None:
+                return "missing"
+            if r["diverged"]:
+                return "diverged"
+            if r["complete"]:
+                return "no val loss" if r["final_val_loss"] is None else f"val {r['final_val_loss']}"
+            return f"cut at {r['steps_done']}"
         row = ([mode] + [cell(s) for s in seeds] + [_f(st["mean"]), _f(st["spread"]), _f(st["gap_to_bf16"], "+.4f")]
                + [_f(st["max_gain"].get(s), ".3f") for s in seeds]
                + ([_f(st["rowsum_post"].get(s), ".3e") for s in seeds] if any_rowsum else []))
@@ -339,7 +364,8 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         ptab = ["| " + " | ".join(ph) + " |", "|" + "---|" * len(ph)]
         for p in pairs:
             ptab.append("| " + " | ".join([f"{p['a']} - {p['b']}"] + [_f(p["diffs"].get(s), "+.4f") for s in seeds]
-                                          + [_f(p["mean"], "+.4f"), "yes" if p["same_sign"] else "no"]) + " |")
+                                          + [_f(p["mean"], "+.4f"), "n/a (one seed)" if p["same_sign"] is None
+                                             else "yes" if p["same_sign"] else "no"]) + " |")
     bspread = (stats.get("bf16") or {}).get("spread")
     ds = cfg["data_seeds"]
     out = [
@@ -373,13 +399,16 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         out += [f"## Paired differences of the {what} (same init and batches within a seed)", "", *ptab, ""]
         out += [("Reading: " + (f"the bf16 seed spread ({bspread:.4f}) is the noise of an unpaired comparison "
                                 "of the means; " if bspread is not None else "")
-                 + "a paired difference whose sign flips between seeds shows no difference between the modes; "
-                 f"with {len(seeds)} seeds a sign that agrees is weak evidence (it happens by chance with "
-                 f"probability {0.5 ** (len(seeds) - 1):.2g} when the modes do not differ)."), ""]
+                 + ("a paired difference whose sign flips between seeds shows no difference between the modes; "
+                    f"with {len(seeds)} seeds a sign that agrees is weak evidence (it happens by chance with "
+                    f"probability {0.5 ** (len(seeds) - 1):.2g} when the modes do not differ)." if len(seeds) >= 2
+                    else "with one seed there is no seed spread: a paired difference cannot be told from noise.")),
+                ""]
     rh = ["run", "steps done", "final train loss", "max QK gain", "top-4 share", "rowsum post last / mean",
           "logit std max", "attn entropy min", "train time (s)"]
     out += ["## Per run" + (", at the end" if study.get("at_step") is None else
-                            f" (max QK gain, top-4 share, rowsum: at step {study['at_step']}; the rest at the end)"), "", "| " + " | ".join(rh) + " |", "|" + "---|" * len(rh)]
+                            f" (max QK gain, top-4 share, rowsum post last: at step {study['at_step']}; rowsum post mean and the "
+                            "rest: at the end)"), "", "| " + " | ".join(rh) + " |", "|" + "---|" * len(rh)]
     for r in study["runs"]:
         rs = ("n/a" if r["rowsum_post_last"] is None
               else f"{r['rowsum_post_last']:.3e} / {_f(r['rowsum_post_mean'], '.3e')}")
@@ -494,7 +523,12 @@ def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False, at_ste
         at_step = common_val_step(study_dir, modes, seeds)
     study = load_study(study_dir, modes, seeds, partial=partial, at_step=at_step)
     out = Path(out) if out is not None else study["study"]
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"seeds: --out {out} is a file; expected a directory (created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"seeds: --out {out}: cannot create the directory ({exc.strerror})") from None
     stats = mode_stats(study)
     pairs = paired(study, stats)
     plots = make_plots(study, out)
@@ -538,7 +572,10 @@ def plan_steps(calib_dir, window_s: float, parallel: int, modes=None, seeds=None
         p = calib_dir / run_dir_name(mode, seed) / f"{mode}.jsonl"
         if not p.is_file():
             return 0, f"calibration run {mode} seed {seed} wrote no log ({p})"
-        log = read_log(p)
+        try:
+            log = read_log(p)
+        except ValueError as exc:
+            return 0, f"calibration run {mode} seed {seed}: {exc}"
         dts = [r["step_time_s"] for r in log["steps"] if "step_time_s" in r and r["step"] >= CALIB_SKIP]
         if not dts:
             return 0, f"calibration run {mode} seed {seed} logged no step time at step >= {CALIB_SKIP}"
@@ -585,12 +622,29 @@ def main(argv=None) -> int:
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--margin", type=float, default=1.1)
     args = ap.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
+    if modes is not None:
+        bad = [m for m in modes if m not in MODE_ORDER]
+        if bad or not modes:
+            ap.error(f"--modes: expected comma-separated modes out of {','.join(MODE_ORDER)}, got {args.modes!r}")
     try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else None
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds is not None else None
     except ValueError:
         ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if seeds is not None and not seeds:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if args.cmd == "plan":
+        for name, v, ok, want in (
+                ("--window-s", args.window_s, math.isfinite(args.window_s) and args.window_s > 0, "a time > 0"),
+                ("--parallel", args.parallel, args.parallel >= 1, "an integer >= 1"),
+                ("--n-runs", args.n_runs, args.n_runs is None or args.n_runs >= 1, "an integer >= 1"),
+                ("--cal-wall-s", args.cal_wall_s,
+                 args.cal_wall_s is None or (math.isfinite(args.cal_wall_s) and args.cal_wall_s >= 0), "a time >= 0"),
+                ("--val-batches", args.val_batches, args.val_batches >= 0, "an integer >= 0"),
+                ("--max-steps", args.max_steps, args.max_steps >= 10, "an integer >= 10 (the smallest plan)"),
+                ("--margin", args.margin, math.isfinite(args.margin) and args.margin > 0, "a factor > 0")):
+            if not ok:
+                ap.error(f"{name}: expected {want}, got {v}")
         steps, note = plan_steps(args.calib, args.window_s, args.parallel, modes, seeds, args.cal_wall_s,
                                  args.val_batches, args.max_steps, args.margin, args.n_runs)
         print(steps, note)
