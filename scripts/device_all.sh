@@ -16,27 +16,20 @@
 # runs the CPU pytest suites, DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/device_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup device_out
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 echo "== versions"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$SUMMARY"
-python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())" | tee -a "$SUMMARY"
+torch_versions | tee -a "$SUMMARY"
 nvcc --version | tail -1 | tee -a "$SUMMARY"
 
 echo "== library"
-rm -f python/fp8attn/_C*.so
-so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-[ -n "$so" ] && cp "$so" python/fp8attn/
-has_cuda() { python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" 2>>/tmp/fp8attn_load.log; }
-if [ -n "$so" ] && has_cuda; then
-  note "library: carried prebuilt $(basename "$so")"
+if use_carried_so && has_cuda_kernels 2>>/tmp/fp8attn_load.log; then
+  note "library: carried prebuilt $(basename "$CARRIED_SO")"
 else
   tail -5 /tmp/fp8attn_load.log 2>/dev/null
   note "library: carried .so missing or not loading; building with FP8ATTN_BUILD_CUDA=1"

@@ -8,13 +8,9 @@
 # bench_train needs python/fp8attn/_C*.so built with CUDA (or .devbuild/lib/fp8attn/_C*.so);
 # (the linear tests and the micro-benchmark use no CUDA kernels of the extension).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/device_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
-so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-if [ -n "$so" ]; then rm -f python/fp8attn/_C*.so; cp "$so" python/fp8attn/; fi
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup device_out
+use_carried_so
 S="$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$S"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee -a "$S"

@@ -8,14 +8,10 @@
 # Needs python/fp8attn/_C*.so built with CUDA (FP8ATTN_BUILD_CUDA=1) for the
 # fp8 attention core in the benchmark; FP8Linear itself needs no extension.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/device_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup device_out
 # A prebuilt CUDA library carried in .devbuild/lib (as for device_all.sh) wins over an in-place one.
-so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-if [ -n "$so" ]; then rm -f python/fp8attn/_C*.so; cp "$so" python/fp8attn/; fi
+use_carried_so
 T_BENCH="${T_BENCH:-80}"   # BENCH_ARGS: extra bench_train.py arguments
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/summary.txt"
 python3 -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"

@@ -12,20 +12,14 @@
 # lines by stall samples, stall reasons by opcode; benchmarks/ncu_stalls.py),
 # summary.txt.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/ncu_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup ncu_out
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
-rm -f python/fp8attn/_C*.so
-so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-[ -n "$so" ] || { note "no carried .devbuild/lib/fp8attn/_C*.so"; exit 1; }
-cp "$so" python/fp8attn/
-python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" || { note "library has no CUDA kernels"; exit 1; }
+use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so"; exit 1; }
+has_cuda_kernels || { note "library has no CUDA kernels"; exit 1; }
 note "$(ncu --version | tail -1); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
 SHAPE="${NCU_SHAPE:-4x16x4096x128}"

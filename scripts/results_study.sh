@@ -91,11 +91,8 @@
 # bit-identical to an uninterrupted run. On resume STUDY_STEPS/STUDY_MODES are
 # ignored (the saved run_config.json decides); other changed knobs are refused.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/study_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup study_out
 T0=$(date +%s)
 TOTAL_S="${STUDY_TOTAL_S:-450}"
 DEADLINE=$((T0 + TOTAL_S))
@@ -162,19 +159,16 @@ trap pack EXIT
 
 echo "== versions" | tee -a "$LOG"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+  torch_versions
 } | tee -a "$SUMMARY" | tee -a "$LOG"
 
 echo "== library" | tee -a "$LOG"
 if [ "$GPU" = 1 ]; then
-  so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-  if [ -z "$so" ]; then note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; fi
-  rm -f python/fp8attn/_C*.so
-  cp "$so" python/fp8attn/
-  if ! python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" >>"$LOG" 2>&1; then
-    note "carried $(basename "$so") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
+  use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; }
+  if ! has_cuda_kernels >>"$LOG" 2>&1; then
+    note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
   fi
-  note "library: carried $(basename "$so") (CUDA kernels)"
+  note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
 else
   if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
     say "building the CPU extension in place"

@@ -76,11 +76,8 @@
 # seeds, a few tens of steps, one thread per process; ~1.5 min on 2 cores) that
 # runs the same pipeline end to end.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-OUT="${OUT:-$ROOT/seeds_out}"
-mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
+device_setup seeds_out
 T0=$(date +%s)
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
    && [ "${SEEDS_DEVICE:-auto}" != cpu ]; then GPU=1; else GPU=0; fi
@@ -274,20 +271,17 @@ trap 'note "signal received: stopping"; exit 143' TERM INT
 
 echo "== versions" | tee -a "$LOG"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode --format=csv,noheader 2>/dev/null || echo "no GPU"
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+  torch_versions
   echo "git commit: ${FP8ATTN_GIT_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}; $(nproc) CPU cores"
 } | tee -a "$SUMMARY" | tee -a "$LOG"
 
 echo "== library" | tee -a "$LOG"
 if [ "$GPU" = 1 ]; then
-  so="$(ls .devbuild/lib/fp8attn/_C*.so 2>/dev/null | head -1)"
-  if [ -z "$so" ]; then note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; fi
-  rm -f python/fp8attn/_C*.so
-  cp "$so" python/fp8attn/
-  if ! python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)" >>"$LOG" 2>&1; then
-    note "carried $(basename "$so") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
+  use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; }
+  if ! has_cuda_kernels >>"$LOG" 2>&1; then
+    note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
   fi
-  note "library: carried $(basename "$so") (CUDA kernels)"
+  note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
   export OMP_NUM_THREADS=$(( $(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1 ))   # NOTE: CPU side of 8 processes
 else
   if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
