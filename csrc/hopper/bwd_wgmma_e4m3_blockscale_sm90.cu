@@ -143,6 +143,17 @@ constexpr uint32_t kDescK32 = 32 / 16;           // descriptor step of 32 bytes 
 __device__ __forceinline__ int warpgroup_uniform() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 7, 0);
 }
+// The same value, re-derived where it is used (volatile: not hoisted or CSE'd).
+// NOTE (v5): the main kernel's loop takes wg from this once per tile pair; kept
+// live across the loop, ptxas spilled it at d = 128 and its reload (LDL, L2
+// latency: shared memory leaves ~20 KB of L1) stalled the first S^T
+// WARPGROUP.ARRIVE / R2UR: 4.7% of the stall samples (ncu 2026-11-29, per-SASS
+// profile of the v4 kernel; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md, v5).
+__device__ __forceinline__ int warpgroup_uniform_fresh() {
+  int r;
+  asm volatile("shfl.sync.idx.b32 %0, %1, 0, 0x1f, 0xffffffff;\n" : "=r"(r) : "r"(static_cast<int>(threadIdx.x) >> 7));
+  return r;
+}
 // Dynamic shared memory rounded up to 1024 bytes (swizzle atoms). NOTE: by
 // pointer arithmetic on the __shared__ array (not through uintptr_t), so the
 // compiler keeps the shared address space: LDS / STS instead of generic LD / ST.
@@ -803,7 +814,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   const int nblk_q = (Sq + kTile - 1) / kTile, nblk_k = (Sk + kTile - 1) / kTile;
   const int n0 = n_tile * kTile;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int wg = warpgroup_uniform();
+  // wg: re-derived per tile pair in the loop (warpgroup_uniform_fresh, NOTE there).
   const uint32_t d_base = desc_lo(smem);  // descriptor low word of smem + 0
   // NOTE: the diagnostics' row sums are over keys only: one slice adds them.
   const bool diag = p.diag != nullptr && slice == 0;
@@ -962,6 +973,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
 
   int hq_it = hk * group, m_it = m_first;  // tile pair it (then it + 1, see the top of the loop)
+  // d <= 128: the tile pair's copies are waited for, LSE converted and fenced
+  // at the end of the previous pair (see "next pair's copies" below); here for
+  // the first one.
+  if constexpr (!kSliced) {
+    if (n_iters > 0) {
+      cp_wait<0>();
+      lse2_in_place(sf + L::kFStage + L::kSLse, kTile, m_first * kTile, Sq);
+      fence_async_smem();
+    }
+  }
   for (int it = 0; it < n_iters; ++it) {
     const int hq = hq_it, m_tile = m_it, st = it % L::kStages;
     // the next tile pair
@@ -971,9 +992,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
-    cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
-    lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
-    fence_async_smem();
+    const int wg = warpgroup_uniform_fresh();
+    if constexpr (kSliced) {
+      cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
+      lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
+      fence_async_smem();
+    }
     // Tile it visible to all; everyone is done with iteration it - 1, so the
     // other stage (sliced: the column tiles) and sDS are free.
     __syncthreads();
@@ -1165,6 +1189,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
         }
       }
     }
+    // d <= 128: the next pair's copies (issued at the top of this one, long
+    // complete): wait, LSE * log2(e), and one fence for them and the sDS stores.
+    // NOTE (v5): was at the top of the next pair, where the fence's MEMBAR
+    // waited behind this pair's 32 dQ REDG atomics per thread and the wait
+    // behind a rematerialized S2R (ncu 2026-11-29: ~5% of the stall samples at
+    // the loop top). Ordering unchanged: each thread's cp.async data and LSE
+    // stores -> its fence.proxy.async -> the next pair's top __syncthreads ->
+    // every thread's wgmma / LDS of that stage. Stage st ^ 1 is not read in
+    // this pair (only stage st), so converting its LSE here is safe.
+    if constexpr (!kSliced) {
+      if (it + 1 < n_iters) {
+        cp_wait<0>();
+        lse2_in_place(sf + L::kFStage + (st ^ 1) * L::kFStageFloats + L::kSLse, kTile, m_it * kTile, Sq);
+      }
+    }
     fence_async_smem();
     // dS^T codes for dK (#7): per key along the 128 queries (grad_format).
     uint32_t codes_s[8][2];
@@ -1232,18 +1271,26 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           gmma_rs<FMT, kFmtE4M3, 32>(a_s[k], desc_of(qc_lo + c * (32 * 128 / 16) + kDescK32 * k), &pk[0][0], k > 0);
         wg_commit();
       };
-      auto scale_dk = [&](int c, float(&pk)[4][4]) {
+      // Q column scales of dK chunk c (4 float2 per thread).
+      auto load_sb = [&](int c, float2(&sb)[4]) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) sb[jj] = *reinterpret_cast<const float2*>(F + L::kSQcs + 32 * c + 8 * jj + 2 * t);
+      };
+      auto scale_dk_sb = [&](int c, float(&pk)[4][4], const float2(&sb)[4]) {
         fence_regs<16>(&pk[0][0]);
-        const float* sBs = F + L::kSQcs + 32 * c;
         float* d = &dk_acc[0][0][0] + 16 * c;  // columns [32 c, 32 c + 32): dk_acc[c / 2][4 (c % 2) + jj]
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-          const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
-          d[4 * jj + 0] = fmaf(pk[jj][0], sd0 * sb.x, d[4 * jj + 0]);
-          d[4 * jj + 1] = fmaf(pk[jj][1], sd0 * sb.y, d[4 * jj + 1]);
-          d[4 * jj + 2] = fmaf(pk[jj][2], sd1 * sb.x, d[4 * jj + 2]);
-          d[4 * jj + 3] = fmaf(pk[jj][3], sd1 * sb.y, d[4 * jj + 3]);
+          d[4 * jj + 0] = fmaf(pk[jj][0], sd0 * sb[jj].x, d[4 * jj + 0]);
+          d[4 * jj + 1] = fmaf(pk[jj][1], sd0 * sb[jj].y, d[4 * jj + 1]);
+          d[4 * jj + 2] = fmaf(pk[jj][2], sd1 * sb[jj].x, d[4 * jj + 2]);
+          d[4 * jj + 3] = fmaf(pk[jj][3], sd1 * sb[jj].y, d[4 * jj + 3]);
         }
+      };
+      auto scale_dk = [&](int c, float(&pk)[4][4]) {
+        float2 sb[4];
+        load_sb(c, sb);
+        scale_dk_sb(c, pk, sb);
       };
       auto issue_dq = [&](int h, float(&pq)[8][4]) {
         fence_regs<32>(&pq[0][0]);
@@ -1270,6 +1317,27 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           }
         }
       };
+      // d <= 128 (pipelined schedule): store_dq with the K column scales of
+      // chunk h and the query scales loaded by the caller, before the chunk's
+      // wgmma wait. Same values, pq * (rs * ksc), to the same addresses.
+      auto load_ksc = [&](int h, float2(&ksc)[8]) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(ksc_t + 64 * h + 8 * jj);
+      };
+      auto store_dq_ksc = [&](int h, float(&pq)[8][4], const float2(&ksc)[8], float rs0, float rs1) {
+        fence_regs<32>(&pq[0][0]);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (m0 + q0 + 8 * hh >= Sq) continue;
+          const float rs = hh ? rs1 : rs0;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int c = 64 * h + 8 * jj;
+            const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc[jj].x), pq[jj][2 * hh + 1] * (rs * ksc[jj].y));
+            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + c), v);
+          }
+        }
+      };
       float pk0[4][4], pk1[4][4], pq0[8][4], pq1[8][4];
       static_assert((kKch == 4 && kQch == 2) || (kKch == 2 && kQch == 1), "dK / dQ chunk schedule");
       // NOTE: the pipelined schedule only where it was validated with every
@@ -1280,35 +1348,52 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       // SASS of the branch, descriptors and offsets checked). The serial
       // schedule is correct for any wk.
       if (!kSliced && wk == L::kWk) {  // every column, d <= 128
+        // NOTE (v5): each chunk's scales are loaded (LDS) before its wgmma
+        // wait, so their latency hides under the wait instead of stalling the
+        // first FMUL after it (ncu 2026-11-29: short_sb on these FMULs; and,
+        // likely, long_sb where a reloaded register was still the source of
+        // an in-flight REDG). ptxas may still sink some of them past the wait.
+        float2 sb[4], ksc[8];
         issue_dk(0, pk0);
         issue_dk(1, pk1);
         if constexpr (kKch == 4) {
+          load_sb(0, sb);
           wg_wait<1>();
-          scale_dk(0, pk0);
+          scale_dk_sb(0, pk0, sb);
           issue_dk(2, pk0);
+          load_sb(1, sb);
           wg_wait<1>();
-          scale_dk(1, pk1);
+          scale_dk_sb(1, pk1, sb);
           issue_dk(3, pk1);
+          load_sb(2, sb);
           wg_wait<1>();
-          scale_dk(2, pk0);
+          scale_dk_sb(2, pk0, sb);
           issue_dq(0, pq0);
+          load_sb(3, sb);
           wg_wait<1>();
-          scale_dk(3, pk1);
+          scale_dk_sb(3, pk1, sb);
           fence_regs_u(&a_s[0][0], 16);
           issue_dq(1, pq1);
+          const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
+          load_ksc(0, ksc);
           wg_wait<1>();
-          store_dq(0, pq0);
+          store_dq_ksc(0, pq0, ksc, rs0, rs1);
+          load_ksc(1, ksc);
           wg_wait<0>();
-          store_dq(1, pq1);
+          store_dq_ksc(1, pq1, ksc, rs0, rs1);
         } else {
+          load_sb(0, sb);
           wg_wait<1>();
-          scale_dk(0, pk0);
+          scale_dk_sb(0, pk0, sb);
           issue_dq(0, pq0);
+          load_sb(1, sb);
           wg_wait<1>();
-          scale_dk(1, pk1);
+          scale_dk_sb(1, pk1, sb);
           fence_regs_u(&a_s[0][0], 16);
+          const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
+          load_ksc(0, ksc);
           wg_wait<0>();
-          store_dq(0, pq0);
+          store_dq_ksc(0, pq0, ksc, rs0, rs1);
         }
       } else {  // a slice with fewer columns: one chunk at a time
 #pragma unroll
