@@ -391,18 +391,10 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
-      const float m_new = fmaxf(m_run[r], mx2);
-      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
-      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - base);
-      m_run[r] = m_new;
-      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
-      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
-      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      const SoftmaxRowStep step = softmax_row_step(mx, rq[r], m_run[r]);
+      alpha[r] = step.alpha;
+      sp[r] = step.sp;
+      const float nbias = step.nbias;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kNT; ++j)
@@ -842,18 +834,10 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
-      const float m_new = fmaxf(m_run[r], mx2);
-      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
-      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - base);
-      m_run[r] = m_new;
-      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
-      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
-      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      const SoftmaxRowStep step = softmax_row_step(mx, rq[r], m_run[r]);
+      alpha[r] = step.alpha;
+      sp[r] = step.sp;
+      const float nbias = step.nbias;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kNT; ++j)
