@@ -329,29 +329,17 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) fwd_kernel(const Kern
         }
     }
 
-    // ---- online softmax, P quantization ----
-    // P_j = exp2(S_j - m) with m the running max; the tile's block scale s_p
-    // comes from amax_j P_j = exp2(max_j S_j - m) (exp2 is monotonic), and the
-    // codes are E4M3(P_j / s_p) = E4M3(exp2(S_j - m - log2 s_p)) (s_p is a power
-    // of two), so neither the amax nor the division needs a pass over the tile.
+    // ---- online softmax, P quantization (softmax_row_step, fwd_softmax_sm90.cuh) ----
     float alpha[2], sp[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
 #pragma unroll
       for (int jt = 0; jt < kNT; ++jt) mx = fmaxf(mx, fmaxf(s[jt][2 * r], s[jt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
-      const float m_new = fmaxf(m_run[r], mx2);
-      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0
-      // then gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - base);
-      m_run[r] = m_new;
-      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
-      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
-      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      const SoftmaxRowStep step = softmax_row_step(mx, rq[r], m_run[r]);
+      alpha[r] = step.alpha;
+      sp[r] = step.sp;
+      const float nbias = step.nbias;
       float sum = 0.f;
 #pragma unroll
       for (int jt = 0; jt < kNT; ++jt)

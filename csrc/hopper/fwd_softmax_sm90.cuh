@@ -1,6 +1,7 @@
 // fp8attn: device helpers shared by the two sm_90a forward kernels
 // (fwd_e4m3_blockscale_sm90.cu, fwd_wgmma_e4m3_blockscale_sm90.cu): exp2,
-// E4M3 packing of P and the exact E4M3 block scale (numerics.md sections 2-3).
+// E4M3 packing of P, the exact E4M3 block scale and the online-softmax row
+// step (numerics.md sections 2-3).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -37,6 +38,39 @@ __device__ __forceinline__ float block_scale_e4m3(float amax) {
   int e = static_cast<int>(u >> 23) - 127 - 8 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
   e = max(-126, min(127, e));
   return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// One row's online-softmax step over one key tile (numerics.md section 3,
+// "Forward P"), shared by every forward kernel so they round the same values.
+// In: `mx` this thread's max of the row's raw S values in the tile (S = t * s_k,
+// before the row factor), `rq` = s_q * softmax_scale * log2(e), `m_run` the
+// running max in the log2 domain (-inf before the first visible key). Reduces
+// mx over the 4 threads of the quad, updates m_run and returns
+//   alpha = exp2(m_old - m_new)   (rescales O and l),
+//   sp    = block scale of the tile's P row = block_scale(exp2(max - m_new)),
+//   nbias such that P / sp = exp2(fmaf(S, rq, nbias)) (NaN when sp is NaN).
+// P_j = exp2(S_j - m) with m the running max: the block scale comes from
+// amax_j P_j = exp2(max_j S_j - m) (exp2 is monotonic) and the codes are
+// E4M3(exp2(S_j - m - log2 sp)) (sp is a power of two), so neither the amax
+// nor the division needs a pass over the tile.
+struct SoftmaxRowStep {
+  float alpha, sp, nbias;
+};
+__device__ __forceinline__ SoftmaxRowStep softmax_row_step(float mx, float rq, float& m_run) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mx2 = mx * rq;  // log2 domain; -inf for a fully masked row
+  const float m_new = fmaxf(m_run, mx2);
+  // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
+  // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
+  const float base = m_new == -INFINITY ? 0.f : m_new;
+  SoftmaxRowStep r;
+  r.alpha = fast_exp2(m_run - base);
+  m_run = m_new;
+  r.sp = block_scale_e4m3(fast_exp2(mx2 - base));
+  const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(r.sp) >> 23) & 0xffu) - 127);
+  r.nbias = r.sp == r.sp ? -bias : NAN;  // a NaN scale keeps the row NaN
+  return r;
 }
 
 }  // namespace sm90

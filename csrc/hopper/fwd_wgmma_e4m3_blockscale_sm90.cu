@@ -183,6 +183,8 @@ struct WTraits {
   static constexpr int kQBytes = kBlockM * kD;
   static constexpr int kKBytes = kBlockN * kD;
   static constexpr int kVBytes = kDv * kBlockN;
+  static constexpr int kNb = 1, kDvT = kDv;  // head_dim blocks (producer_warpgroup)
+  static constexpr int kQ0Bytes = kQBytes, kQ1Bytes = 0;
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
@@ -197,6 +199,108 @@ struct WTraits {
                 "swizzled tiles start on 1024-byte boundaries");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
 };
+
+// ---- shared by both kernels: mbarriers, the producer warpgroup ----
+
+// mbarriers (8 bytes each from T::kOffBar): q_full, then per stage k_full,
+// k_empty, v_raw, v_full, v_empty (file comment: who arrives on which).
+enum FwdBar { kQFull = 0, kKFull = 1, kKEmpty = 2, kVRaw = 3, kVFull = 4, kVEmpty = 5 };
+template <int kStages>
+__device__ __forceinline__ uint32_t fwd_bar(uint32_t bar, FwdBar which, int s) {
+  return which == kQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
+}
+template <int kStages>
+__device__ __forceinline__ void fwd_init_bars(uint32_t bar) {
+  mbar_init(fwd_bar<kStages>(bar, kQFull, 0), 1);
+  for (int s = 0; s < kStages; ++s) {
+    mbar_init(fwd_bar<kStages>(bar, kKFull, s), 32);                      // warp 0: TMA bytes + s_k stores
+    mbar_init(fwd_bar<kStages>(bar, kKEmpty, s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
+    mbar_init(fwd_bar<kStages>(bar, kVRaw, s), 1);                         // TMA bytes
+    mbar_init(fwd_bar<kStages>(bar, kVFull, s), 96);                       // the permuting threads
+    mbar_init(fwd_bar<kStages>(bar, kVEmpty, s), 4 * fwdw::kConsumerWGs);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The producer warpgroup (after its setmaxnreg.dec). Warp 0: TMA of the Q
+// tile once, then per key tile the K tile + its s_k into stage s and the V^T
+// tile into stage s. Warps 1-3: V^T key permutation in place (file comment),
+// s_v, hand the stage on. T::kNb head_dim blocks of Q and K (1, or 2 at
+// d_qk >= 192: block b from map tm_qk[b], columns [kD0 b, ...), s_k as
+// [Sk][kNb] in global, [stage][block][key] in shared memory). 32-bit
+// shared-memory addresses only (the d >= 192 producer runs at 24 registers).
+// Tile geometry: query rows [q0, q0 + kBlockM) of head row bhq, key tiles
+// [0, n_tiles) of head row bhk (seqlen_k Sk, nblk_k tiles in all).
+template <class T>
+__device__ __forceinline__ void producer_warpgroup(const KernelParams& p, uint32_t sbase, uint32_t bar, int q0,
+                                                   int Sk, int n_tiles, int nblk_k, int64_t bhq, int64_t bhk,
+                                                   const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
+                                                   const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
+                                                   const CUtensorMap* tm_v) {
+  constexpr int kBlockN = T::kBlockN, kStages = T::kStages, kNb = T::kNb, kDv = T::kDvT;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
+  auto sK = [&](int s) { return sbase + T::kOffK + s * T::kKBytes; };  // block 1 at + kK0Bytes
+  auto sV = [&](int s) { return sbase + T::kOffV + s * T::kVBytes; };
+  if (warp == 0) {
+    const float* ks_g = p.k_row_s + bhk * Sk * kNb;
+    const uint32_t q_full = fwd_bar<kStages>(bar, kQFull, 0);
+    if (lane == 0) {
+      mbar_arrive_tx(q_full, T::kQ0Bytes + T::kQ1Bytes);
+      tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, static_cast<int>(bhq));
+      if constexpr (kNb == 2)
+        tma_load_3d(sbase + T::kOffQ + T::kQ0Bytes, tm_q1, q_full, T::kD0, q0, static_cast<int>(bhq));
+    }
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      const int s = kt % kStages;
+      const uint32_t ph = (kt / kStages) & 1;
+      const uint32_t k_full = fwd_bar<kStages>(bar, kKFull, s);
+      mbar_wait(fwd_bar<kStages>(bar, kKEmpty, s), ph ^ 1);
+      for (int i = lane; i < kNb * kBlockN; i += 32) {
+        const int key = kt * kBlockN + i / kNb;
+        // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
+        // the mask overwrites those S entries anyway.
+        st_shared_f32(sbase + T::kOffKs + 4 * ((s * kNb + i % kNb) * kBlockN + i / kNb),
+                      key < Sk ? ks_g[kt * kNb * kBlockN + i] : 0.f);
+      }
+      if (lane == 0) {
+        mbar_arrive_tx(k_full, T::kKBytes);
+        tma_load_3d(sK(s), tm_k0, k_full, 0, kt * kBlockN, static_cast<int>(bhk));
+        if constexpr (kNb == 2)
+          tma_load_3d(sK(s) + T::kK0Bytes, tm_k1, k_full, T::kD0, kt * kBlockN, static_cast<int>(bhk));
+        mbar_wait(fwd_bar<kStages>(bar, kVEmpty, s), ph ^ 1);
+        const uint32_t v_raw = fwd_bar<kStages>(bar, kVRaw, s);
+        mbar_arrive_tx(v_raw, T::kVBytes);
+        tma_load_3d(sV(s), tm_v, v_raw, kt * kBlockN, 0, static_cast<int>(bhk));
+      } else {
+        mbar_arrive(k_full);
+      }
+      __syncwarp();
+    }
+  } else {
+    const int pt = tid - 32;
+    const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      const int s = kt % kStages;
+      mbar_wait(fwd_bar<kStages>(bar, kVRaw, s), (kt / kStages) & 1);
+      for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
+        const uint4 x = ld_shared_v4(a);
+        uint4 y;
+        y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
+        y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
+        y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
+        y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
+        st_shared_v4(a, y);
+      }
+      // NOTE: not unrolled: hoisted per-channel addresses spill at 24 / 40 registers.
+#pragma unroll 1
+      for (int ch = pt; ch < kDv; ch += 96)
+        st_shared_f32(sbase + T::kOffVs + 4 * (s * kDv + ch), vs_g[static_cast<int64_t>(ch) * nblk_k + kt]);
+      // NOTE: generic-proxy writes read next by wgmma (async proxy).
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      mbar_arrive(fwd_bar<kStages>(bar, kVFull, s));
+    }
+  }
+}
 
 // ---- the kernel --------------------------------------------------------------------
 
@@ -221,12 +325,11 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
   float* sKs = reinterpret_cast<float*>(smem + T::kOffKs);
   float* sVs = reinterpret_cast<float*>(smem + T::kOffVs);
   const uint32_t bar = sbase + T::kOffBar;
-  const uint32_t q_full = bar;
-  auto k_full = [&](int s) { return bar + 8u * (1 + s); };
-  auto k_empty = [&](int s) { return bar + 8u * (1 + kStages + s); };
-  auto v_raw = [&](int s) { return bar + 8u * (1 + 2 * kStages + s); };
-  auto v_full = [&](int s) { return bar + 8u * (1 + 3 * kStages + s); };
-  auto v_empty = [&](int s) { return bar + 8u * (1 + 4 * kStages + s); };
+  const uint32_t q_full = fwd_bar<kStages>(bar, kQFull, 0);
+  auto k_full = [&](int s) { return fwd_bar<kStages>(bar, kKFull, s); };
+  auto k_empty = [&](int s) { return fwd_bar<kStages>(bar, kKEmpty, s); };
+  auto v_full = [&](int s) { return fwd_bar<kStages>(bar, kVFull, s); };
+  auto v_empty = [&](int s) { return fwd_bar<kStages>(bar, kVEmpty, s); };
   auto sK = [&](int s) { return sbase + T::kOffK + s * T::kKBytes; };
   auto sV = [&](int s) { return sbase + T::kOffV + s * T::kVBytes; };
 
@@ -247,73 +350,13 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
     n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
   }
 
-  if (tid == 0) {
-    mbar_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 32);                     // warp 0: TMA bytes + s_k stores
-      mbar_init(k_empty(s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
-      mbar_init(v_raw(s), 1);                        // TMA bytes
-      mbar_init(v_full(s), 96);                      // the permuting threads
-      mbar_init(v_empty(s), 4 * fwdw::kConsumerWGs);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) fwd_init_bars<kStages>(bar);
   __syncthreads();
 
   if (wg == 0) {
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdw::kProducerRegs));
-    const int warp = tid / 32, lane = tid & 31;
-    if (warp == 0) {
-      const float* ks_g = p.k_row_s + bhk * Sk;  // one head_dim block: [Sk]
-      if (lane == 0) {
-        mbar_arrive_tx(q_full, T::kQBytes);
-        tma_load_3d(sbase + T::kOffQ, &tm_q, q_full, 0, q0, static_cast<int>(bhq));
-      }
-      for (int kt = 0; kt < n_tiles; ++kt) {
-        const int s = kt % kStages;
-        const uint32_t ph = (kt / kStages) & 1;
-        mbar_wait(k_empty(s), ph ^ 1);
-        for (int i = lane; i < kBlockN; i += 32) {
-          const int key = kt * kBlockN + i;
-          // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
-          // the mask overwrites those S entries anyway.
-          sKs[s * kBlockN + i] = key < Sk ? ks_g[key] : 0.f;
-        }
-        if (lane == 0) {
-          mbar_arrive_tx(k_full(s), T::kKBytes);
-          tma_load_3d(sK(s), &tm_k, k_full(s), 0, kt * kBlockN, static_cast<int>(bhk));
-          mbar_wait(v_empty(s), ph ^ 1);
-          mbar_arrive_tx(v_raw(s), T::kVBytes);
-          tma_load_3d(sV(s), &tm_v, v_raw(s), kt * kBlockN, 0, static_cast<int>(bhk));
-        } else {
-          mbar_arrive(k_full(s));
-        }
-        __syncwarp();
-      }
-    } else {
-      // Warps 1-3: V^T key permutation in place (file comment), s_v.
-      const int pt = tid - 32;
-      const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
-      for (int kt = 0; kt < n_tiles; ++kt) {
-        const int s = kt % kStages;
-        mbar_wait(v_raw(s), (kt / kStages) & 1);
-        uint4* v = reinterpret_cast<uint4*>(smem + T::kOffV + s * T::kVBytes);
-        for (int i = pt; i < T::kVBytes / 16; i += 96) {
-          const uint4 x = v[i];
-          uint4 y;
-          y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
-          y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
-          y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
-          y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
-          v[i] = y;
-        }
-        for (int ch = pt; ch < kDv; ch += 96) sVs[s * kDv + ch] = vs_g[static_cast<int64_t>(ch) * nblk_k + kt];
-        // NOTE: generic-proxy writes read next by wgmma (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_arrive(v_full(s));
-      }
-    }
+    producer_warpgroup<T>(p, sbase, bar, q0, Sk, n_tiles, nblk_k, bhq, bhk, &tm_q, nullptr, &tm_k, nullptr, &tm_v);
     return;
   }
 
@@ -391,18 +434,10 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
-      const float m_new = fmaxf(m_run[r], mx2);
-      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
-      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - base);
-      m_run[r] = m_new;
-      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
-      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
-      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      const SoftmaxRowStep step = softmax_row_step(mx, rq[r], m_run[r]);
+      alpha[r] = step.alpha;
+      sp[r] = step.sp;
+      const float nbias = step.nbias;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kNT; ++j)
@@ -599,6 +634,7 @@ struct WTraits2 {
   static constexpr int kK0Bytes = kBlockN * kD0, kK1Bytes = kBlockN * kD1;
   static constexpr int kKBytes = kK0Bytes + kK1Bytes;  // one stage: block 0, then block 1
   static constexpr int kVBytes = kDv * kBlockN;
+  static constexpr int kNb = 2, kDvT = kDv;  // (producer_warpgroup)
   static constexpr int kOffQ = 0;                                    // block 0, then block 1
   static constexpr int kOffK = kOffQ + kQ0Bytes + kQ1Bytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
@@ -639,12 +675,11 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
   float* sKs = reinterpret_cast<float*>(smem + T::kOffKs);
   float* sVs = reinterpret_cast<float*>(smem + T::kOffVs);
   const uint32_t bar = sbase + T::kOffBar;
-  const uint32_t q_full = bar;
-  auto k_full = [&](int s) { return bar + 8u * (1 + s); };
-  auto k_empty = [&](int s) { return bar + 8u * (1 + kStages + s); };
-  auto v_raw = [&](int s) { return bar + 8u * (1 + 2 * kStages + s); };
-  auto v_full = [&](int s) { return bar + 8u * (1 + 3 * kStages + s); };
-  auto v_empty = [&](int s) { return bar + 8u * (1 + 4 * kStages + s); };
+  const uint32_t q_full = fwd_bar<kStages>(bar, kQFull, 0);
+  auto k_full = [&](int s) { return fwd_bar<kStages>(bar, kKFull, s); };
+  auto k_empty = [&](int s) { return fwd_bar<kStages>(bar, kKEmpty, s); };
+  auto v_full = [&](int s) { return fwd_bar<kStages>(bar, kVFull, s); };
+  auto v_empty = [&](int s) { return fwd_bar<kStages>(bar, kVEmpty, s); };
   auto sK = [&](int s) { return sbase + T::kOffK + s * T::kKBytes; };  // block 1 at + kK0Bytes
   auto sV = [&](int s) { return sbase + T::kOffV + s * T::kVBytes; };
 
@@ -665,76 +700,13 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
     n_tiles = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
   }
 
-  if (tid == 0) {
-    mbar_init(q_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 32);                       // warp 0: TMA bytes + s_k stores
-      mbar_init(k_empty(s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
-      mbar_init(v_raw(s), 1);                         // TMA bytes
-      mbar_init(v_full(s), 96);                       // the permuting threads
-      mbar_init(v_empty(s), 4 * fwdw::kConsumerWGs);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (tid == 0) fwd_init_bars<kStages>(bar);
   __syncthreads();
 
   if (wg == 0) {
-    // ================= producer warpgroup (as fwd_wgmma_kernel, two K blocks) =================
+    // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdw::kD2ProducerRegs));
-    const int warp = tid / 32, lane = tid & 31;
-    if (warp == 0) {
-      const float* ks_g = p.k_row_s + bhk * Sk * 2;  // two head_dim blocks: [Sk][2]
-      if (lane == 0) {
-        mbar_arrive_tx(q_full, T::kQ0Bytes + T::kQ1Bytes);
-        tma_load_3d(sbase + T::kOffQ, &tm_q0, q_full, 0, q0, static_cast<int>(bhq));
-        tma_load_3d(sbase + T::kOffQ + T::kQ0Bytes, &tm_q1, q_full, kD0, q0, static_cast<int>(bhq));
-      }
-      for (int kt = 0; kt < n_tiles; ++kt) {
-        const int s = kt % kStages;
-        const uint32_t ph = (kt / kStages) & 1;
-        mbar_wait(k_empty(s), ph ^ 1);
-        for (int i = lane; i < 2 * kBlockN; i += 32) {
-          const int key = kt * kBlockN + (i >> 1);
-          // NOTE: keys >= seqlen_k get s_k = 0 (their K rows are TMA zero fill);
-          // the mask overwrites those S entries anyway.
-          st_shared_f32(sbase + T::kOffKs + 4 * ((s * 2 + (i & 1)) * kBlockN + (i >> 1)),
-                        key < Sk ? ks_g[kt * 2 * kBlockN + i] : 0.f);
-        }
-        if (lane == 0) {
-          mbar_arrive_tx(k_full(s), T::kKBytes);
-          tma_load_3d(sK(s), &tm_k0, k_full(s), 0, kt * kBlockN, static_cast<int>(bhk));
-          tma_load_3d(sK(s) + T::kK0Bytes, &tm_k1, k_full(s), kD0, kt * kBlockN, static_cast<int>(bhk));
-          mbar_wait(v_empty(s), ph ^ 1);
-          mbar_arrive_tx(v_raw(s), T::kVBytes);
-          tma_load_3d(sV(s), &tm_v, v_raw(s), kt * kBlockN, 0, static_cast<int>(bhk));
-        } else {
-          mbar_arrive(k_full(s));
-        }
-        __syncwarp();
-      }
-    } else {
-      // Warps 1-3: V^T key permutation in place (file comment), s_v.
-      const int pt = tid - 32;
-      const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
-      for (int kt = 0; kt < n_tiles; ++kt) {
-        const int s = kt % kStages;
-        mbar_wait(v_raw(s), (kt / kStages) & 1);
-        for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
-          const uint4 x = ld_shared_v4(a);
-          uint4 y;
-          y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
-          y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
-          y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
-          y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
-          st_shared_v4(a, y);
-        }
-        for (int ch = pt; ch < kDv; ch += 96)
-          st_shared_f32(sbase + T::kOffVs + 4 * (s * kDv + ch), vs_g[static_cast<int64_t>(ch) * nblk_k + kt]);
-        // NOTE: generic-proxy writes read next by wgmma (async proxy).
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_arrive(v_full(s));
-      }
-    }
+    producer_warpgroup<T>(p, sbase, bar, q0, Sk, n_tiles, nblk_k, bhq, bhk, &tm_q0, &tm_q1, &tm_k0, &tm_k1, &tm_v);
     return;
   }
 
@@ -842,18 +814,10 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mx2 = mx * rq[r];  // log2 domain; -inf for a fully masked row
-      const float m_new = fmaxf(m_run[r], mx2);
-      // NOTE: a row with no visible key so far keeps m = -inf; exp base 0 then
-      // gives P = 0 and alpha = 0 instead of NaN from (-inf) - (-inf).
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - base);
-      m_run[r] = m_new;
-      sp[r] = block_scale_e4m3(fast_exp2(mx2 - base));
-      const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(sp[r]) >> 23) & 0xffu) - 127);
-      const float nbias = sp[r] == sp[r] ? -bias : NAN;  // a NaN scale keeps the row NaN
+      const SoftmaxRowStep step = softmax_row_step(mx, rq[r], m_run[r]);
+      alpha[r] = step.alpha;
+      sp[r] = step.sp;
+      const float nbias = step.nbias;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kNT; ++j)
