@@ -3,6 +3,7 @@
 //     written here from the contract (quantize_block's decoded values, masked
 //     entries zeroed in every block before quantizing, no tiling tricks);
 //   - error against the exact path within a derived FP8 error budget;
+//   - dS of matmul #6 in 64-key blocks, shown against 128-key blocks;
 //   - the Delta-Matching row-sum invariant, shown against the stale delta;
 //   - single-key behaviour.
 #include <gtest/gtest.h>
