@@ -120,6 +120,14 @@ constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8
 // d = 256 runs 4, each recomputing S and dP; see docs/kernels/bwd_sm90.md).
 constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
+// Matmul #6 (dQ = dS K) blocks dS per query along keys in kDsBlock keys
+// (numerics.md section 3; K stays in kTile-key blocks). NOTE: a dS block is the
+// keys of kDsWarps consecutive warps (one warpgroup), so its amax is reduced
+// inside that group; the FP32 partial of each block is promoted with its own
+// scale.
+constexpr int kDsBlock = 64;
+constexpr int kDsBlocks = kTile / kDsBlock;  // dS scale blocks per key tile
+constexpr int kDsWarps = kDsBlock / 16;      // warps (16 keys each) per dS block
 
 // wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, every head_dim; d > 128
 // in 128-column output slices per main-kernel CTA): two
@@ -138,6 +146,9 @@ static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
               "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
 static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
 static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
+static_assert(kDsBlock == (kSeqBlock < 64 ? kSeqBlock : 64), "numerics.md: dS of #6 in min(B, 64)-key blocks");
+static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlocks == kWarps,
+              "dS blocks of #6: whole warps (16 keys) and whole k16 steps, tiling the key tile");
 
 }  // namespace bwd
 
