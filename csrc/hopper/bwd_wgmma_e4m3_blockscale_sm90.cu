@@ -18,12 +18,16 @@
 //       dP_hat^T = V dO^T  SS wgmma m64n64k32 per 64 queries                 #4
 //       dS = P o (dP_hat - delta)  (FP32)
 //       dV += P^T dO       RS wgmma m64n32k32 (d=128) / m64n64k32 (do_colT)  #5
-//       dS per query along the 128 keys -> shared [q][k]
+//       dS per query along each warpgroup's 64 keys -> shared [q][k]
 //       dK += dS^T Q       RS wgmma m64n64k32 (A dS^T per key, B q_colT)    #7
-//       dQ_tile = dS K     SS wgmma m64n64k32 (A dS, B k_colT) -> atomics   #6
+//       dQ_tile = dS K     SS wgmma m64nNk32 x 2 per 64-key block (A dS, B
+//                          k_colT) -> atomics (d <= 128: one pair late)   #6
 //   Every product's reduction over one tile (128 elements, or head_dim <= 128)
 //   is one quantization block: its FP32 partial is multiplied by the two block
-//   scales (an exact power of two) and added to the FP32 accumulator.
+//   scales (an exact power of two) and added to the FP32 accumulator; #6's dS
+//   blocks are 64 keys (kWgDsBlock), so dQ takes two partials per tile.
+//   d <= 128 (v6): the two warpgroups are decoupled (mbarriers, per-warpgroup
+//   named barriers; NOTE at the kernel).
 //   NOTE: FP8 wgmma sums keep ~13-14 bits relative to the largest addend, not
 //   FP32 (measured against the CPU reference: ~4e-3 relative, numerics.md
 //   section 7); P and dP_hat are still bitwise shared with the pre-pass.
