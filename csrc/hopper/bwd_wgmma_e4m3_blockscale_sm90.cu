@@ -773,8 +773,8 @@ struct WgMainLayout {
   static_assert(kKs % 2 == 0 && kAmax % 2 == 0 && kRowInv % 2 == 0 && kRowSq % 2 == 0 && kFStage % 2 == 0 &&
                     kFStageFloats % 2 == 0 && kSLse % 2 == 0 && kSDelta % 2 == 0 && kSQcs % 2 == 0,
                 "float2 loads");
-  // NOTE (v6): d = 128 is 224.5 KB with the second dS buffer (d = 64: 160.5 KB,
-  // d = 256 single-buffered: 207 KB); the limit is 227 KB per CTA.
+  // NOTE (v6): d = 128 is 228928 bytes (223.6 KB) with the second dS buffer
+  // (d = 64: 186688, d = 256 single-buffered: 210496); the limit is 227 KB.
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kBytes <= 227 * 1024 &&
@@ -1106,9 +1106,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       const float sa = hh ? s01 : s00, sb = hh ? s11 : s10;
 #pragma unroll
       for (int jj = 0; jj < N / 8; ++jj) {
+        // NOTE: (pa s_a + pb s_b) s_K as fmaf(pb, s_b, pa s_a) * s_K: three
+        // instructions per value instead of four for fmaf(pb, s_b s_K, pa (s_a
+        // s_K)); the same value (every scale is a power of two, so the only
+        // rounding is the fmaf's, of the same real number, in the normal range).
         const float2 k2 = ksc[jj];
-        const float2 v = make_float2(fmaf(pb_[4 * jj + 2 * hh], sb * k2.x, pa_[4 * jj + 2 * hh] * (sa * k2.x)),
-                                     fmaf(pb_[4 * jj + 2 * hh + 1], sb * k2.y, pa_[4 * jj + 2 * hh + 1] * (sa * k2.y)));
+        const float x = fmaf(pb_[4 * jj + 2 * hh], sb, pa_[4 * jj + 2 * hh] * sa);
+        const float y = fmaf(pb_[4 * jj + 2 * hh + 1], sb, pa_[4 * jj + 2 * hh + 1] * sa);
+        const float2 v = make_float2(x * k2.x, y * k2.y);
         atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + col0 + 8 * jj), v);
       }
     }
@@ -1221,9 +1226,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       // before this thread's async-proxy reads. (CUTLASS's sm90 cp.async GMMA
       // mainloop, sm90_mma_multistage_gmma_ss_warpspecialized.hpp, uses the
       // mbarrier alone; the fence here is the conservative reading of the PTX
-      // proxy rules, as v1-v5 fenced after cp.async.wait_group.)
+      // proxy rules, as v1-v5 fenced after cp.async.wait_group;
+      // kWgStageReaderFence = false drops it, for a measurement.)
       mbar_wait(bar_full(st), (it >> 1) & 1);
-      fence_async_smem();
+      if constexpr (kWgStageReaderFence) fence_async_smem();
       if constexpr (kWgStageIssue == 0) issue_next();
     }
     const float* F = sf + L::kFStage + st * L::kFStageFloats;

@@ -142,8 +142,13 @@ constexpr int kWgDsBufs = 2;
 //  (after waiting for the stage to be free): 0 top of the pair, 1 after dV,
 //  2 after the dS stores.
 //  kWgPingpong: warpgroup 1 starts after warpgroup 0's first dV (half a pair late).
+//  kWgStageReaderFence: fence.proxy.async after each wait for a query-side
+//  stage (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in the SASS, right behind the
+//  previous pair's dQ atomics); false follows CUTLASS's sm90 cp.async GMMA
+//  mainloop (mbarrier only). NOTE at the wait in the kernel.
 constexpr int kWgStageIssue = 1;
 constexpr bool kWgPingpong = false;
+constexpr bool kWgStageReaderFence = true;
 
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
 static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
