@@ -1000,6 +1000,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int i = 0; i < L::kNumBars; ++i) mbar_init(bar0 + 8 * i, kWgThreads);
+      // NOTE: the initialized barriers visible to the async (cp.async
+      // arrive-on) side too, as CUTLASS's pipelines do after their init.
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
   }
