@@ -138,6 +138,25 @@ constexpr int kDsWarps = kDsBlock / 16;      // warps (16 keys each) per dS bloc
 constexpr int kWgThreads = 256;
 constexpr int kWgRowBytes = 128;
 constexpr int kWgPreQ = 64;
+// Matmul #6 (dQ = dS K): dS is block-scaled per query row along keys in blocks
+// of kWgDsBlock = min(kTile, 64) keys (numerics.md section 2 / 7), so each
+// warpgroup (64 key rows) owns exactly one block: its per-query amax is
+// warpgroup-local. The d <= 128 main kernel double-buffers the dS codes
+// (kWgDsBufs), its dQ runs one tile pair late (v6, kernel note).
+constexpr int kWgDsBlock = kTile < 64 ? kTile : 64;
+constexpr int kWgDsBufs = 2;
+// v6 tuning knobs (d <= 128 main kernel; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md, v6):
+//  kWgStageIssue: where a thread issues the next tile pair's query-side copies
+//  (after waiting for the stage to be free): 0 top of the pair, 1 after dV,
+//  2 after the dS stores.
+//  kWgPingpong: warpgroup 1 starts after warpgroup 0's first dV (half a pair late).
+//  kWgStageReaderFence: fence.proxy.async after each wait for a query-side
+//  stage (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in the SASS, right behind the
+//  previous pair's dQ atomics); false follows CUTLASS's sm90 cp.async GMMA
+//  mainloop (mbarrier only). NOTE at the wait in the kernel.
+constexpr int kWgStageIssue = 1;
+constexpr bool kWgPingpong = false;
+constexpr bool kWgStageReaderFence = true;
 
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
 static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
@@ -145,6 +164,10 @@ static_assert(kWgRowBytes == kTile, "one swizzled row holds a 128-element FP8 bl
 static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
               "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
 static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
+static_assert(kWgDsBlock == 64 && kTile == 2 * kWgDsBlock && kWgThreads == 2 * 128,
+              "one #6 dS key block per warpgroup (64 key rows each)");
+static_assert(kWgDsBufs == 2, "dQ of tile pair it - 1 reads one buffer while pair it writes the other");
+static_assert(kWgStageIssue >= 0 && kWgStageIssue <= 2, "stage issue point: top, after dV, after the dS stores");
 static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
 static_assert(kDsBlock == (kSeqBlock < 64 ? kSeqBlock : 64), "numerics.md: dS of #6 in min(B, 64)-key blocks");
 static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlocks == kWarps,
