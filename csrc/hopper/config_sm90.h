@@ -143,7 +143,7 @@ constexpr int kWgPreQ = 64;
 // warpgroup (64 key rows) owns exactly one block: its per-query amax is
 // warpgroup-local. The d <= 128 main kernel double-buffers the dS codes
 // (kWgDsBufs), its dQ runs one tile pair late (v6, kernel note).
-constexpr int kWgDsBlock = kTile < 64 ? kTile : 64;
+constexpr int kWgDsBlock = kDsBlock;  // the one #6 dS block (above), shared with the mma.sync kernel
 constexpr int kWgDsBufs = 2;
 // v6 tuning knobs (d <= 128 main kernel; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md, v6):
 //  kWgStageIssue: where a thread issues the next tile pair's query-side copies
