@@ -155,7 +155,7 @@ constexpr int kWgDsBufs = 2;
 //  previous pair's dQ atomics); false follows CUTLASS's sm90 cp.async GMMA
 //  mainloop (mbarrier only). NOTE at the wait in the kernel.
 constexpr int kWgStageIssue = 1;
-constexpr bool kWgPingpong = false;
+constexpr bool kWgPingpong = true;
 constexpr bool kWgStageReaderFence = true;
 
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
