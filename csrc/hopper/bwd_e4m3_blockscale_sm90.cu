@@ -8,8 +8,9 @@
 //   P^T -> E4M3 per key along queries; dV += P^T dO                   #5
 //   dP_hat^T chunks; dS = P o (dP_hat - delta)      #4   (tile_dp, shared)
 //   dS^T -> grad_format per key along queries; dK += dS^T Q           #7
-//   dS -> grad_format per query along the 128 keys (amax across warps),
-//   stored to shared memory; dQ_tile = dS K -> atomicAdd into dq_accum  #6
+//   dS -> grad_format per query in 64-key blocks (kDsBlock; amax across the
+//   4 warps of each block), stored to shared memory; dQ_tile = dS K with one
+//   FP32 partial per 64-key block -> atomicAdd into dq_accum           #6
 // dK/dV accumulate in registers (FP32) over the whole group, so no atomics
 // are needed for them. Each CTA handles kSlice output columns of dK, dV, dQ;
 // MMAs are FP16 m16n8k16 on exactly decoded FP8 operands (bwd_tile_sm90.cuh);
@@ -57,9 +58,9 @@ struct MainLayout {
   static constexpr int kKcs = kDOcs + kSlice;
   static constexpr int kLse2 = kKcs + kSlice;
   static constexpr int kDelta = kLse2 + kTile;
-  static constexpr int kRowS = kDelta + kTile;
-  static constexpr int kRowInv = kRowS + kTile;
-  static constexpr int kAmax = kRowInv + kTile;
+  static constexpr int kRowS = kDelta + kTile;               // [kDsBlocks][128 q] dS scales (#6)
+  static constexpr int kRowInv = kRowS + kDsBlocks * kTile;  // [kDsBlocks][128 q] their inverses
+  static constexpr int kAmax = kRowInv + kDsBlocks * kTile;
   static constexpr int kFloats = kAmax + kWarps * kTile;
   static constexpr int kBytes = kF + 4 * kFloats;
   static_assert(kF % 16 == 0, "aligned float section");
@@ -289,7 +290,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
         mma_rows_x_tile<FMT>(codes, sd0, sd1, sQc, sQcs, lane, dk_acc);
       }
 
-      // ---- dS per query along the 128 keys (#6 operand): amax across the 8 warps.
+      // ---- dS per query in 64-key blocks (#6 operand): amax across the 4
+      // warps of each block.
       {
         float v[32], m[4];
 #pragma unroll
@@ -301,12 +303,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
         for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      for (int i = threadIdx.x; i < kDsBlocks * kTile; i += kThreads) {
+        const int blk = i / kTile, q = i % kTile;
         float m = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + i]);
+        for (int w = 0; w < kDsWarps; ++w) m = max_nan(m, sAmax[(blk * kDsWarps + w) * kTile + q]);
         const float2 sc = fast_scale<FMT>(m);
-        sRowS[i] = sc.x;
+        sRowS[i] = sc.x;  // sRowS[blk * kTile + q]
         sRowInv[i] = sc.y;
       }
       __syncthreads();
@@ -315,10 +318,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
       // 16 ks + 4 t holds keys 16 ks + {t, t+8, t+4, t+12}: the k16 fragment
       // positions {2t, 2t+1, 2t+8, 2t+9} under the key order of sKc ("hk").
       {
+        const float* blk_s = sRowS + (warp / kDsWarps) * kTile;  // this warp's dS block
+        const float* blk_inv = sRowInv + (warp / kDsWarps) * kTile;
         float pv[32], pa[32];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+          const float2 inv = *reinterpret_cast<const float2*>(blk_inv + 8 * j + 2 * t);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int ql = 8 * j + 2 * t + e;
@@ -327,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
             *reinterpret_cast<uint16_t*>(sDS + ql * kLd8 + warp * 16 + 4 * (g & 3) + 2 * (g >> 2)) =
                 static_cast<uint16_t>(two);
             if (diag) {  // post-cast row sums on the decoded #6 operand
-              const float s = sRowS[ql];
+              const float s = blk_s[ql];
               const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(two));
               pv[2 * j + e] = d.x * s + d.y * s;
               pa[2 * j + e] = fabsf(d.x * s) + fabsf(d.y * s);
@@ -351,39 +356,57 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
       __syncthreads();
 
       // ---- dQ_tile = dS K (#6) for query rows [16 warp, 16 warp + 16) -> dq_accum.
+      // One FP32 partial per 64-key dS block (k16 steps [4 blk, 4 blk + 4)),
+      // promoted with s_dS(row, blk) * s_K(channel) in key order; the sum of
+      // the tile's blocks goes to dq_accum with one atomicAdd.
       if (do_dk) {
+        constexpr int kStepsPerBlk = kDsBlock / 16;
         const uint8_t* arow = sDS + (warp * 16 + g) * kLd8;
         const uint8_t* bb = sKc + (8 * (lane >> 4) + (lane & 7)) * kLdH + 16 * ((lane >> 3) & 1);
         const int ql0 = warp * 16 + g;
         float* dq_row0 = p.dq_accum + (bhq * Sq + m0 + ql0) * DQK + c_base;
-        const float rs0 = sRowS[ql0], rs1 = sRowS[ql0 + 8];
 #pragma unroll
         for (int ng = 0; ng < kSlice / 32; ++ng) {
-          float part[4][4];
+          float acc[4][4];
 #pragma unroll
-          for (int jj = 0; jj < 4; ++jj) part[jj][0] = part[jj][1] = part[jj][2] = part[jj][3] = 0.f;
+          for (int jj = 0; jj < 4; ++jj) acc[jj][0] = acc[jj][1] = acc[jj][2] = acc[jj][3] = 0.f;
 #pragma unroll
-          for (int ks = 0; ks < 8; ++ks) {
-            uint32_t a0, a1, a2, a3;
-            a_frag_p8<FMT>(arow, kLd8, ks, t, a0, a1, a2, a3);
+          for (int blk = 0; blk < kDsBlocks; ++blk) {
+            float part[4][4];
 #pragma unroll
-            for (int jp = 0; jp < 2; ++jp) {
-              uint32_t b0, b1, b2, b3;
-              ldsm_x4(b0, b1, b2, b3, bb + (32 * ng + 16 * jp) * kLdH + 32 * ks);
-              hmma(part[2 * jp], a0, a1, a2, a3, b0, b1);
-              hmma(part[2 * jp + 1], a0, a1, a2, a3, b2, b3);
+            for (int jj = 0; jj < 4; ++jj) part[jj][0] = part[jj][1] = part[jj][2] = part[jj][3] = 0.f;
+#pragma unroll
+            for (int ks = blk * kStepsPerBlk; ks < (blk + 1) * kStepsPerBlk; ++ks) {
+              uint32_t a0, a1, a2, a3;
+              a_frag_p8<FMT>(arow, kLd8, ks, t, a0, a1, a2, a3);
+#pragma unroll
+              for (int jp = 0; jp < 2; ++jp) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, bb + (32 * ng + 16 * jp) * kLdH + 32 * ks);
+                hmma(part[2 * jp], a0, a1, a2, a3, b0, b1);
+                hmma(part[2 * jp + 1], a0, a1, a2, a3, b2, b3);
+              }
+            }
+            // s_dS * s_K is an exact power of two, so fmaf adds the same
+            // number as the reference's acc + partial * (s_dS * s_K).
+            const float rs0 = sRowS[blk * kTile + ql0], rs1 = sRowS[blk * kTile + ql0 + 8];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const float2 ksc = *reinterpret_cast<const float2*>(sKcs + 32 * ng + 8 * jj + 2 * t);
+              acc[jj][0] = fmaf(part[jj][0], rs0 * ksc.x, acc[jj][0]);
+              acc[jj][1] = fmaf(part[jj][1], rs0 * ksc.y, acc[jj][1]);
+              acc[jj][2] = fmaf(part[jj][2], rs1 * ksc.x, acc[jj][2]);
+              acc[jj][3] = fmaf(part[jj][3], rs1 * ksc.y, acc[jj][3]);
             }
           }
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (m0 + ql0 + 8 * h >= Sq) continue;
-            const float rs = h ? rs1 : rs0;
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
               const int c = 32 * ng + 8 * jj + 2 * t;
-              const float2 ksc = *reinterpret_cast<const float2*>(sKcs + c);
-              const float2 v = make_float2(part[jj][2 * h] * (rs * ksc.x), part[jj][2 * h + 1] * (rs * ksc.y));
-              atomicAdd(reinterpret_cast<float2*>(dq_row0 + 8 * h * DQK + c), v);
+              atomicAdd(reinterpret_cast<float2*>(dq_row0 + 8 * h * DQK + c),
+                        make_float2(acc[jj][2 * h], acc[jj][2 * h + 1]));
             }
           }
         }

@@ -18,12 +18,16 @@
 //       dP_hat^T = V dO^T  SS wgmma m64n64k32 per 64 queries                 #4
 //       dS = P o (dP_hat - delta)  (FP32)
 //       dV += P^T dO       RS wgmma m64n32k32 (d=128) / m64n64k32 (do_colT)  #5
-//       dS per query along the 128 keys -> shared [q][k]
+//       dS per query along each warpgroup's 64 keys -> shared [q][k]
 //       dK += dS^T Q       RS wgmma m64n64k32 (A dS^T per key, B q_colT)    #7
-//       dQ_tile = dS K     SS wgmma m64n64k32 (A dS, B k_colT) -> atomics   #6
+//       dQ_tile = dS K     SS wgmma m64nNk32 x 2 per 64-key block (A dS, B
+//                          k_colT) -> atomics (d <= 128: one pair late)   #6
 //   Every product's reduction over one tile (128 elements, or head_dim <= 128)
 //   is one quantization block: its FP32 partial is multiplied by the two block
-//   scales (an exact power of two) and added to the FP32 accumulator.
+//   scales (an exact power of two) and added to the FP32 accumulator; #6's dS
+//   blocks are 64 keys (kWgDsBlock), so dQ takes two partials per tile.
+//   d <= 128 (v6): the two warpgroups are decoupled (mbarriers, per-warpgroup
+//   named barriers; NOTE at the kernel).
 //   NOTE: FP8 wgmma sums keep ~13-14 bits relative to the largest addend, not
 //   FP32 (measured against the CPU reference: ~4e-3 relative, numerics.md
 //   section 7); P and dP_hat are still bitwise shared with the pre-pass.
@@ -47,6 +51,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -182,6 +187,34 @@ __device__ __forceinline__ void cp_wait() {
 // Generic-proxy writes (cp.async, st.shared) -> visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// mbarriers (d <= 128 main kernel, v6) and named barriers. bar: shared address.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {  // release (default .release.cta)
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Waits for the completion of the phase of parity `parity` (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nV6_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra V6_WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// The arrive-on of this thread's prior cp.async copies: counts one of the
+// barrier's expected arrivals when they all completed (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
 // Row orders (per 16 rows; see the NOTE at the top).
 __device__ __forceinline__ int q_of_col(int n) {  // sigma: S^T column -> query
   return (n & ~15) + 4 * ((n >> 1) & 3) + 2 * ((n >> 3) & 1) + (n & 1);
@@ -308,7 +341,10 @@ __device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, i
 // leaves the normal range (|scales| < 2^-100 or so: not a real input). One
 // FMUL per element instead of two (docs/kernels/bwd_wgmma_..., v4).
 // d > 128 (wg_tile_p_scaled): s is S^T already scaled (sum over the blocks).
-template <int NQ>
+// kLseRaw (main kernel, v6): sLse2 holds LSE itself and each read takes
+// __fmul_rn(LSE, log2(e)), the very product lse2_in_place stores for the
+// pre-pass (bitwise the same exponent; no in-place pass, so no CTA barrier).
+template <int NQ, bool kLseRaw = false>
 __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float* sKs, const float* sQs,
                                               const float* sLse2, float c2, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
@@ -317,7 +353,8 @@ __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
     const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
-    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
+    float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
+    if constexpr (kLseRaw) l = make_float2(__fmul_rn(l.x, kLog2e), __fmul_rn(l.y, kLog2e));
     s[j][0] = ex2(fmaf(s[j][0], __fmul_rn(qs.x, kc0), -l.x));
     s[j][1] = ex2(fmaf(s[j][1], __fmul_rn(qs.y, kc0), -l.y));
     s[j][2] = ex2(fmaf(s[j][2], __fmul_rn(qs.x, kc1), -l.x));
@@ -337,7 +374,11 @@ __device__ __forceinline__ void wg_tile_p_scaled(float (&s)[NQ / 8][4], const fl
 // Masks of a tile pair that is not interior (TileGeom::interior), applied as a
 // pass of their own after the unmasked element work (interior tiles, most of
 // them, skip it; no per-element branches in the hot code):
-//   P: 0 where the key is not visible or the query is past the sequence;
+//   P: 0 where the key is not visible or the query is past the sequence or
+//   has LSE = -inf. NOTE: sLse2 may hold LSE * log2(e) or LSE itself (main
+//   kernel, v6): the -inf test is the same for both (a finite LSE stays finite
+//   times log2(e)), and queries past the sequence (LSE zero-filled there) are
+//   caught by tg.visible;
 //   dS: 0 where the key is not visible (P = 0 there, but dP_hat may be NaN).
 template <int NQ>
 __device__ __forceinline__ void wg_mask_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg, int warp,
@@ -697,12 +738,15 @@ struct WgMainLayout {
   static constexpr int kWk = kSliced ? 128 : DQK;  // dK / dQ columns per CTA (at most)
   static constexpr int kWv = kSliced ? 128 : DV;   // dV columns per CTA (at most)
   static constexpr int kStages = kSliced ? 1 : 2;
+  // dS code buffers: d <= 128 double-buffers them (dQ of pair it - 1 reads one
+  // while pair it writes the other, v6); sliced kernels keep one (lockstep).
+  static constexpr int kDsBufs = kSliced ? 1 : kWgDsBufs;
   // bytes (every tile 1024-aligned)
   static constexpr int kK = 0;                               // key rows (k_of_row order) [block][128][128 B]
   static constexpr int kV = kK + kNbQK * kTileBytes;         // value rows
   static constexpr int kKc = kV + kNbV * kTileBytes;         // k_colT [kWk][128 keys] (this slice)
-  static constexpr int kDS = kKc + kWk * 128;                // dS codes [128 q][128 keys]
-  static constexpr int kStage = kDS + kTileBytes;            // [kStages] query-side stages:
+  static constexpr int kDS = kKc + kWk * 128;                // [kDsBufs] dS codes [128 q][128 keys]
+  static constexpr int kStage = kDS + kDsBufs * kTileBytes;  // [kStages] query-side stages:
   static constexpr int kSQ = 0;                              //   query rows (q_of_col order) [block][128][128 B]
   static constexpr int kSDO = kSQ + kNbQK * kTileBytes;      //   dO rows
   static constexpr int kSQc = kSDO + kNbV * kTileBytes;      //   q_colT [kWk][128 q]
@@ -710,12 +754,14 @@ struct WgMainLayout {
   static constexpr int kStageBytes = kSDOc + kWv * 128;
   static constexpr int kF = kStage + kStages * kStageBytes;
   // floats from kF
-  static constexpr int kKs = 0, kVs = kKs + kNbQK * kTile, kKcs = kVs + kNbV * kTile;  // [block][128]
-  static constexpr int kAmax = kKcs + kWk;                    // [8][128]
-  static constexpr int kRowInv = kAmax + kWarps * kTile;      // per column
-  static constexpr int kRowSc = kRowInv + kTile;              // per column
-  static constexpr int kRowSq = kRowSc + kTile;               // per query (natural)
-  static constexpr int kFStage = kRowSq + kTile;              // [kStages] per-stage floats:
+  // mbarriers (d <= 128, 8 bytes each): full[2], empty[2] (query-side stages),
+  // ds_full[2], ds_empty[2] (dS code buffers); v6 NOTE in the kernel.
+  static constexpr int kBar = 0, kNumBars = 8;
+  static constexpr int kKs = kBar + 2 * kNumBars, kVs = kKs + kNbQK * kTile, kKcs = kVs + kNbV * kTile;  // [block][128]
+  static constexpr int kAmax = kKcs + kWk;                    // [8 warps][128 columns]
+  static constexpr int kRowInv = kAmax + kWarps * kTile;      // [2 key halves][128 columns]: 1 / s_dS
+  static constexpr int kRowSq = kRowInv + 2 * kTile;          // [kDsBufs][2 key halves][128 queries (natural)]: s_dS
+  static constexpr int kFStage = kRowSq + kDsBufs * 2 * kTile;  // [kStages] per-stage floats:
   static constexpr int kSQs = 0, kSDOs = kNbQK * kTile;       //   per column, [block][128]
   static constexpr int kSLse = kSDOs + kNbV * kTile, kSDelta = kSLse + kTile;  // per column
   static constexpr int kSQcs = kSDelta + kTile, kSDOcs = kSQcs + kWk;          // per channel
@@ -723,8 +769,17 @@ struct WgMainLayout {
   static constexpr int kFloats = kFStage + kStages * kFStageFloats;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kDS % 1024 == 0, "1024-byte aligned swizzled tiles");
+  static_assert(kF % 8 == 0 && kBar % 2 == 0, "8-byte aligned mbarriers");
+  static_assert(kKs % 2 == 0 && kAmax % 2 == 0 && kRowInv % 2 == 0 && kRowSq % 2 == 0 && kFStage % 2 == 0 &&
+                    kFStageFloats % 2 == 0 && kSLse % 2 == 0 && kSDelta % 2 == 0 && kSQcs % 2 == 0,
+                "float2 loads");
+  // NOTE (v6): d = 128 is 228928 bytes (223.6 KB) with the second dS buffer
+  // (d = 64: 186688, d = 256 single-buffered: 210496); the limit is 227 KB.
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
+static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kBytes <= 227 * 1024 &&
+                  WgMainLayout<64, 64>::kBytes <= 227 * 1024,
+              "d <= 128: two dS buffers fit");
 
 // reduce_cols (bwd_tile_sm90.cuh) over one 64-column half: v[2j + e] is the
 // thread's value for column 8j + 2t + e (j < 8); returns column 8g + 2t + e
@@ -787,6 +842,23 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
   }
 }
 
+// NOTE (v6, d <= 128): the two warpgroups run decoupled (no CTA barrier in the
+// tile-pair loop), so one's FP32 work can run under the other's wgmmas:
+//  * query-side stages complete through mbarriers: every thread issues its
+//    cp.async copies of stage s, then cp.async.mbarrier.arrive.noinc on
+//    full[s] (256 expected arrivals: the phase completes when every thread's
+//    copies landed); readers wait full[s], then fence.proxy.async (see the
+//    proxy NOTE at the wait); stage s is free when empty[s] (256 arrivals,
+//    each after the thread's last read of the stage, wgmma reads completed)
+//    completed;
+//  * the #6 dS amax is per warpgroup (64-key blocks, numerics.md): a named
+//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads;
+//  * dQ (#6) runs one tile pair late from double-buffered dS codes: ds_full[b]
+//    (256 arrivals: st.shared, fence.proxy.async, arrive) and ds_empty[b]
+//    (256 arrivals after the thread's dQ wgmmas on buffer b completed).
+// Phases: tile pair it uses stage and dS buffer it & 1; full / ds_full of pair
+// j are the (j >> 1)-th completion of their barrier (parity (j >> 1) & 1),
+// empty / ds_empty likewise. Deadlock freedom and parity: kernel note, v6.
 template <int DQK, int DV, int FMT>
 __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const KernelParams p) {
   using L = WgMainLayout<DQK, DV>;
@@ -799,8 +871,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   const float* sKcs = sf + L::kKcs;
   float* sAmax = sf + L::kAmax;
   float* sRowInv = sf + L::kRowInv;
-  float* sRowSc = sf + L::kRowSc;
   float* sRowSq = sf + L::kRowSq;
+  // mbarrier addresses (d <= 128): full[s], empty[s], ds_full[b], ds_empty[b].
+  const uint32_t bar0 = smem_u32(sf + L::kBar);
+  auto bar_full = [&](int s) { return bar0 + 8 * s; };
+  auto bar_empty = [&](int s) { return bar0 + 16 + 8 * s; };
+  auto bar_dsf = [&](int b) { return bar0 + 32 + 8 * b; };
+  auto bar_dse = [&](int b) { return bar0 + 48 + 8 * b; };
 
   constexpr bool kSliced = L::kSliced;
   const int n_tile = blockIdx.x, hk = blockIdx.y / L::kSlices, b = blockIdx.z;
@@ -838,7 +915,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   }
   const int per_head = nblk_q - m_first;
   const int n_iters = group * per_head;
-
   // Query-side tiles of tile pair `it` into stage st: the row tiles (#3, #4
   // operands, with their scales, LSE and delta) and this slice's column tiles
   // (#5, #7 operands).
@@ -919,6 +995,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
   };
 
+  // d <= 128: the mbarriers, initialized before any copy can arrive on them.
+  if constexpr (!kSliced) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int i = 0; i < L::kNumBars; ++i) mbar_init(bar0 + 8 * i, kWgThreads);
+      // NOTE: the initialized barriers visible to the async (cp.async
+      // arrive-on) side too, as CUTLASS's pipelines do after their init.
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+
   // Key side (once) + the first query tile: cp.async group 0 (sliced: the
   // first column tiles load at the top of the loop).
   cp_rows<DQK, false, kTile>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk);
@@ -957,6 +1045,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
   }
   cp_commit();
+  if constexpr (!kSliced) {
+    // Key side: waited and fenced here, visible to all after the barrier (the
+    // only CTA barrier of the d <= 128 kernel after the init). Stage 0 (same
+    // copies, already complete) goes through full[0] like every later stage.
+    if (n_iters > 0) cp_async_mbar_arrive(bar_full(0));
+    cp_wait<0>();
+    fence_async_smem();
+    __syncthreads();
+  }
 
   float dk_acc[L::kWk / 64][8][4], dv_acc[L::kWv / 64][8][4];
 #pragma unroll
@@ -972,16 +1069,123 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
 
-  int hq_it = hk * group, m_it = m_first;  // tile pair it (then it + 1, see the top of the loop)
-  // d <= 128: the tile pair's copies are waited for, LSE converted and fenced
-  // at the end of the previous pair (see "next pair's copies" below); here for
-  // the first one.
-  if constexpr (!kSliced) {
-    if (n_iters > 0) {
-      cp_wait<0>();
-      lse2_in_place(sf + L::kFStage + L::kSLse, kTile, m_first * kTile, Sq);
-      fence_async_smem();
+  // ---- dQ (#6) pieces, shared by the lockstep (sliced) and the delayed (d <=
+  // 128) schedules. dS is block-scaled per query along 64-key blocks
+  // (kWgDsBlock: keys [0, 64) and [64, 128) of the tile, one per warpgroup), K
+  // per channel along the 128 keys: per output chunk two wgmma sub-chains (k32
+  // steps 0-1 and 2-3) into two partials, each times its own s_dS(query,
+  // block) s_K(channel) and summed into one float2 atomic per element.
+  // Accumulator rows: queries q0 = 16 warp + g and q0 + 8 (warpgroup wg takes
+  // queries [64 wg, 64 wg + 64)).
+  const int q0 = warp * 16 + g;
+  const uint32_t kc_lo = d_base + L::kKc / 16;
+  // Issue both sub-chains of output columns [col0, col0 + N) (one commit group).
+  //   ds_lo: descriptor of the dS buffer's 64 query rows of this warpgroup.
+  auto issue_dq2 = [&](uint32_t ds_lo, int col0, auto n_c, float* pa, float* pb) {
+    constexpr int N = decltype(n_c)::value;
+    fence_regs<N / 2>(pa);
+    fence_regs<N / 2>(pb);
+    wg_arrive();
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      gmma_ss<FMT, kFmtE4M3, N>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + col0 * (128 / 16) + kDescK32 * k), pa,
+                                k > 0);
+#pragma unroll
+    for (int k = 2; k < 4; ++k)
+      gmma_ss<FMT, kFmtE4M3, N>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + col0 * (128 / 16) + kDescK32 * k), pb,
+                                k > 2);
+    wg_commit();
+  };
+  // After the wait: dq_accum[rows q0, q0 + 8][col0 + ...] += pa s_dS(q, keys 0-63) s_K + pb s_dS(q, keys 64-127) s_K.
+  //   sq: the buffer's s_dS [2 halves][128 queries]; ksc: K column scales
+  //   (8 j + 2t, +1) of the chunk; dq_t: this thread's dq_accum base (row q0, column cb + 2t).
+  auto store_dq2 = [&](auto n_c, const float* pa_, const float* pb_, const float2* ksc, const float* sq, float* dq_t,
+                       int m0_, int col0) {
+    constexpr int N = decltype(n_c)::value;  // pa_[4 jj + e]: accumulator register [jj][e]
+    const float s00 = sq[q0], s01 = sq[q0 + 8], s10 = sq[kTile + q0], s11 = sq[kTile + q0 + 8];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (m0_ + q0 + 8 * hh >= Sq) continue;
+      const float sa = hh ? s01 : s00, sb = hh ? s11 : s10;
+#pragma unroll
+      for (int jj = 0; jj < N / 8; ++jj) {
+        // NOTE: (pa s_a + pb s_b) s_K as fmaf(pb, s_b, pa s_a) * s_K: three
+        // instructions per value instead of four for fmaf(pb, s_b s_K, pa (s_a
+        // s_K)); the same value (every scale is a power of two, so the only
+        // rounding is the fmaf's, of the same real number, in the normal range).
+        const float2 k2 = ksc[jj];
+        const float x = fmaf(pb_[4 * jj + 2 * hh], sb, pa_[4 * jj + 2 * hh] * sa);
+        const float y = fmaf(pb_[4 * jj + 2 * hh + 1], sb, pa_[4 * jj + 2 * hh + 1] * sa);
+        const float2 v = make_float2(x * k2.x, y * k2.y);
+        atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + col0 + 8 * jj), v);
+      }
     }
+  };
+  // Diagnostics: post-cast row sums on the #6 operand: the codes of query row
+  // ql over the 64 keys of block hf (sDS buffer ds, any key order) decoded,
+  // summed, times s_dS(ql, hf); the two blocks' sums added by a shuffle (the
+  // partner lane holds the other block of the same row).
+  auto diag_post = [&](const uint8_t* ds, const float* sq, int ql, int hf, int64_t bhq_, int m0_) {
+    const float s = sq[hf * kTile + ql];
+    float acc[2] = {0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint4 c16 = *reinterpret_cast<const uint4*>(ds + sw128(ql, 4 * hf + u));
+      const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int hw = 0; hw < 2; ++hw) {
+          const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
+          acc[0] += d.x + d.y;
+          acc[1] += fabsf(d.x) + fabsf(d.y);
+        }
+    }
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const float mine = acc[pass] * s;
+      const float r = mine + __shfl_xor_sync(0xffffffffu, mine, 1);
+      if (hf == 0 && m0_ + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq_ * Sq + m0_ + ql, r);
+    }
+  };
+  // d <= 128: dQ of an earlier tile pair (buffer pb_, its head / query tile
+  // bhq_ / m0_): begin = wait for both warpgroups' dS codes, diagnostics,
+  // issue chunk 0; finish = the remaining chunks, then buffer pb_ is free.
+  // NOTE: pqa / pqb (the two partials, 32 registers each) are declared where
+  // used: declared outside the loop, the fence_regs "+f" reads would keep them
+  // live across the whole loop (548 B of spills at d = 64 and 128).
+  auto dq_begin = [&](int wg, int pb_, int parity, int64_t bhq_, int m0_, float* pqa, float* pqb) {
+    mbar_wait(bar_dsf(pb_), parity);
+    if (diag) diag_post(sDS + pb_ * kTileBytes, sRowSq + pb_ * 2 * kTile, 64 * wg + ((threadIdx.x & 127) >> 1),
+                        threadIdx.x & 1, bhq_, m0_);
+    const uint32_t ds_lo = d_base + (L::kDS + pb_ * kTileBytes) / 16 + wg * kDesc64Rows;
+    issue_dq2(ds_lo, 0, Int<64>{}, pqa, pqb);
+  };
+  auto dq_finish = [&](int wg, int pb_, int64_t bhq_, int m0_, float* pqa, float* pqb) {
+    const uint32_t ds_lo = d_base + (L::kDS + pb_ * kTileBytes) / 16 + wg * kDesc64Rows;
+    const float* sq = sRowSq + pb_ * 2 * kTile;
+    float* dq_t = p.dq_accum + (bhq_ * Sq + m0_ + q0) * DQK + 2 * t;
+    constexpr int kQch = L::kWk / 64;
+#pragma unroll
+    for (int h = 0; h < kQch; ++h) {
+      if (h > 0) issue_dq2(ds_lo, 64 * h, Int<64>{}, pqa, pqb);
+      float2 ksc[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(sKcs + 64 * h + 8 * jj + 2 * t);
+      wg_wait<0>();
+      fence_regs<32>(pqa);
+      fence_regs<32>(pqb);
+      store_dq2(Int<64>{}, pqa, pqb, ksc, sq, dq_t, m0_, 64 * h);
+    }
+    mbar_arrive(bar_dse(pb_));  // this thread's dQ wgmmas and reads of buffer pb_ are done
+  };
+
+  int hq_it = hk * group, m_it = m_first;  // tile pair it (then it + 1, see the top of the loop)
+  int64_t bhq_prev = 0;                    // d <= 128: tile pair it - 1, whose dQ runs in pair it
+  int m0_prev = 0;
+  // Pingpong (kWgPingpong): warpgroup 1 starts half a tile pair late.
+  if constexpr (!kSliced && kWgPingpong) {
+    if (n_iters > 0 && warpgroup_uniform() == 1) named_bar_sync(3, kWgThreads);
   }
   for (int it = 0; it < n_iters; ++it) {
     const int hq = hq_it, m_tile = m_it, st = it % L::kStages;
@@ -993,22 +1197,44 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     const int wg = warpgroup_uniform_fresh();
+    // d <= 128: tile pair it + 1's copies into stage st ^ 1 once pair it - 1
+    // (both warpgroups) is done with it (kWgStageIssue: where).
+    auto issue_next = [&]() {
+      if constexpr (!kSliced) {
+        if (it + 1 < n_iters) {
+          if (it >= 1) mbar_wait(bar_empty(st ^ 1), ((it - 1) >> 1) & 1);
+          issue_rows(hq_it, m_it, st ^ 1);
+          issue_cols(hq_it, m_it, st ^ 1);
+          issue_floats(hq_it, m_it, st ^ 1);
+          cp_async_mbar_arrive(bar_full(st ^ 1));
+        }
+      }
+    };
     if constexpr (kSliced) {
       cp_wait<0>();  // this thread's copies of tile it (issued one iteration ago)
       lse2_in_place(sf + L::kFStage + st * L::kFStageFloats + L::kSLse, kTile, m0, Sq);
       fence_async_smem();
-    }
-    // Tile it visible to all; everyone is done with iteration it - 1, so the
-    // other stage (sliced: the column tiles) and sDS are free.
-    __syncthreads();
-    if constexpr (kSliced) {
+      // Tile it visible to all; everyone is done with iteration it - 1, so the
+      // column tiles and sDS are free.
+      __syncthreads();
       issue_cols(hq, m_tile, st);
-    } else if (it + 1 < n_iters) {
-      issue_rows(hq_it, m_it, st ^ 1);
-      issue_cols(hq_it, m_it, st ^ 1);
-      issue_floats(hq_it, m_it, st ^ 1);
+      cp_commit();
+    } else {
+      // NOTE (proxy order): the copies are cp.async (generic proxy) by all 256
+      // threads; the readers are this thread's wgmmas (async proxy) and LDS.
+      // The writer cannot fence after its own copies (it never waits for
+      // them: the mbarrier's arrive-on does), so the fence is on the reader
+      // side: the mbarrier wait (acquire) makes every thread's completed
+      // copies visible to this thread, then fence.proxy.async orders them
+      // before this thread's async-proxy reads. (CUTLASS's sm90 cp.async GMMA
+      // mainloop, sm90_mma_multistage_gmma_ss_warpspecialized.hpp, uses the
+      // mbarrier alone; the fence here is the conservative reading of the PTX
+      // proxy rules, as v1-v5 fenced after cp.async.wait_group;
+      // kWgStageReaderFence = false drops it, for a measurement.)
+      mbar_wait(bar_full(st), (it >> 1) & 1);
+      if constexpr (kWgStageReaderFence) fence_async_smem();
+      if constexpr (kWgStageIssue == 0) issue_next();
     }
-    cp_commit();
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
     // Descriptors (warp-uniform): key / value rows of this warpgroup's 64
     // keys, the stage's query-side tiles.
@@ -1022,6 +1248,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 
     // ---- S^T and P (#3) (same instructions and scaling as the pre-pass). At
     // d = 64 both dP^T halves (#4) are issued with S^T (registers allow it).
+    // d <= 128: the stage holds LSE itself (no in-place pass, v6).
     constexpr bool kEarlyDp = DV <= 64;
     float pt[16][4];
     float dpe[kEarlyDp ? 2 : 1][8][4];
@@ -1037,7 +1264,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       } else {
         wg_wait<0>();
       }
-      wg_tile_p_raw<kTile>(pt, sKs, F + L::kSQs, F + L::kSLse, tg.c2, warp, lane);
+      wg_tile_p_raw<kTile, true>(pt, sKs, F + L::kSQs, F + L::kSLse, tg.c2, warp, lane);
     }
     if (!interior) wg_mask_p<kTile>(pt, F + L::kSLse, tg, warp, lane);
 
@@ -1060,8 +1287,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           wg_rows_x_tile<kFmtE4M3, FMT, kNv>(cp, s0, s1, doc_lo + h * (kNv * 128 / 16), F + L::kSDOcs + kNv * h, lane,
                                              &dv_acc[0][0][0] + h * (kNv / 2));
     };
-    if constexpr (!kSliced) dv_step(codes_p, sp0, sp1);
-
+    if constexpr (!kSliced) {
+      dv_step(codes_p, sp0, sp1);
+      if constexpr (kWgPingpong) {
+        if (it == 0 && wg == 0) named_bar_arrive(3, kWgThreads);
+      }
+      if constexpr (kWgStageIssue == 1) issue_next();
+    }
     // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
     // NOTE: d <= 128: dP_hat - delta = fmaf(part, s_dO s_V, -delta), the same
     // value as __fsub_rn(part * (s_dO s_V), delta) (the scale product is a
@@ -1143,7 +1375,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
         }
     }
 
-    // ---- dS per query along the 128 keys (#6 operand): amax across the 8 warps.
+    // ---- dS per query along the 64 keys of this warpgroup (#6 operand, one
+    // kWgDsBlock block): amax across the warpgroup's 4 warps.
+    // d <= 128: buffer st (pair it & 1); before writing it (codes and s_dS),
+    // both warpgroups' dQ of pair it - 2 must be done with it.
+    const int buf = kSliced ? 0 : st;
+    if constexpr (!kSliced) {
+      if (it >= 2) mbar_wait(bar_dse(buf), ((it >> 1) & 1) ^ 1);
+    }
     {
       float v[32], m[4];
 #pragma unroll
@@ -1154,33 +1393,43 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
     }
-    __syncthreads();
-    static_assert(kTile <= kWgThreads, "one column per thread");
-    if (threadIdx.x < kTile) {
-      const int i = threadIdx.x;
+    // NOTE: the sliced kernels keep their lockstep (__syncthreads); d <= 128
+    // syncs the warpgroup only (named barrier 1 + wg; 0 is __syncthreads).
+    auto wg_sync = [&]() {
+      if constexpr (kSliced)
+        __syncthreads();
+      else
+        named_bar_sync(1 + wg, 128);
+    };
+    wg_sync();
+    static_assert(kTile == 128 && kWgThreads == 2 * kTile, "one column per thread of each warpgroup");
+    {
+      const int i = threadIdx.x & (kTile - 1);  // column of this warpgroup's block wg
       float m = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + i]);
+      for (int w = 0; w < 4; ++w) m = max_nan(m, sAmax[(4 * wg + w) * kTile + i]);
       const float2 sc = fast_scale<FMT>(m);
-      sRowSc[i] = sc.x;
-      sRowInv[i] = sc.y;
-      sRowSq[q_of_col(i)] = sc.x;
+      sRowInv[wg * kTile + i] = sc.y;
+      sRowSq[(2 * buf + wg) * kTile + q_of_col(i)] = sc.x;
     }
-    __syncthreads();
+    wg_sync();
     // sDS row q, byte (key): keys 16 warp + 2g, +1 are this thread's rows g, g + 8.
     // NOTE: column 8j + 2t + e is query ql = 16 (j >> 1) + 4t + c with
     // c = 2 (j & 1) + e, so ql & 7 = 4 (t & 1) + c and its swizzled chunk is
     // warp ^ 4 (t & 1) ^ c: four per-thread bases (one per c), then
     // compile-time offsets 2048 (j >> 1) (was ~190 integer instructions per
-    // tile pair of sw128 / q_of_col arithmetic, ncu 2026-11-29).
+    // tile pair of sw128 / q_of_col arithmetic, ncu 2026-11-29). Warpgroup wg
+    // writes chunks 4 wg .. 4 wg + 3 (keys [64 wg, 64 wg + 64)) of every row.
     {
       uint8_t* ds_base[4];
+      const float* inv_wg = sRowInv + wg * kTile;
+      uint8_t* sDSb = sDS + buf * kTileBytes;
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        ds_base[c] = sDS + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
+        ds_base[c] = sDSb + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+        const float2 inv = *reinterpret_cast<const float2*>(inv_wg + 8 * j + 2 * t);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float iv = e ? inv.y : inv.x;
@@ -1189,22 +1438,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
         }
       }
     }
-    // d <= 128: the next pair's copies (issued at the top of this one, long
-    // complete): wait, LSE * log2(e), and one fence for them and the sDS stores.
-    // NOTE (v5): was at the top of the next pair, where the fence's MEMBAR
-    // waited behind this pair's 32 dQ REDG atomics per thread and the wait
-    // behind a rematerialized S2R (ncu 2026-11-29: ~5% of the stall samples at
-    // the loop top). Ordering unchanged: each thread's cp.async data and LSE
-    // stores -> its fence.proxy.async -> the next pair's top __syncthreads ->
-    // every thread's wgmma / LDS of that stage. Stage st ^ 1 is not read in
-    // this pair (only stage st), so converting its LSE here is safe.
-    if constexpr (!kSliced) {
-      if (it + 1 < n_iters) {
-        cp_wait<0>();
-        lse2_in_place(sf + L::kFStage + (st ^ 1) * L::kFStageFloats + L::kSLse, kTile, m_it * kTile, Sq);
-      }
-    }
+    // sDS stores (generic proxy) -> fence.proxy.async -> (d <= 128) ds_full
+    // arrive (release); the dQ readers wait ds_full (acquire) before their
+    // wgmmas (async proxy). Sliced: -> the "sDS complete" __syncthreads below.
     fence_async_smem();
+    if constexpr (!kSliced) {
+      mbar_arrive(bar_dsf(buf));
+      if constexpr (kWgStageIssue == 2) issue_next();
+    }
     // dS^T codes for dK (#7): per key along the 128 queries (grad_format).
     uint32_t codes_s[8][2];
     float sd0, sd1;
@@ -1217,52 +1458,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       a_s[c][2] = codes_s[2 * c + 1][0];
       a_s[c][3] = codes_s[2 * c + 1][1];
     }
-    __syncthreads();  // sDS complete
-    if (diag) {
-      // Post-cast row sums on the #6 operand: the codes of query row ql (sDS,
-      // any key order) decoded, summed, times the query's scale (a power of
-      // two). Two threads per row, 64 keys each.
-      const int ql = threadIdx.x >> 1, hf = threadIdx.x & 1;
-      const float sq = sRowSq[ql];
-      float acc[2] = {0.f, 0.f};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * hf + u));
-        const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int hw = 0; hw < 2; ++hw) {
-            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
-            acc[0] += d.x + d.y;
-            acc[1] += fabsf(d.x) + fabsf(d.y);
-          }
-      }
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const float r = (acc[pass] + __shfl_xor_sync(0xffffffffu, acc[pass], 1)) * sq;
-        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + m0 + ql, r);
-      }
+    if constexpr (kSliced) {
+      __syncthreads();  // sDS complete
+      // Two threads per query row, one 64-key block each.
+      if (diag) diag_post(sDS, sRowSq, threadIdx.x >> 1, threadIdx.x & 1, bhq, m0);
     }
 
-    // ---- dK += dS^T Q (#7, RS, per 32 output columns) and dQ_tile = dS K (#6,
-    // SS per 64 columns: warpgroup wg takes queries [64 wg, 64 wg + 64)) ->
-    // dq_accum atomics, software-pipelined: two dK chunks in flight, each
-    // scaled while the next runs, then the dQ chunks (issued under the last
-    // dK scaling).
-    // NOTE: registers: at most 2 x 16 (dK) + 16 (dS^T codes) or 2 x 32 (dQ)
-    // accumulator registers in flight next to dK + dV (128); the previous
-    // "dK and dQ per 64 columns together" (32 + 32 + 16) spilled dk_acc
-    // (ptxas 396 B / ncu 66 LDL/STL per tile pair).
+    // ---- dK += dS^T Q (#7, RS, per 32 output columns) and dQ = dS K (#6).
+    // d <= 128: dK software-pipelined (two chunks in flight, each scaled while
+    // the next runs), then dQ of tile pair it - 1 (v6: one pair late, from the
+    // other dS buffer), its chunk 0 issued under the last dK scaling.
+    // NOTE: registers: at most 16 (dK chunk) + 16 (dS^T codes) + 64 (the two
+    // dQ sub-chain partials of one 64-column chunk) accumulator registers in
+    // flight next to dK + dV (128), the peak of v5's schedule.
     {
-      const uint32_t ds_lo = d_base + L::kDS / 16 + wg * kDesc64Rows;  // this warpgroup's 64 queries
-      const uint32_t kc_lo = d_base + L::kKc / 16;
-      const int q0 = warp * 16 + g;
-      // NOTE: per-thread bases (column 2t), then compile-time offsets: REDG /
-      // LDS with immediates instead of 64-bit address arithmetic per atomic.
-      float* dq_t = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb + 2 * t;
-      const float* ksc_t = sKcs + 2 * t;
-      constexpr int kKch = L::kWk / 32, kQch = L::kWk / 64;
+      constexpr int kKch = L::kWk / 32;
       auto issue_dk = [&](int c, float(&pk)[4][4]) {
         fence_regs<16>(&pk[0][0]);
         wg_arrive();
@@ -1287,131 +1497,89 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           d[4 * jj + 3] = fmaf(pk[jj][3], sd1 * sb[jj].y, d[4 * jj + 3]);
         }
       };
-      auto scale_dk = [&](int c, float(&pk)[4][4]) {
+      float pk0[4][4], pk1[4][4];
+      if constexpr (!kSliced) {
+        static_assert(kKch == 4 || kKch == 2, "dK chunk schedule");
+        // NOTE: two straight-line instances (with / without the dQ of pair
+        // it - 1, i.e. it > 0 / it == 0): with one instance and runtime
+        // branches around the dQ issue and its waits, ptxas could not prove
+        // the dQ partials complete on every path (C7517: injected
+        // warpgroup.wait) and spilled 548 B at d = 64 and 128.
+        auto dk_dq = [&](auto with_dq) {
+          constexpr bool kDq = decltype(with_dq)::value;
+          float2 sb[4];
+          float pqa[8][4], pqb[8][4];
+          issue_dk(0, pk0);
+          issue_dk(1, pk1);
+#pragma unroll
+          for (int c = 0; c < kKch; ++c) {
+            float(&pk)[4][4] = (c & 1) ? pk1 : pk0;
+            // NOTE (v5): each chunk's scales are loaded (LDS) before its wgmma
+            // wait, so their latency hides under the wait.
+            load_sb(c, sb);
+            if (c == kKch - 1 && kDq) {
+              dq_begin(wg, buf ^ 1, ((it - 1) >> 1) & 1, bhq_prev, m0_prev, &pqa[0][0], &pqb[0][0]);
+              wg_wait<1>();
+            } else if (c == kKch - 1) {
+              wg_wait<0>();
+            } else {
+              wg_wait<1>();
+            }
+            scale_dk_sb(c, pk, sb);
+            if (c + 2 < kKch) issue_dk(c + 2, pk);
+          }
+          fence_regs_u(&a_s[0][0], 16);
+          // Every read of stage st by this thread is done (the dK wgmmas
+          // completed, the scales loaded): the stage may be refilled.
+          mbar_arrive(bar_empty(st));
+          if constexpr (kDq) dq_finish(wg, buf ^ 1, bhq_prev, m0_prev, &pqa[0][0], &pqb[0][0]);
+        };
+        if (it > 0)
+          dk_dq(std::true_type{});
+        else
+          dk_dq(std::false_type{});
+        bhq_prev = bhq;
+        m0_prev = m0;
+      } else {
+        // Sliced: one chunk at a time (NOTE: the pipelined schedule gave wrong
+        // dQ columns 0..63 of slice 0 at (192, 128) on the H200, cause not
+        // found; the serial schedule is correct for any wk). dQ per 32
+        // columns: two m64n32 sub-chains (32 registers, as one m64n64 chain).
         float2 sb[4];
-        load_sb(c, sb);
-        scale_dk_sb(c, pk, sb);
-      };
-      auto issue_dq = [&](int h, float(&pq)[8][4]) {
-        fence_regs<32>(&pq[0][0]);
-        wg_arrive();
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + h * kDesc64Rows + kDescK32 * k),
-                                     &pq[0][0], k > 0);
-        wg_commit();
-      };
-      auto store_dq = [&](int h, float(&pq)[8][4]) {
-        fence_regs<32>(&pq[0][0]);
-        const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          if (m0 + q0 + 8 * hh >= Sq) continue;
-          const float rs = hh ? rs1 : rs0;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int c = 64 * h + 8 * jj;
-            const float2 ksc = *reinterpret_cast<const float2*>(ksc_t + c);
-            const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc.x), pq[jj][2 * hh + 1] * (rs * ksc.y));
-            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + c), v);
-          }
-        }
-      };
-      // d <= 128 (pipelined schedule): store_dq with the K column scales of
-      // chunk h and the query scales loaded by the caller, before the chunk's
-      // wgmma wait. Same values, pq * (rs * ksc), to the same addresses.
-      auto load_ksc = [&](int h, float2(&ksc)[8]) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(ksc_t + 64 * h + 8 * jj);
-      };
-      auto store_dq_ksc = [&](int h, float(&pq)[8][4], const float2(&ksc)[8], float rs0, float rs1) {
-        fence_regs<32>(&pq[0][0]);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          if (m0 + q0 + 8 * hh >= Sq) continue;
-          const float rs = hh ? rs1 : rs0;
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int c = 64 * h + 8 * jj;
-            const float2 v = make_float2(pq[jj][2 * hh] * (rs * ksc[jj].x), pq[jj][2 * hh + 1] * (rs * ksc[jj].y));
-            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + c), v);
-          }
-        }
-      };
-      float pk0[4][4], pk1[4][4], pq0[8][4], pq1[8][4];
-      static_assert((kKch == 4 && kQch == 2) || (kKch == 2 && kQch == 1), "dK / dQ chunk schedule");
-      // NOTE: the pipelined schedule only where it was validated with every
-      // head_dim it serves (d <= 128). Sliced kernels (d = 256, 192/128) take
-      // the one-chunk-at-a-time schedule: with the pipelined one, (192, 128)
-      // gave wrong dQ columns 0..63 of slice 0 on the H200 (ratio 1.2-1.5 to the
-      // reference; dK, dV and the other dQ columns right; cause not found: the
-      // SASS of the branch, descriptors and offsets checked). The serial
-      // schedule is correct for any wk.
-      if (!kSliced && wk == L::kWk) {  // every column, d <= 128
-        // NOTE (v5): each chunk's scales are loaded (LDS) before its wgmma
-        // wait, so their latency hides under the wait instead of stalling the
-        // first FMUL after it (ncu 2026-11-29: short_sb on these FMULs; and,
-        // likely, long_sb where a reloaded register was still the source of
-        // an in-flight REDG). ptxas may still sink some of them past the wait.
-        float2 sb[4], ksc[8];
-        issue_dk(0, pk0);
-        issue_dk(1, pk1);
-        if constexpr (kKch == 4) {
-          load_sb(0, sb);
-          wg_wait<1>();
-          scale_dk_sb(0, pk0, sb);
-          issue_dk(2, pk0);
-          load_sb(1, sb);
-          wg_wait<1>();
-          scale_dk_sb(1, pk1, sb);
-          issue_dk(3, pk1);
-          load_sb(2, sb);
-          wg_wait<1>();
-          scale_dk_sb(2, pk0, sb);
-          issue_dq(0, pq0);
-          load_sb(3, sb);
-          wg_wait<1>();
-          scale_dk_sb(3, pk1, sb);
-          fence_regs_u(&a_s[0][0], 16);
-          issue_dq(1, pq1);
-          const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
-          load_ksc(0, ksc);
-          wg_wait<1>();
-          store_dq_ksc(0, pq0, ksc, rs0, rs1);
-          load_ksc(1, ksc);
-          wg_wait<0>();
-          store_dq_ksc(1, pq1, ksc, rs0, rs1);
-        } else {
-          load_sb(0, sb);
-          wg_wait<1>();
-          scale_dk_sb(0, pk0, sb);
-          issue_dq(0, pq0);
-          load_sb(1, sb);
-          wg_wait<1>();
-          scale_dk_sb(1, pk1, sb);
-          fence_regs_u(&a_s[0][0], 16);
-          const float rs0 = sRowSq[q0], rs1 = sRowSq[q0 + 8];
-          load_ksc(0, ksc);
-          wg_wait<0>();
-          store_dq_ksc(0, pq0, ksc, rs0, rs1);
-        }
-      } else {  // a slice with fewer columns: one chunk at a time
 #pragma unroll
         for (int c = 0; c < kKch; ++c) {
           if (32 * c >= wk) continue;
           issue_dk(c, pk0);
           wg_wait<0>();
-          scale_dk(c, pk0);
+          load_sb(c, sb);
+          scale_dk_sb(c, pk0, sb);
         }
         fence_regs_u(&a_s[0][0], 16);
+        const uint32_t ds_lo = d_base + L::kDS / 16 + wg * kDesc64Rows;  // this warpgroup's 64 queries
+        float* dq_t = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb + 2 * t;
 #pragma unroll
-        for (int h = 0; h < kQch; ++h) {
-          if (64 * h >= wk) continue;
-          issue_dq(h, pq0);
+        for (int c = 0; c < kKch; ++c) {
+          if (32 * c >= wk) continue;
+          issue_dq2(ds_lo, 32 * c, Int<32>{}, &pk0[0][0], &pk1[0][0]);
           wg_wait<0>();
-          store_dq(h, pq0);
+          fence_regs<16>(&pk0[0][0]);
+          fence_regs<16>(&pk1[0][0]);
+          float2 ksc[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(sKcs + 32 * c + 8 * jj + 2 * t);
+          store_dq2(Int<32>{}, &pk0[0][0], &pk1[0][0], ksc, sRowSq, dq_t, m0, 32 * c);
         }
       }
+    }
+  }
+  // d <= 128: dQ of the last tile pair.
+  if constexpr (!kSliced) {
+    if (n_iters > 0) {
+      const int wg = warpgroup_uniform_fresh();
+      const int pb_ = (n_iters - 1) & 1;
+      float pqa[8][4], pqb[8][4];
+      dq_begin(wg, pb_, ((n_iters - 1) >> 1) & 1, bhq_prev, m0_prev, &pqa[0][0], &pqb[0][0]);
+      dq_finish(wg, pb_, bhq_prev, m0_prev, &pqa[0][0], &pqb[0][0]);
     }
   }
   cp_wait<0>();
@@ -1446,6 +1614,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     }
   }
 }
+
 
 template <class K>
 void set_smem(K kernel, int bytes, const char* what) {

@@ -120,6 +120,14 @@ constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8
 // d = 256 runs 4, each recomputing S and dP; see docs/kernels/bwd_sm90.md).
 constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
+// Matmul #6 (dQ = dS K) blocks dS per query along keys in kDsBlock keys
+// (numerics.md section 3; K stays in kTile-key blocks). NOTE: a dS block is the
+// keys of kDsWarps consecutive warps (one warpgroup), so its amax is reduced
+// inside that group; the FP32 partial of each block is promoted with its own
+// scale.
+constexpr int kDsBlock = 64;
+constexpr int kDsBlocks = kTile / kDsBlock;  // dS scale blocks per key tile
+constexpr int kDsWarps = kDsBlock / 16;      // warps (16 keys each) per dS block
 
 // wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, every head_dim; d > 128
 // in 128-column output slices per main-kernel CTA): two
@@ -130,6 +138,25 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kWgThreads = 256;
 constexpr int kWgRowBytes = 128;
 constexpr int kWgPreQ = 64;
+// Matmul #6 (dQ = dS K): dS is block-scaled per query row along keys in blocks
+// of kWgDsBlock = min(kTile, 64) keys (numerics.md section 2 / 7), so each
+// warpgroup (64 key rows) owns exactly one block: its per-query amax is
+// warpgroup-local. The d <= 128 main kernel double-buffers the dS codes
+// (kWgDsBufs), its dQ runs one tile pair late (v6, kernel note).
+constexpr int kWgDsBlock = kDsBlock;  // the one #6 dS block (above), shared with the mma.sync kernel
+constexpr int kWgDsBufs = 2;
+// v6 tuning knobs (d <= 128 main kernel; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md, v6):
+//  kWgStageIssue: where a thread issues the next tile pair's query-side copies
+//  (after waiting for the stage to be free): 0 top of the pair, 1 after dV,
+//  2 after the dS stores.
+//  kWgPingpong: warpgroup 1 starts after warpgroup 0's first dV (half a pair late).
+//  kWgStageReaderFence: fence.proxy.async after each wait for a query-side
+//  stage (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in the SASS, right behind the
+//  previous pair's dQ atomics); false follows CUTLASS's sm90 cp.async GMMA
+//  mainloop (mbarrier only). NOTE at the wait in the kernel.
+constexpr int kWgStageIssue = 1;
+constexpr bool kWgPingpong = true;
+constexpr bool kWgStageReaderFence = true;
 
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
 static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
@@ -137,7 +164,14 @@ static_assert(kWgRowBytes == kTile, "one swizzled row holds a 128-element FP8 bl
 static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
               "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
 static_assert(kTile == 16 * kWarps, "one m16 row block of keys per warp");
+static_assert(kWgDsBlock == 64 && kTile == 2 * kWgDsBlock && kWgThreads == 2 * 128,
+              "one #6 dS key block per warpgroup (64 key rows each)");
+static_assert(kWgDsBufs == 2, "dQ of tile pair it - 1 reads one buffer while pair it writes the other");
+static_assert(kWgStageIssue >= 0 && kWgStageIssue <= 2, "stage issue point: top, after dV, after the dS stores");
 static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
+static_assert(kDsBlock == (kSeqBlock < 64 ? kSeqBlock : 64), "numerics.md: dS of #6 in min(B, 64)-key blocks");
+static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlocks == kWarps,
+              "dS blocks of #6: whole warps (16 keys) and whole k16 steps, tiling the key tile");
 
 }  // namespace bwd
 

@@ -39,6 +39,14 @@ namespace fp8attn {
 namespace {
 
 constexpr int64_t kMaxBlock = 128;    // largest supported block_size
+// Matmul #6 (dQ = dS K) blocks its dS operand per query row along keys in
+// sub-blocks of min(B, kDsRowBlock) keys (numerics.md section 3).
+constexpr int64_t kDsRowBlock = 64;
+constexpr int64_t ds_row_block(int64_t B) { return B < kDsRowBlock ? B : kDsRowBlock; }
+static_assert(32 % ds_row_block(32) == 0 && 64 % ds_row_block(64) == 0 &&
+                  128 % ds_row_block(128) == 0,
+              "each B-block of K splits into whole dS sub-blocks, so they start at multiples of "
+              "Bds from key 0");
 constexpr int64_t kFwdRowChunk = 32;  // rows per forward task
 constexpr float kInfF = std::numeric_limits<float>::infinity();
 constexpr double kInfD = std::numeric_limits<double>::infinity();
@@ -716,6 +724,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                   const float* lse, const TensorView& dq, const TensorView& dk,
                   const TensorView& dv, const BackwardDiagnostics* diag) {
   const int64_t B = p.block_size, Sq = g.Sq, Sk = g.Sk, d = g.d, dvd = g.dv;
+  const int64_t Bds = ds_row_block(B);
   const float tau = static_cast<float>(p.softmax_scale);
   const Fp8Format e4m3 = Fp8Format::kE4M3, gf = p.grad_format;
   const DeltaMode mode = p.delta_mode;
@@ -794,21 +803,26 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                 pre_sum += dS[j];
                 pre_abs += std::fabs(dS[j]);
               }
-            // #6 dQ = dS K: dS per query row along keys (grad_format), K per
-            // channel along keys (visible prefix of the last tile only).
+            // #6 dQ = dS K: K per channel along keys in B-blocks (visible
+            // prefix of the last one only); dS per query row along keys in
+            // sub-blocks of Bds = min(B, 64) keys (grad_format), each promoted
+            // with its own scale times the K block's (numerics.md section 3).
             for (int64_t t = 0; t * B < nvis; ++t) {
               const int64_t j0 = t * B, L = std::min(B, nvis - j0);
-              const float sds = quant_hat(dS + j0, L, 1, gf, hat.data(), 1);
-              if (want_post)
-                for (int64_t j = 0; j < L; ++j) {
-                  const float dec = hat[j] * sds;
-                  post_sum += dec;
-                  post_abs += std::fabs(dec);
-                }
               const float* kscale = nullptr;
               const float* kblk =
                   visible_block(k_cols, t, j0, j0 + L, mix_hat.data(), mix_scale.data(), &kscale);
-              colblock_axpy(hat.data(), sds, kblk, d, kscale, L, d, dq_acc.data());
+              for (int64_t u0 = 0; u0 < L; u0 += Bds) {
+                const int64_t Lu = std::min(Bds, L - u0);
+                const float sds = quant_hat(dS + j0 + u0, Lu, 1, gf, hat.data(), 1);
+                if (want_post)
+                  for (int64_t j = 0; j < Lu; ++j) {
+                    const float dec = hat[j] * sds;
+                    post_sum += dec;
+                    post_abs += std::fabs(dec);
+                  }
+                colblock_axpy(hat.data(), sds, kblk + u0 * d, d, kscale, Lu, d, dq_acc.data());
+              }
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }

@@ -31,6 +31,10 @@
 //     not a multiple of B (so B = length when the length is below B). The key
 //     tiles of the forward online softmax are the blocks of matmul #2, and the
 //     query blocks of matmuls #5/#7 are rows [0, B), [B, 2B), ...
+//     One exception: the dS operand of #6 (dQ = dS K) is blocked per query row
+//     along keys in Bds = min(B, 64) keys, aligned at multiples of Bds from
+//     key 0 (K stays in B-blocks); each sub-block's partial is promoted with
+//     s_dS(row, sub-block) * s_K(channel, B-block), in increasing key order.
 //   - Each per-block partial product is summed in FP32 over the FP8 values
 //     (unscaled), then multiplied by the two block scales and added to an FP32
 //     accumulator; tau = softmax_scale multiplies the finished S, dQ, dK.
@@ -93,10 +97,11 @@ void attention_forward_ref(const AttnParams& p, const TensorView& q, const Tenso
 // written (GQA: dk/dv summed over the query heads of the group). diag: optional
 // per-row diagnostics (numerics.md section 5, see BackwardDiagnostics); nullptr
 // or null members = off. Diagnostic row sums are accumulated in FP64 over the
-// FP32 (pre-cast) or decoded FP8 (post-cast, matmul #6 operand) dS. In the
-// exact path eps = 0 and rowsum_post = rowsum_pre. Rows that see no key get
-// delta = eps = rowsum = 0. Every view and lse must be non-null when its
-// tensor is non-empty, also where the selected path/mode does not read it.
+// FP32 (pre-cast) or decoded FP8 (post-cast: the matmul #6 operand, with its
+// Bds-key scales) dS. In the exact path eps = 0 and rowsum_post = rowsum_pre.
+// Rows that see no key get delta = eps = rowsum = 0. Every view and lse must
+// be non-null when its tensor is non-empty, also where the selected path/mode
+// does not read it.
 // Throws ArgumentError for bad parameters or null data pointers.
 void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& o, const TensorView& dout,

@@ -19,7 +19,8 @@ Definitions (numerics.md section 5):
   delta        delta_i used by the selected delta mode
   eps          delta_i(mode) - delta_i(delta_matching)  (0 for delta_matching)
   rowsum_pre   |sum_j dS_ij| / sum_j |dS_ij| on the FP32 dS (0 for an all-zero row)
-  rowsum_post  the same on the decoded FP8 dS (the operand of matmul #6)
+  rowsum_post  the same on the decoded FP8 dS (the operand of matmul #6: dS codes
+               times their scales, blocks of min(block_size, 64) keys)
 Statistics are taken only over rows that see at least one key (with causal and
 seqlen_q > seqlen_k the first rows see none and carry no information).
 

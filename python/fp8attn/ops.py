@@ -293,7 +293,8 @@ def attention(
             (numerics.md section 4); used by the backward only.
         precision: "fp8" (the seven FP8 matmuls, section 3) or "exact"
             (section 1; "bf16" is an alias of "exact").
-        block_size: FP8 block length along each matmul's reduction dim: 32, 64, 128.
+        block_size: FP8 block length along each matmul's reduction dim: 32, 64, 128
+            (dS of dQ = dS K uses min(block_size, 64) keys: numerics.md section 3).
         grad_format: FP8 format of dO and dS: "e4m3" or "e5m2".
         return_lse: also return LSE.
         layer_name: label of this call in `fp8attn.diagnostics.record()` records.

@@ -3,6 +3,7 @@
 //     written here from the contract (quantize_block's decoded values, masked
 //     entries zeroed in every block before quantizing, no tiling tricks);
 //   - error against the exact path within a derived FP8 error budget;
+//   - dS of matmul #6 in 64-key blocks, shown against 128-key blocks;
 //   - the Delta-Matching row-sum invariant, shown against the stale delta;
 //   - single-key behaviour.
 #include <gtest/gtest.h>
@@ -64,11 +65,14 @@ struct Emulated {
 };
 
 // The fp8 forward and backward of numerics.md section 3 for inputs `in`
-// (BF16-exact values), FP32 outputs.
+// (BF16-exact values), FP32 outputs. dS of matmul #6 is blocked per query row
+// along keys in blocks of Bds6 keys: the contract's min(Bk, 64) by default; a
+// test passes Bk to compute the former 128-key blocking for comparison.
 Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format gf,
-                     DeltaMode mode) {
+                     DeltaMode mode, int64_t Bds6 = 0) {
   const int64_t Sq = pr.Sq, Sk = pr.Sk, Hq = pr.Hq, Hkv = pr.Hkv, d = pr.d, dv = pr.dv,
                 G = Hq / Hkv;
+  if (Bds6 == 0) Bds6 = std::min<int64_t>(Bk, 64);
   const float tau = static_cast<float>(pr.tau());
   const Fp8Format e4 = Fp8Format::kE4M3;
   auto row = [](const std::vector<double>& x, int64_t base, int64_t n) {
@@ -181,24 +185,34 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
               ps += dS[i][j];
               pa += std::fabs(dS[i][j]);
             }
+          // #6: K per channel in key blocks of Bk (masked keys zeroed); dS per
+          // row in key blocks of Bds6 (masked entries are 0); one FP32 partial
+          // per dS block, added in key order.
           std::vector<float> acc(d, 0.f);
           for (int64_t j0 = 0; j0 < Sk; j0 += Bk) {
             const int64_t len = std::min(Bk, Sk - j0);
             if (!pr.sees(i, j0)) continue;
-            const std::vector<float> dsd =
-                decoded(std::vector<float>(dS[i].begin() + j0, dS[i].begin() + j0 + len), gf);
-            for (float x : dsd) {
-              qs += x;
-              qa += std::fabs(x);
-            }
+            std::vector<std::vector<float>> kd(d);
             for (int64_t c = 0; c < d; ++c) {
               std::vector<float> kblk(len, 0.f);
               for (int64_t j = j0; j < j0 + len; ++j)
                 if (pr.sees(i, j)) kblk[j - j0] = static_cast<float>(in.k[kb(b, j, hk) + c]);
-              const std::vector<float> kd = decoded(kblk, e4);
-              float part = 0.f;
-              for (int64_t j = 0; j < len; ++j) part += dsd[j] * kd[j];
-              acc[c] += part;
+              kd[c] = decoded(kblk, e4);
+            }
+            for (int64_t u0 = j0; u0 < j0 + len; u0 += Bds6) {
+              const int64_t ulen = std::min(Bds6, j0 + len - u0);
+              if (!pr.sees(i, u0)) continue;
+              const std::vector<float> dsd =
+                  decoded(std::vector<float>(dS[i].begin() + u0, dS[i].begin() + u0 + ulen), gf);
+              for (float x : dsd) {
+                qs += x;
+                qa += std::fabs(x);
+              }
+              for (int64_t c = 0; c < d; ++c) {
+                float part = 0.f;
+                for (int64_t j = 0; j < ulen; ++j) part += dsd[j] * kd[c][u0 - j0 + j];
+                acc[c] += part;
+              }
             }
           }
           for (int64_t c = 0; c < d; ++c) e.dq[qb(b, i, h) + c] = acc[c] * tau;
@@ -316,6 +330,10 @@ TEST(ReferenceFp8, MatchesLiteralEmulationOfTheRecipe) {
   expect_matches_emulation(pr, 64, Fp8Format::kE5M2, DeltaMode::kStale, 2);
   expect_matches_emulation(pr, 64, Fp8Format::kE4M3, DeltaMode::kMatchedDO, 7, 12);
   expect_matches_emulation(pr, 128, Fp8Format::kE4M3, DeltaMode::kMatchedDO, 3);
+  // B = 128 with a wide dynamic range: the two 64-key dS blocks of #6 get
+  // different scales, and the visible part of a diagonal block is a prefix of
+  // the second one.
+  expect_matches_emulation(pr, 128, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 8, 12);
   // Non-causal; two blocks along head_dim (192 = 128 + 64) with B = 128.
   pr.causal = false;
   pr.Sq = 40;
@@ -416,6 +434,73 @@ TEST(ReferenceFp8, ErrorAgainstExactWithinFp8Budget) {
   check_error_budget(false, Fp8Format::kE4M3, 128);
   check_error_budget(true, Fp8Format::kE4M3, 128);
   check_error_budget(true, Fp8Format::kE5M2, 64);
+}
+
+// ---- dS of #6 in 64-key blocks ------------------------------------------------
+//
+// numerics.md section 3: dS feeds dQ = dS K in blocks of min(B, 64) keys.
+// With power-of-two scales a finer block changes only the elements that are
+// FP8-subnormal (or flushed to zero) under the coarser block's scale, i.e. more
+// than ~2^15 below its amax. Here every row's logits to keys [64, 128) are
+// ~16 lower (P, and so dS, ~2^-23 of the first half), and only those keys carry
+// head_dim channel 128, with values ~2^27, so dQ[:, 128] holds a large share of
+// ||dQ|| but comes from the small half alone. One 128-key dS block
+// flushes that half to zero (dQ[:, 128] == 0); two 64-key blocks keep it.
+TEST(ReferenceFp8, DsOfDqMatmulIsBlockedIn64Keys) {
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = 1;
+  pr.Hkv = 1;
+  pr.Sq = 8;
+  pr.Sk = 128;
+  pr.d = 192;  // head_dim blocks [0, 128) and [128, 192): channel 128 stays out of S
+  pr.dv = 32;
+  std::mt19937 rng(501);
+  Inputs in = random_inputs(pr, rng);
+  const int64_t d = pr.d, kBig = 128;
+  std::normal_distribution<double> nd;
+  for (int64_t i = 0; i < pr.Sq; ++i)
+    for (int64_t c = 0; c < d; ++c) {
+      double& q = in.q[i * d + c];
+      q = c == 0 ? 16.0 : (c >= kBig ? 0.0 : q);
+    }
+  for (int64_t j = 0; j < pr.Sk; ++j)
+    for (int64_t c = 0; c < d; ++c) {
+      const bool far = j >= 64;  // the small-dS half
+      double& k = in.k[j * d + c];
+      if (c == 0) k = far ? -14.0 : 0.0;  // tau * 16 * -14 = -16.2 on the logits
+      else if (c == kBig) k = far ? round_to_bf16(std::ldexp(nd(rng), 27)) : 0.0;
+      else if (c > kBig) k = 0.0;
+    }
+  const AttnParams p8 = pr.params(Precision::kFP8, DeltaMode::kDeltaMatching, 128);
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat32;
+  const RefOutputs r = run_reference(pr, in, p8, opt);
+  opt.out_dtype = DType::kFloat64;
+  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+  const Emulated e64 = emulate_fp8(pr, in, 128, Fp8Format::kE4M3, DeltaMode::kDeltaMatching);
+  const Emulated e128 =
+      emulate_fp8(pr, in, 128, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 128);
+  // The reference is the 64-key model, bit for bit, and not the 128-key one.
+  EXPECT_EQ(max_abs_diff(r.dq, e64.dq), 0.0);
+  for (size_t i = 0; i < e64.post.size(); ++i) EXPECT_EQ(r.rowsum_post[i], e64.post[i]) << i;
+  EXPECT_GT(max_abs_diff(r.dq, e128.dq), 0.0);
+  // The failure the rule removes: one 128-key block flushes the small half.
+  double ex_big = 0, r_big = 0;
+  for (int64_t i = 0; i < pr.Sq; ++i) {
+    EXPECT_EQ(e128.dq[i * d + kBig], 0.0) << i;
+    ex_big += ex.dq[i * d + kBig] * ex.dq[i * d + kBig];
+    r_big += r.dq[i * d + kBig] * r.dq[i * d + kBig];
+  }
+  const double ex_all = frobenius(ex.dq);
+  EXPECT_GT(ex_big, 0.25 * ex_all * ex_all);  // channel 128 matters in ||dQ||
+  EXPECT_NEAR(std::sqrt(r_big), std::sqrt(ex_big), 0.1 * std::sqrt(ex_big));
+  // ... and so the 64-key dQ is closer to the exact FP64 dQ.
+  const double err64 = rel_error(r.dq, ex.dq), err128 = rel_error(e128.dq, ex.dq);
+  std::printf("[dS #6 blocks] dQ rel err vs exact: 64-key %.4f, 128-key %.4f\n", err64, err128);
+  EXPECT_LT(err64, 0.5 * err128);
+  EXPECT_LT(err64, fp8_budget(Fp8Format::kE4M3).dq);
 }
 
 // ---- Delta-Matching invariant ---------------------------------------------

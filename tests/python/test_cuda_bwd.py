@@ -200,6 +200,59 @@ def test_fully_masked_rows_have_zero_grads():
     check_grads(cuda, cpu, exact, "fully masked rows")
 
 
+# ---- dS of #6 in 64-key blocks (numerics.md section 3) -----------------------------
+
+
+def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
+    """(d, dv) = (192, 128) inputs on which the 64-key dS blocks of dQ = dS K matter:
+    the logits to keys 64..127 of every 128-key tile are ~16 lower (their P and dS
+    ~2^-23 of the first half's), and only those keys carry head_dim channel 128
+    (values ~2^27; Q is 0 in head_dim block [128, 192), so S does not see it).
+    dQ[..., 128] then comes from the small half alone: a 128-key dS block flushes
+    that half to FP8 zero (dQ[..., 128] = 0), 64-key blocks keep it
+    (tests/cpp ReferenceFp8.DsOfDqMatmulIsBlockedIn64Keys is the CPU twin)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, dv = 192, 128
+    q = torch.randn(1, hq, sq, d, generator=gen)
+    k = torch.randn(1, hkv, sk, d, generator=gen)
+    v = torch.randn(1, hkv, sk, dv, generator=gen).bfloat16()
+    dout = torch.randn(1, hq, sq, dv, generator=gen).bfloat16()
+    far = (torch.arange(sk) % 128) >= 64
+    q[..., 0] = 16.0
+    q[..., 128:] = 0.0
+    k[..., 128:] = 0.0
+    k[..., 0] = torch.where(far, -14.0, 0.0)  # tau * 16 * -14 = -16.2 on the logits
+    k[:, :, far, 128] = torch.randn(1, hkv, int(far.sum()), generator=gen) * 2.0 ** 27
+    q, k = q.bfloat16(), k.bfloat16()
+    out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128)
+    return q, k, v, out, lse, dout
+
+
+@needs_gpu
+@pytest.mark.parametrize("kernel", ["default", "mma"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ds_of_dq_blocked_in_64_keys(kernel, causal):
+    inp = make_ds_halves_inputs(2, 1, 200, 256, causal, seed=21 + causal)
+    old = os.environ.get("FP8ATTN_BWD_KERNEL")
+    if kernel == "mma":
+        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
+    try:
+        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    finally:
+        if old is None:
+            os.environ.pop("FP8ATTN_BWD_KERNEL", None)
+        else:
+            os.environ["FP8ATTN_BWD_KERNEL"] = old
+    dq_c, dq_r, dq_e = (t[0][..., 128].double() for t in (cuda, cpu, exact))
+    # The construction works: channel 128 carries a large share of ||dQ||, and the
+    # reference (64-key blocks) gets it right.
+    assert dq_e.norm() ** 2 > 0.25 * exact[0].double().norm() ** 2
+    assert (dq_r - dq_e).norm() < 0.1 * dq_e.norm()
+    # The guarded fault: 128-key dS blocks give dQ[..., 128] == 0 (relative error 1).
+    assert (dq_c - dq_r).norm() < 2e-2 * dq_r.norm(), (kernel, (dq_c - dq_r).norm() / dq_r.norm())
+    check_grads(cuda, cpu, exact, f"ds halves {kernel} causal={causal}")
+
+
 # ---- diagnostics and the Delta-Matching invariant ---------------------------------
 
 
@@ -261,6 +314,11 @@ def test_delta_matching_invariant_with_cuda_forward(d, causal):
     kernels = ["default", "mma"] if d > 128 else ["default"]
     for kern in kernels:
         old = {n: os.environ.get(n) for n in ("FP8ATTN_FWD_KERNEL", "FP8ATTN_BWD_KERNEL")}
+        # NOTE: "default" means both defaults even when the suite runs under an
+        # outer FP8ATTN_*_KERNEL (e.g. the mma.sync backward with the wgmma
+        # forward is the mixed pairing this bound does not hold for).
+        for n in old:
+            os.environ.pop(n, None)
         if kern == "mma":
             os.environ["FP8ATTN_FWD_KERNEL"] = "mma"
             os.environ["FP8ATTN_BWD_KERNEL"] = "mma"

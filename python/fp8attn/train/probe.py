@@ -13,7 +13,7 @@ and per delta mode (stale, matched_do, delta_matching), the FP8 op
 exactly those tensors under `fp8attn.diagnostics.record(keep_raw=True)`, giving
 per-row values of
   rowsum_pre   |sum_j dS_ij| / sum_j |dS_ij| of the FP32 dS (before the FP8 cast)
-  rowsum_post  the same of the decoded FP8 dS (operand of matmul #6)
+  rowsum_post  the same of the decoded FP8 dS (operand of matmul #6, 64-key blocks)
   eps          delta_i(mode) - delta_i(delta_matching)
   eps_rel      |eps_i| / (||dO_i|| ||O_i||) (scale-free: the loss's 1/tokens
                factor in dO cancels)
