@@ -6,7 +6,7 @@ rule of section 2, masked quantization of the causal visible prefix.
 
 The inputs make the dS blocking visible: the logits drop by ~18 from one
 Bds-key block to the next (so dS of block u is ~2^-26 of block u - 1's: FP8
-zero under a shared scale) and head_dim channel 1 + u of K is non-zero only on
+zero under a shared scale; 36 and 2^-52 for E5M2) and head_dim channel 1 + u of K is non-zero only on
 the keys of block u, so dQ[:, 1 + u] comes from dS block u alone. The right
 blocking gives dQ[:, 1 + u] ~ its model value; a coarser or misaligned one
 flushes it to zero. Each case also shows that the wrong blockings (the former
@@ -97,17 +97,16 @@ def model_dq(q, k, v, dout, lse, tau, causal, B, Bds, gf="e4m3", blocks=blocks_a
 # ---- inputs --------------------------------------------------------------------------
 
 
-def wide_range(Hq, Hkv, Sq, Sk, d, dv, Bds, gen, start=0):
-    """Logits drop by tau * 16 * 9 = 18 (d = 64) per Bds-key block; K channel
-    1 + u lives on block u only. `start`: key position of the sequence's token 0
-    in a packed batch (the blocks are per sequence; used for the varlen case)."""
+def wide_range(Hq, Hkv, Sq, Sk, d, dv, Bds, gen, kstep=9.0):
+    """Logits drop by tau * 16 * kstep (18 for d = 64, kstep 9) per Bds-key
+    block; K channel 1 + u lives on block u only."""
     q = torch.randn(Hq, Sq, d, generator=gen)
     k = torch.randn(Hkv, Sk, d, generator=gen)
     v = torch.randn(Hkv, Sk, dv, generator=gen)
     dout = torch.randn(Hq, Sq, dv, generator=gen)
     q[..., 0] = 16.0
     u = torch.arange(Sk) // Bds
-    k[..., 0] = -9.0 * u.float()
+    k[..., 0] = -kstep * u.float()
     nb = int(u.max()) + 1 if Sk else 0
     k[..., 1:1 + nb] = 0.0
     for b in range(nb):
@@ -147,6 +146,10 @@ CASES = [
     (64, 20, 100, True, 2, 1, "e4m3"),
     (32, 8, 100, False, 1, 1, "e4m3"),     # B = 32: Bds = 32 (not 64)
     (32, 20, 90, True, 1, 1, "e4m3"),
+    # E5M2 dS: its range is 2^15 wider, so the logits drop by 36 per block
+    # (dS ~2^-52 of the previous block: E5M2 zero under a shared scale).
+    (128, 8, 128, False, 1, 1, "e5m2"),
+    (128, 20, 100, True, 2, 1, "e5m2"),
 ]
 
 
@@ -156,7 +159,7 @@ def test_dq_matches_model_of_bds_blocks(B, Sq, Sk, causal, Hq, Hkv, gf):
     d, dv = 64, 32
     tau = float(torch.tensor(1 / math.sqrt(d), dtype=torch.float32))
     gen = torch.Generator().manual_seed(1000 * B + Sk + Sq)
-    q, k, v, dout = wide_range(Hq, Hkv, Sq, Sk, d, dv, Bds, gen)
+    q, k, v, dout = wide_range(Hq, Hkv, Sq, Sk, d, dv, Bds, gen, kstep=9.0 if gf == "e4m3" else 18.0)
     dq, lse = op_dq(q, k, v, dout, causal, B, gf)
     if Sk == 1:  # one key: dS = P (dP - delta) = 0 exactly (numerics.md section 7)
         assert torch.all(dq == 0)
