@@ -5,9 +5,9 @@ contract: FP64 arithmetic, the FP8 codec of torch's float8 dtypes, the scale
 rule of section 2, masked quantization of the causal visible prefix.
 
 The inputs make the dS blocking visible: the logits drop by ~18 from one
-Bds-key block to the next (so dS of block u is ~2^-26 of block u - 1's: FP8
-zero under a shared scale; 36 and 2^-52 for E5M2) and head_dim channel 1 + u of K is non-zero only on
-the keys of block u, so dQ[:, 1 + u] comes from dS block u alone. The right
+Bds-key block to the next (so dS of block u is ~2^-26 of block u - 1's: E4M3
+zero under a shared scale; 36 and 2^-52 for E5M2 dS) and head_dim channel
+1 + u of K is non-zero only on the keys of block u, so dQ[:, 1 + u] comes from dS block u alone. The right
 blocking gives dQ[:, 1 + u] ~ its model value; a coarser or misaligned one
 flushes it to zero. Each case also shows that the wrong blockings (the former
 B-key blocks, a split of the visible tile into halves, blocks aligned at the
