@@ -140,6 +140,7 @@ CASES = [
     (128, 8, 100, False, 1, 1, "e4m3"),    # last block shorter (64 + 36)
     (128, 20, 100, True, 1, 1, "e4m3"),    # causal Sq != Sk: prefixes end inside [64, 128)
     (128, 40, 200, True, 2, 2, "e4m3"),    # causal across two tiles, prefix ends in [128, 192) / [192, 200)
+    (128, 150, 100, True, 1, 1, "e4m3"),   # causal Sq > Sk: rows 0..49 see no key, then 1..100 keys
     (128, 6, 40, False, 1, 1, "e4m3"),     # seqlen_k < 64: one block
     (128, 6, 1, False, 1, 1, "e4m3"),      # a single key
     (64, 8, 150, False, 1, 1, "e4m3"),     # B = 64: Bds = 64
