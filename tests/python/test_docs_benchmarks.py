@@ -1,6 +1,7 @@
 """The ratio ranges quoted in the prose of each docs/benchmarks.md run section
-("Backward Delta-Matching a-bx cuDNN BF16 (stale c-dx); forward e-fx") are the
-min / max of the "(x)" ratios of that section's own table. CPU, < 1 s."""
+("Backward Delta-Matching a-bx cuDNN BF16 (stale c-dx); forward e-fx"), and the
+backward ranges the README status quotes for a dated run, are the min / max of
+the "(x)" ratios of that run's table. CPU, < 1 s."""
 from __future__ import annotations
 
 import re
@@ -58,3 +59,16 @@ def test_some_claims_are_checked():
 @pytest.mark.parametrize("title,col,claim,ratios", checked(), ids=lambda x: str(x)[:30])
 def test_quoted_range_is_the_tables_range(title, col, claim, ratios):
     assert claim == (min(ratios), max(ratios)), (title, col, claim, min(ratios), max(ratios))
+
+
+def test_readme_backward_ranges_are_the_cited_runs():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"delta_matching ([\d.]+)-([\d.]+)x cuDNN BF16, stale ([\d.]+)-([\d.]+)x "
+                  r"\((\d{4}-\d\d-\d\d \d\d:\d\d)\)", readme)
+    assert m, "README status: backward ranges with the run's date"
+    secs = [sec for title, sec in sections(DOC.read_text()) if title.startswith(m.group(5) + " UTC")]
+    assert len(secs) == 1, m.group(5)
+    cols = table_ratios(secs[0])
+    for lo, hi, col in ((1, 2, "fp8 bwd DM"), (3, 4, "fp8 bwd stale")):
+        claim = (float(m.group(lo)), float(m.group(hi)))
+        assert claim == (min(cols[col]), max(cols[col])), (col, claim)
