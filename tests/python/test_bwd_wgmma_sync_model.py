@@ -27,7 +27,8 @@ Random interleavings (skewed warp speeds, random copy completion) check: no
 deadlock; every mbarrier wait is released by exactly the completion it waits
 for (no phase overrun); every read of a stage or dS buffer sees its own tile
 pair's data, never overwritten while read. The mutation test shows that the
-checks catch a missing wait, a wrong parity and an early arrive.
+checks catch a missing wait, a wrong parity and an early arrive, at every
+issue point, with and without pingpong.
 """
 import random
 
@@ -206,18 +207,21 @@ MUTATIONS = {
     "ds_empty parity off by one phase": {"dse_parity": lambda it: (it >> 1) & 1},
     "full parity from it & 1": {"full_parity": lambda it: it & 1},
     "empty arrive right after the full wait": {"empty_arrive_after_dk": False},
+    "ds_full parity off by one phase": {"dsf_parity": lambda j: ((j >> 1) & 1) ^ 1},
+    "empty parity off by one phase": {"empty_parity": lambda it: (((it - 1) >> 1) & 1) ^ 1},
 }
 
 
+@pytest.mark.parametrize("pingpong", [False, True])  # True: the default (config_sm90.h kWgPingpong)
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
-def test_protocol_checks_catch_mutations(name):
+def test_protocol_checks_catch_mutations(name, pingpong):
     proto = dict(PROTOCOL, **MUTATIONS[name])
-    failures = 0
+    failures = [0, 0, 0]  # per issue point: each configuration must catch it
     for n_iters in (2, 3, 4, 5):
         for issue_point in (0, 1, 2):
             for seed in range(40):
                 try:
-                    simulate(n_iters, issue_point, False, seed, proto)
+                    simulate(n_iters, issue_point, pingpong, seed, proto)
                 except AssertionError:
-                    failures += 1
-    assert failures > 0, name
+                    failures[issue_point] += 1
+    assert all(f > 0 for f in failures), (name, failures)

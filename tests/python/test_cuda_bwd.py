@@ -253,6 +253,57 @@ def test_ds_of_dq_blocked_in_64_keys(kernel, causal):
     check_grads(cuda, cpu, exact, f"ds halves {kernel} causal={causal}")
 
 
+def make_ds_halves_inputs_narrow(hq, hkv, sq, sk, d, causal, seed):
+    """head_dim d <= 128 (one head_dim block: the wgmma backward's decoupled
+    d <= 128 kernel, whose warpgroups own the two 64-key halves): the logits to
+    keys 64..127 of every 128-key tile are ~20 (d = 128) / ~28 (d = 64) lower,
+    and head_dim channel d - 1 of K is non-zero on those keys only (standard
+    normal; Q is 0 there, so S does not see it). dQ[..., d - 1] then comes from
+    the small half alone, ~2^-28 of the other channels: it is compared on its
+    own. A 128-key dS block gives dQ[..., d - 1] = 0 there."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, sq, d, generator=gen)
+    k = torch.randn(1, hkv, sk, d, generator=gen)
+    v = torch.randn(1, hkv, sk, d, generator=gen).bfloat16()
+    dout = torch.randn(1, hq, sq, d, generator=gen).bfloat16()
+    far = (torch.arange(sk) % 128) >= 64
+    q[..., 0] = 16.0
+    q[..., d - 1] = 0.0
+    k[..., 0] = torch.where(far, -14.0, 0.0)
+    k[..., d - 1] = torch.where(far, k[..., d - 1], torch.zeros(()))
+    q, k = q.bfloat16(), k.bfloat16()
+    out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128)
+    return q, k, v, out, lse, dout
+
+
+@needs_gpu
+@pytest.mark.parametrize("kernel", ["default", "mma"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ds_of_dq_blocked_in_64_keys_narrow(kernel, d, causal):
+    # The d <= 128 twin of test_ds_of_dq_blocked_in_64_keys (which runs d = 192:
+    # the sliced kernels only). CPU side checked: the reference's channel d - 1
+    # is 6.2-7.5% from the exact one (d 64 / 128, causal or not); with 128-key
+    # blocks (tests/python/test_ds_blocks_model.py model) it is exactly 0.
+    inp = make_ds_halves_inputs_narrow(2, 1, 200, 256, d, causal, seed=31 + causal)
+    old = os.environ.get("FP8ATTN_BWD_KERNEL")
+    if kernel == "mma":
+        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
+    try:
+        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    finally:
+        if old is None:
+            os.environ.pop("FP8ATTN_BWD_KERNEL", None)
+        else:
+            os.environ["FP8ATTN_BWD_KERNEL"] = old
+    dq_c, dq_r, dq_e = (t[0][..., d - 1].double() for t in (cuda, cpu, exact))
+    assert dq_e.norm() > 0
+    assert (dq_r - dq_e).norm() < 0.1 * dq_e.norm()
+    # The guarded fault: 128-key dS blocks give dQ[..., d - 1] == 0 (relative error 1).
+    assert (dq_c - dq_r).norm() < 2e-2 * dq_r.norm(), (kernel, (dq_c - dq_r).norm() / dq_r.norm())
+    check_grads(cuda, cpu, exact, f"ds halves d={d} {kernel} causal={causal}")
+
+
 # ---- diagnostics and the Delta-Matching invariant ---------------------------------
 
 
