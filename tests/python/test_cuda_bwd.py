@@ -16,6 +16,7 @@ tests isolate the backward kernels from the CUDA forward.
 Run: PYTHONPATH=python python3 -m pytest -q -m gpu tests/python/test_cuda_bwd.py
 Benchmark: benchmarks/bench_gpu.py (backward TFLOP/s per delta mode vs cuDNN BF16).
 """
+import contextlib
 import math
 import os
 import zlib
@@ -203,6 +204,22 @@ def test_fully_masked_rows_have_zero_grads():
 # ---- dS of #6 in 64-key blocks (numerics.md section 3) -----------------------------
 
 
+@contextlib.contextmanager
+def bwd_kernel(kernel):
+    """FP8ATTN_BWD_KERNEL for the block: "mma" forces the mma.sync backward,
+    "default" unsets it (so an outer setting does not leak in); restored after."""
+    old = os.environ.get("FP8ATTN_BWD_KERNEL")
+    os.environ.pop("FP8ATTN_BWD_KERNEL", None)
+    if kernel == "mma":
+        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
+    try:
+        yield
+    finally:
+        os.environ.pop("FP8ATTN_BWD_KERNEL", None)
+        if old is not None:
+            os.environ["FP8ATTN_BWD_KERNEL"] = old
+
+
 def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
     """(d, dv) = (192, 128) inputs on which the 64-key dS blocks of dQ = dS K matter:
     the logits to keys 64..127 of every 128-key tile are ~16 lower (their P and dS
@@ -233,16 +250,8 @@ def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
 @pytest.mark.parametrize("causal", [False, True])
 def test_ds_of_dq_blocked_in_64_keys(kernel, causal):
     inp = make_ds_halves_inputs(2, 1, 200, 256, causal, seed=21 + causal)
-    old = os.environ.get("FP8ATTN_BWD_KERNEL")
-    if kernel == "mma":
-        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
-    try:
+    with bwd_kernel(kernel):
         cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
-    finally:
-        if old is None:
-            os.environ.pop("FP8ATTN_BWD_KERNEL", None)
-        else:
-            os.environ["FP8ATTN_BWD_KERNEL"] = old
     dq_c, dq_r, dq_e = (t[0][..., 128].double() for t in (cuda, cpu, exact))
     # The construction works: channel 128 carries a large share of ||dQ||, and the
     # reference (64-key blocks) gets it right.
@@ -286,16 +295,8 @@ def test_ds_of_dq_blocked_in_64_keys_narrow(kernel, d, causal):
     # is 6.2-7.5% from the exact one (d 64 / 128, causal or not); with 128-key
     # blocks (tests/python/test_ds_blocks_model.py model) it is exactly 0.
     inp = make_ds_halves_inputs_narrow(2, 1, 200, 256, d, causal, seed=31 + causal)
-    old = os.environ.get("FP8ATTN_BWD_KERNEL")
-    if kernel == "mma":
-        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
-    try:
+    with bwd_kernel(kernel):
         cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
-    finally:
-        if old is None:
-            os.environ.pop("FP8ATTN_BWD_KERNEL", None)
-        else:
-            os.environ["FP8ATTN_BWD_KERNEL"] = old
     dq_c, dq_r, dq_e = (t[0][..., d - 1].double() for t in (cuda, cpu, exact))
     assert dq_e.norm() > 0
     assert (dq_r - dq_e).norm() < 0.1 * dq_e.norm()
