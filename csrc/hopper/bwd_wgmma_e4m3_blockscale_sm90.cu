@@ -376,21 +376,24 @@ __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float
   }
 }
 // Main kernel, d <= 128 (v7): wg_tile_p_raw<kTile, true> with the query
-// scales and LSE in fragment order (frag_pos): the same operations on the same
-// values per element, one LDS.128 per two j of each array.
+// scales and LSE in fragment order (frag_pos), one LDS.128 per two j of each
+// array. sLse2: __fmul_rn(LSE, log2(e)) per column, stored once per pair and
+// warpgroup by the kernel (the product wg_tile_p_raw<kTile, true> takes per
+// element and lse2_in_place stores for the pre-pass): the same operations on
+// the same values per element.
 __device__ __forceinline__ void wg_tile_p_main(float (&s)[16][4], const float* sKs, const float* sQs,
-                                               const float* sLse, float c2, int warp, int lane) {
+                                               const float* sLse2, float c2, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
   fence_regs<64>(&s[0][0]);
   const float kc0 = __fmul_rn(sKs[r0], c2), kc1 = __fmul_rn(sKs[r0 + 8], c2);
 #pragma unroll
   for (int j2 = 0; j2 < 16; j2 += 2) {
-    const float4 q4 = frag_ld4(sQs, j2, t), l4 = frag_ld4(sLse, j2, t);
+    const float4 q4 = frag_ld4(sQs, j2, t), l4 = frag_ld4(sLse2, j2, t);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int j = j2 + u;
       const float qx = u ? q4.z : q4.x, qy = u ? q4.w : q4.y;
-      const float lx = __fmul_rn(u ? l4.z : l4.x, kLog2e), ly = __fmul_rn(u ? l4.w : l4.y, kLog2e);
+      const float lx = u ? l4.z : l4.x, ly = u ? l4.w : l4.y;
       s[j][0] = ex2(fmaf(s[j][0], __fmul_rn(qx, kc0), -lx));
       s[j][1] = ex2(fmaf(s[j][1], __fmul_rn(qy, kc0), -ly));
       s[j][2] = ex2(fmaf(s[j][2], __fmul_rn(qx, kc1), -lx));
@@ -838,7 +841,9 @@ struct WgMainLayout {
   static constexpr int kAmax = kKcs + kWk;                    // [8 warps][128 columns]
   static constexpr int kRowInv = kAmax + kWarps * kTile;      // [2 key halves][128 columns]: 1 / s_dS
   static constexpr int kRowSq = kRowInv + 2 * kTile;          // [kDsBufs][2 key halves][128 queries (natural)]: s_dS
-  static constexpr int kFStage = kRowSq + kDsBufs * 2 * kTile;  // [kStages] per-stage floats:
+  // [2 warpgroups][128 columns] (d <= 128, v7): LSE * log2(e) of the pair, fragment order.
+  static constexpr int kLse2 = kRowSq + kDsBufs * 2 * kTile;
+  static constexpr int kFStage = kLse2 + (kSliced ? 0 : 2 * kTile);  // [kStages] per-stage floats:
   static constexpr int kSQs = 0, kSDOs = kNbQK * kTile;       //   per column, [block][128]
   static constexpr int kSLse = kSDOs + kNbV * kTile, kSDelta = kSLse + kTile;  // per column
   static constexpr int kSQcs = kSDelta + kTile, kSDOcs = kSQcs + kWk;          // per channel
@@ -850,12 +855,13 @@ struct WgMainLayout {
   static_assert(kKs % 2 == 0 && kAmax % 2 == 0 && kRowInv % 2 == 0 && kRowSq % 2 == 0 && kFStage % 2 == 0 &&
                     kFStageFloats % 2 == 0 && kSLse % 2 == 0 && kSDelta % 2 == 0 && kSQcs % 2 == 0,
                 "float2 loads");
-  static_assert(kSliced || (kKcs % 4 == 0 && kRowInv % 4 == 0 && kFStage % 4 == 0 && kFStageFloats % 4 == 0 &&
+  static_assert(kSliced || (kKcs % 4 == 0 && kRowInv % 4 == 0 && kLse2 % 4 == 0 && kFStage % 4 == 0 && kFStageFloats % 4 == 0 &&
                             kSQs % 4 == 0 && kSDOs % 4 == 0 && kSLse % 4 == 0 && kSDelta % 4 == 0 &&
                             kSQcs % 4 == 0 && kSDOcs % 4 == 0),
                 "float4 loads of the fragment-ordered floats (v7)");
   // NOTE (v6): d = 128 is 228928 bytes (223.6 KB) with the second dS buffer
   // (d = 64: 186688, d = 256 single-buffered: 210496); the limit is 227 KB.
+  // v7: + 1 KB (kLse2) at d <= 128: 229952 bytes at d = 128.
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kBytes <= 227 * 1024 &&
@@ -1367,11 +1373,21 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       if constexpr (kEarlyDp) {
         wg_issue_dp<DV, FMT>(v_lo, do_lo, 0, dpe[0]);
         wg_issue_dp<DV, FMT>(v_lo, do_lo, 1, dpe[1]);
+      }
+      // v7: LSE * log2(e) once per column and warpgroup (one FMUL per thread
+      // instead of 32), issued under the S^T wgmma. NOTE (order): every warp
+      // of this warpgroup read the previous pair's values before that pair's
+      // amax barrier (named barrier 1 + wg), which this thread passed before
+      // writing; the barrier below publishes the new values to the warpgroup.
+      float* sLse2 = sf + L::kLse2 + wg * kTile;
+      sLse2[threadIdx.x & (kTile - 1)] = __fmul_rn(F[L::kSLse + (threadIdx.x & (kTile - 1))], kLog2e);
+      named_bar_sync(1 + wg, 128);
+      if constexpr (kEarlyDp) {
         wg_wait<2>();
       } else {
         wg_wait<0>();
       }
-      wg_tile_p_main(pt, sKs, F + L::kSQs, F + L::kSLse, tg.c2, warp, lane);
+      wg_tile_p_main(pt, sKs, F + L::kSQs, sLse2, tg.c2, warp, lane);
     }
     if (!interior) {
       if constexpr (kSliced)
