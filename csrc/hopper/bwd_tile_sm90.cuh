@@ -469,9 +469,12 @@ __device__ __forceinline__ void tile_dp(const uint8_t* sV, const float* sVs, con
 template <int F>
 __device__ __forceinline__ void quantize_rows(const float (&x)[16][4], uint32_t (&codes)[8][2], float& s0,
                                               float& s1) {
-  float m0 = 0.f, m1 = 0.f;
+  // NOTE: the running max starts from the first pair instead of 0: the same
+  // value bitwise (max.NaN of |.| >= +0 with +0 is the other operand, and a
+  // NaN is the canonical NaN either way); two FMNMX fewer per call (v7).
+  float m0 = max_nan(fabsf(x[0][0]), fabsf(x[0][1])), m1 = max_nan(fabsf(x[0][2]), fabsf(x[0][3]));
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 1; j < 16; ++j) {
     m0 = max_nan(m0, max_nan(fabsf(x[j][0]), fabsf(x[j][1])));
     m1 = max_nan(m1, max_nan(fabsf(x[j][2]), fabsf(x[j][3])));
   }

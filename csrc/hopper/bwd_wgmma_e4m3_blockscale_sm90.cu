@@ -223,6 +223,20 @@ __device__ __forceinline__ int k_of_row(int m) {  // tau: accumulator row -> key
   return (m & ~15) + 2 * (m & 7) + ((m >> 3) & 1);
 }
 
+// Fragment order of a per-column float array (v7, main kernel at d <= 128):
+// column c = 16 J + 8 jb + 2 t + e is stored at 16 J + 4 t + 2 jb + e, so
+// the two float2 a thread reads for accumulator columns 8 j + 2t + {0, 1} of
+// j = 2J and 2J + 1 are one float4 (one LDS.128 instead of two LDS.64; the
+// 8 lanes of a quad column broadcast, the 4 t read 64 distinct bytes).
+// A permutation within each 16 columns: only where the floats are stored
+// changes, every value and operation stays the same.
+__device__ __forceinline__ int frag_pos(int c) { return (c & ~15) | ((c & 6) << 1) | ((c >> 2) & 2) | (c & 1); }
+// The float4 of columns 8j + 2t + {0, 1} (.x, .y) and 8 (j + 1) + 2t + {0, 1}
+// (.z, .w), j even, from a fragment-ordered array.
+__device__ __forceinline__ float4 frag_ld4(const float* a, int j, int t) {
+  return *reinterpret_cast<const float4*>(a + 8 * j + 4 * t);
+}
+
 constexpr int kTileBytes = kTile * kWgRowBytes;  // one swizzled [128][128 B] tile (config_sm90.h)
 
 // ---- cp.async tile fills -------------------------------------------------------------
@@ -361,6 +375,32 @@ __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float
     s[j][3] = ex2(fmaf(s[j][3], __fmul_rn(qs.y, kc1), -l.y));
   }
 }
+// Main kernel, d <= 128 (v7): wg_tile_p_raw<kTile, true> with the query
+// scales and LSE in fragment order (frag_pos), one LDS.128 per two j of each
+// array. sLse2: __fmul_rn(LSE, log2(e)) per column, stored once per pair and
+// warpgroup by the kernel (the product wg_tile_p_raw<kTile, true> takes per
+// element and lse2_in_place stores for the pre-pass): the same operations on
+// the same values per element.
+__device__ __forceinline__ void wg_tile_p_main(float (&s)[16][4], const float* sKs, const float* sQs,
+                                               const float* sLse2, float c2, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
+  fence_regs<64>(&s[0][0]);
+  const float kc0 = __fmul_rn(sKs[r0], c2), kc1 = __fmul_rn(sKs[r0 + 8], c2);
+#pragma unroll
+  for (int j2 = 0; j2 < 16; j2 += 2) {
+    const float4 q4 = frag_ld4(sQs, j2, t), l4 = frag_ld4(sLse2, j2, t);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int j = j2 + u;
+      const float qx = u ? q4.z : q4.x, qy = u ? q4.w : q4.y;
+      const float lx = u ? l4.z : l4.x, ly = u ? l4.w : l4.y;
+      s[j][0] = ex2(fmaf(s[j][0], __fmul_rn(qx, kc0), -lx));
+      s[j][1] = ex2(fmaf(s[j][1], __fmul_rn(qy, kc0), -ly));
+      s[j][2] = ex2(fmaf(s[j][2], __fmul_rn(qx, kc1), -lx));
+      s[j][3] = ex2(fmaf(s[j][3], __fmul_rn(qy, kc1), -ly));
+    }
+  }
+}
 template <int NQ>
 __device__ __forceinline__ void wg_tile_p_scaled(float (&s)[NQ / 8][4], const float* sLse2, float c2, int lane) {
   const int t = lane & 3;
@@ -405,6 +445,46 @@ __device__ __forceinline__ void wg_mask_vis(float (&s)[NQ / 8][4], const TileGeo
       const int ql = q_of_col(8 * j + 2 * t + (e & 1)), kl = k_of_row(warp * 16 + g + 8 * (e >> 1));
       if (!tg.visible(kl, ql)) s[j][e] = 0.f;
     }
+}
+
+// Main kernel, d <= 128 (v7): wg_mask_p (kLse, sLse in fragment order) and
+// wg_mask_vis with per-thread bounds instead of TileGeom::visible per element
+// (the same predicate; ~4 instead of ~25 instructions per element). This
+// thread's column 8j + 2t + e is query ql = 4t + C, C = 16 (j >> 1) +
+// 2 (j & 1) + e (q_of_col) a constant, so with kl_r = k_of_row(row r):
+//   visible <=> n0 + kl_r < Sk && m0 + ql < Sq && (!causal || n0 + kl_r <= m0 + ql + off)
+//           <=> C < qlim && C >= lo_r,
+// qlim = Sq - m0 - 4t, lo_r = n0 + kl_r - off - m0 - 4t (causal), INT_MIN (not
+// causal), INT_MAX (key past Sk). Pre-pass and sliced kernels: unchanged.
+template <bool kLse>
+__device__ __forceinline__ void wg_mask_main(float (&s)[16][4], const float* sLse, const TileGeom& tg, int warp,
+                                             int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int qlim = tg.seqlen_q - tg.m0 - 4 * t;
+  int lo[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = tg.n0 + k_of_row(warp * 16 + g + 8 * r);
+    lo[r] = key >= tg.seqlen_k ? 0x7fffffff : (tg.causal ? key - tg.causal_off - tg.m0 - 4 * t : -0x7fffffff - 1);
+  }
+#pragma unroll
+  for (int j2 = 0; j2 < 16; j2 += 2) {
+    float4 l4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kLse) l4 = frag_ld4(sLse, j2, t);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int j = j2 + u;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 16 * (j >> 1) + 2 * (j & 1) + e;
+        bool col = c < qlim;
+        if constexpr (kLse) col = col && (u ? (e ? l4.w : l4.z) : (e ? l4.y : l4.x)) != -INFINITY;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (!(col && c >= lo[r])) s[j][e + 2 * r] = 0.f;
+      }
+    }
+  }
 }
 
 // After this thread's cp.async of LSE column i (< n) completed: LSE * log2(e)
@@ -761,7 +841,9 @@ struct WgMainLayout {
   static constexpr int kAmax = kKcs + kWk;                    // [8 warps][128 columns]
   static constexpr int kRowInv = kAmax + kWarps * kTile;      // [2 key halves][128 columns]: 1 / s_dS
   static constexpr int kRowSq = kRowInv + 2 * kTile;          // [kDsBufs][2 key halves][128 queries (natural)]: s_dS
-  static constexpr int kFStage = kRowSq + kDsBufs * 2 * kTile;  // [kStages] per-stage floats:
+  // [2 warpgroups][128 columns] (d <= 128, v7): LSE * log2(e) of the pair, fragment order.
+  static constexpr int kLse2 = kRowSq + kDsBufs * 2 * kTile;
+  static constexpr int kFStage = kLse2 + (kSliced ? 0 : 2 * kTile);  // [kStages] per-stage floats:
   static constexpr int kSQs = 0, kSDOs = kNbQK * kTile;       //   per column, [block][128]
   static constexpr int kSLse = kSDOs + kNbV * kTile, kSDelta = kSLse + kTile;  // per column
   static constexpr int kSQcs = kSDelta + kTile, kSDOcs = kSQcs + kWk;          // per channel
@@ -773,8 +855,13 @@ struct WgMainLayout {
   static_assert(kKs % 2 == 0 && kAmax % 2 == 0 && kRowInv % 2 == 0 && kRowSq % 2 == 0 && kFStage % 2 == 0 &&
                     kFStageFloats % 2 == 0 && kSLse % 2 == 0 && kSDelta % 2 == 0 && kSQcs % 2 == 0,
                 "float2 loads");
+  static_assert(kSliced || (kKcs % 4 == 0 && kRowInv % 4 == 0 && kLse2 % 4 == 0 && kFStage % 4 == 0 && kFStageFloats % 4 == 0 &&
+                            kSQs % 4 == 0 && kSDOs % 4 == 0 && kSLse % 4 == 0 && kSDelta % 4 == 0 &&
+                            kSQcs % 4 == 0 && kSDOcs % 4 == 0),
+                "float4 loads of the fragment-ordered floats (v7)");
   // NOTE (v6): d = 128 is 228928 bytes (223.6 KB) with the second dS buffer
   // (d = 64: 186688, d = 256 single-buffered: 210496); the limit is 227 KB.
+  // v7: + 1 KB (kLse2) at d <= 128: 229952 bytes at d = 128.
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kBytes <= 227 * 1024 &&
@@ -810,7 +897,8 @@ __device__ __forceinline__ void reduce_cols16(const float (&v)[16], float (&out)
 // [N channels][128 positions] (swizzled, column scales sBs) accumulated into
 // dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
 // b_lo: descriptor of the B tile.
-template <int FA, int FB, int N>
+// kFrag (v7, d <= 128): sBs in fragment order (frag_pos; N >= 32).
+template <int FA, int FB, int N, bool kFrag = false>
 __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], float sa0, float sa1,
                                                uint32_t b_lo, const float* sBs, int lane, float* dst) {
   const int t = lane & 3;
@@ -831,14 +919,23 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
   wg_wait<0>();
   fence_regs<N / 2>(&part[0][0]);
   fence_regs_u(&a[0][0], 16);
-#pragma unroll
-  for (int jj = 0; jj < N / 8; ++jj) {
-    const float2 sb = *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t);
+  auto acc = [&](int jj, float2 sb) {
     float* d = dst + 4 * jj;
     d[0] = fmaf(part[jj][0], sa0 * sb.x, d[0]);
     d[1] = fmaf(part[jj][1], sa0 * sb.y, d[1]);
     d[2] = fmaf(part[jj][2], sa1 * sb.x, d[2]);
     d[3] = fmaf(part[jj][3], sa1 * sb.y, d[3]);
+  };
+  if constexpr (kFrag) {
+#pragma unroll
+    for (int jj = 0; jj < N / 8; jj += 2) {
+      const float4 s4 = frag_ld4(sBs, jj, t);
+      acc(jj, make_float2(s4.x, s4.y));
+      acc(jj + 1, make_float2(s4.z, s4.w));
+    }
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < N / 8; ++jj) acc(jj, *reinterpret_cast<const float2*>(sBs + 8 * jj + 2 * t));
   }
 }
 
@@ -978,6 +1075,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   // delta; threads 128..255 channel fi: Q and dO column scales.
   const int fi = threadIdx.x & (kTile - 1);
   const int q_fi = q_of_col(fi);
+  const int fp_fi = frag_pos(fi);  // v7: every per-column / per-channel float in fragment order
   auto issue_floats = [&](int hq, int m_tile, int st) {
     const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
     float* F = sf + L::kFStage + st * L::kFStageFloats;
@@ -985,13 +1083,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       const int r = m_tile * kTile + q_fi;
       const bool ok = r < Sq;
       const int64_t row = bhq * Sq + (ok ? r : 0);
-      cp_async4(F + L::kSQs + fi, p.q_row_s + row, ok);
-      cp_async4(F + L::kSDOs + fi, p.do_row_s + row, ok);
-      cp_async4(F + L::kSLse + fi, p.lse + row, ok);
-      cp_async4(F + L::kSDelta + fi, p.delta + row, ok);
+      cp_async4(F + L::kSQs + fp_fi, p.q_row_s + row, ok);
+      cp_async4(F + L::kSDOs + fp_fi, p.do_row_s + row, ok);
+      cp_async4(F + L::kSLse + fp_fi, p.lse + row, ok);
+      cp_async4(F + L::kSDelta + fp_fi, p.delta + row, ok);
     } else {
-      if (fi < DQK) cp_async4(F + L::kSQcs + fi, p.q_col_s + (bhq * DQK + fi) * nblk_q + m_tile, true);
-      if (fi < DV) cp_async4(F + L::kSDOcs + fi, p.do_col_s + (bhq * DV + fi) * nblk_q + m_tile, true);
+      if (fi < DQK) cp_async4(F + L::kSQcs + fp_fi, p.q_col_s + (bhq * DQK + fi) * nblk_q + m_tile, true);
+      if (fi < DV) cp_async4(F + L::kSDOcs + fp_fi, p.do_col_s + (bhq * DV + fi) * nblk_q + m_tile, true);
     }
   };
 
@@ -1036,7 +1134,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     cp_floats(sf + L::kKs, p.k_row_s, kTile, k_idx);
     cp_floats(sf + L::kVs, p.v_row_s, kTile, k_idx);
   }
-  cp_floats(sf + L::kKcs, p.k_col_s, wk, [&](int i) -> int64_t { return (bhk * DQK + cb + i) * nblk_k + n_tile; });
+  if constexpr (kSliced) {
+    cp_floats(sf + L::kKcs, p.k_col_s, wk, [&](int i) -> int64_t { return (bhk * DQK + cb + i) * nblk_k + n_tile; });
+  } else {
+    // v7: fragment order (frag_pos), like the per-stage floats.
+    if (threadIdx.x < DQK) cp_async4(sf + L::kKcs + frag_pos(threadIdx.x), p.k_col_s + (bhk * DQK + threadIdx.x) * nblk_k + n_tile, true);
+  }
   if (n_iters > 0) {
     issue_rows(hk * group, m_first, 0);
     if constexpr (!kSliced) {
@@ -1099,10 +1202,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   // After the wait: dq_accum[rows q0, q0 + 8][col0 + ...] += pa s_dS(q, keys 0-63) s_K + pb s_dS(q, keys 64-127) s_K.
   //   sq: the buffer's s_dS [2 halves][128 queries]; ksc: K column scales
   //   (8 j + 2t, +1) of the chunk; dq_t: this thread's dq_accum base (row q0, column cb + 2t).
-  auto store_dq2 = [&](auto n_c, const float* pa_, const float* pb_, const float2* ksc, const float* sq, float* dq_t,
+  //   s4: (s_dS(q0, 0), s_dS(q0 + 8, 0), s_dS(q0, 1), s_dS(q0 + 8, 1)) from sq (dq_scales).
+  auto dq_scales = [&](const float* sq) {
+    return make_float4(sq[q0], sq[q0 + 8], sq[kTile + q0], sq[kTile + q0 + 8]);
+  };
+  auto store_dq2 = [&](auto n_c, const float* pa_, const float* pb_, const float2* ksc, const float4 s4, float* dq_t,
                        int m0_, int col0) {
     constexpr int N = decltype(n_c)::value;  // pa_[4 jj + e]: accumulator register [jj][e]
-    const float s00 = sq[q0], s01 = sq[q0 + 8], s10 = sq[kTile + q0], s11 = sq[kTile + q0 + 8];
+    const float s00 = s4.x, s01 = s4.y, s10 = s4.z, s11 = s4.w;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       if (m0_ + q0 + 8 * hh >= Sq) continue;
@@ -1163,7 +1270,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   };
   auto dq_finish = [&](int wg, int pb_, int64_t bhq_, int m0_, float* pqa, float* pqb) {
     const uint32_t ds_lo = d_base + (L::kDS + pb_ * kTileBytes) / 16 + wg * kDesc64Rows;
-    const float* sq = sRowSq + pb_ * 2 * kTile;
+    // v7: the s_dS of both row halves once for every chunk (before the
+    // atomics, which the compiler cannot order against shared memory).
+    const float4 sq4 = dq_scales(sRowSq + pb_ * 2 * kTile);
     float* dq_t = p.dq_accum + (bhq_ * Sq + m0_ + q0) * DQK + 2 * t;
     constexpr int kQch = L::kWk / 64;
 #pragma unroll
@@ -1171,11 +1280,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       if (h > 0) issue_dq2(ds_lo, 64 * h, Int<64>{}, pqa, pqb);
       float2 ksc[8];
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(sKcs + 64 * h + 8 * jj + 2 * t);
+      for (int jj = 0; jj < 8; jj += 2) {  // v7: fragment order
+        const float4 k4 = frag_ld4(sKcs + 64 * h, jj, t);
+        ksc[jj] = make_float2(k4.x, k4.y);
+        ksc[jj + 1] = make_float2(k4.z, k4.w);
+      }
       wg_wait<0>();
       fence_regs<32>(pqa);
       fence_regs<32>(pqb);
-      store_dq2(Int<64>{}, pqa, pqb, ksc, sq, dq_t, m0_, 64 * h);
+      store_dq2(Int<64>{}, pqa, pqb, ksc, sq4, dq_t, m0_, 64 * h);
     }
     mbar_arrive(bar_dse(pb_));  // this thread's dQ wgmmas and reads of buffer pb_ are done
   };
@@ -1260,13 +1373,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       if constexpr (kEarlyDp) {
         wg_issue_dp<DV, FMT>(v_lo, do_lo, 0, dpe[0]);
         wg_issue_dp<DV, FMT>(v_lo, do_lo, 1, dpe[1]);
+      }
+      // v7: LSE * log2(e) once per column and warpgroup (one FMUL per thread
+      // instead of 32), issued under the S^T wgmma. NOTE (order): every warp
+      // of this warpgroup read the previous pair's values before that pair's
+      // amax barrier (named barrier 1 + wg), which this thread passed before
+      // writing; the barrier below publishes the new values to the warpgroup.
+      float* sLse2 = sf + L::kLse2 + wg * kTile;
+      sLse2[threadIdx.x & (kTile - 1)] = __fmul_rn(F[L::kSLse + (threadIdx.x & (kTile - 1))], kLog2e);
+      named_bar_sync(1 + wg, 128);
+      if constexpr (kEarlyDp) {
         wg_wait<2>();
       } else {
         wg_wait<0>();
       }
-      wg_tile_p_raw<kTile, true>(pt, sKs, F + L::kSQs, F + L::kSLse, tg.c2, warp, lane);
+      wg_tile_p_main(pt, sKs, F + L::kSQs, sLse2, tg.c2, warp, lane);
     }
-    if (!interior) wg_mask_p<kTile>(pt, F + L::kSLse, tg, warp, lane);
+    if (!interior) {
+      if constexpr (kSliced)
+        wg_mask_p<kTile>(pt, F + L::kSLse, tg, warp, lane);
+      else
+        wg_mask_main<true>(pt, F + L::kSLse, tg, warp, lane);
+    }
 
     // P^T codes for dV (#5): per key along the 128 queries (E4M3).
     uint32_t codes_p[8][2];
@@ -1284,7 +1412,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int h = 0; h < L::kWv / kNv; ++h)
         if (kNv * h < wv)
-          wg_rows_x_tile<kFmtE4M3, FMT, kNv>(cp, s0, s1, doc_lo + h * (kNv * 128 / 16), F + L::kSDOcs + kNv * h, lane,
+          wg_rows_x_tile<kFmtE4M3, FMT, kNv, !kSliced>(cp, s0, s1, doc_lo + h * (kNv * 128 / 16), F + L::kSDOcs + kNv * h, lane,
                                              &dv_acc[0][0][0] + h * (kNv / 2));
     };
     if constexpr (!kSliced) {
@@ -1324,8 +1452,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
           const int j = 8 * half + jj;
-          const float2 dl = *reinterpret_cast<const float2*>(F + L::kSDelta + 8 * j + 2 * t);
-          const float2 os = *reinterpret_cast<const float2*>(F + L::kSDOs + 8 * j + 2 * t);
+          // v7: fragment order, one float4 of each array per two jj.
+          const float4 dl4 = frag_ld4(F + L::kSDelta, j & ~1, t), os4 = frag_ld4(F + L::kSDOs, j & ~1, t);
+          const float2 dl = (j & 1) ? make_float2(dl4.z, dl4.w) : make_float2(dl4.x, dl4.y);
+          const float2 os = (j & 1) ? make_float2(os4.z, os4.w) : make_float2(os4.x, os4.y);
           pt[j][0] = __fmul_rn(pt[j][0], fmaf(dp[jj][0], __fmul_rn(os.x, vs0), -dl.x));
           pt[j][1] = __fmul_rn(pt[j][1], fmaf(dp[jj][1], __fmul_rn(os.y, vs0), -dl.y));
           pt[j][2] = __fmul_rn(pt[j][2], fmaf(dp[jj][2], __fmul_rn(os.x, vs1), -dl.x));
@@ -1333,7 +1463,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
         }
       }
     }
-    if (!interior) wg_mask_vis<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
+    if (!interior) {  // P = 0 there, but dP_hat may be NaN
+      if constexpr (kSliced)
+        wg_mask_vis<kTile>(pt, tg, warp, lane);
+      else
+        wg_mask_main<false>(pt, nullptr, tg, warp, lane);
+    }
 
     // Sliced: this pair's column tiles are in; the row tiles are free (every
     // S/dP wgmma completed, the row scales, LSE and delta read): load the
@@ -1409,7 +1544,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int w = 0; w < 4; ++w) m = max_nan(m, sAmax[(4 * wg + w) * kTile + i]);
       const float2 sc = fast_scale<FMT>(m);
-      sRowInv[wg * kTile + i] = sc.y;
+      sRowInv[wg * kTile + (kSliced ? i : frag_pos(i))] = sc.y;  // v7: fragment order at d <= 128
       sRowSq[(2 * buf + wg) * kTile + q_of_col(i)] = sc.x;
     }
     wg_sync();
@@ -1427,9 +1562,18 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         ds_base[c] = sDSb + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
+      // v7 (d <= 128): fragment order, one float4 per two j, loaded before
+      // the pair's stores (the byte stores could alias it for the compiler).
+      float4 inv4 = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const float2 inv = *reinterpret_cast<const float2*>(inv_wg + 8 * j + 2 * t);
+        float2 inv;
+        if constexpr (kSliced) {
+          inv = *reinterpret_cast<const float2*>(inv_wg + 8 * j + 2 * t);
+        } else {
+          if ((j & 1) == 0) inv4 = frag_ld4(inv_wg, j, t);
+          inv = (j & 1) ? make_float2(inv4.z, inv4.w) : make_float2(inv4.x, inv4.y);
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float iv = e ? inv.y : inv.x;
@@ -1484,7 +1628,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       // Q column scales of dK chunk c (4 float2 per thread).
       auto load_sb = [&](int c, float2(&sb)[4]) {
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) sb[jj] = *reinterpret_cast<const float2*>(F + L::kSQcs + 32 * c + 8 * jj + 2 * t);
+        for (int jj = 0; jj < 4; ++jj) {
+          if constexpr (kSliced) {
+            sb[jj] = *reinterpret_cast<const float2*>(F + L::kSQcs + 32 * c + 8 * jj + 2 * t);
+          } else if ((jj & 1) == 0) {  // v7: fragment order
+            const float4 s4 = frag_ld4(F + L::kSQcs + 32 * c, jj, t);
+            sb[jj] = make_float2(s4.x, s4.y);
+            sb[jj + 1] = make_float2(s4.z, s4.w);
+          }
+        }
       };
       auto scale_dk_sb = [&](int c, float(&pk)[4][4], const float2(&sb)[4]) {
         fence_regs<16>(&pk[0][0]);
@@ -1567,7 +1719,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
           float2 ksc[4];
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) ksc[jj] = *reinterpret_cast<const float2*>(sKcs + 32 * c + 8 * jj + 2 * t);
-          store_dq2(Int<32>{}, &pk0[0][0], &pk1[0][0], ksc, sRowSq, dq_t, m0, 32 * c);
+          store_dq2(Int<32>{}, &pk0[0][0], &pk1[0][0], ksc, dq_scales(sRowSq), dq_t, m0, 32 * c);
         }
       }
     }
