@@ -220,6 +220,18 @@ def bwd_kernel(kernel):
             os.environ["FP8ATTN_BWD_KERNEL"] = old
 
 
+def ds_halves_base(hq, hkv, sq, sk, d, dv, seed):
+    """Standard-normal Q, K (FP32, to be edited), V, dO (BF16) and the mask of the
+    far key half (keys 64..127 of every 128-key tile) for the 64-key dS tests."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, sq, d, generator=gen)
+    k = torch.randn(1, hkv, sk, d, generator=gen)
+    v = torch.randn(1, hkv, sk, dv, generator=gen).bfloat16()
+    dout = torch.randn(1, hq, sq, dv, generator=gen).bfloat16()
+    far = (torch.arange(sk) % 128) >= 64
+    return gen, q, k, v, dout, far
+
+
 def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
     """(d, dv) = (192, 128) inputs on which the 64-key dS blocks of dQ = dS K matter:
     the logits to keys 64..127 of every 128-key tile are ~16 lower (their P and dS
@@ -228,13 +240,8 @@ def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
     dQ[..., 128] then comes from the small half alone: a 128-key dS block flushes
     that half to FP8 zero (dQ[..., 128] = 0), 64-key blocks keep it
     (tests/cpp ReferenceFp8.DsOfDqMatmulIsBlockedIn64Keys is the CPU twin)."""
-    gen = torch.Generator().manual_seed(seed)
     d, dv = 192, 128
-    q = torch.randn(1, hq, sq, d, generator=gen)
-    k = torch.randn(1, hkv, sk, d, generator=gen)
-    v = torch.randn(1, hkv, sk, dv, generator=gen).bfloat16()
-    dout = torch.randn(1, hq, sq, dv, generator=gen).bfloat16()
-    far = (torch.arange(sk) % 128) >= 64
+    gen, q, k, v, dout, far = ds_halves_base(hq, hkv, sq, sk, d, dv, seed)
     q[..., 0] = 16.0
     q[..., 128:] = 0.0
     k[..., 128:] = 0.0
@@ -270,12 +277,7 @@ def make_ds_halves_inputs_narrow(hq, hkv, sq, sk, d, causal, seed):
     normal; Q is 0 there, so S does not see it). dQ[..., d - 1] then comes from
     the small half alone, ~2^-28 of the other channels: it is compared on its
     own. A 128-key dS block gives dQ[..., d - 1] = 0 there."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, sq, d, generator=gen)
-    k = torch.randn(1, hkv, sk, d, generator=gen)
-    v = torch.randn(1, hkv, sk, d, generator=gen).bfloat16()
-    dout = torch.randn(1, hq, sq, d, generator=gen).bfloat16()
-    far = (torch.arange(sk) % 128) >= 64
+    gen, q, k, v, dout, far = ds_halves_base(hq, hkv, sq, sk, d, d, seed)
     q[..., 0] = 16.0
     q[..., d - 1] = 0.0
     k[..., 0] = torch.where(far, -14.0, 0.0)
