@@ -951,7 +951,9 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
 //    each after the thread's last read of the stage, wgmma reads completed)
 //    completed;
 //  * the #6 dS amax is per warpgroup (64-key blocks, numerics.md): a named
-//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads;
+//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads
+//    (v7: also after the warpgroup's LSE * log2(e) stores); bar 3 (256) only
+//    for the pingpong start offset (kWgPingpong);
 //  * dQ (#6) runs one tile pair late from double-buffered dS codes: ds_full[b]
 //    (256 arrivals: st.shared, fence.proxy.async, arrive) and ds_empty[b]
 //    (256 arrivals after the thread's dQ wgmmas on buffer b completed).
