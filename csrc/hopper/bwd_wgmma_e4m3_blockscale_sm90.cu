@@ -355,9 +355,10 @@ __device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, i
 // leaves the normal range (|scales| < 2^-100 or so: not a real input). One
 // FMUL per element instead of two (docs/kernels/bwd_wgmma_..., v4).
 // d > 128 (wg_tile_p_scaled): s is S^T already scaled (sum over the blocks).
-// kLseRaw (main kernel, v6): sLse2 holds LSE itself and each read takes
+// kLseRaw (v6's main kernel): sLse2 holds LSE itself and each read takes
 // __fmul_rn(LSE, log2(e)), the very product lse2_in_place stores for the
-// pre-pass (bitwise the same exponent; no in-place pass, so no CTA barrier).
+// pre-pass (bitwise the same exponent). No caller since v7 (the d <= 128 main
+// kernel uses wg_tile_p_main); the pre-pass uses the default.
 template <int NQ, bool kLseRaw = false>
 __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float* sKs, const float* sQs,
                                               const float* sLse2, float c2, int warp, int lane) {
@@ -415,10 +416,9 @@ __device__ __forceinline__ void wg_tile_p_scaled(float (&s)[NQ / 8][4], const fl
 // pass of their own after the unmasked element work (interior tiles, most of
 // them, skip it; no per-element branches in the hot code):
 //   P: 0 where the key is not visible or the query is past the sequence or
-//   has LSE = -inf. NOTE: sLse2 may hold LSE * log2(e) or LSE itself (main
-//   kernel, v6): the -inf test is the same for both (a finite LSE stays finite
-//   times log2(e)), and queries past the sequence (LSE zero-filled there) are
-//   caught by tg.visible;
+//   has LSE = -inf. sLse2 holds LSE * log2(e) (lse2_in_place; callers: the
+//   pre-pass and the sliced main kernel, the d <= 128 main kernel uses
+//   wg_mask_main); queries past the sequence are caught by tg.visible;
 //   dS: 0 where the key is not visible (P = 0 there, but dP_hat may be NaN).
 template <int NQ>
 __device__ __forceinline__ void wg_mask_p(float (&s)[NQ / 8][4], const float* sLse2, const TileGeom& tg, int warp,
@@ -838,8 +838,10 @@ struct WgMainLayout {
   // ds_full[2], ds_empty[2] (dS code buffers); v6 NOTE in the kernel.
   static constexpr int kBar = 0, kNumBars = 8;
   static constexpr int kKs = kBar + 2 * kNumBars, kVs = kKs + kNbQK * kTile, kKcs = kVs + kNbV * kTile;  // [block][128]
+  // (kKcs: [kWk] K column scales, fragment order at d <= 128, v7)
   static constexpr int kAmax = kKcs + kWk;                    // [8 warps][128 columns]
-  static constexpr int kRowInv = kAmax + kWarps * kTile;      // [2 key halves][128 columns]: 1 / s_dS
+  // 1 / s_dS, [2 key halves][128 columns] (fragment order at d <= 128, v7)
+  static constexpr int kRowInv = kAmax + kWarps * kTile;
   static constexpr int kRowSq = kRowInv + 2 * kTile;          // [kDsBufs][2 key halves][128 queries (natural)]: s_dS
   // [2 warpgroups][128 columns] (d <= 128, v7): LSE * log2(e) of the pair, fragment order.
   static constexpr int kLse2 = kRowSq + kDsBufs * 2 * kTile;
@@ -949,7 +951,9 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
 //    each after the thread's last read of the stage, wgmma reads completed)
 //    completed;
 //  * the #6 dS amax is per warpgroup (64-key blocks, numerics.md): a named
-//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads;
+//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads
+//    (v7: also after the warpgroup's LSE * log2(e) stores); bar 3 (256) only
+//    for the pingpong start offset (kWgPingpong);
 //  * dQ (#6) runs one tile pair late from double-buffered dS codes: ds_full[b]
 //    (256 arrivals: st.shared, fence.proxy.async, arrive) and ds_empty[b]
 //    (256 arrivals after the thread's dQ wgmmas on buffer b completed).
@@ -1361,7 +1365,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
 
     // ---- S^T and P (#3) (same instructions and scaling as the pre-pass). At
     // d = 64 both dP^T halves (#4) are issued with S^T (registers allow it).
-    // d <= 128: the stage holds LSE itself (no in-place pass, v6).
+    // d <= 128: the stage holds LSE itself (no in-place pass, v6); P reads the
+    // warpgroup's LSE * log2(e) array written below (v7).
     constexpr bool kEarlyDp = DV <= 64;
     float pt[16][4];
     float dpe[kEarlyDp ? 2 : 1][8][4];
