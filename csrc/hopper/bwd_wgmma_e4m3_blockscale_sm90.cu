@@ -355,11 +355,7 @@ __device__ __forceinline__ void wg_scale_s(const float* sKs, const float* sQs, i
 // leaves the normal range (|scales| < 2^-100 or so: not a real input). One
 // FMUL per element instead of two (docs/kernels/bwd_wgmma_..., v4).
 // d > 128 (wg_tile_p_scaled): s is S^T already scaled (sum over the blocks).
-// kLseRaw (v6's main kernel): sLse2 holds LSE itself and each read takes
-// __fmul_rn(LSE, log2(e)), the very product lse2_in_place stores for the
-// pre-pass (bitwise the same exponent). No caller since v7 (the d <= 128 main
-// kernel uses wg_tile_p_main); the pre-pass uses the default.
-template <int NQ, bool kLseRaw = false>
+template <int NQ>
 __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float* sKs, const float* sQs,
                                               const float* sLse2, float c2, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
@@ -368,20 +364,18 @@ __device__ __forceinline__ void wg_tile_p_raw(float (&s)[NQ / 8][4], const float
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
     const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
-    float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
-    if constexpr (kLseRaw) l = make_float2(__fmul_rn(l.x, kLog2e), __fmul_rn(l.y, kLog2e));
+    const float2 l = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
     s[j][0] = ex2(fmaf(s[j][0], __fmul_rn(qs.x, kc0), -l.x));
     s[j][1] = ex2(fmaf(s[j][1], __fmul_rn(qs.y, kc0), -l.y));
     s[j][2] = ex2(fmaf(s[j][2], __fmul_rn(qs.x, kc1), -l.x));
     s[j][3] = ex2(fmaf(s[j][3], __fmul_rn(qs.y, kc1), -l.y));
   }
 }
-// Main kernel, d <= 128 (v7): wg_tile_p_raw<kTile, true> with the query
+// Main kernel, d <= 128 (v7): wg_tile_p_raw's arithmetic with the query
 // scales and LSE in fragment order (frag_pos), one LDS.128 per two j of each
 // array. sLse2: __fmul_rn(LSE, log2(e)) per column, stored once per pair and
-// warpgroup by the kernel (the product wg_tile_p_raw<kTile, true> takes per
-// element and lse2_in_place stores for the pre-pass): the same operations on
-// the same values per element.
+// warpgroup by the kernel: the product lse2_in_place stores for the pre-pass,
+// so the same operations on the same values per element.
 __device__ __forceinline__ void wg_tile_p_main(float (&s)[16][4], const float* sKs, const float* sQs,
                                                const float* sLse2, float c2, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3, r0 = warp * 16 + g;
@@ -951,7 +945,7 @@ __device__ __forceinline__ void wg_rows_x_tile(const uint32_t (&codes)[8][2], fl
 //    each after the thread's last read of the stage, wgmma reads completed)
 //    completed;
 //  * the #6 dS amax is per warpgroup (64-key blocks, numerics.md): a named
-//    barrier per warpgroup (bar 1 + wg, 128 threads) instead of __syncthreads
+//    barrier per warpgroup (bar kWgBarWarpgroup + wg, 128 threads) instead of __syncthreads
 //    (v7: also after the warpgroup's LSE * log2(e) stores); bar 3 (256) only
 //    for the pingpong start offset (kWgPingpong);
 //  * dQ (#6) runs one tile pair late from double-buffered dS codes: ds_full[b]
@@ -1193,14 +1187,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     fence_regs<N / 2>(pa);
     fence_regs<N / 2>(pb);
     wg_arrive();
+    constexpr int kKs = kWgDsBlock / 32;  // k32 steps per #6 dS block: pa keys block 0, pb block 1
 #pragma unroll
-    for (int k = 0; k < 2; ++k)
+    for (int k = 0; k < kKs; ++k)
       gmma_ss<FMT, kFmtE4M3, N>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + col0 * (128 / 16) + kDescK32 * k), pa,
                                 k > 0);
 #pragma unroll
-    for (int k = 2; k < 4; ++k)
+    for (int k = kKs; k < 2 * kKs; ++k)
       gmma_ss<FMT, kFmtE4M3, N>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + col0 * (128 / 16) + kDescK32 * k), pb,
-                                k > 2);
+                                k > kKs);
     wg_commit();
   };
   // After the wait: dq_accum[rows q0, q0 + 8][col0 + ...] += pa s_dS(q, keys 0-63) s_K + pb s_dS(q, keys 64-127) s_K.
@@ -1302,7 +1297,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
   int m0_prev = 0;
   // Pingpong (kWgPingpong): warpgroup 1 starts half a tile pair late.
   if constexpr (!kSliced && kWgPingpong) {
-    if (n_iters > 0 && warpgroup_uniform() == 1) named_bar_sync(3, kWgThreads);
+    if (n_iters > 0 && warpgroup_uniform() == 1) named_bar_sync(kWgBarPingpong, kWgThreads);
   }
   for (int it = 0; it < n_iters; ++it) {
     const int hq = hq_it, m_tile = m_it, st = it % L::kStages;
@@ -1382,11 +1377,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       // v7: LSE * log2(e) once per column and warpgroup (one FMUL per thread
       // instead of 32), issued under the S^T wgmma. NOTE (order): every warp
       // of this warpgroup read the previous pair's values before that pair's
-      // amax barrier (named barrier 1 + wg), which this thread passed before
+      // amax barrier (named barrier kWgBarWarpgroup + wg), which this thread passed before
       // writing; the barrier below publishes the new values to the warpgroup.
       float* sLse2 = sf + L::kLse2 + wg * kTile;
       sLse2[threadIdx.x & (kTile - 1)] = __fmul_rn(F[L::kSLse + (threadIdx.x & (kTile - 1))], kLog2e);
-      named_bar_sync(1 + wg, 128);
+      named_bar_sync(kWgBarWarpgroup + wg, 128);
       if constexpr (kEarlyDp) {
         wg_wait<2>();
       } else {
@@ -1423,7 +1418,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
     if constexpr (!kSliced) {
       dv_step(codes_p, sp0, sp1);
       if constexpr (kWgPingpong) {
-        if (it == 0 && wg == 0) named_bar_arrive(3, kWgThreads);
+        if (it == 0 && wg == 0) named_bar_arrive(kWgBarPingpong, kWgThreads);
       }
       if constexpr (kWgStageIssue == 1) issue_next();
     }
@@ -1534,12 +1529,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
     }
     // NOTE: the sliced kernels keep their lockstep (__syncthreads); d <= 128
-    // syncs the warpgroup only (named barrier 1 + wg; 0 is __syncthreads).
+    // syncs the warpgroup only (named barrier kWgBarWarpgroup + wg; 0 is __syncthreads).
     auto wg_sync = [&]() {
       if constexpr (kSliced)
         __syncthreads();
       else
-        named_bar_sync(1 + wg, 128);
+        named_bar_sync(kWgBarWarpgroup + wg, 128);
     };
     wg_sync();
     static_assert(kTile == 128 && kWgThreads == 2 * kTile, "one column per thread of each warpgroup");
@@ -1547,7 +1542,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
       const int i = threadIdx.x & (kTile - 1);  // column of this warpgroup's block wg
       float m = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) m = max_nan(m, sAmax[(4 * wg + w) * kTile + i]);
+      for (int w = 0; w < kDsWarps; ++w) m = max_nan(m, sAmax[(kDsWarps * wg + w) * kTile + i]);
       const float2 sc = fast_scale<FMT>(m);
       sRowInv[wg * kTile + (kSliced ? i : frag_pos(i))] = sc.y;  // v7: fragment order at d <= 128
       sRowSq[(2 * buf + wg) * kTile + q_of_col(i)] = sc.x;

@@ -145,6 +145,14 @@ constexpr int kWgPreQ = 64;
 // (kWgDsBufs), its dQ runs one tile pair late (v6, kernel note).
 constexpr int kWgDsBlock = kDsBlock;  // the one #6 dS block (above), shared with the mma.sync kernel
 constexpr int kWgDsBufs = 2;
+// Named barrier ids of the d <= 128 main kernel (0 is __syncthreads):
+// kWgBarWarpgroup + wg syncs warpgroup wg's 128 threads (#6 amax, LSE array);
+// kWgBarPingpong holds warpgroup 1 back half a tile pair at the start.
+constexpr int kWgBarWarpgroup = 1;
+constexpr int kWgBarPingpong = 3;
+static_assert(kWgBarWarpgroup > 0 && kWgBarPingpong > 0 && kWgBarPingpong != kWgBarWarpgroup &&
+                  kWgBarPingpong != kWgBarWarpgroup + 1 && kWgBarPingpong < 16 && kWgBarWarpgroup + 1 < 16,
+              "distinct hardware named barriers 1..15 (two per-warpgroup ids and the pingpong id)");
 // v6 tuning knobs (d <= 128 main kernel; docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md, v6):
 //  kWgStageIssue: where a thread issues the next tile pair's query-side copies
 //  (after waiting for the stage to be free): 0 top of the pair, 1 after dV,
