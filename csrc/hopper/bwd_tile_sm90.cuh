@@ -496,28 +496,30 @@ __device__ __forceinline__ void quantize_rows(const float (&x)[16][4], uint32_t 
 }
 
 // Column reduction over the 8 lanes that share t (the 16 keys of a warp, with
-// each thread's two rows already combined in v): v[2j + e] is the thread's
-// value for query 8j + 2t + e. Returns 4 reduced columns per thread:
-// out[i] is query 16g + 8(i/2) + 2t + i%2. Exchange-halving butterfly:
-// 28 shuffles instead of 96.
-template <class Op>
-__device__ __forceinline__ void reduce_cols(const float (&v)[32], float (&out)[4], int lane, Op op) {
+// each thread's two rows already combined in v). N = 32: v[2j + e] is the
+// thread's value for query 8j + 2t + e (j < 16); out[i] is query
+// 16g + 8(i/2) + 2t + i%2 (4 columns per thread). N = 16 (one 64-column half,
+// the wgmma backward): j < 8, out[e] is column 8g + 2t + e. Exchange-halving
+// butterfly: 28 (N = 32) / 14 (N = 16) shuffles instead of 3N.
+template <class Op, int N>
+__device__ __forceinline__ void reduce_cols(const float (&v)[N], float (&out)[N / 8], int lane, Op op) {
+  static_assert(N == 16 || N == 32, "16 or 32 values per thread");
   const int g = lane >> 2;
-  float w[16], x[8];
+  float w[N / 2], x[N / 4];
   const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float mine = b2 ? v[i + 16] : v[i], send = b2 ? v[i] : v[i + 16];
+  for (int i = 0; i < N / 2; ++i) {
+    const float mine = b2 ? v[i + N / 2] : v[i], send = b2 ? v[i] : v[i + N / 2];
     w[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 16));
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float mine = b1 ? w[i + 8] : w[i], send = b1 ? w[i] : w[i + 8];
+  for (int i = 0; i < N / 4; ++i) {
+    const float mine = b1 ? w[i + N / 4] : w[i], send = b1 ? w[i] : w[i + N / 4];
     x[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 8));
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float mine = b0 ? x[i + 4] : x[i], send = b0 ? x[i] : x[i + 4];
+  for (int i = 0; i < N / 8; ++i) {
+    const float mine = b0 ? x[i + N / 8] : x[i], send = b0 ? x[i] : x[i + N / 8];
     out[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 4));
   }
 }

@@ -864,31 +864,6 @@ static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kB
                   WgMainLayout<64, 64>::kBytes <= 227 * 1024,
               "d <= 128: two dS buffers fit");
 
-// reduce_cols (bwd_tile_sm90.cuh) over one 64-column half: v[2j + e] is the
-// thread's value for column 8j + 2t + e (j < 8); returns column 8g + 2t + e
-// in out[e]. Same butterfly (14 shuffles), half the registers.
-template <class Op>
-__device__ __forceinline__ void reduce_cols16(const float (&v)[16], float (&out)[2], int lane, Op op) {
-  const int g = lane >> 2;
-  float w[8], x[4];
-  const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float mine = b2 ? v[i + 8] : v[i], send = b2 ? v[i] : v[i + 8];
-    w[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 16));
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float mine = b1 ? w[i + 4] : w[i], send = b1 ? w[i] : w[i + 4];
-    x[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 8));
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float mine = b0 ? x[i + 2] : x[i], send = b0 ? x[i] : x[i + 2];
-    out[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 4));
-  }
-}
-
 // part (m64 x N, this warp's rows) of A (registers, per-row scales sa) times B
 // [N channels][128 positions] (swizzled, column scales sBs) accumulated into
 // dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
@@ -1501,7 +1476,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) bwd_wgmma_main_kernel(const Ker
               const float* x = pt[8 * hf + j];
               v[2 * j + e] = pass == 0 ? x[e] + x[e + 2] : fabsf(x[e]) + fabsf(x[e + 2]);
             }
-          reduce_cols16(v, rs, lane, OpAdd());
+          reduce_cols(v, rs, lane, OpAdd());  // N = 16: one 64-column half
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int q = m0 + q_of_col(64 * hf + 8 * g + 2 * t + e);
