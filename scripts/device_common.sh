@@ -1,5 +1,6 @@
 # Sourced by the device scripts (device_all.sh, device_ncu.sh, device_linear.sh,
 # device_fquant.sh, results_study.sh, seeds_study.sh): the set-up they share.
+# The study_* functions use the caller's note / say / LOG.
 
 # device_setup NAME: cd to the repository root (ROOT), OUT defaults to $ROOT/NAME
 # (the device's `run` sets OUT itself), python/ on PYTHONPATH, unbuffered output.
@@ -29,4 +30,33 @@ has_cuda_kernels() {
 # torch_versions: one line of python / torch / CUDA / cuDNN versions.
 torch_versions() {
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+}
+
+# study_library GPU: the fp8attn library of a training study (results_study.sh,
+# seeds_study.sh). GPU=1: the carried CUDA build (a build on the device would
+# eat the budget); else the CPU extension, built in place when missing.
+# Returns 1 after a note saying why.
+study_library() {
+  if [ "$1" = 1 ]; then
+    use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; return 1; }
+    if ! has_cuda_kernels >>"$LOG" 2>&1; then
+      note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; return 1
+    fi
+    note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
+  else
+    if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
+      say "building the CPU extension in place"
+      FP8ATTN_BUILD_CUDA=0 python3 setup.py build_ext --inplace >>"$LOG" 2>&1 || { note "CPU build failed"; return 1; }
+    fi
+    note "library: CPU reference op (no GPU)"
+  fi
+}
+
+# study_corpus GPU PRESET: a gpu-* preset on the device needs the carried
+# tokenized corpus (the device has no network). Returns 1 after a note.
+study_corpus() {
+  if [ "$1" = 1 ] && case "$2" in gpu-*) true;; *) false;; esac \
+     && [ ! -f data/linux-doc-6.1-bpe16384-32mb/meta.json ]; then
+    note "data/linux-doc-6.1-bpe16384-32mb is missing: carry it (the device has no network)"; return 1
+  fi
 }

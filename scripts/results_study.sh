@@ -163,23 +163,8 @@ echo "== versions" | tee -a "$LOG"
 } | tee -a "$SUMMARY" | tee -a "$LOG"
 
 echo "== library" | tee -a "$LOG"
-if [ "$GPU" = 1 ]; then
-  use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; }
-  if ! has_cuda_kernels >>"$LOG" 2>&1; then
-    note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
-  fi
-  note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
-else
-  if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
-    say "building the CPU extension in place"
-    FP8ATTN_BUILD_CUDA=0 python3 setup.py build_ext --inplace >>"$LOG" 2>&1 || { note "CPU build failed"; exit 1; }
-  fi
-  note "library: CPU reference op (no GPU)"
-fi
-if [ "$GPU" = 1 ] && case "$PRESET" in gpu-*) true;; *) false;; esac \
-   && [ ! -f data/linux-doc-6.1-bpe16384-32mb/meta.json ]; then
-  note "data/linux-doc-6.1-bpe16384-32mb is missing: carry it (the device has no network)"; exit 1
-fi
+study_library "$GPU" || exit 1
+study_corpus "$GPU" "$PRESET" || exit 1
 note "config: preset $PRESET, model $MODEL, qk_norm $QK_NORM, lr $LR, ${BATCH}x${SEQ} tokens/step, seed $SEED, device $DEVICE"
 
 # ---- 1. calibration -> step count ------------------------------------------------

@@ -276,25 +276,12 @@ echo "== versions" | tee -a "$LOG"
 } | tee -a "$SUMMARY" | tee -a "$LOG"
 
 echo "== library" | tee -a "$LOG"
-if [ "$GPU" = 1 ]; then
-  use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; exit 1; }
-  if ! has_cuda_kernels >>"$LOG" 2>&1; then
-    note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; exit 1
-  fi
-  note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
-  export OMP_NUM_THREADS=$(( $(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1 ))   # NOTE: CPU side of 8 processes
-else
-  if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
-    say "building the CPU extension in place"
-    FP8ATTN_BUILD_CUDA=0 python3 setup.py build_ext --inplace >>"$LOG" 2>&1 || { note "CPU build failed"; exit 1; }
-  fi
-  note "library: CPU reference op (no GPU)"
+study_library "$GPU" || exit 1
+if [ "$GPU" = 1 ]; then  # NOTE: CPU side of 8 processes
+  export OMP_NUM_THREADS=$(( $(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1 ))
 fi
 # NOTE: the corpus is prepared once here, not by 8 processes at once.
-if [ "$GPU" = 1 ] && case "$PRESET" in gpu-*) true;; *) false;; esac \
-   && [ ! -f data/linux-doc-6.1-bpe16384-32mb/meta.json ]; then
-  note "data/linux-doc-6.1-bpe16384-32mb is missing: carry it (the device has no network)"; exit 1
-fi
+study_corpus "$GPU" "$PRESET" || exit 1
 if ! python3 - "$PRESET" >>"$LOG" 2>&1 <<'EOF'
 import sys
 from fp8attn.train.compare import DATA_MAX_MB
