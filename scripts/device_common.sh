@@ -1,6 +1,6 @@
 # Sourced by the device scripts (device_all.sh, device_ncu.sh, device_linear.sh,
 # device_fquant.sh, results_study.sh, seeds_study.sh): the set-up they share.
-# The study_* functions use the caller's note / say / LOG.
+# The study_* functions share note / say / LOG (study_logs sets them).
 
 # device_setup NAME: cd to the repository root (ROOT), OUT defaults to $ROOT/NAME
 # (the device's `run` sets OUT itself), python/ on PYTHONPATH, unbuffered output.
@@ -30,6 +30,17 @@ has_cuda_kernels() {
 # torch_versions: one line of python / torch / CUDA / cuDNN versions.
 torch_versions() {
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+}
+
+# study_logs NAME: fresh $OUT/NAME (LOG, everything) and $OUT/summary.txt
+# (SUMMARY, the notes); note MSG goes to both and stdout, say MSG to LOG and stdout.
+study_logs() {
+  LOG="$OUT/$1"
+  SUMMARY="$OUT/summary.txt"
+  : >"$LOG"
+  : >"$SUMMARY"
+  note() { echo "$*" | tee -a "$SUMMARY" >>"$LOG"; echo "$*"; }
+  say() { echo "$*" | tee -a "$LOG"; }
 }
 
 # study_library GPU: the fp8attn library of a training study (results_study.sh,

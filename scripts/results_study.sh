@@ -99,12 +99,7 @@ DEADLINE=$((T0 + TOTAL_S))
 left() { echo $((DEADLINE - $(date +%s))); }
 tmo() { local t=$(( $(left) - $1 )); echo $(( t > 5 ? t : 5 )); }   # seconds left minus a reserve, >= 5
 rm -f "$OUT"/study.tgz "$OUT"/states.tgz "$OUT"/report.md "$OUT"/probe.md "$OUT"/results.md
-LOG="$OUT/study.log"
-SUMMARY="$OUT/summary.txt"
-: >"$LOG"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY" >>"$LOG"; echo "$*"; }
-say() { echo "$*" | tee -a "$LOG"; }
+study_logs study.log
 
 if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
    && [ "${STUDY_DEVICE:-auto}" != cpu ]; then GPU=1; else GPU=0; fi

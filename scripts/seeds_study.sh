@@ -113,12 +113,7 @@ JOBS=()   # mode:seed, seed-major (a first wave holds whole seeds)
 for s in ${SEEDS//,/ }; do for m in ${MODES//,/ }; do JOBS+=("$m:$s"); done; done
 
 rm -f "$OUT"/seeds.tgz "$OUT"/seeds.md "$OUT"/seeds.json "$OUT"/seeds_*.png
-LOG="$OUT/seeds.log"
-SUMMARY="$OUT/summary.txt"
-: >"$LOG"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY" >>"$LOG"; echo "$*"; }
-say() { echo "$*" | tee -a "$LOG"; }
+study_logs seeds.log
 rm -rf "$RUN"
 mkdir -p "$RUN"
 
