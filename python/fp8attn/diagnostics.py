@@ -114,9 +114,17 @@ def record(keep_raw: bool = False) -> Iterator[DiagnosticsRecord]:
 
 def is_recording() -> bool:
     """True when a `record()` context is active (always False while compiling)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_tracing():
         return False
     return bool(_active)
+
+
+def _is_tracing() -> bool:
+    # NOTE: AOT autograd traces the backward of a register_autograd op (the raw
+    # fwd op, varlen_fwd) outside dynamo, where is_compiling() reads False; the
+    # fake / proxy dispatch modes of that trace are active, so test for those.
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
 
 
 def name_layers(model: torch.nn.Module, overwrite: bool = False) -> int:

@@ -480,6 +480,24 @@ def test_diagnostics_off_costs_nothing():
     assert len(rec.records) == 1
 
 
+def test_compiled_raw_op_backward_under_record_takes_no_records():
+    """torch.ops.fp8attn.fwd's backward (register_autograd) is traced by AOT
+    autograd outside dynamo, where torch.compiler.is_compiling() reads False.
+    is_recording() must still read False there: before that check (fake / proxy
+    mode), compiling inside a record() context failed in diag_stats with a
+    data-dependent guard on the fake diag tensor."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 16)
+    f = torch.compile(lambda q, k, v: torch.ops.fp8attn.fwd(q, k, v, 0.25, False, "fp8", 32)[0].sum(),
+                      fullgraph=True, backend="aot_eager")
+    with diagnostics.record() as rec:
+        f(q, k, v).backward()
+        assert rec.records == []
+        torch.ops.fp8attn.fwd(q, k, v, 0.25, False, "fp8", 32)[0].sum().backward()  # eager: recorded
+    assert len(rec.records) == 1
+    torch._dynamo.reset()
+
+
 # ---- non-finite values ---------------------------------------------------------------
 
 
