@@ -201,20 +201,27 @@ def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, blo
     dq, dk, dv, diag = torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision,
                                              delta_mode, block_size, grad_format, want_diag)
     if want_diag:
-        _diag._record(diag, {
-            "layer": layer_name,
-            "delta_mode": delta_mode,
-            "precision": precision,
-            "grad_format": grad_format,
-            "block_size": block_size,
-            "causal": causal,
-            "shape": {
-                "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
-                "seqlen_q": q.shape[2], "seqlen_k": k.shape[2],
-                "head_dim_qk": q.shape[3], "head_dim_v": v.shape[3],
-            },
-        })
+        _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
+                                       layer_name))
     return dq, dk, dv
+
+
+def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, layer_name) -> dict:
+    """The non-statistics fields of a diagnostics record of one bwd call on
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (also used by varlen)."""
+    return {
+        "layer": layer_name,
+        "delta_mode": delta_mode,
+        "precision": precision,
+        "grad_format": grad_format,
+        "block_size": block_size,
+        "causal": causal,
+        "shape": {
+            "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
+            "seqlen_q": q.shape[2], "seqlen_k": k.shape[2],
+            "head_dim_qk": q.shape[3], "head_dim_v": v.shape[3],
+        },
+    }
 
 
 class _AttentionFunction(torch.autograd.Function):

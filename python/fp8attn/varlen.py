@@ -6,10 +6,28 @@ within itself only. Math: docs/numerics.md section 1 per sequence (bottom-right
 causal mask per sequence); section 7: the FP8 block grid restarts at token 0 of
 every sequence.
 
-Implementation: one differentiable `fp8attn.attention` call per sequence on
-[1, heads, len, head_dim] views of its slices; autograd flows through
-torch.split / torch.cat. Simple and bit-identical to per-sequence calls; a
-single-launch varlen kernel is future work.
+Implementation: two custom ops, opaque to torch.compile, so that
+`torch.compile(fullgraph=True)` traces varlen_attention without a graph break:
+
+  fp8attn::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, precision, block_size, delta_mode,
+      grad_format, layer_name) -> (out [total_q, Hq, Dv] q.dtype,
+                                   lse float32 [Hq, total_q])
+  fp8attn::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+      softmax_scale, causal, precision, delta_mode, block_size, grad_format,
+      diagnostics) -> (dq, dk, dv like q, k, v;
+                       diag float32 [4, Hq, total_q] if diagnostics else [0])
+
+Each reads cu_seqlens on the host (a device sync for CUDA tensors), checks
+their values, and loops over the sequences calling the raw ops
+torch.ops.fp8attn.fwd / bwd on [1, heads, len, head_dim] views of each
+sequence's slices: bit-identical to calling `attention` per sequence. The
+outputs start as O = 0, LSE = -inf, zero gradients, so tokens outside every
+sequence and empty sequences keep those values. The fake kernels give the
+output shapes from the input shapes alone. varlen_fwd is differentiable
+(register_autograd; the backward calls varlen_bwd and takes the diagnostics
+records). delta_mode, grad_format and layer_name are in varlen_fwd's schema only
+for its backward. A single-launch varlen kernel is future work.
 """
 from __future__ import annotations
 
@@ -18,8 +36,10 @@ from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
-from .ops import _err, attention, check_inputs, check_options
+from . import diagnostics as _diag
+from .ops import _diag_meta, _err, _is_empty, check_inputs, check_options
 
 __all__ = ["varlen_attention"]
 
@@ -27,10 +47,13 @@ _FN = "varlen_attention"
 
 
 # ---- argument checks ---------------------------------------------------------
+# Static checks (types, ranks, dtypes, shapes) run in `varlen_attention`, also
+# while tracing; the checks of cu_seqlens / max_seqlen values run inside the
+# ops, at run time.
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str) -> List[int]:
-    """Validates one cu_seqlens tensor and returns it as a Python list."""
+def _check_cu_seqlens(name: str, cu) -> None:
+    """Static checks of one cu_seqlens argument (no value read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(_err(_FN, name, f"must be a torch.Tensor, got {type(cu).__name__}"))
     if cu.dtype not in (torch.int32, torch.int64):
@@ -40,8 +63,29 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str) 
     if cu.device.type == "meta":
         raise ValueError(_err(_FN, name, "is a meta tensor, but its values are read on the host; "
                                          "pass a CPU or CUDA tensor"))
-    # NOTE: read on the host (a device sync for CUDA tensors); the per-sequence
-    # loop needs the lengths as Python ints anyway.
+
+
+def _check_batch(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
+    nq, nk = cu_q.shape[0], cu_k.shape[0]
+    if nq != nk:
+        raise ValueError(_err(_FN, "cu_seqlens_k", f"has length {nk} (batch {nk - 1}), but "
+                                                   f"cu_seqlens_q has length {nq} (batch {nq - 1})"))
+
+
+def _check_max_seqlen_type(name: str, value) -> Optional[int]:
+    """Static check of one max_seqlen argument; returns it as an int or None."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(_err(_FN, name, f"must be an int or None, got {type(value).__name__}"))
+    return int(value)
+
+
+def _cu_values(name: str, cu: torch.Tensor, total: int, total_name: str) -> List[int]:
+    """Reads one cu_seqlens on the host, checks its values, returns it as a list."""
+    _check_cu_seqlens(name, cu)
+    # NOTE: a device sync for CUDA tensors; the per-sequence loop needs the
+    # lengths as Python ints anyway.
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(_err(_FN, name, f"must start at 0, got {vals[0]}"))
@@ -54,14 +98,127 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str) 
     return vals
 
 
-def _check_max_seqlen(name: str, value, lengths: List[int]) -> None:
-    if value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(_err(_FN, name, f"must be an int or None, got {type(value).__name__}"))
-    real = max(lengths, default=0)
-    if value < real:
-        raise ValueError(_err(_FN, name, f"is {value}, but the longest sequence has {real} tokens"))
+def _spans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+           max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
+    """Value checks (run inside the ops); returns the (q_begin, q_end, k_begin,
+    k_end) token ranges of every sequence."""
+    cu_q = _cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
+    cu_k = _cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "total_k")
+    _check_batch(cu_seqlens_q, cu_seqlens_k)
+    for name, value, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        real = max((cu[b + 1] - cu[b] for b in range(len(cu) - 1)), default=0)
+        if value is not None and value < real:
+            raise ValueError(_err(_FN, name, f"is {value}, but the longest sequence has {real} tokens"))
+    return [(cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]) for b in range(len(cu_q) - 1)]
+
+
+def _seq(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """[1, heads, len, head_dim] view of tokens [begin, end) of a packed [total, heads, head_dim]."""
+    return t[begin:end].transpose(0, 1).unsqueeze(0)
+
+
+# ---- the ops -----------------------------------------------------------------
+
+
+@torch.library.custom_op("fp8attn::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
+    precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Forward of varlen_attention on already checked static arguments (see the
+    module docstring); precision is the op-level one ("fp8" or "exact")."""
+    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    total_q, hq, dv = q.shape[0], q.shape[1], v.shape[2]
+    # Tokens outside every sequence and sequences with no query, key or head
+    # keep these: O = 0, LSE = -inf (numerics.md section 1, a row seeing no key).
+    out = q.new_zeros((total_q, hq, dv))
+    lse = q.new_full((hq, total_q), float("-inf"), dtype=torch.float32)
+    for qa, qb, ka, kb in spans:
+        q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
+        if _is_empty(q_b, k_b):
+            continue
+        o_b, lse_b = torch.ops.fp8attn.fwd(q_b, k_b, v_b, softmax_scale, causal, precision, block_size)
+        out[qa:qb] = o_b[0].transpose(0, 1)
+        lse[:, qa:qb] = lse_b[0]
+    return out, lse
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     precision, block_size, delta_mode, grad_format, layer_name):
+    total_q, hq, _ = q.shape
+    return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8attn::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float, causal: bool, precision: str,
+    delta_mode: str, block_size: int, grad_format: str, diagnostics: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
+    and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
+    eps, rowsum_pre, rowsum_post) per token (0 outside the non-empty sequences),
+    else an empty [0]."""
+    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)
+    for qa, qb, ka, kb in spans:
+        q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
+        if _is_empty(q_b, k_b):
+            continue
+        dq_b, dk_b, dv_b, diag_b = torch.ops.fp8attn.bwd(
+            _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
+            causal, precision, delta_mode, block_size, grad_format, diagnostics)
+        dq[qa:qb] = dq_b[0].transpose(0, 1)
+        dk[ka:kb] = dk_b[0].transpose(0, 1)
+        dv[ka:kb] = dv_b[0].transpose(0, 1)
+        if diagnostics:
+            diag[:, :, qa:qb] = diag_b[:, 0]
+    return dq, dk, dv, diag
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
+                     delta_mode, block_size, grad_format, diagnostics):
+    diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(diag_shape, dtype=torch.float32))
+
+
+# ---- autograd of varlen_fwd ----------------------------------------------------
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, _max_q, _max_k, scale, causal, precision, block_size, delta_mode, grad_format,
+     layer_name) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name)
+    ctx.mark_non_differentiable(lse)
+
+
+@once_differentiable  # NOTE: varlen_bwd has no derivative; double backward must fail loudly
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    scale, causal, precision, block_size, delta_mode, grad_format, layer_name = ctx.opts
+    want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
+    dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
+                                                    precision, delta_mode, block_size, grad_format, want_diag)
+    if want_diag:
+        # One record per non-empty sequence, in sequence order, as `attention`
+        # would record for that sequence alone (eager only: reads cu_seqlens).
+        for qa, qb, ka, kb in _spans(cu_q, cu_k, q.shape[0], k.shape[0]):
+            q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
+            if _is_empty(q_b, k_b):
+                continue
+            _diag._record(diag[:, None, :, qa:qb], _diag_meta(q_b, k_b, v_b, causal, precision, delta_mode,
+                                                              block_size, grad_format, layer_name))
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 # ---- public function ---------------------------------------------------------
@@ -103,14 +260,17 @@ def varlen_attention(
             (resp. total_k). Tokens past the last entry are outside every
             sequence: their O rows are 0, their LSE is -inf, their dQ/dK/dV are
             0, and whatever they hold (even NaN) reaches no output or gradient.
-            Read on the host (a sync if they live on the GPU).
+            Their values are read on the host inside the op fp8attn::varlen_fwd
+            (a sync if they live on the GPU; no graph break under torch.compile).
         max_seqlen_q, max_seqlen_k: optional ints; must be >= the longest
-            sequence (ValueError otherwise). Informative only.
+            sequence (ValueError otherwise, raised when the op runs).
+            Informative only.
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
         layer_name: as in `fp8attn.attention` (applied to every sequence).
             Zero-length sequences are allowed: a query sequence with no keys
             gives O = 0, LSE = -inf and zero gradients. With diagnostics, each
-            non-empty sequence's backward is one record (labelled layer_name).
+            non-empty sequence's backward is one record (labelled layer_name),
+            in sequence order (eager mode only, as for `attention`).
         return_lse: also return LSE.
 
     Returns:
@@ -125,7 +285,12 @@ def varlen_attention(
             cu_seqlens_k of different lengths (batch), a cu_seqlens that does
             not start at 0, decreases or exceeds the total token count,
             max_seqlen below the real maximum, a bad option value. The message
-            names the argument.
+            names the argument. The errors that depend on cu_seqlens values
+            (start, order, last entry, max_seqlen) come from inside the op, so
+            under torch.compile they are raised when the compiled code runs.
+
+    torch.compile(fullgraph=True) traces it (forward and backward) without a
+    graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
@@ -142,47 +307,14 @@ def varlen_attention(
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     check_inputs(q4, k4, v4, op_precision, fn=_FN)
 
-    # ---- cu_seqlens / max_seqlen
-    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "total_q")
-    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "total_k")
-    if len(cu_q) != len(cu_k):
-        raise ValueError(_err(_FN, "cu_seqlens_k", f"has length {len(cu_k)} (batch {len(cu_k) - 1}), but "
-                                                   f"cu_seqlens_q has length {len(cu_q)} (batch {len(cu_q) - 1})"))
-    lens_q = [cu_q[b + 1] - cu_q[b] for b in range(len(cu_q) - 1)]
-    lens_k = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
+    # ---- cu_seqlens / max_seqlen: static checks here, value checks in the op
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    _check_batch(cu_seqlens_q, cu_seqlens_k)
+    max_q = _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
 
-    # ---- per-sequence attention
-    # NOTE: torch.split (one autograd node) rather than per-sequence slicing, so
-    # the backward assembles dQ/dK/dV in one cat instead of summing batch
-    # full-size zero tensors. The tail (outside every sequence) gets zero grads.
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    tail_q, tail_k = q.shape[0] - cu_q[-1], k.shape[0] - cu_k[-1]
-    q_parts = torch.split(q, lens_q + [tail_q], dim=0)
-    k_parts = torch.split(k, lens_k + [tail_k], dim=0)
-    v_parts = torch.split(v, lens_k + [tail_k], dim=0)
-    outs, lses = [], []
-    for b in range(len(lens_q)):
-        # Zero-length sequences go through `attention` too (its empty path gives
-        # O = 0, LSE = -inf, zero grads) so the output always stays in the graph.
-        o_b, lse_b = attention(
-            q_parts[b].transpose(0, 1).unsqueeze(0), k_parts[b].transpose(0, 1).unsqueeze(0),
-            v_parts[b].transpose(0, 1).unsqueeze(0), causal=causal, softmax_scale=scale,
-            delta_mode=delta_mode, precision=precision, block_size=block_size,
-            grad_format=grad_format, return_lse=True, layer_name=layer_name)
-        outs.append(o_b.squeeze(0).transpose(0, 1))  # [len_q, Hq, Dv]
-        lses.append(lse_b.squeeze(0))                # [Hq, len_q]
-    if not outs:
-        # batch == 0: one empty call keeps the output connected to q/k/v.
-        o_b, lse_b = attention(q4[:, :, :0], k4[:, :, :0], v4[:, :, :0], softmax_scale=scale,
-                               precision=precision, block_size=block_size, return_lse=True)
-        outs.append(o_b.squeeze(0).transpose(0, 1))
-        lses.append(lse_b.squeeze(0))
-    # Tokens outside every sequence: O = 0, LSE = -inf (never computed from q).
-    hq, dv = q.shape[1], v.shape[2]
-    outs.append(q.new_zeros((tail_q, hq, dv)))
-    lses.append(q.new_full((hq, tail_q), float("-inf"), dtype=torch.float32))
-    out = torch.cat(outs, dim=0)
-    lse = torch.cat(lses, dim=1)
+    out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
+                                            op_precision, block_size, delta_mode, grad_format, layer_name)
     return (out, lse) if return_lse else out
