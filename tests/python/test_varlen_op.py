@@ -4,7 +4,8 @@
     dQ, dK, dV and the diagnostics records. (2) torch.compile(fullgraph=True)
     traces it (forward and backward) and matches eager; cu_seqlens values change
     without a recompile; bad values still raise naming the argument. (3)
-    torch.library.opcheck on both ops. CPU only; small shapes.
+    torch.library.opcheck on both ops. Small shapes; CPU, and (2) also on CUDA
+    where a GPU with the CUDA kernels exists.
 """
 import pytest
 import torch
@@ -105,19 +106,31 @@ def test_diagnostics_off_gives_no_records_and_empty_diag():
 
 
 def _step(q, k, v, cq, ck):
-    out, lse = fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, block_size=32, delta_mode="stale",
+    block_size = 128 if q.is_cuda else 32  # NOTE: the CUDA kernels take block_size 128 only
+    out, lse = fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, block_size=block_size, delta_mode="stale",
                                         return_lse=True, layer_name="packed")
     return (out.float() ** 2).sum(), lse
 
 
+HAS_CUDA_KERNELS = torch.cuda.is_available() and getattr(fp8attn._lib, "HAS_CUDA_KERNELS", False)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not HAS_CUDA_KERNELS, reason="needs a CUDA GPU and the CUDA kernels")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compile_fullgraph_matches_eager(dtype):
+def test_compile_fullgraph_matches_eager(dtype, device):
     # NOTE: backend="aot_eager" traces forward and backward through the fake
     # kernels as inductor would, without inductor's slow C++ codegen. On the old
-    # code (cu_seqlens.tolist() in Python) fullgraph=True raised here.
+    # code (cu_seqlens.tolist() in Python) fullgraph=True raised here. On CUDA
+    # the ops run the FP8 kernels (head_dim 64: a supported kernel head_dim).
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA kernels take BF16 / FP16 inputs")
     torch._dynamo.reset()
-    q, k, v = make_packed(LENS_Q, LENS_K, hq=4, hkv=2, d=32, tail_q=3, tail_k=4, dtype=dtype)
+    d = 64 if device == "cuda" else 32
+    q, k, v = make_packed(LENS_Q, LENS_K, hq=4, hkv=2, d=d, tail_q=3, tail_k=4, dtype=dtype)
     cq, ck = cu(LENS_Q), cu(LENS_K, torch.int64)
+    q, k, v, cq, ck = (t.to(device) for t in (q, k, v, cq, ck))
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(_step, fullgraph=True, backend=counter)
     qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
@@ -133,7 +146,7 @@ def test_compile_fullgraph_matches_eager(dtype):
     # Other cu_seqlens values (same batch): the same graph, no recompile, and
     # still equal to eager (the values are read inside the op, not guarded on).
     lens_q2, lens_k2 = [33, 9, 0, 70, 40, 5], [33, 0, 12, 45, 40, 21]
-    cq2, ck2 = cu(lens_q2), cu(lens_k2, torch.int64)
+    cq2, ck2 = cu(lens_q2).to(device), cu(lens_k2, torch.int64).to(device)
     assert not torch.equal(cq2, cq)
     qc.grad = qe.grad = None
     loss_c2, _ = compiled(qc, kc, vc, cq2, ck2)
