@@ -185,3 +185,45 @@ def test_ddp_split_run_equals_uninterrupted(ddp_run, text_dir):
         assert a["vals"] == b["vals"], mode
         assert b["summary"]["final_fingerprints"] == a["summary"]["final_fingerprints"], mode
     assert not list(split.glob("*.state.pt"))
+
+
+# ---- 2 GPUs: NCCL, DDP and FSDP2 with the CUDA kernels ---------------------------------
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2 \
+    and getattr(fp8attn._lib, "HAS_CUDA_KERNELS", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs and the CUDA kernels")
+def test_two_gpus_ddp_and_fsdp_train_the_same(tmp_path, text_dir):
+    """torchrun on 2 GPUs (NCCL): DDP and FSDP2 each train bf16 and FP8
+    Delta-Matching (head_dim 64: a CUDA kernel head_dim); both ranks end with the
+    same weights, training changed them, step 0 is the same loss under DDP and
+    FSDP (same initial weights, same rank batches) and the runs stay close."""
+    logs = {}
+    for name, extra in (("ddp", []), ("fsdp", ["--fsdp"])):
+        out = tmp_path / name
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               "-m", "fp8attn.train.compare", "--preset", "smoke", "--model", "head_dim=64",
+               "--modes", ",".join(MODES), "--steps", str(STEPS), "--val-every", "3", "--val-batches", "1",
+               "--data-dir", str(tmp_path / "data"), "--text-dir", str(text_dir), "--device", "cuda",
+               "--no-progress", "--no-save", "--out", str(out)] + extra
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logs[name] = {m: read_log(out / f"{m}.jsonl") for m in MODES}
+    for name, per_mode in logs.items():
+        for mode, log in per_mode.items():
+            s = log["summary"]
+            losses = [r["loss"] for r in log["steps"]]
+            assert len(losses) == STEPS and all(math.isfinite(v) for v in losses), (name, mode)
+            assert s["world_size"] == 2 and not s["diverged"], (name, mode)
+            fps = s["final_fingerprints"]
+            assert len(fps) == 2 and fps[0] == fps[1], (name, mode)   # both ranks hold the same weights
+            assert fps[0] != s["init_fingerprint"], (name, mode)      # ... that training changed
+    for mode in MODES:
+        d, f = logs["ddp"][mode]["steps"], logs["fsdp"][mode]["steps"]
+        assert d[0]["loss"] == pytest.approx(f[0]["loss"], rel=1e-3), mode
+        assert d[-1]["loss"] == pytest.approx(f[-1]["loss"], rel=5e-2), mode
