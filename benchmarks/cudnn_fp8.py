@@ -446,6 +446,13 @@ def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, 
     for var in order:
         if fwd_case is not None and bwd_done:
             break
+        bb = None
+        if fwd_case is not None:  # NOTE: only the backward is still missing: skip variants whose backward
+            bb = _built("bwd", shape, causal, var)  # does not build before running their forward
+            if isinstance(bb, str):
+                res.reasons.append(f"[{var.label()}] {bb}")
+                _log(verbose, res.reasons[-1])
+                continue
         fb = _built("fwd", shape, causal, var)
         if isinstance(fb, str):
             res.reasons.append(f"[{var.label()}] {fb}")
@@ -469,7 +476,7 @@ def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, 
             res.info["fwd_host_us"] = host_us(fn, q.device)
         if bwd_done:
             continue
-        bb = _built("bwd", shape, causal, var)
+        bb = bb or _built("bwd", shape, causal, var)
         if isinstance(bb, str):
             res.reasons.append(f"[{var.label()}] {bb}")
             _log(verbose, res.reasons[-1])
@@ -519,24 +526,26 @@ def _time_ms(fn, warmup, iters):
     return sorted(times)[len(times) // 2]
 
 
-def probe(shape=(2, 16, 8192, 128), tol=DEFAULT_TOL) -> int:
-    """Every variant, causal and not, forward and backward, with full build errors:
-    which declaration this machine's cuDNN takes. Exit status 0 when some variant
-    passed forward and backward for both masks."""
+def probe(shape=(2, 16, 8192, 128), tol=DEFAULT_TOL, every: bool = False, device="cuda", time_fn=None) -> int:
+    """The variants in order, causal and not, forward and backward, with full build
+    errors, until one passes both (every=True: all of them): which declaration this
+    machine's cuDNN takes. Exit status 0 when some variant passed forward and
+    backward for both masks."""
     print("versions:", version_info(), "torch", torch.__version__, "cuDNN (torch)", torch.backends.cudnn.version())
     if load() is None:
         return 1
-    print("gpu:", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
+    if device == "cuda":
+        print("gpu:", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
     b, h, s, d = shape
     ok_all = True
     for causal in (False, True):
-        gen = torch.Generator(device="cuda").manual_seed(1234 + causal)
-        q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        gen = torch.Generator(device=device).manual_seed(1234 + causal)
+        q, k, v, dout = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
         fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
         print(f"== {b}x{h}x{s}x{d} causal={causal}")
         fwd_ok = bwd_ok = None
         for var in VARIANTS:
-            res = run(q, k, v, dout, causal, _time_ms, 2, 5, bwd=True, tol=tol, verbose=True, variants=[var])
+            res = run(q, k, v, dout, causal, time_fn or _time_ms, 2, 5, bwd=True, tol=tol, verbose=True, variants=[var])
             for kind in ("fwd", "bwd"):
                 err = _GRAPH_ERRORS.get((*shape, causal, var, kind))
                 if err:
@@ -551,13 +560,18 @@ def probe(shape=(2, 16, 8192, 128), tol=DEFAULT_TOL) -> int:
                 fwd_ok = var.label()
             if res.bwd_status == "ok" and bwd_ok is None:
                 bwd_ok = var.label()
+            if fwd_ok and bwd_ok and not every:
+                break
         print(f"  FIRST WORKING causal={causal}: fwd {fwd_ok}, bwd {bwd_ok}")
         ok_all = ok_all and fwd_ok is not None and bwd_ok is not None
         del q, k, v, dout
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return 0 if ok_all else 2
 
 
-if __name__ == "__main__":  # python3 benchmarks/cudnn_fp8.py [BxHxSxd]: the probe
+if __name__ == "__main__":  # python3 benchmarks/cudnn_fp8.py [BxHxSxd] [--every]: the probe
     import sys
-    sys.exit(probe(tuple(int(x) for x in sys.argv[1].split("x")) if len(sys.argv) > 1 else (2, 16, 8192, 128)))
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sys.exit(probe(tuple(int(x) for x in args[0].split("x")) if args else (2, 16, 8192, 128),
+                   every="--every" in sys.argv))

@@ -225,6 +225,17 @@ def test_ignored_causal_mask_is_bad(fake):
     assert res.info["O"] > 0.3
 
 
+def test_probe_reports_the_first_working_variant(fake, capsys):
+    fake(refuse={"bounds"})
+    assert cf.probe((1, 2, 128, 32), device="cpu", time_fn=_time) == 0
+    out = capsys.readouterr().out
+    assert f"FIRST WORKING causal=False: fwd {cf.VARIANTS[0].label()}, bwd {cf.VARIANTS[0].label()}" in out
+    assert f"FIRST WORKING causal=True: fwd {cf.VARIANTS[1].label()}, bwd {cf.VARIANTS[1].label()}" in out
+    assert "fwd build error (full):" in out and "right_bound refused" in out
+    fake(bugs={"drop_scale_o"})
+    assert cf.probe((1, 2, 128, 32), device="cpu", time_fn=_time) == 2
+
+
 def test_missing_frontend_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setitem(cf._STATE, "cudnn", None)
     monkeypatch.setitem(cf._STATE, "why", "import cudnn failed (ModuleNotFoundError: No module named 'cudnn')")
@@ -292,3 +303,22 @@ def test_real_frontend_validates_every_variant_for_sm90(monkeypatch, kind):
             _lowered_validate(monkeypatch, cudnn, declare, (2, 16, 8192, 128), causal, var, 90)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError):  # FP8 attention needs Hopper
         _lowered_validate(monkeypatch, cudnn, declare, (2, 16, 8192, 128), True, cf.VARIANTS[0], 80)
+
+
+def test_backward_fallback_skips_forward_runs_of_variants_without_a_backward(fake, monkeypatch):
+    fake()
+    built = []
+    real = cf._built
+
+    def spy(kind, shape, causal, var):
+        if kind == "bwd" and var.layout == "bshd" and var.do_type == "e4m3":
+            built.append((kind, var))
+            return f"{kind} build: fake refusal"
+        built.append((kind, var))
+        return real(kind, shape, causal, var)
+    monkeypatch.setattr(cf, "_built", spy)
+    res = cf.run(*_inputs(), False, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "ok"), res.reasons
+    assert res.fwd_variant == cf.VARIANTS[0].label() and res.bwd_variant == cf.VARIANTS[2].label()
+    # variant 1 (bshd, no backward): its backward is asked first and its forward never built
+    assert ("fwd", cf.VARIANTS[1]) not in built and ("bwd", cf.VARIANTS[1]) in built
