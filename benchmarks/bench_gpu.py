@@ -112,7 +112,9 @@ def fmt_cudnn_fp8(r, which, ref):
     """TFLOP/s (ratio) of the cuDNN FP8 column, or its status: 'bad' (failed the self-check) / 'n/a'."""
     status = (r.get("cudnn_fp8_status") or {}).get(which, "n/a")
     x = r.get(f"cudnn_fp8_{which}")
-    return f"{fmt_t(x)}{fmt_r(x, ref)}" if status == "ok" and x is not None else status
+    if status == "ok":
+        return f"{fmt_t(x)}{fmt_r(x, ref)}"  # fmt_t: n/a when no time
+    return status
 
 
 def markdown(rows, info):

@@ -204,7 +204,6 @@ def test_dropped_output_scale_is_bad_not_a_number(fake):
     res = cf.run(q, k, v, do, False, _time, tol=0.1)
     assert res.fwd_status == "bad" and res.fwd_ms is None and res.bwd_ms is None
     assert res.info["O"] > 0.5
-    assert res.cell("fwd") == "bad"
     assert len(res.reasons) == len(cf.VARIANTS)
 
 
