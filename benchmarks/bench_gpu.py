@@ -1,11 +1,16 @@
 """GPU benchmark: fp8attn forward and backward (each delta mode) next to torch
-SDPA with cuDNN BF16 and FlashAttention BF16, on the same GPU in the same run.
+SDPA with cuDNN BF16 and FlashAttention BF16, and cuDNN FP8 (per-tensor E4M3,
+cuDNN frontend graph API, benchmarks/cudnn_fp8.py), on the same GPU in the same run.
 
     PYTHONPATH=python python3 benchmarks/bench_gpu.py [--quick] [--out DIR]
 
 FLOPs (the usual convention, docs/performance-model.md): forward
 4 * B * H * Sq * Sk * d, halved for causal; backward 2.5x the forward.
-fp8attn times include its quantization kernels (the op is timed as called).
+fp8attn times include its quantization kernels (the op is timed as called);
+cuDNN FP8 times are the graph execute only (its BF16 -> E4M3 input quantization
+is outside), after a self-check against SDPA BF16 ("bad" when the relative
+Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol; "n/a" when the
+frontend is missing or no graph variant builds, reason in the log).
 Each number is the median of --iters timed runs (CUDA events) after --warmup
 runs; inputs are fresh standard-normal BF16 (never zeros).
 Writes bench_gpu.json and bench_gpu.md under --out (default $OUT, else
@@ -28,6 +33,8 @@ _PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):  # NOTE: in-tree build first, else the installed package
     sys.path.insert(0, _PY)
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
+
+import cudnn_fp8  # noqa: E402  (benchmarks/, next to this script)
 
 OPS = torch.ops.fp8attn
 MODES = ("stale", "matched_do", "delta_matching")
@@ -97,6 +104,40 @@ def fmt_r(x, ref):
     return "" if x is None or ref is None else f" ({x / ref:.2f}x)"
 
 
+HEAD = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | cuDNN fp8 fwd | fp8 fwd | fp8 fwd mma | cuDNN bwd | "
+        "flash bwd | cuDNN fp8 bwd | fp8 bwd stale | fp8 bwd matched_do | fp8 bwd DM |")
+
+
+def fmt_cudnn_fp8(r, which, ref):
+    """TFLOP/s (ratio) of the cuDNN FP8 column, or its status: 'bad' (failed the self-check) / 'n/a'."""
+    status = (r.get("cudnn_fp8_status") or {}).get(which, "n/a")
+    x = r.get(f"cudnn_fp8_{which}")
+    if status == "ok":
+        return f"{fmt_t(x)}{fmt_r(x, ref)}"  # fmt_t: n/a when no time
+    return status
+
+
+def markdown(rows, info):
+    """The bench_gpu.md text: a caption, a note on the cuDNN FP8 columns, one table row per (shape, causal)."""
+    lines = [f"TFLOP/s on {info['gpu']} (driver {info['driver']}, torch {info['torch']}, cuDNN {info['cudnn']}), "
+             f"{info['date']}; (x) = ratio to cuDNN BF16",
+             "",
+             "cuDNN fp8: cuDNN frontend " + str((info.get("cudnn_fp8") or {}).get("cudnn_frontend")) + " sdpa_fp8 / "
+             "sdpa_fp8_backward, per-tensor E4M3 scales, FP8 O / dQ / dK / dV; timed as the graph execute only "
+             "(excludes its BF16 -> E4M3 input quantization; fp8attn's numbers include ours); "
+             "bad = failed the self-check against SDPA BF16, n/a = not available (see the log).",
+             "", HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
+    for r in rows:
+        cf, cb = r["cudnn_fwd"], r["cudnn_bwd"]
+        lines.append(
+            f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
+            f"{fmt_t(r['flash_fwd'])} | {fmt_cudnn_fp8(r, 'fwd', cf)} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | "
+            f"{fmt_t(r['fp8_fwd_mma'])}{fmt_r(r['fp8_fwd_mma'], cf)} | {fmt_t(cb)} | "
+            f"{fmt_t(r['flash_bwd'])} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
+            + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes (the device script's default)")
@@ -105,6 +146,10 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
+    ap.add_argument("--no-cudnn-fp8", action="store_true", help="skip the cuDNN FP8 baseline (cuDNN frontend)")
+    ap.add_argument("--cudnn-fp8-tol", type=float, default=cudnn_fp8.DEFAULT_TOL,
+                    help="largest relative Frobenius error of the cuDNN FP8 self-check (else the column says bad)")
+    ap.add_argument("--cudnn-fp8-verbose", action="store_true", help="log every cuDNN FP8 graph variant tried")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--fwd-mma", action="store_true",
@@ -113,6 +158,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     info = env_info()
+    info["cudnn_fp8"] = None if args.no_cudnn_fp8 else cudnn_fp8.version_info()
     print("env:", json.dumps(info))
 
     rows = []
@@ -133,6 +179,18 @@ def main():
                 f_ms, b_ms = (None, None) if args.no_sdpa else sdpa_times(backend, q, k, v, dout, causal,
                                                                            args.warmup, args.iters)
                 r[f"{name}_fwd"], r[f"{name}_bwd"] = tflops(fwd_flops, f_ms), tflops(bwd_flops, b_ms)
+            r["cudnn_fp8_fwd"] = r["cudnn_fp8_bwd"] = r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
+            r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
+            if not args.no_cudnn_fp8:
+                res = cudnn_fp8.run(q, k, v, dout, causal, time_ms, args.warmup, args.iters, bwd=not args.no_bwd,
+                                    tol=args.cudnn_fp8_tol, verbose=args.cudnn_fp8_verbose)
+                r["cudnn_fp8_status"] = {"fwd": res.fwd_status, "bwd": res.bwd_status}
+                r["cudnn_fp8_fwd"], r["cudnn_fp8_fwd_ms"] = tflops(fwd_flops, res.fwd_ms), res.fwd_ms
+                r["cudnn_fp8_bwd"], r["cudnn_fp8_bwd_ms"] = tflops(bwd_flops, res.bwd_ms), res.bwd_ms
+                r["cudnn_fp8_info"] = {**res.info, "fwd_variant": res.fwd_variant, "bwd_variant": res.bwd_variant}
+                if res.fwd_status != "ok" or (res.bwd_status != "ok" and not args.no_bwd):
+                    r["cudnn_fp8_reasons"] = res.reasons
+                    print(f"  cudnn fp8: fwd {res.fwd_status}, bwd {res.bwd_status} ({cudnn_fp8.reason(res)})")
             f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
             r["fp8_fwd"] = tflops(fwd_flops, f_ms)
             r["fp8_fwd_ms"] = f_ms
@@ -157,24 +215,13 @@ def main():
                     b_ms = None
                 r[f"fp8_bwd_{mode}"] = tflops(bwd_flops, b_ms)
                 r[f"fp8_bwd_{mode}_ms"] = b_ms
-            print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()}))
+            print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()
+                                     if k2 != "cudnn_fp8_reasons"}))
             rows.append(r)
             del q, k, v, dout, out, lse
             torch.cuda.empty_cache()
 
-    head = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | fp8 fwd | fp8 fwd mma | cuDNN bwd | flash bwd | "
-            "fp8 bwd stale | fp8 bwd matched_do | fp8 bwd DM |")
-    lines = [f"TFLOP/s on {info['gpu']} (driver {info['driver']}, torch {info['torch']}, cuDNN {info['cudnn']}), "
-             f"{info['date']}; (x) = ratio to cuDNN BF16", "", head, "|" + "---|" * 11]
-    for r in rows:
-        cf, cb = r["cudnn_fwd"], r["cudnn_bwd"]
-        lines.append(
-            f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
-            f"{fmt_t(r['flash_fwd'])} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | "
-            f"{fmt_t(r['fp8_fwd_mma'])}{fmt_r(r['fp8_fwd_mma'], cf)} | {fmt_t(cb)} | "
-            f"{fmt_t(r['flash_bwd'])} | "
-            + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
-    md = "\n".join(lines)
+    md = markdown(rows, info)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump({"env": info, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:

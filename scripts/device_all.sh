@@ -11,7 +11,9 @@
 #   FP8ATTN_BUILD_CUDA=1 MAX_JOBS=2 python3 setup.py build_ext \
 #       --build-lib .devbuild/lib --build-temp .devbuild/tmp
 # (.devbuild/ is in .git/info/exclude). Then the exact call:
-#   run(command="bash scripts/device_all.sh", carry=[".devbuild/lib"], timeout_s=600)
+#   run(command="bash scripts/device_all.sh", carry=[".devbuild/lib", ".whl"], timeout_s=600)
+# (.whl: the cuDNN frontend wheels for the benchmark's cuDNN FP8 columns; optional,
+# without them those columns say n/a).
 # Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
@@ -39,6 +41,9 @@ else
   fi
   has_cuda || { note "built library has no CUDA kernels"; exit 1; }
 fi
+
+install_cudnn_frontend
+note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
 tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py tests/python/test_varlen.py"

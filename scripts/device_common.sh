@@ -22,6 +22,28 @@ use_carried_so() {
   cp "$CARRIED_SO" python/fp8attn/
 }
 
+# install_cudnn_frontend: the cuDNN FP8 baseline of bench_gpu.py needs the cuDNN
+# frontend (pip nvidia-cudnn-frontend; the device has no network): install the
+# carried .whl/nvidia_cudnn_frontend-*-cp3XY-*.whl matching this python into
+# /tmp/cudnn_fe (no system site-packages change; libcudnn is torch's) and put it on
+# PYTHONPATH. Sets CUDNN_FE_NOTE (one line); no wheel or a failed install is not
+# an error (the columns say n/a). NOTE: call it directly, not in a pipeline (the
+# export must reach this shell).
+install_cudnn_frontend() {
+  local xy whl
+  xy=$(python3 -c 'import sys; print(sys.version_info[1])')
+  whl=$(ls .whl/nvidia_cudnn_frontend-*-cp3"$xy"-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then
+    CUDNN_FE_NOTE="cudnn frontend: no .whl/nvidia_cudnn_frontend-*-cp3$xy-*.whl carried (cuDNN FP8 columns n/a)"
+  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target /tmp/cudnn_fe "$whl" \
+       >/tmp/cudnn_fe_pip.log 2>&1; then
+    export PYTHONPATH="/tmp/cudnn_fe${PYTHONPATH:+:$PYTHONPATH}"
+    CUDNN_FE_NOTE="cudnn frontend: $(basename "$whl") -> /tmp/cudnn_fe"
+  else
+    CUDNN_FE_NOTE="cudnn frontend: pip install failed: $(tail -1 /tmp/cudnn_fe_pip.log)"
+  fi
+}
+
 # has_cuda_kernels: status 0 when the importable fp8attn has its CUDA kernels.
 has_cuda_kernels() {
   python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)"

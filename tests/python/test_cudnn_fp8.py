@@ -1,0 +1,323 @@
+"""benchmarks/cudnn_fp8.py (the cuDNN FP8 baseline of bench_gpu.py) on the CPU.
+
+* The scale / calibration / self-check / fallback logic runs end to end against
+  a CPU emulation of cuDNN's per-tensor FP8 SDPA contract (FakeCudnn below:
+  descale inputs, P quantized with scale_s, O / dP / dQ / dK / dV quantized with
+  their scales, amax before scaling). A correct emulation passes the self-check;
+  one that drops scale_o, or ignores the causal mask, is reported "bad" with no
+  number (the failure the check guards against), and a variant the backend
+  refuses falls through to the next one.
+* bench_gpu.markdown keeps the table parseable by test_docs_benchmarks.table_ratios
+  (with "bad" / "n/a" cells), and old tables without the new columns still parse.
+* When the cuDNN frontend is importable (pip install nvidia-cudnn-frontend), the
+  real graphs of every variant pass the frontend's C++ validation for SM 9.0
+  without a GPU (deviceless lowering), and SM 8.0 is refused.
+CPU, a few seconds.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cudnn_fp8 as cf  # noqa: E402
+
+
+# ---- a CPU emulation of the cuDNN FP8 SDPA graphs ------------------------------
+
+def _q8(x: torch.Tensor, scale: float, descale: float) -> torch.Tensor:
+    """x * scale rounded to E4M3 (saturating), times descale (the two are separate graph inputs)."""
+    return (x * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * descale
+
+
+class _T:
+    """A graph tensor: a name and the setters the module chains."""
+
+    def __init__(self, name, dim=None, stride=None, data_type=None):
+        self.name, self.dim, self.stride, self.data_type = name, dim, stride, data_type
+
+    def set_output(self, v):
+        return self
+
+    def set_dim(self, d):
+        self.dim = d
+        return self
+
+    def set_stride(self, s):
+        self.stride = s
+        return self
+
+    def set_data_type(self, t):
+        self.data_type = t
+        return self
+
+
+class _Graph:
+    def __init__(self, fake, **kw):
+        self.fake, self.kw, self._plan_index = fake, kw, 0
+
+    def tensor(self, name, dim, stride, data_type):
+        return _T(name, dim, stride, data_type)
+
+    def _op(self, kind, kw, outs):
+        self.kind, self.ports = kind, {k: v for k, v in kw.items() if isinstance(v, _T)}
+        self.params = {k: v for k, v in kw.items() if not isinstance(v, _T)}
+        self.outs = {n: _T(n) for n in outs}
+        return list(self.outs.values())
+
+    def sdpa_fp8(self, **kw):
+        return self._op("fwd", kw, ("O", "Stats", "Amax_S", "Amax_O"))
+
+    def sdpa_fp8_backward(self, **kw):
+        return self._op("bwd", kw, ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP"))
+
+    def validate(self):
+        if self.params.get("right_bound") == 0 and "bounds" in self.fake.refuse:
+            raise RuntimeError("fake: right_bound refused")
+
+    def build_operation_graph(self):
+        pass
+
+    def create_execution_plans(self, modes):
+        pass
+
+    def check_support(self):
+        pass
+
+    def build_plans(self):
+        pass
+
+    def get_plan_name_at_index(self, i):
+        return "fake_plan"
+
+    def get_workspace_size(self):
+        return 16
+
+    def execute(self, varpack, ws, handle=None):
+        by_name = {t.name: x for t, x in varpack.items()}
+        x = {**{p: by_name[t.name] for p, t in self.ports.items()},
+             **{p: by_name[t.name] for p, t in self.outs.items() if t.name in by_name}}
+        sc = {n: x[n].item() for n in x if n.startswith(("scale_", "descale_"))}
+        q, k, v = (x[n].float() * sc["descale_" + n] for n in ("q", "k", "v"))
+        tau = self.params["attn_scale"]
+        causal = self.params.get("right_bound") == 0 or self.params.get("use_causal_mask", False)
+        if "ignore_flag_mask" in self.fake.bugs and "use_causal_mask" in self.params:
+            causal = False
+        s = q @ k.transpose(-1, -2) * tau
+        if causal:
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        p = torch.exp(s - lse)
+        pq = _q8(p, sc["scale_s"], sc["descale_s"])
+        if self.kind == "fwd":
+            o = pq @ v
+            x["Amax_O"].fill_(o.abs().max())
+            if "Amax_S" in x:
+                x["Amax_S"].fill_(p.abs().max())
+            scale_o = 1.0 if "drop_scale_o" in self.fake.bugs else sc["scale_o"]
+            x["O"].copy_((o * scale_o).clamp(-448, 448))
+            x["Stats"].copy_(lse)
+            return
+        gfmt = x["dQ"].dtype
+        do = x["dO"].float() * sc["descale_dO"]
+        o = x["o"].float() * sc["descale_o"]
+        dv = pq.transpose(-1, -2) @ do
+        dp = do @ v.transpose(-1, -2)
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))
+        x["amax_dP"].fill_(ds.abs().max())
+        dsq = _q8(ds, sc["scale_dP"], sc["descale_dP"])
+        grads = {"dQ": dsq @ k * tau, "dK": dsq.transpose(-1, -2) @ q * tau, "dV": dv}
+        lim = torch.finfo(gfmt).max
+        for n, g in grads.items():
+            x["amax_" + n].fill_(g.abs().max())
+            x[n].copy_((g * sc["scale_" + n]).clamp(-lim, lim))
+
+
+class FakeCudnn:
+    """The attributes of the cudnn module that benchmarks/cudnn_fp8.py touches."""
+
+    def __init__(self, bugs=(), refuse=()):
+        self.bugs, self.refuse = set(bugs), set(refuse)
+        self.data_type = SimpleNamespace(FLOAT="f32", FP8_E4M3="e4m3", FP8_E5M2="e5m2", BFLOAT16="bf16")
+        self.diagonal_alignment = SimpleNamespace(TOP_LEFT="top_left")
+        self.heur_mode = SimpleNamespace(A="A", FALLBACK="FALLBACK")
+        self.__version__ = "fake"
+
+    def pygraph(self, **kw):
+        return _Graph(self, **kw)
+
+    def create_handle(self):
+        return object()
+
+    def set_stream(self, handle, stream):
+        pass
+
+    def backend_version_string(self):
+        return "fake"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Install a FakeCudnn as the module's cudnn (fresh caches); yields a setter for bugs."""
+    def install(**kw):
+        monkeypatch.setitem(cf._STATE, "cudnn", FakeCudnn(**kw))
+        monkeypatch.setitem(cf._STATE, "handle", None)
+        monkeypatch.setattr(cf, "_GRAPHS", {})
+        monkeypatch.setattr(cf, "_GRAPH_ERRORS", {})
+        monkeypatch.setattr(cf, "_PREFERRED", [])
+    return install
+
+
+def _inputs(b=1, h=2, s=256, d=32):
+    return [torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(4)]
+
+
+def _time(fn, warmup, iters):
+    fn()
+    return 1.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_cudnn_passes_the_self_check(fake, causal):
+    fake()
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, causal, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "ok"), res.reasons
+    assert res.fwd_ms == res.bwd_ms == 1.0
+    assert res.fwd_variant == res.bwd_variant == cf.VARIANTS[0].label()
+    # FP8 (E4M3) error levels: a few percent, not zero (the emulation really quantizes)
+    for n in ("O", "dQ", "dK", "dV"):
+        assert 0.005 < res.info[n] < 0.08, (n, res.info[n])
+
+
+def test_dropped_output_scale_is_bad_not_a_number(fake):
+    fake(bugs={"drop_scale_o"})
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, False, _time, tol=0.1)
+    assert res.fwd_status == "bad" and res.fwd_ms is None and res.bwd_ms is None
+    assert res.info["O"] > 0.5
+    assert len(res.reasons) == len(cf.VARIANTS)
+
+
+def test_refused_variant_falls_through(fake):
+    fake(refuse={"bounds"})  # the backend refuses the first variant's causal right_bound=0
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, True, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "ok"), res.reasons
+    assert res.fwd_variant == res.bwd_variant == cf.VARIANTS[1].label()
+    assert "right_bound refused" in res.reasons[0]
+
+
+def test_ignored_causal_mask_is_bad(fake):
+    fake(refuse={"bounds"}, bugs={"ignore_flag_mask"})  # what builds computes non-causal attention
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, True, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("bad", "n/a") and res.fwd_ms is None
+    assert res.info["O"] > 0.3
+
+
+def test_probe_reports_the_first_working_variant(fake, capsys):
+    fake(refuse={"bounds"})
+    assert cf.probe((1, 2, 128, 32), device="cpu", time_fn=_time) == 0
+    out = capsys.readouterr().out
+    assert f"FIRST WORKING causal=False: fwd {cf.VARIANTS[0].label()}, bwd {cf.VARIANTS[0].label()}" in out
+    assert f"FIRST WORKING causal=True: fwd {cf.VARIANTS[1].label()}, bwd {cf.VARIANTS[1].label()}" in out
+    assert "fwd build error (full):" in out and "right_bound refused" in out
+    fake(bugs={"drop_scale_o"})
+    assert cf.probe((1, 2, 128, 32), device="cpu", time_fn=_time) == 2
+
+
+def test_missing_frontend_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setitem(cf._STATE, "cudnn", None)
+    monkeypatch.setitem(cf._STATE, "why", "import cudnn failed (ModuleNotFoundError: No module named 'cudnn')")
+    res = cf.run(*_inputs(), False, _time)
+    assert (res.fwd_status, res.bwd_status, res.fwd_ms) == ("n/a", "n/a", None)
+    assert "import cudnn failed" in cf.reason(res)
+
+
+def test_quantize_scale_contract():
+    x = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16) * 3
+    for layout in ("bshd", "bhsd"):
+        payload, descale = cf.quantize(x, layout)
+        assert list(payload.stride()) == cf._strides(layout, 1, 2, 8, 16)
+        assert math.isclose(descale, x.abs().amax().float().item() / 448.0, rel_tol=1e-6)
+        assert payload.float().abs().max().item() == 448.0
+        assert cf.rel_fro(payload.float() * descale, x) < 0.05
+    assert cf.scale_from_amax(0.0) == 1.0 and cf.scale_from_amax(float("nan")) == 1.0
+
+
+# ---- bench_gpu's table ------------------------------------------------------------
+
+def test_bench_table_parses_with_the_cudnn_fp8_columns():
+    pytest.importorskip("fp8attn")
+    import bench_gpu
+    from test_docs_benchmarks import DOC, sections, table_ratios
+
+    base = {"B": 2, "H": 16, "S": 8192, "d": 128, "cudnn_fwd": 600.0, "cudnn_bwd": 500.0, "flash_fwd": 300.0,
+            "flash_bwd": 250.0, "fp8_fwd": 450.0, "fp8_fwd_mma": None,
+            **{f"fp8_bwd_{m}": 250.0 for m in bench_gpu.MODES}}
+    rows = [dict(base, causal=False, cudnn_fp8_fwd=900.0, cudnn_fp8_bwd=None,
+                 cudnn_fp8_status={"fwd": "ok", "bwd": "bad"}),
+            dict(base, causal=True, cudnn_fp8_fwd=None, cudnn_fp8_bwd=None,
+                 cudnn_fp8_status={"fwd": "n/a", "bwd": "n/a"})]
+    info = {"gpu": "G", "driver": "D", "torch": "T", "cudnn": 1, "date": "now", "cudnn_fp8": {"cudnn_frontend": "1.32.0"}}
+    md = bench_gpu.markdown(rows, info)
+    cols = table_ratios(md)
+    assert cols["cuDNN fp8 fwd"] == [1.5]          # 900 / 600; the n/a row has no ratio
+    assert cols["fp8 fwd"] == [0.75, 0.75] and cols["fp8 bwd DM"] == [0.5, 0.5]
+    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert len({ln.count("|") for ln in table}) == 1   # every row has the header's cell count
+    assert "| bad |" in table[2] and table[3].count("| n/a |") >= 2
+    # the dated sections of docs/benchmarks.md (older tables, no cuDNN fp8 columns) still parse
+    old = [table_ratios(sec) for _, sec in sections(DOC.read_text())]
+    assert sum(1 for c in old if c.get("fp8 bwd DM")) >= 3
+
+
+# ---- the real frontend, deviceless ----------------------------------------------------
+
+def _lowered_validate(monkeypatch, cudnn, declare, shape, causal, var, sm):
+    from cudnn import _pygraph
+    monkeypatch.setattr(_pygraph.pygraph, "_backend_handle_for_lowering", lambda self, kw: None)
+    g, _ = declare(cudnn, shape, causal, var, sm_version=sm)
+    g.validate()
+    g._lower_to_cpp().validate()
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_real_frontend_validates_every_variant_for_sm90(monkeypatch, kind):
+    cudnn = pytest.importorskip("cudnn")
+    if not hasattr(getattr(cudnn, "pygraph", None), "sdpa_fp8") or not hasattr(cudnn, "_pygraph"):
+        pytest.skip("not the cuDNN frontend with the python graph IR (nvidia-cudnn-frontend >= 1.32)")
+    declare = cf.declare_fwd if kind == "fwd" else cf.declare_bwd
+    for var in cf.VARIANTS:
+        for causal in (False, True):
+            _lowered_validate(monkeypatch, cudnn, declare, (2, 16, 8192, 128), causal, var, 90)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError):  # FP8 attention needs Hopper
+        _lowered_validate(monkeypatch, cudnn, declare, (2, 16, 8192, 128), True, cf.VARIANTS[0], 80)
+
+
+def test_backward_fallback_skips_forward_runs_of_variants_without_a_backward(fake, monkeypatch):
+    fake()
+    built = []
+    real = cf._built
+
+    def spy(kind, shape, causal, var):
+        if kind == "bwd" and var.layout == "bshd" and var.do_type == "e4m3":
+            built.append((kind, var))
+            return f"{kind} build: fake refusal"
+        built.append((kind, var))
+        return real(kind, shape, causal, var)
+    monkeypatch.setattr(cf, "_built", spy)
+    res = cf.run(*_inputs(), False, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "ok"), res.reasons
+    assert res.fwd_variant == cf.VARIANTS[0].label() and res.bwd_variant == cf.VARIANTS[2].label()
+    # variant 1 (bshd, no backward): its backward is asked first and its forward never built
+    assert ("fwd", cf.VARIANTS[1]) not in built and ("bwd", cf.VARIANTS[1]) in built
