@@ -135,7 +135,24 @@ def markdown(rows, info):
             f"{fmt_t(r['fp8_fwd_mma'])}{fmt_r(r['fp8_fwd_mma'], cf)} | {fmt_t(cb)} | "
             f"{fmt_t(r['flash_bwd'])} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
             + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
+    if any("fp8_err" in r for r in rows):
+        lines += ["", "Accuracy: ||x - ref|| / ||ref|| (Frobenius) against torch SDPA BF16 (cuDNN) on the same "
+                  "inputs; fp8attn = block-scaled E4M3, delta_matching backward; cuDNN fp8 = per-tensor E4M3 "
+                  "(its self-check numbers).", "", ACC_HEAD, "|" + "---|" * (ACC_HEAD.count("|") - 1)]
+        for r in rows:
+            mine, theirs = r.get("fp8_err") or {}, r.get("cudnn_fp8_info") or {}
+            lines.append(f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | "
+                         + " | ".join(f"{fmt_e(mine.get(n))} | {fmt_e(theirs.get(n))}" for n in ("O", "dQ", "dK", "dV"))
+                         + " |")
     return "\n".join(lines)
+
+
+ACC_HEAD = ("| B x H x S, d | causal | O fp8attn | O cuDNN fp8 | dQ fp8attn | dQ cuDNN fp8 | dK fp8attn | "
+            "dK cuDNN fp8 | dV fp8attn | dV cuDNN fp8 |")
+
+
+def fmt_e(x):
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 def main():
@@ -150,6 +167,8 @@ def main():
     ap.add_argument("--cudnn-fp8-tol", type=float, default=cudnn_fp8.DEFAULT_TOL,
                     help="largest relative Frobenius error of the cuDNN FP8 self-check (else the column says bad)")
     ap.add_argument("--cudnn-fp8-verbose", action="store_true", help="log every cuDNN FP8 graph variant tried")
+    ap.add_argument("--no-accuracy", action="store_true",
+                    help="skip the accuracy table (fp8attn and cuDNN FP8 against SDPA BF16)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--fwd-mma", action="store_true",
@@ -215,6 +234,15 @@ def main():
                     b_ms = None
                 r[f"fp8_bwd_{mode}"] = tflops(bwd_flops, b_ms)
                 r[f"fp8_bwd_{mode}_ms"] = b_ms
+            # Accuracy next to speed: ||x - ref|| / ||ref|| against SDPA BF16 on the same inputs (the
+            # reference of the cuDNN FP8 self-check), O and the Delta-Matching dQ, dK, dV.
+            if not args.no_accuracy:
+                o_ref, g_ref = cudnn_fp8._reference(q, k, v, dout, causal, bwd=not args.no_bwd)
+                r["fp8_err"] = {"O": cudnn_fp8.rel_fro(out, o_ref)}
+                if g_ref is not None:
+                    g = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, "e4m3", False)
+                    r["fp8_err"].update({n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], g_ref)})
+                del o_ref, g_ref
             print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()
                                      if k2 != "cudnn_fp8_reasons"}))
             rows.append(r)

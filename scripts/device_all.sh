@@ -14,7 +14,8 @@
 #   run(command="bash scripts/device_all.sh", carry=[".devbuild/lib", ".whl"], timeout_s=600)
 # (.whl: the cuDNN frontend wheels for the benchmark's cuDNN FP8 columns; optional,
 # without them those columns say n/a).
-# Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_CPU_TESTS=1 also
+# Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
+# (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 set -uo pipefail
@@ -143,6 +144,7 @@ if [ "$bench" != 0 ]; then
   echo "== benchmark ($bench)"
   flag=""
   [ "$bench" = quick ] && flag="--quick"
+  [ -n "${DEVICE_BENCH_SHAPES:-}" ] && flag="--shapes $DEVICE_BENCH_SHAPES"
   timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
   note "benchmark: rc=$?"
 fi
