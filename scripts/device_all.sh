@@ -47,7 +47,7 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py"
+tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
 # shellcheck disable=SC2086
 timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
