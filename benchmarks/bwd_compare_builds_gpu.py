@@ -1,6 +1,6 @@
-"""Backward outputs of two CUDA builds of fp8attn on the same inputs (e.g. a
-kernel branch against main): run `save` once per build (choose the build with
-PYTHONPATH), then `compare`.
+"""Forward and backward outputs of two CUDA builds of fp8attn on the same inputs
+(e.g. a kernel branch against main): run `save` once per build (choose the build
+with PYTHONPATH), then `compare`.
 
     PYTHONPATH=<build A>/python python3 benchmarks/bwd_compare_builds_gpu.py save a.pt
     PYTHONPATH=<build B>/python python3 benchmarks/bwd_compare_builds_gpu.py save b.pt
@@ -10,7 +10,9 @@ Inputs: seeded on the GPU, O and LSE from the CUDA forward (same kernel in both
 builds when only the backward changed); every head_dim, causal or not, GQA,
 partial tiles, n_iters = 0 CTAs (causal, seqlen_q < seqlen_k), delta_matching
 and stale, E4M3 and E5M2 gradients, diagnostics on.
-Prints per case: dQ ||a - b|| / ||b||, whether dK and dV are bitwise equal,
+Prints per case: whether the forward's O and LSE are bitwise equal (a forward
+change that keeps the math and its order, e.g. wgmma forward v8, must keep them),
+dQ ||a - b|| / ||b||, whether dK and dV are bitwise equal,
 the four diagnostics rows' relative differences; then the worst values.
 Use: wgmma bwd v6 (docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md) changes
 only dQ's dS blocking (64-key blocks for matmul #6), so dK and dV must be
@@ -44,7 +46,10 @@ def run():
         v = torch.randn(b, hkv, sk, dv, device="cuda", generator=g).bfloat16()
         do = torch.randn(b, hq, sq, dv, device="cuda", generator=g).bfloat16()
         tau = float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
+        if si == 0:
+            q[0, 1, 7] *= 40.0  # one query row with large logits (rescaling / block-scale paths)
         out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+        res[(si, "fwd")] = (out.cpu(), lse.cpu())
         for mode in ("delta_matching", "stale"):
             for fmt in ("e4m3", "e5m2"):
                 r = OPS.bwd(do, q, k, v, out, lse, tau, causal, "fp8", mode, 128, fmt, True)
@@ -60,8 +65,17 @@ def rel(x, y):
 def compare(fa, fb):
     a, m = torch.load(fa), torch.load(fb)
     worst = {"dQ": 0.0, "dK not bitwise": 0, "dV not bitwise": 0, "non-finite": 0}
+    worst["fwd not bitwise"] = 0
     for key in a:
         ra, rm = a[key], m[key]
+        if key[1] == "fwd":
+            same = all(torch.equal(x, y) for x, y in zip(ra, rm))
+            finite = bool(torch.isfinite(ra[0]).all())
+            worst["fwd not bitwise"] += 0 if same else 1
+            worst["non-finite"] += 0 if finite else 1
+            print(str(SHAPES[key[0]]), "fwd", "O, LSE bitwise" if same else "O %.2e LSE %.2e" % (
+                rel(ra[0].double(), rm[0].double()), rel(ra[1].double().nan_to_num(), rm[1].double().nan_to_num())))
+            continue
         line = [str(SHAPES[key[0]]), key[1], key[2]]
         for name, x, y in zip(("dQ", "dK", "dV"), ra[:3], rm[:3]):
             x, y = x.double(), y.double()
