@@ -35,6 +35,7 @@ if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):  # NOTE: in-tree build fir
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
 
 import cudnn_fp8  # noqa: E402  (benchmarks/, next to this script)
+from timing import time_ms  # noqa: E402
 
 OPS = torch.ops.fp8attn
 MODES = ("stale", "matched_do", "delta_matching")
@@ -43,23 +44,6 @@ MODES = ("stale", "matched_do", "delta_matching")
 FULL = [(16, 16, 1024, 128), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128),
         (2, 16, 8192, 64), (2, 16, 8192, 256)]
 QUICK = [(4, 16, 4096, 128), (2, 16, 8192, 64), (2, 16, 8192, 256)]
-
-
-def time_ms(fn, warmup, iters):
-    """Median wall time of fn() in ms, CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def sdpa_times(backend, q, k, v, dout, causal, warmup, iters):

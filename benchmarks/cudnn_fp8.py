@@ -32,6 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
+from timing import time_ms as _time_ms  # benchmarks/timing.py
+
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 DEFAULT_TOL = 0.1
@@ -499,22 +501,6 @@ def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, 
 def reason(res: Result) -> str:
     """The last failure line, for the benchmark log."""
     return res.reasons[-1] if res.reasons else ""
-
-
-def _time_ms(fn, warmup, iters):
-    """Median CUDA-event time of fn() in ms (bench_gpu.time_ms without the import)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def probe(shape=(2, 16, 8192, 128), tol=DEFAULT_TOL, every: bool = False, device="cuda", time_fn=None) -> int:

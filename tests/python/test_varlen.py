@@ -52,6 +52,19 @@ def run_per_sequence(q, k, v, cq, ck, dout, **kw):
     return res
 
 
+def assert_equals_per_sequence(got, ref, cq, ck):
+    """got = (O, LSE, dQ, dK, dV) of a packed call; ref = run_per_sequence's list:
+    every sequence's rows bitwise equal to its own per-sequence call."""
+    out, lse, dq, dk, dv = got
+    a, c = cq.tolist(), ck.tolist()
+    for b, (o_b, lse_b, dq_b, dk_b, dv_b) in enumerate(ref):
+        assert torch.equal(out[a[b]:a[b + 1]], o_b), b
+        assert torch.equal(lse[:, a[b]:a[b + 1]], lse_b), b
+        assert torch.equal(dq[a[b]:a[b + 1]], dq_b), b
+        assert torch.equal(dk[c[b]:c[b + 1]], dk_b), b
+        assert torch.equal(dv[c[b]:c[b + 1]], dv_b), b
+
+
 def varlen_math(q, k, v, cq, ck, scale, causal):
     """Exact attention in float64 on the packed batch with a block-diagonal mask
     (query i of sequence b sees key j of the same sequence, bottom-right causal
@@ -96,13 +109,8 @@ def test_matches_per_sequence_attention_bitwise(precision, causal):
     out, lse, dq, dk, dv = run_varlen(q, k, v, cq, ck, dout, **kw)
     ref = run_per_sequence(q, k, v, cq, ck, dout, **kw)
     assert out.shape == (q.shape[0], 4, 16) and lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
+    assert_equals_per_sequence((out, lse, dq, dk, dv), ref, cq, ck)
     a, c = cq.tolist(), ck.tolist()
-    for b, (o_b, lse_b, dq_b, dk_b, dv_b) in enumerate(ref):
-        assert torch.equal(out[a[b]:a[b + 1]], o_b), b
-        assert torch.equal(lse[:, a[b]:a[b + 1]], lse_b), b
-        assert torch.equal(dq[a[b]:a[b + 1]], dq_b), b
-        assert torch.equal(dk[c[b]:c[b + 1]], dk_b), b
-        assert torch.equal(dv[c[b]:c[b + 1]], dv_b), b
     for t in (out, dq, dk, dv):
         assert torch.isfinite(t).all()
     # Sequence 3 has 9 queries and no key: O = 0, LSE = -inf, dQ = 0.
@@ -338,12 +346,7 @@ def test_cuda_matches_per_sequence_and_cpu(causal):
     dev = [t.cuda() for t in (q, k, v, cq, ck, dout)]
     out, lse, dq, dk, dv = run_varlen(*dev, **kw)
     ref = run_per_sequence(*dev, **kw)
-    a, c = cq.tolist(), ck.tolist()
-    for b, (o_b, lse_b, dq_b, dk_b, dv_b) in enumerate(ref):
-        assert torch.equal(out[a[b]:a[b + 1]], o_b), b
-        assert torch.equal(lse[:, a[b]:a[b + 1]], lse_b), b
-        assert torch.equal(dq[a[b]:a[b + 1]], dq_b), b
-        assert torch.equal(dk[c[b]:c[b + 1]], dk_b) and torch.equal(dv[c[b]:c[b + 1]], dv_b), b
+    assert_equals_per_sequence((out, lse, dq, dk, dv), ref, cq, ck)
     for t in (out, dq, dk, dv):
         assert torch.isfinite(t).all()
     assert (out[-5:] == 0).all() and (dq[-5:] == 0).all()

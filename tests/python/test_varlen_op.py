@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fp8attn
 from fp8attn import varlen as _varlen
-from test_varlen import LENS_K, LENS_Q, cu, make_packed, run_per_sequence, run_varlen
+from test_varlen import LENS_K, LENS_Q, assert_equals_per_sequence, cu, make_packed, run_per_sequence, run_varlen
 
 # ---- (1) bitwise equality with per-sequence attention, records included -----------
 
@@ -54,13 +54,8 @@ def test_bitwise_equal_to_per_sequence_attention_with_records(case):
     with fp8attn.diagnostics.record(keep_raw=True) as rec:
         out, lse, dq, dk, dv_ = run_varlen(q, k, v, cq, ck, dout, layer_name="packed", **kw)
     ref, ref_records = _records_per_sequence(q, k, v, cq, ck, dout, layer_name="packed", **kw)
+    assert_equals_per_sequence((out, lse, dq, dk, dv_), ref, cq, ck)
     a, c = cq.tolist(), ck.tolist()
-    for b, (o_b, lse_b, dq_b, dk_b, dv_b) in enumerate(ref):
-        assert torch.equal(out[a[b]:a[b + 1]], o_b), b
-        assert torch.equal(lse[:, a[b]:a[b + 1]], lse_b), b
-        assert torch.equal(dq[a[b]:a[b + 1]], dq_b), b
-        assert torch.equal(dk[c[b]:c[b + 1]], dk_b), b
-        assert torch.equal(dv_[c[b]:c[b + 1]], dv_b), b
     # Outside every sequence: O = 0, LSE = -inf, zero gradients.
     assert (out[a[-1]:] == 0).all() and torch.isneginf(lse[:, a[-1]:]).all() and (dq[a[-1]:] == 0).all()
     assert (dk[c[-1]:] == 0).all() and (dv_[c[-1]:] == 0).all()
