@@ -73,6 +73,13 @@ for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
         ops.bwd(do, q, k, v, o, lse, d ** -0.5, True, "fp8", "delta_matching", 128, "e4m3", True)
     except NotImplementedError:
         pass
+# More query tiles than SMs (a persistent forward CTA runs several tiles), ragged, both masks.
+for d in (64, 128):
+    for causal in (False, True):
+        q = torch.randn(2, 8, 1100, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
+        ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128)
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF
