@@ -282,6 +282,31 @@ def test_fwd_noncontiguous_inputs_match_contiguous():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_more_query_tiles_than_sms_equals_one_head_at_a_time(d, causal):
+    # More (query tile, head, batch) work tiles than 2x the SMs, so a persistent
+    # forward CTA runs several tiles (and causal with seqlen_q > seqlen_k gives
+    # tiles whose rows see no key): O and LSE bitwise equal to calling the op on
+    # one (batch, head) at a time, where every CTA runs at most one tile.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    b, hq, hkv, sk = 2, 8, 2, 700
+    sq = 128 * (2 * sms // (b * hq) + 2) - 37  # ragged last query tile
+    assert b * hq * -(-sq // 128) > 2 * sms
+    q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, d, seed_of(f"persist{d}{causal}")))
+    out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128)
+    assert torch.isfinite(out).all()
+    for bi in range(b):
+        for h in range(hq):
+            hk = h // (hq // hkv)
+            o1, l1 = OPS.fwd(q[bi:bi + 1, h:h + 1], k[bi:bi + 1, hk:hk + 1], v[bi:bi + 1, hk:hk + 1],
+                             f32_scale(d), causal, "fp8", 128)
+            assert torch.equal(out[bi:bi + 1, h:h + 1], o1), (bi, h)
+            assert torch.equal(lse[bi:bi + 1, h:h + 1], l1), (bi, h)
+    if causal:  # rows with no visible key: O = 0, LSE = -inf
+        assert torch.isneginf(lse[:, :, : sq - sk]).all() and (out[:, :, : sq - sk] == 0).all()
+
+
 def test_fwd_deterministic():
     q, k, v = (t.cuda() for t in make_qkv(2, 6, 2, 700, 900, 128, 128, seed_of("det")))
     a = OPS.fwd(q, k, v, f32_scale(128), True, "fp8", 128)
