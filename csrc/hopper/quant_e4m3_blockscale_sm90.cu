@@ -13,6 +13,7 @@
 // (common/fp8_codec.h), so both are bit-identical to the CPU quantize_blockwise.
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -31,6 +32,24 @@ __device__ __forceinline__ float bf16_bits_to_float(uint32_t u16) { return __uin
 // same expression as quant/block_quant.h's quantize_block).
 __device__ __forceinline__ float scale_of(float amax, bool finite, Fp8Format fmt) {
   return finite ? block_scale(amax, fmt) : NAN;
+}
+
+// Codes of (a, b, c, d) * inv_s, `a` in the low byte.
+// NOTE: in a finite block every |x * inv_s| <= the format's max (the scale
+// rule) and the product is exact (inv_s is a power of two), so the hardware
+// round-to-nearest-even conversion (F2FP, two values per instruction) gives
+// exactly fp8_encode's codes; a non-finite block (NaN scale) keeps the
+// software encoder, whose NaN codes keep the value's sign bit.
+__device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d, float inv_s, bool finite,
+                                            Fp8Format fmt) {
+  if (finite) {
+    const __nv_fp8_interpretation_t k = fmt == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * inv_s, b * inv_s), __NV_SATFINITE, k);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * inv_s, d * inv_s), __NV_SATFINITE, k);
+    return lo | (hi << 16);
+  }
+  return static_cast<uint32_t>(fp8_encode(a * inv_s, fmt)) | static_cast<uint32_t>(fp8_encode(b * inv_s, fmt)) << 8 |
+         static_cast<uint32_t>(fp8_encode(c * inv_s, fmt)) << 16 | static_cast<uint32_t>(fp8_encode(d * inv_s, fmt)) << 24;
 }
 
 __global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJob j, int nblk_d, int nblk_s) {
@@ -81,12 +100,8 @@ __global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJo
     if (t >= j.seqlen) continue;
     const float s = scale_of(amax, finite != 0, j.fmt);
     const float inv_s = 1.f / s;  // exact: s is a power of two (or NaN)
-    uint32_t lo = 0u, hi = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      lo |= static_cast<uint32_t>(fp8_encode(f[i] * inv_s, j.fmt)) << (8 * i);
-      hi |= static_cast<uint32_t>(fp8_encode(f[i + 4] * inv_s, j.fmt)) << (8 * i);
-    }
+    const uint32_t lo = encode4(f[0], f[1], f[2], f[3], inv_s, finite != 0, j.fmt);
+    const uint32_t hi = encode4(f[4], f[5], f[6], f[7], inv_s, finite != 0, j.fmt);
     const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
     *reinterpret_cast<uint2*>(j.row + row_idx * j.dim + c0 + v * kQuantVec) = make_uint2(lo, hi);
     if (v == 0) j.row_s[row_idx * nblk_d + dblk] = s;
@@ -126,18 +141,19 @@ __global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJo
     uint32_t packed[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      uint32_t word = 0u;
+      float x4[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = tt + 4 * q + e;
-        // NOTE: padding tokens get code 0 explicitly (a NaN scale would
-        // otherwise turn the zero-filled padding into NaN codes).
-        const uint32_t code =
-            tok < j.seqlen
-                ? fp8_encode(bf16_bits_to_float(tile[(tok - t0) * cw + c]) * inv_s, j.fmt)
-                : 0u;
-        word |= code << (8 * e);
+        // NOTE: the tile holds zeros past seqlen (never read from x)
+        x4[e] = tok < j.seqlen ? bf16_bits_to_float(tile[(tok - t0) * cw + c]) : 0.f;
       }
+      uint32_t word = encode4(x4[0], x4[1], x4[2], x4[3], inv_s, finite != 0, j.fmt);
+      // NOTE: padding tokens get code 0 explicitly (a NaN scale would
+      // otherwise turn the zero-filled padding into NaN codes).
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (tt + 4 * q + e >= j.seqlen) word &= ~(0xffu << (8 * e));
       packed[q] = word;
     }
     *reinterpret_cast<uint4*>(dst + tt) = make_uint4(packed[0], packed[1], packed[2], packed[3]);

@@ -174,6 +174,14 @@ def quant_input(b, h, s, d, seed):
     x = x * torch.exp2(torch.randint(-30, 30, (b, h, s, 1), generator=gen).float())
     x[0, 0, : min(s, 128), : min(d, 128)] = 0.0  # all-zero row and channel blocks (scale 1)
     x[-1, -1, 0, :] = torch.randn(d, generator=gen) * 1e-39  # BF16 subnormals: clamped scale exponent
+    if s > 1:
+        # Exact round-to-nearest-even ties of both formats after scaling (the amax 448
+        # fixes the scale to 1 for E4M3), down into the FP8 subnormals, and signed zeros.
+        i = torch.arange(d)
+        tie = (1 + (2 * (i % 16) + 1) / 32.0) * torch.exp2(-(i // 16).float() * 2 - 1)
+        x[0, -1, 1, :] = tie * torch.where(i % 3 == 0, -1.0, 1.0)
+        x[0, -1, 1, 0] = 448.0
+        x[0, -1, 1, 1:4] = torch.tensor([-0.0, 0.0, -0.0])
     return x.bfloat16()
 
 
