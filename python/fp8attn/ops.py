@@ -24,12 +24,13 @@ default backward options (delta_matching, e4m3).
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _lib
 from . import diagnostics as _diag
@@ -224,6 +225,35 @@ def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, 
     }
 
 
+def single_backward(fn: str):
+    """Decorator of an autograd backward(ctx, *grads) whose result has no
+    derivative: runs it under no_grad, and raises RuntimeError when it runs with
+    grad mode on (create_graph=True) while an input or a grad output
+    requires grad, i.e. whenever a second derivative through it was asked for.
+
+    NOTE: not torch's once_differentiable, which raises only when a grad output
+    requires grad: for a loss linear in O (o.sum()) dO is a constant, no error
+    comes, and the second derivative silently comes out zero (or the gradient
+    has no graph at all)."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if torch.is_grad_enabled():
+                # NOTE: ctx.needs_input_grad, not the saved tensors: a backward may
+                # save only derived tensors (FP8 codes) that never require grad.
+                if any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad
+                                                    for g in grads):
+                    raise RuntimeError(
+                        f"fp8attn.{fn}: double backward is not supported: its backward has no derivative, "
+                        "but a backward ran with create_graph=True on inputs that require grad (a second "
+                        "derivative through it would be wrong); use create_graph=False, or an exact "
+                        "attention (e.g. torch SDPA) for higher-order gradients")
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        return wrapper
+    return wrap
+
+
 class _AttentionFunction(torch.autograd.Function):
     """O, LSE = attention(Q, K, V); LSE is not differentiable."""
 
@@ -236,7 +266,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # NOTE: bwd has no derivative; double backward must fail loudly, not give 0
+    @single_backward("attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, precision, delta_mode, block_size, grad_format, layer_name = ctx.opts
@@ -254,7 +284,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-@once_differentiable
+@single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     scale, causal, precision, block_size = ctx.opts
@@ -316,6 +346,8 @@ def attention(
             wrongly typed option.
         ValueError: mismatched shapes or devices, a bad option value. The
             message names the argument.
+        RuntimeError: (in backward) a backward with create_graph=True while an
+            input requires grad: double backward is not supported.
     """
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format)

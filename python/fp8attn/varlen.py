@@ -36,10 +36,9 @@ from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _is_empty, check_inputs, check_options
+from .ops import _diag_meta, _err, _is_empty, check_inputs, check_options, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -199,7 +198,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-@once_differentiable  # NOTE: varlen_bwd has no derivative; double backward must fail loudly
+@single_backward(_FN)
 def _varlen_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     scale, causal, precision, block_size, delta_mode, grad_format, layer_name = ctx.opts
@@ -288,6 +287,8 @@ def varlen_attention(
             names the argument. The errors that depend on cu_seqlens values
             (start, order, last entry, max_seqlen) come from inside the op, so
             under torch.compile they are raised when the compiled code runs.
+        RuntimeError: (in backward) a backward with create_graph=True while an
+            input requires grad: double backward is not supported.
 
     torch.compile(fullgraph=True) traces it (forward and backward) without a
     graph break: the per-sequence loop is inside the custom ops.
