@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _is_empty, check_inputs, check_options, single_backward
+from .ops import _diag_meta, _err, _index, _is_empty, check_inputs, check_options, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -265,12 +265,14 @@ def varlen_attention(
             sequence (ValueError otherwise, raised when the op runs).
             Informative only.
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
-        layer_name: as in `fp8attn.attention` (applied to every sequence).
+        layer_name: as in `fp8attn.attention` (applied to every sequence; the
+            same checks: softmax_scale * log2(e) finite in FP32, block_size any
+            integer type but bool, layer_name a str or None).
             Zero-length sequences are allowed: a query sequence with no keys
             gives O = 0, LSE = -inf and zero gradients. With diagnostics, each
             non-empty sequence's backward is one record (labelled layer_name),
             in sequence order (eager mode only, as for `attention`).
-        return_lse: also return LSE.
+        return_lse: also return LSE (a bool).
 
     Returns:
         O [total_q, num_heads_q, head_dim_v] in q's dtype; with return_lse also
@@ -279,7 +281,8 @@ def varlen_attention(
 
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype
-            (cu_seqlens must be int32/int64), a wrongly typed option.
+            (cu_seqlens must be int32/int64), a wrongly typed option (as in
+            `fp8attn.attention`: causal / return_lse, softmax_scale, layer_name).
         ValueError: wrong rank, mismatched shapes/heads/devices, cu_seqlens_q and
             cu_seqlens_k of different lengths (batch), a cu_seqlens that does
             not start at 0, decreases or exceeds the total token count,
@@ -295,7 +298,9 @@ def varlen_attention(
     """
     # ---- options and tensors
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
-                                 precision=precision, block_size=block_size, grad_format=grad_format, fn=_FN)
+                                 precision=precision, block_size=block_size, grad_format=grad_format,
+                                 return_lse=return_lse, layer_name=layer_name, fn=_FN)
+    block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(_err(_FN, name, f"must be a torch.Tensor, got {type(t).__name__}"))
