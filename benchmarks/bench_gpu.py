@@ -1,20 +1,30 @@
 """GPU benchmark: fp8attn forward and backward (each delta mode) next to torch
-SDPA with cuDNN BF16 and FlashAttention BF16, and cuDNN FP8 (per-tensor E4M3,
+SDPA BF16 (cuDNN and FlashAttention backends) and cuDNN FP8 (per-tensor E4M3,
 cuDNN frontend graph API, benchmarks/cudnn_fp8.py), on the same GPU in the same run.
 
-    PYTHONPATH=python python3 benchmarks/bench_gpu.py [--quick] [--out DIR]
+    PYTHONPATH=python python3 benchmarks/bench_gpu.py [--quick | --shapes BxHxSxd,...] [--out DIR]
 
-FLOPs (the usual convention, docs/performance-model.md): forward
-4 * B * H * Sq * Sk * d, halved for causal; backward 2.5x the forward.
-fp8attn times include its quantization kernels (the op is timed as called);
-cuDNN FP8 times are the graph execute only (its BF16 -> E4M3 input quantization
-is outside), after a self-check against SDPA BF16 ("bad" when the relative
-Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol; "n/a" when the
-frontend is missing or no graph variant builds, reason in the log).
-Each number is the median of --iters timed runs (CUDA events) after --warmup
-runs; inputs are fresh standard-normal BF16 (never zeros).
-Writes bench_gpu.json and bench_gpu.md under --out (default $OUT, else
-./bench_out) and prints a short table last: TFLOP/s and the ratio to cuDNN BF16.
+What is measured, per (shape, causal):
+  * time: the median of --iters timed calls (CUDA events around each call)
+    after --warmup untimed calls; inputs are fresh standard-normal BF16 (never zeros).
+  * TFLOP/s (the usual convention, docs/performance-model.md): forward
+    4 * B * H * S * S * d FLOPs, halved for causal; backward 2.5x the forward;
+    divided by the median time.
+  * fp8attn: the op as called, its FP8 quantization kernels included.
+  * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
+    excluded), after a self-check against SDPA BF16: "bad" when the relative
+    Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
+    frontend is missing or no graph variant builds (reason in the log).
+  * accuracy table (unless --no-accuracy): ||x - ref||_F / ||ref||_F of
+    fp8attn's O and Delta-Matching dQ, dK, dV, and cuDNN FP8's self-check
+    numbers, against torch SDPA BF16 on the same inputs, computed by a fixed
+    SDPA backend: cuDNN, else flash, else math (the caption names the one used).
+A shape that fails (out of memory, an unsupported head_dim, any RuntimeError or
+ValueError) keeps what was measured, n/a elsewhere and the reason under the
+table; the run goes on.
+Writes bench_gpu.json and bench_gpu.md under --out and prints the markdown
+last: TFLOP/s and the ratio to cuDNN BF16.
+Exit status: 0; 1 without a CUDA GPU (nothing written); 2 on a bad argument.
 """
 import argparse
 import datetime
@@ -101,31 +111,66 @@ def fmt_cudnn_fp8(r, which, ref):
     return status
 
 
+def _cudnn_fp8_note(info) -> str:
+    """What the cuDNN fp8 columns hold: the frontend version, or why they are empty."""
+    cf = info.get("cudnn_fp8")
+    if cf is None:
+        return "cuDNN fp8: not run (--no-cudnn-fp8)."
+    if cf.get("cudnn_frontend") is None:
+        return f"cuDNN fp8: not available ({cf.get('why') or 'no cuDNN frontend'})."
+    return (f"cuDNN fp8: cuDNN frontend {cf['cudnn_frontend']} sdpa_fp8 / "
+            "sdpa_fp8_backward, per-tensor E4M3 scales, FP8 O / dQ / dK / dV; timed as the graph execute only "
+            "(excludes its BF16 -> E4M3 input quantization; fp8attn's numbers include ours); "
+            "bad = failed the self-check against SDPA BF16, n/a = not available (see the log).")
+
+
+def _shape_label(r) -> str:
+    return f"{r['B']}x{r['H']}x{r['S']}, {r['d']}"
+
+
+def _reference_note(rows) -> str:
+    """The SDPA backend(s) the accuracy reference used (cudnn_fp8.REFERENCE_BACKENDS order)."""
+    used = {}
+    for r in rows:
+        if r.get("reference"):
+            used[r["reference"]] = used.get(r["reference"], 0) + 1
+    order = " > ".join(cudnn_fp8.REFERENCE_BACKENDS)
+    if not used:
+        return f"SDPA backend: none ran ({order}, the first that accepts the shape)"
+    if len(used) == 1:
+        return f"SDPA backend {next(iter(used))} (order {order}: the first that accepts the shape)"
+    per = ", ".join(f"{name} ({n} rows)" for name, n in used.items())
+    return f"SDPA backends {per} (order {order}: the first that accepts the shape)"
+
+
 def markdown(rows, info):
-    """The bench_gpu.md text: a caption, a note on the cuDNN FP8 columns, one table row per (shape, causal)."""
+    """The bench_gpu.md text: a caption, a note on the cuDNN FP8 columns, one table row per (shape, causal),
+    the reasons of failed rows, and the accuracy table."""
     lines = [f"TFLOP/s on {info['gpu']} (driver {info['driver']}, torch {info['torch']}, cuDNN {info['cudnn']}), "
              f"{info['date']}; (x) = ratio to cuDNN BF16",
-             "",
-             "cuDNN fp8: cuDNN frontend " + str((info.get("cudnn_fp8") or {}).get("cudnn_frontend")) + " sdpa_fp8 / "
-             "sdpa_fp8_backward, per-tensor E4M3 scales, FP8 O / dQ / dK / dV; timed as the graph execute only "
-             "(excludes its BF16 -> E4M3 input quantization; fp8attn's numbers include ours); "
-             "bad = failed the self-check against SDPA BF16, n/a = not available (see the log).",
-             "", HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
+             "", _cudnn_fp8_note(info), "", HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
     for r in rows:
-        cf, cb = r["cudnn_fwd"], r["cudnn_bwd"]
+        cf, cb = r.get("cudnn_fwd"), r.get("cudnn_bwd")
         lines.append(
-            f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
-            f"{fmt_t(r['flash_fwd'])} | {fmt_cudnn_fp8(r, 'fwd', cf)} | {fmt_t(r['fp8_fwd'])}{fmt_r(r['fp8_fwd'], cf)} | "
-            f"{fmt_t(r['fp8_fwd_mma'])}{fmt_r(r['fp8_fwd_mma'], cf)} | {fmt_t(cb)} | "
-            f"{fmt_t(r['flash_bwd'])} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
-            + " | ".join(f"{fmt_t(r[f'fp8_bwd_{m}'])}{fmt_r(r[f'fp8_bwd_{m}'], cb)}" for m in MODES) + " |")
+            f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
+            f"{fmt_t(r.get('flash_fwd'))} | {fmt_cudnn_fp8(r, 'fwd', cf)} | "
+            f"{fmt_t(r.get('fp8_fwd'))}{fmt_r(r.get('fp8_fwd'), cf)} | "
+            f"{fmt_t(r.get('fp8_fwd_mma'))}{fmt_r(r.get('fp8_fwd_mma'), cf)} | {fmt_t(cb)} | "
+            f"{fmt_t(r.get('flash_bwd'))} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
+            + " | ".join(f"{fmt_t(r.get(f'fp8_bwd_{m}'))}{fmt_r(r.get(f'fp8_bwd_{m}'), cb)}" for m in MODES) + " |")
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
+        lines += [f"- {_shape_label(r)}, causal {'yes' if r['causal'] else 'no'}: {r['error']}" for r in failed]
     if any("fp8_err" in r for r in rows):
-        lines += ["", "Accuracy: ||x - ref|| / ||ref|| (Frobenius) against torch SDPA BF16 (cuDNN) on the same "
-                  "inputs; fp8attn = block-scaled E4M3, delta_matching backward; cuDNN fp8 = per-tensor E4M3 "
-                  "(its self-check numbers).", "", ACC_HEAD, "|" + "---|" * (ACC_HEAD.count("|") - 1)]
+        theirs_note = ("cuDNN fp8 = per-tensor E4M3 (its self-check numbers)" if info.get("cudnn_fp8") is not None
+                       else "cuDNN fp8 not run (--no-cudnn-fp8)")
+        lines += ["", "Accuracy: ||x - ref|| / ||ref|| (Frobenius) against torch SDPA BF16 on the same inputs, "
+                  f"{_reference_note(rows)}; fp8attn = block-scaled E4M3, delta_matching backward; "
+                  f"{theirs_note}.", "", ACC_HEAD, "|" + "---|" * (ACC_HEAD.count("|") - 1)]
         for r in rows:
             mine, theirs = r.get("fp8_err") or {}, r.get("cudnn_fp8_info") or {}
-            lines.append(f"| {r['B']}x{r['H']}x{r['S']}, {r['d']} | {'yes' if r['causal'] else 'no'} | "
+            lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | "
                          + " | ".join(f"{fmt_e(mine.get(n))} | {fmt_e(theirs.get(n))}" for n in ("O", "dQ", "dK", "dV"))
                          + " |")
     return "\n".join(lines)
@@ -139,12 +184,30 @@ def fmt_e(x):
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _shapes_arg(text: str) -> list:
+    """'BxHxSxd,...' -> [(B, H, S, d), ...] (argparse type)."""
+    out = []
+    for part in text.split(","):
+        try:
+            sh = tuple(int(x) for x in part.lower().split("x"))
+        except ValueError:
+            sh = ()
+        if len(sh) != 4 or min(sh) <= 0:
+            raise argparse.ArgumentTypeError(f"expected comma-separated BxHxSxd (four positive integers), "
+                                             f"e.g. 1x16x16384x128, got {part!r}")
+        out.append(sh)
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bench_gpu.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes (the device script's default)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
+                    help="directory for bench_gpu.json and bench_gpu.md (created; default $OUT, else ./bench_out)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before timing each number (default 3)")
+    ap.add_argument("--iters", type=int, default=10,
+                    help="timed calls per number; the number is their median CUDA-event time (default 10)")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
     ap.add_argument("--no-cudnn-fp8", action="store_true", help="skip the cuDNN FP8 baseline (cuDNN frontend)")
@@ -153,85 +216,112 @@ def main():
     ap.add_argument("--cudnn-fp8-verbose", action="store_true", help="log every cuDNN FP8 graph variant tried")
     ap.add_argument("--no-accuracy", action="store_true",
                     help="skip the accuracy table (fp8attn and cuDNN FP8 against SDPA BF16)")
-    ap.add_argument("--shapes", default=None,
+    ap.add_argument("--shapes", default=None, type=_shapes_arg,
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
-    args = ap.parse_args()
+    return ap
+
+
+def new_row(b, h, s, d, causal) -> dict:
+    """A row with every number n/a (None), filled in as the measurements succeed."""
+    r = {"B": b, "H": h, "S": s, "d": d, "causal": causal}
+    for name in ("cudnn", "flash", "cudnn_fp8"):
+        r[f"{name}_fwd"] = r[f"{name}_bwd"] = None
+    r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
+    r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
+    r["fp8_fwd"] = r["fp8_fwd_ms"] = r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
+    for mode in MODES:
+        r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
+    return r
+
+
+def bench_shape(r, args) -> None:
+    """Fills row r (new_row) for one (shape, causal); raises on a failure (the caller records it)."""
+    b, h, s, d, causal = r["B"], r["H"], r["S"], r["d"], r["causal"]
+    gen = torch.Generator(device="cuda").manual_seed(b * 1000003 + s * 7 + d + causal)
+    q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    tau = 1.0 / math.sqrt(d)
+    fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    bwd_flops = 2.5 * fwd_flops
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        f_ms, b_ms = (None, None) if args.no_sdpa else sdpa_times(backend, q, k, v, dout, causal,
+                                                                   args.warmup, args.iters)
+        r[f"{name}_fwd"], r[f"{name}_bwd"] = tflops(fwd_flops, f_ms), tflops(bwd_flops, b_ms)
+    if not args.no_cudnn_fp8:
+        res = cudnn_fp8.run(q, k, v, dout, causal, time_ms, args.warmup, args.iters, bwd=not args.no_bwd,
+                            tol=args.cudnn_fp8_tol, verbose=args.cudnn_fp8_verbose)
+        r["cudnn_fp8_status"] = {"fwd": res.fwd_status, "bwd": res.bwd_status}
+        r["cudnn_fp8_fwd"], r["cudnn_fp8_fwd_ms"] = tflops(fwd_flops, res.fwd_ms), res.fwd_ms
+        r["cudnn_fp8_bwd"], r["cudnn_fp8_bwd_ms"] = tflops(bwd_flops, res.bwd_ms), res.bwd_ms
+        r["cudnn_fp8_info"] = {**res.info, "fwd_variant": res.fwd_variant, "bwd_variant": res.bwd_variant}
+        if res.fwd_status != "ok" or (res.bwd_status != "ok" and not args.no_bwd):
+            r["cudnn_fp8_reasons"] = res.reasons
+            print(f"  cudnn fp8: fwd {res.fwd_status}, bwd {res.bwd_status} ({cudnn_fp8.reason(res)})")
+    f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
+    r["fp8_fwd"], r["fp8_fwd_ms"] = tflops(fwd_flops, f_ms), f_ms
+    if args.fwd_mma:
+        os.environ["FP8ATTN_FWD_KERNEL"] = "mma"  # read by run_fwd on every call
+        try:
+            f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
+        finally:
+            del os.environ["FP8ATTN_FWD_KERNEL"]
+        r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    for mode in MODES:
+        if args.no_bwd:
+            continue
+        try:
+            b_ms = time_ms(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128,
+                                           "e4m3", False), args.warmup, args.iters)
+        except NotImplementedError as e:  # backward kernels not built
+            print(f"  fp8 bwd: n/a ({str(e).splitlines()[0][:80]})")
+            b_ms = None
+        r[f"fp8_bwd_{mode}"], r[f"fp8_bwd_{mode}_ms"] = tflops(bwd_flops, b_ms), b_ms
+    # Accuracy next to speed: ||x - ref|| / ||ref|| against SDPA BF16 on the same inputs (the
+    # reference of the cuDNN FP8 self-check, the same fixed backend order), O and the
+    # Delta-Matching dQ, dK, dV.
+    if not args.no_accuracy:
+        ref = cudnn_fp8._reference(q, k, v, dout, causal, bwd=not args.no_bwd)
+        r["reference"] = ref.backend
+        r["fp8_err"] = {"O": cudnn_fp8.rel_fro(out, ref.o)}
+        if ref.grads is not None:
+            g = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, "e4m3", False)
+            r["fp8_err"].update({n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], ref.grads)})
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if not torch.cuda.is_available():  # NOTE: before creating --out: a CPU-only run writes nothing
+        print("bench_gpu.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing written",
+              file=sys.stderr)
+        return 1
     os.makedirs(args.out, exist_ok=True)
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
     info = env_info()
     info["cudnn_fp8"] = None if args.no_cudnn_fp8 else cudnn_fp8.version_info()
     print("env:", json.dumps(info))
 
     rows = []
-    shapes = QUICK if args.quick else FULL
-    if args.shapes:
-        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    shapes = args.shapes or (QUICK if args.quick else FULL)
     for (b, h, s, d) in shapes:
         for causal in (False, True):
-            gen = torch.Generator(device="cuda").manual_seed(b * 1000003 + s * 7 + d + causal)
-            q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-                             for _ in range(4))
-            tau = 1.0 / math.sqrt(d)
-            fwd_flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
-            bwd_flops = 2.5 * fwd_flops
-            r = {"B": b, "H": h, "S": s, "d": d, "causal": causal}
+            r = new_row(b, h, s, d, causal)
             print(f"[{b}x{h}x{s}, d={d}, causal={causal}]")
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                f_ms, b_ms = (None, None) if args.no_sdpa else sdpa_times(backend, q, k, v, dout, causal,
-                                                                           args.warmup, args.iters)
-                r[f"{name}_fwd"], r[f"{name}_bwd"] = tflops(fwd_flops, f_ms), tflops(bwd_flops, b_ms)
-            r["cudnn_fp8_fwd"] = r["cudnn_fp8_bwd"] = r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
-            r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
-            if not args.no_cudnn_fp8:
-                res = cudnn_fp8.run(q, k, v, dout, causal, time_ms, args.warmup, args.iters, bwd=not args.no_bwd,
-                                    tol=args.cudnn_fp8_tol, verbose=args.cudnn_fp8_verbose)
-                r["cudnn_fp8_status"] = {"fwd": res.fwd_status, "bwd": res.bwd_status}
-                r["cudnn_fp8_fwd"], r["cudnn_fp8_fwd_ms"] = tflops(fwd_flops, res.fwd_ms), res.fwd_ms
-                r["cudnn_fp8_bwd"], r["cudnn_fp8_bwd_ms"] = tflops(bwd_flops, res.bwd_ms), res.bwd_ms
-                r["cudnn_fp8_info"] = {**res.info, "fwd_variant": res.fwd_variant, "bwd_variant": res.bwd_variant}
-                if res.fwd_status != "ok" or (res.bwd_status != "ok" and not args.no_bwd):
-                    r["cudnn_fp8_reasons"] = res.reasons
-                    print(f"  cudnn fp8: fwd {res.fwd_status}, bwd {res.bwd_status} ({cudnn_fp8.reason(res)})")
-            f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
-            r["fp8_fwd"] = tflops(fwd_flops, f_ms)
-            r["fp8_fwd_ms"] = f_ms
-            r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
-            if args.fwd_mma:
-                os.environ["FP8ATTN_FWD_KERNEL"] = "mma"  # read by run_fwd on every call
-                try:
-                    f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
-                finally:
-                    del os.environ["FP8ATTN_FWD_KERNEL"]
-                r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
-            out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
-            for mode in MODES:
-                if args.no_bwd:
-                    r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
-                    continue
-                try:
-                    b_ms = time_ms(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128,
-                                                   "e4m3", False), args.warmup, args.iters)
-                except NotImplementedError as e:  # backward kernels not built
-                    print(f"  fp8 bwd: n/a ({str(e).splitlines()[0][:80]})")
-                    b_ms = None
-                r[f"fp8_bwd_{mode}"] = tflops(bwd_flops, b_ms)
-                r[f"fp8_bwd_{mode}_ms"] = b_ms
-            # Accuracy next to speed: ||x - ref|| / ||ref|| against SDPA BF16 on the same inputs (the
-            # reference of the cuDNN FP8 self-check), O and the Delta-Matching dQ, dK, dV.
-            if not args.no_accuracy:
-                o_ref, g_ref = cudnn_fp8._reference(q, k, v, dout, causal, bwd=not args.no_bwd)
-                r["fp8_err"] = {"O": cudnn_fp8.rel_fro(out, o_ref)}
-                if g_ref is not None:
-                    g = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, "e4m3", False)
-                    r["fp8_err"].update({n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], g_ref)})
-                del o_ref, g_ref
+            try:
+                bench_shape(r, args)
+            except (RuntimeError, ValueError) as e:  # incl. torch.cuda.OutOfMemoryError, NotImplementedError
+                r["error"] = one_line(e)
+                print(f"  failed, n/a from here on: {r['error']}")
             print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()
                                      if k2 != "cudnn_fp8_reasons"}))
             rows.append(r)
-            del q, k, v, dout, out, lse
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # NOTE: after the except block, which held the failed call's tensors
 
     md = markdown(rows, info)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
@@ -240,7 +330,8 @@ def main():
         f.write(md + "\n")
     print()
     print(md)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

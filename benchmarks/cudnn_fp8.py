@@ -17,8 +17,9 @@ Recipe (the usual per-tensor "delayed scaling"):
 Timed: graph.execute only (median of time_fn, like the other columns).
 
 Self-check on every call (bench_gpu.py: once per shape and mask): dequantized O
-(and dQ, dK, dV) against torch SDPA BF16 on the same BF16 inputs, relative Frobenius
-error ||x - ref||_F / ||ref||_F; above `tol` the result is "bad" (no number):
+(and dQ, dK, dV) against torch SDPA BF16 on the same BF16 inputs (the first of
+the backends cuDNN, flash, math that accepts them: `_reference`; the one used is
+Result.info["reference"]), relative Frobenius error ||x - ref||_F / ||ref||_F; above `tol` the result is "bad" (no number):
 a wrong-but-fast baseline is worse than none. Graph variants (layout, mask
 attributes, Amax_S declared or not, O / dO types) are tried in order until one
 builds and passes; everything that fails returns None with a one-line reason.
@@ -26,6 +27,7 @@ builds and passes; everything that fails returns None with a one-line reason.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -390,12 +392,40 @@ class _Case:
         return tuple(grads[n].float() / self.grad_scale[n] for n in ("dQ", "dK", "dV"))
 
 
-def _reference(q, k, v, dout, causal, bwd: bool):
-    """torch SDPA BF16 O and (dQ, dK, dV) (None without bwd) on the same inputs."""
-    qr, kr, vr = (x.detach().clone().requires_grad_(bwd) for x in (q, k, v))
-    o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    grads = torch.autograd.grad(o, (qr, kr, vr), dout) if bwd else None
-    return o.detach(), grads
+# The accuracy reference's SDPA backends, in order of preference (the first one
+# that accepts the inputs is used, and named in the result).
+# NOTE: a fixed order, not torch's own choice, which may change between versions
+# and shapes: numbers of different runs must be against the same reference.
+REFERENCE_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "MATH")
+
+
+@dataclass
+class Reference:
+    o: torch.Tensor
+    grads: Optional[tuple]  # (dQ, dK, dV), None without bwd
+    backend: str            # the SDPBackend name used ("CUDNN_ATTENTION", ...)
+    refused: list = field(default_factory=list)  # one line per backend that refused
+
+
+def _reference(q, k, v, dout, causal, bwd: bool) -> Reference:
+    """torch SDPA BF16 O and (dQ, dK, dV) (None without bwd) on the same inputs,
+    computed by the first of REFERENCE_BACKENDS that accepts them (cuDNN, then
+    flash, then math). Raises the last error if none does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    refused = []
+    for name in REFERENCE_BACKENDS:
+        qr, kr, vr = (x.detach().clone().requires_grad_(bwd) for x in (q, k, v))
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                o = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+                grads = torch.autograd.grad(o, (qr, kr, vr), dout) if bwd else None
+        except RuntimeError as e:  # "No viable backend ..." / the backend refuses the shape
+            if name == REFERENCE_BACKENDS[-1] or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            refused.append(f"{name}: {_one_line(e)}")
+            continue
+        return Reference(o.detach(), grads, name, refused)
+    raise AssertionError("unreachable")
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
@@ -433,7 +463,9 @@ def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, 
     shape = tuple(q.shape)
     order = list(variants) if variants is not None else [x for x in _PREFERRED] + [x for x in VARIANTS
                                                                                if x not in _PREFERRED]
-    ref_o, ref_g = _reference(q, k, v, dout, causal, bwd)
+    ref = _reference(q, k, v, dout, causal, bwd)
+    ref_o, ref_g = ref.o, ref.grads
+    res.info["reference"] = ref.backend
     fwd_case = None
     bwd_done = not bwd
     for var in order:
@@ -547,8 +579,49 @@ def probe(shape=(2, 16, 8192, 128), tol=DEFAULT_TOL, every: bool = False, device
     return 0 if ok_all else 2
 
 
-if __name__ == "__main__":  # python3 benchmarks/cudnn_fp8.py [BxHxSxd] [--every]: the probe
-    import sys
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    sys.exit(probe(tuple(int(x) for x in args[0].split("x")) if args else (2, 16, 8192, 128),
-                   every="--every" in sys.argv))
+# ---- command line: the probe ---------------------------------------------------
+
+def _shape_arg(text: str) -> tuple:
+    """'BxHxSxd' -> (B, H, S, d), four positive integers (argparse type)."""
+    import argparse  # noqa: PLC0415
+    parts = text.lower().split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) <= 0:
+        raise argparse.ArgumentTypeError(f"expected BxHxSxd, four positive integers (e.g. 2x16x8192x128), got {text!r}")
+    return shape
+
+
+def main(argv=None) -> int:
+    """python3 benchmarks/cudnn_fp8.py [BxHxSxd] [--every] [--tol T]: the probe.
+    Exit status: probe's (0 / 2), 1 without the frontend or a GPU, 2 on a bad argument."""
+    import argparse  # noqa: PLC0415
+    ap = argparse.ArgumentParser(
+        prog="cudnn_fp8.py",
+        description="Probe which cuDNN FP8 SDPA graph variant this machine's cuDNN builds and runs: "
+                    "forward and backward, causal and not, each self-checked against torch SDPA BF16 "
+                    "(relative Frobenius error <= --tol) and timed (median of CUDA-event times). "
+                    "Full build errors are printed. Needs a CUDA GPU and the cuDNN frontend "
+                    "(pip install nvidia-cudnn-frontend).",
+        epilog="Exit status: 0 some variant passed forward and backward for both masks, 2 none did "
+               "(or a bad argument), 1 no frontend or no GPU.")
+    ap.add_argument("shape", nargs="?", type=_shape_arg, default=(2, 16, 8192, 128),
+                    help="BxHxSxd of the BF16 Q, K, V, dO (default 2x16x8192x128)")
+    ap.add_argument("--every", action="store_true", help="try every variant, not only up to the first that passes")
+    ap.add_argument("--tol", type=float, default=DEFAULT_TOL,
+                    help=f"largest relative Frobenius error of the self-check (default {DEFAULT_TOL})")
+    args = ap.parse_args(argv)
+    if load() is None:
+        print(f"cudnn_fp8.py: no cuDNN frontend: {_STATE['why']} (pip install nvidia-cudnn-frontend)",
+              file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print("cudnn_fp8.py: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 1
+    return probe(args.shape, tol=args.tol, every=args.every)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import quant_fp8_block128_triton as _TQ
+from .ops import single_backward
 
 __all__ = ["FP8Linear", "fp8_linear", "convert_to_fp8_linear", "quantize_1x128", "quantize_128x128",
            "dequantize_1x128", "dequantize_128x128", "scaled_mm_available", "BACKENDS"]
@@ -388,7 +389,7 @@ class _FP8LinearFn(torch.autograd.Function):
         return y.to(out_dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @single_backward("FP8Linear")
     def backward(ctx, dy):
         x_dt, w_dt, b_dt = ctx.dtypes
         gf = ctx.grad_format
@@ -443,6 +444,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         TypeError: x, weight or bias not a tensor, or not float32 / bfloat16 / float16.
         ValueError: bad grad_format / backend, shape mismatch, weight or bias not on
             x's device, backend="scaled_mm" where it cannot run (the message says why).
+        RuntimeError: (in backward) a backward with create_graph=True while an input
+            requires grad: double backward is not supported.
     Math: docs/numerics.md sections 2 and 8 (module docstring table).
     """
     _fmt(grad_format, "grad_format")

@@ -40,7 +40,7 @@ class FP8Attention(torch.nn.Module):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                       precision=precision, block_size=block_size, grad_format=grad_format,
-                      fn="FP8Attention")
+                      layer_name=layer_name, fn="FP8Attention")
         if layout not in _LAYOUTS:
             raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
         self.causal = causal

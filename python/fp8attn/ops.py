@@ -24,12 +24,13 @@ default backward options (delta_matching, e4m3).
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _lib
 from . import diagnostics as _diag
@@ -44,6 +45,7 @@ __all__ = [
     "BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
+    "MAX_SOFTMAX_SCALE",
 ]
 
 # ---- accepted options --------------------------------------------------------
@@ -79,27 +81,63 @@ def check_options(
     precision: str = "fp8",
     block_size: int = 128,
     grad_format: str = "e4m3",
+    return_lse: bool = False,
+    layer_name: Optional[str] = None,
     fn: str = "attention",
 ) -> str:
     """Checks the non-tensor options and returns the op-level precision
     ("fp8" or "exact"). Raises TypeError / ValueError naming the argument."""
-    if not isinstance(causal, bool):
-        t = type(causal)
-        raise TypeError(_err(fn, "causal", f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            t = type(flag)
+            raise TypeError(_err(fn, name, f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
     if softmax_scale is not None:
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
+        if not math.isfinite(_scale_log2_fp32(softmax_scale)):
+            raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
+                                                       f"overflows FP32 (the kernels compute it in FP32; "
+                                                       f"max {MAX_SOFTMAX_SCALE:.6g})"))
     if delta_mode not in DELTA_MODES:
         raise ValueError(_err(fn, "delta_mode", f"must be one of {DELTA_MODES}, got {delta_mode!r}"))
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(_err(fn, "precision", f"must be one of {tuple(PRECISIONS)}, got {precision!r}"))
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in BLOCK_SIZES:
+    if _index(block_size) not in BLOCK_SIZES:
         raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r}"))
     if grad_format not in GRAD_FORMATS:
         raise ValueError(_err(fn, "grad_format", f"must be one of {GRAD_FORMATS}, got {grad_format!r}"))
+    if layer_name is not None and not isinstance(layer_name, str):
+        raise TypeError(_err(fn, "layer_name", f"must be a str or None, got {type(layer_name).__name__}"))
     return PRECISIONS[precision]
+
+
+def _index(value) -> Optional[int]:
+    """value as a Python int if it is an integer (operator.index: int, numpy
+    integers, ...) and not a bool, else None."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+# NOTE: the kernels form softmax_scale * log2(e) in FP32 (config_sm90.h kLog2e),
+# from softmax_scale rounded to FP32; a product that overflows would turn every
+# logit into +-inf / NaN.
+_LOG2E_FP32 = np.float32(1.4426950408889634)
+
+
+def _scale_log2_fp32(scale: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(scale) * _LOG2E_FP32)
+
+
+MAX_SOFTMAX_SCALE = float(np.nextafter(np.float32(np.finfo(np.float32).max) / _LOG2E_FP32, np.float32(np.inf)))
+while not math.isfinite(_scale_log2_fp32(MAX_SOFTMAX_SCALE)):
+    MAX_SOFTMAX_SCALE = float(np.nextafter(np.float32(MAX_SOFTMAX_SCALE), np.float32(0)))
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str = "fp8",
@@ -224,6 +262,35 @@ def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, 
     }
 
 
+def single_backward(fn: str):
+    """Decorator of an autograd backward(ctx, *grads) whose result has no
+    derivative: runs it under no_grad, and raises RuntimeError when it runs with
+    grad mode on (create_graph=True) while an input or a grad output
+    requires grad, i.e. whenever a second derivative through it was asked for.
+
+    NOTE: not torch's once_differentiable, which raises only when a grad output
+    requires grad: for a loss linear in O (o.sum()) dO is a constant, no error
+    comes, and the second derivative silently comes out zero (or the gradient
+    has no graph at all)."""
+    def wrap(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if torch.is_grad_enabled():
+                # NOTE: ctx.needs_input_grad, not the saved tensors: a backward may
+                # save only derived tensors (FP8 codes) that never require grad.
+                if any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad
+                                                    for g in grads):
+                    raise RuntimeError(
+                        f"fp8attn.{fn}: double backward is not supported: its backward has no derivative, "
+                        "but a backward ran with create_graph=True on inputs that require grad (a second "
+                        "derivative through it would be wrong); use create_graph=False, or an exact "
+                        "attention (e.g. torch SDPA) for higher-order gradients")
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        return wrapper
+    return wrap
+
+
 class _AttentionFunction(torch.autograd.Function):
     """O, LSE = attention(Q, K, V); LSE is not differentiable."""
 
@@ -236,7 +303,7 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # NOTE: bwd has no derivative; double backward must fail loudly, not give 0
+    @single_backward("attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, precision, delta_mode, block_size, grad_format, layer_name = ctx.opts
@@ -254,7 +321,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-@once_differentiable
+@single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     scale, causal, precision, block_size = ctx.opts
@@ -295,16 +362,20 @@ def attention(
         causal: bottom-right aligned mask, query i sees key j iff
             j <= i + seqlen_k - seqlen_q. Rows that see no key give O = 0,
             LSE = -inf and zero gradients.
-        softmax_scale: tau; default 1/sqrt(head_dim_qk). Finite and > 0.
+        softmax_scale: tau; default 1/sqrt(head_dim_qk). Finite and > 0, and
+            tau * log2(e) must be finite in FP32 (the kernels form that product
+            from tau rounded to FP32): tau <= MAX_SOFTMAX_SCALE (about 2.36e38).
         delta_mode: "delta_matching" (default), "matched_do" or "stale"
             (numerics.md section 4); used by the backward only.
         precision: "fp8" (the seven FP8 matmuls, section 3) or "exact"
             (section 1; "bf16" is an alias of "exact").
         block_size: FP8 block length along each matmul's reduction dim: 32, 64, 128
+            (any integer type, e.g. numpy; not a bool)
             (dS of dQ = dS K uses min(block_size, 64) keys: numerics.md section 3).
         grad_format: FP8 format of dO and dS: "e4m3" or "e5m2".
-        return_lse: also return LSE.
-        layer_name: label of this call in `fp8attn.diagnostics.record()` records.
+        return_lse: also return LSE (a bool).
+        layer_name: label of this call in `fp8attn.diagnostics.record()` records
+            (a str or None).
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -313,13 +384,19 @@ def attention(
 
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype, a
-            wrongly typed option.
-        ValueError: mismatched shapes or devices, a bad option value. The
-            message names the argument.
+            wrongly typed option (causal / return_lse not a bool, softmax_scale
+            not a number, layer_name not a str or None).
+        ValueError: mismatched shapes or devices, a bad option value (incl. a
+            softmax_scale too large for FP32, a block_size that is not 32, 64
+            or 128). The message names the argument.
+        RuntimeError: (in backward) a backward with create_graph=True while an
+            input requires grad: double backward is not supported.
     """
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
-                                 precision=precision, block_size=block_size, grad_format=grad_format)
+                                 precision=precision, block_size=block_size, grad_format=grad_format,
+                                 return_lse=return_lse, layer_name=layer_name)
     check_inputs(q, k, v, op_precision)
+    block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
                                         grad_format, layer_name)

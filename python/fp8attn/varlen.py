@@ -36,10 +36,9 @@ from typing import List, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _is_empty, check_inputs, check_options
+from .ops import _diag_meta, _err, _index, _is_empty, check_inputs, check_options, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -199,7 +198,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-@once_differentiable  # NOTE: varlen_bwd has no derivative; double backward must fail loudly
+@single_backward(_FN)
 def _varlen_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     scale, causal, precision, block_size, delta_mode, grad_format, layer_name = ctx.opts
@@ -266,12 +265,14 @@ def varlen_attention(
             sequence (ValueError otherwise, raised when the op runs).
             Informative only.
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
-        layer_name: as in `fp8attn.attention` (applied to every sequence).
+        layer_name: as in `fp8attn.attention` (applied to every sequence; the
+            same checks: softmax_scale * log2(e) finite in FP32, block_size any
+            integer type but bool, layer_name a str or None).
             Zero-length sequences are allowed: a query sequence with no keys
             gives O = 0, LSE = -inf and zero gradients. With diagnostics, each
             non-empty sequence's backward is one record (labelled layer_name),
             in sequence order (eager mode only, as for `attention`).
-        return_lse: also return LSE.
+        return_lse: also return LSE (a bool).
 
     Returns:
         O [total_q, num_heads_q, head_dim_v] in q's dtype; with return_lse also
@@ -280,7 +281,8 @@ def varlen_attention(
 
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype
-            (cu_seqlens must be int32/int64), a wrongly typed option.
+            (cu_seqlens must be int32/int64), a wrongly typed option (as in
+            `fp8attn.attention`: causal / return_lse, softmax_scale, layer_name).
         ValueError: wrong rank, mismatched shapes/heads/devices, cu_seqlens_q and
             cu_seqlens_k of different lengths (batch), a cu_seqlens that does
             not start at 0, decreases or exceeds the total token count,
@@ -288,13 +290,17 @@ def varlen_attention(
             names the argument. The errors that depend on cu_seqlens values
             (start, order, last entry, max_seqlen) come from inside the op, so
             under torch.compile they are raised when the compiled code runs.
+        RuntimeError: (in backward) a backward with create_graph=True while an
+            input requires grad: double backward is not supported.
 
     torch.compile(fullgraph=True) traces it (forward and backward) without a
     graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
-                                 precision=precision, block_size=block_size, grad_format=grad_format, fn=_FN)
+                                 precision=precision, block_size=block_size, grad_format=grad_format,
+                                 return_lse=return_lse, layer_name=layer_name, fn=_FN)
+    block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(_err(_FN, name, f"must be a torch.Tensor, got {type(t).__name__}"))

@@ -4,9 +4,11 @@
   a CPU emulation of cuDNN's per-tensor FP8 SDPA contract (FakeCudnn below:
   descale inputs, P quantized with scale_s, O / dP / dQ / dK / dV quantized with
   their scales, amax before scaling). A correct emulation passes the self-check;
-  one that drops scale_o, or ignores the causal mask, is reported "bad" with no
-  number (the failure the check guards against), and a variant the backend
-  refuses falls through to the next one.
+  one that drops scale_o, or ignores the causal mask, or has a wrong backward
+  only (dK scale dropped, mask ignored in the backward), is reported "bad" with
+  no number (the failure the check guards against), and a variant the backend
+  refuses falls through to the next one. The timed callables execute the checked
+  graphs on the checked buffers (the fake counts executes).
 * bench_gpu.markdown keeps the table parseable by test_docs_benchmarks.table_ratios
   (with "bad" / "n/a" cells), and old tables without the new columns still parse.
 * When the cuDNN frontend is importable (pip install nvidia-cudnn-frontend), the
@@ -102,6 +104,7 @@ class _Graph:
         return 16
 
     def execute(self, varpack, ws, handle=None):
+        self.fake.executed.append((self.kind, {t.name: x for t, x in varpack.items()}))
         by_name = {t.name: x for t, x in varpack.items()}
         x = {**{p: by_name[t.name] for p, t in self.ports.items()},
              **{p: by_name[t.name] for p, t in self.outs.items() if t.name in by_name}}
@@ -131,6 +134,11 @@ class _Graph:
         o = x["o"].float() * sc["descale_o"]
         dv = pq.transpose(-1, -2) @ do
         dp = do @ v.transpose(-1, -2)
+        if "bwd_ignores_mask" in self.fake.bugs:  # backward-only: the forward masks, the backward not
+            s = q @ k.transpose(-1, -2) * tau
+            p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+            pq = _q8(p, sc["scale_s"], sc["descale_s"])
+            dv = pq.transpose(-1, -2) @ do
         ds = p * (dp - (do * o).sum(-1, keepdim=True))
         x["amax_dP"].fill_(ds.abs().max())
         dsq = _q8(ds, sc["scale_dP"], sc["descale_dP"])
@@ -138,7 +146,8 @@ class _Graph:
         lim = torch.finfo(gfmt).max
         for n, g in grads.items():
             x["amax_" + n].fill_(g.abs().max())
-            x[n].copy_((g * sc["scale_" + n]).clamp(-lim, lim))
+            scale = 1.0 if n == "dK" and "drop_scale_dk" in self.fake.bugs else sc["scale_" + n]
+            x[n].copy_((g * scale).clamp(-lim, lim))
 
 
 class FakeCudnn:
@@ -146,6 +155,7 @@ class FakeCudnn:
 
     def __init__(self, bugs=(), refuse=()):
         self.bugs, self.refuse = set(bugs), set(refuse)
+        self.executed = []  # (graph kind, port name -> buffer) of every execute, in order
         self.data_type = SimpleNamespace(FLOAT="f32", FP8_E4M3="e4m3", FP8_E5M2="e5m2", BFLOAT16="bf16")
         self.diagonal_alignment = SimpleNamespace(TOP_LEFT="top_left")
         self.heur_mode = SimpleNamespace(A="A", FALLBACK="FALLBACK")
@@ -205,6 +215,52 @@ def test_dropped_output_scale_is_bad_not_a_number(fake):
     assert res.fwd_status == "bad" and res.fwd_ms is None and res.bwd_ms is None
     assert res.info["O"] > 0.5
     assert len(res.reasons) == len(cf.VARIANTS)
+
+
+@pytest.mark.parametrize("bug,causal", [("drop_scale_dk", False), ("bwd_ignores_mask", True)])
+def test_backward_only_bug_is_bad_not_a_number(fake, bug, causal):
+    """A correct forward and a wrong backward: the forward is timed, the backward
+    self-check reports "bad" and gives no number (without the backward check the
+    wrong backward would be timed as "ok")."""
+    fake(bugs={bug})
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, causal, _time, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "bad"), res.reasons
+    assert res.fwd_ms == 1.0 and res.bwd_ms is None and res.bwd_variant is None
+    wrong = "dK" if bug == "drop_scale_dk" else "dQ"
+    assert res.info[wrong] > 0.3, res.info
+    assert all("bwd self-check" in r for r in res.reasons), res.reasons
+    assert len(res.reasons) == len(cf.VARIANTS)
+
+
+def test_timed_callable_executes_the_checked_graph(fake):
+    """What time_fn times must execute the graph that passed the self-check, on
+    that check's buffers: one execute of the right kind per call (a launcher that
+    returns `lambda: None`, or runs another graph, is caught here)."""
+    fake()
+    cudnn = cf._STATE["cudnn"]
+    timed = []
+
+    def time_fn(fn, warmup, iters):
+        before = len(cudnn.executed)
+        last_kind, last_pack = cudnn.executed[-1]          # the final, checked execute of run_fwd / run_bwd
+        fn()
+        fn()
+        new = cudnn.executed[before:]
+        assert [kind for kind, _ in new] == [last_kind] * 2, new
+        for _, pack in new:
+            assert pack.keys() == last_pack.keys() and all(pack[n] is last_pack[n] for n in pack)
+        timed.append(last_kind)
+        return 2.0
+
+    q, k, v, do = _inputs()
+    res = cf.run(q, k, v, do, True, time_fn, tol=0.1)
+    assert (res.fwd_status, res.bwd_status) == ("ok", "ok"), res.reasons
+    assert timed == ["fwd", "bwd"] and res.fwd_ms == res.bwd_ms == 2.0
+    # host_us runs the same callables (5 executes each)
+    n_fwd = sum(1 for kind, _ in cudnn.executed if kind == "fwd")
+    n_bwd = sum(1 for kind, _ in cudnn.executed if kind == "bwd")
+    assert n_fwd == 2 + 2 + 5 and n_bwd == 3 + 2 + 5   # calibration(s) + check, timed, host_us
 
 
 def test_refused_variant_falls_through(fake):

@@ -24,7 +24,7 @@ from fp8attn.train import ddp
 from fp8attn.train.data import TokenStream
 from fp8attn.train.report import read_log
 
-from dist_helpers import first_batch_losses, free_port
+from dist_helpers import TOL_GPU, assert_trains_alike, first_batch_losses, free_port
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -193,13 +193,21 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2 \
     and getattr(fp8attn._lib, "HAS_CUDA_KERNELS", False)
 
 
+GPU_STEPS = 4  # NOTE: two torchruns; step 1 already shows a broken sync (dist_helpers.TOL_GPU)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs and the CUDA kernels")
 def test_two_gpus_ddp_and_fsdp_train_the_same(tmp_path, text_dir):
     """torchrun on 2 GPUs (NCCL): DDP and FSDP2 each train bf16 and FP8
-    Delta-Matching (head_dim 64: a CUDA kernel head_dim); both ranks end with the
-    same weights, training changed them, step 0 is the same loss under DDP and
-    FSDP (same initial weights, same rank batches) and the runs stay close."""
+    Delta-Matching (head_dim 64: a CUDA kernel head_dim, smoke preset). Per step
+    they must train the same: the step-0 grad_norm (the averaged gradient) and
+    the losses of steps 1..N (after updates) agree within TOL_GPU, which a 1-rank
+    run of this command (one rank's gradient only, as a broken sync gives) misses
+    by 10x (loss) and 400x (grad_norm) on the CPU (dist_helpers.py; the CPU twin
+    is test_fsdp.py::test_fsdp_trains_like_ddp). Also: the DDP ranks end with the
+    same weights, changed by training (FSDP's fingerprints are of gathered
+    parameters, equal by construction)."""
     logs = {}
     for name, extra in (("ddp", []), ("fsdp", ["--fsdp"])):
         out = tmp_path / name
@@ -208,9 +216,9 @@ def test_two_gpus_ddp_and_fsdp_train_the_same(tmp_path, text_dir):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                "-m", "fp8attn.train.compare", "--preset", "smoke", "--model", "head_dim=64",
-               "--modes", ",".join(MODES), "--steps", str(STEPS), "--val-every", "3", "--val-batches", "1",
-               "--data-dir", str(tmp_path / "data"), "--text-dir", str(text_dir), "--device", "cuda",
-               "--no-progress", "--no-save", "--out", str(out)] + extra
+               "--modes", ",".join(MODES), "--steps", str(GPU_STEPS), "--val-every", str(GPU_STEPS),
+               "--val-batches", "1", "--data-dir", str(tmp_path / "data"), "--text-dir", str(text_dir),
+               "--device", "cuda", "--no-progress", "--no-save", "--out", str(out)] + extra
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         logs[name] = {m: read_log(out / f"{m}.jsonl") for m in MODES}
@@ -218,12 +226,10 @@ def test_two_gpus_ddp_and_fsdp_train_the_same(tmp_path, text_dir):
         for mode, log in per_mode.items():
             s = log["summary"]
             losses = [r["loss"] for r in log["steps"]]
-            assert len(losses) == STEPS and all(math.isfinite(v) for v in losses), (name, mode)
-            assert s["world_size"] == 2 and not s["diverged"], (name, mode)
+            assert len(losses) == GPU_STEPS and all(math.isfinite(v) for v in losses), (name, mode)
+            assert s["world_size"] == 2 and not s["diverged"] and s["fsdp"] is (name == "fsdp"), (name, mode)
             fps = s["final_fingerprints"]
             assert len(fps) == 2 and fps[0] == fps[1], (name, mode)   # both ranks hold the same weights
             assert fps[0] != s["init_fingerprint"], (name, mode)      # ... that training changed
     for mode in MODES:
-        d, f = logs["ddp"][mode]["steps"], logs["fsdp"][mode]["steps"]
-        assert d[0]["loss"] == pytest.approx(f[0]["loss"], rel=1e-3), mode
-        assert d[-1]["loss"] == pytest.approx(f[-1]["loss"], rel=5e-2), mode
+        assert_trains_alike(logs["fsdp"][mode], logs["ddp"][mode], TOL_GPU, f"{mode}: FSDP vs DDP")

@@ -3,7 +3,9 @@
 exit code 0, rank 0's report only, finite losses, the summary says FSDP, the
 logged step-0 loss is the mean of the single-process losses of shared batches
 #0 and #1, both ranks end with identical (gathered) parameters that differ from
-the initial ones, and the losses match a DDP run of the same command.
+the initial ones, and the run trains like a DDP run of the same command (step-0
+grad_norm and every step's loss within dist_helpers.TOL_CPU), which a 1-rank
+run (one rank's gradient only, what a broken gradient sync gives) misses.
 Runtime: ~40-60 s on 2 cores.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import fp8attn
 from fp8attn.train.report import read_log
 from fp8attn.train.trainer import init_fingerprint
 
-from dist_helpers import first_batch_losses, free_port
+from dist_helpers import TOL_CPU, TOL_GPU, assert_trains_alike, first_batch_losses, free_port
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -33,11 +35,12 @@ STEPS = 4
 SCOPE = "attn-core+projections+ffn"
 
 
-def launch(tmp_path_factory, text_dir, fsdp: bool):
-    out = tmp_path_factory.mktemp("fsdp" if fsdp else "ddp")
+def launch(tmp_path_factory, text_dir, fsdp: bool, nproc: int = 2):
+    out = tmp_path_factory.mktemp("fsdp" if fsdp else f"ddp{nproc}")
+    # NOTE: FP8ATTN_DIST=1 makes a 1-process torchrun create its (1-rank) group too.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               OMP_NUM_THREADS="1", FP8ATTN_DIST="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "-m", "fp8attn.train.compare", "--preset", "smoke", "--modes", ",".join(MODES),
            "--steps", str(STEPS), *(["--fsdp"] if fsdp else []), "--scope", SCOPE, "--diag-every", "2", "--val-every", "2",
@@ -57,18 +60,44 @@ def ddp_run(tmp_path_factory, text_dir):
     return launch(tmp_path_factory, text_dir, fsdp=False)
 
 
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, text_dir):
+    return launch(tmp_path_factory, text_dir, fsdp=False, nproc=1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp_trains_like_ddp(fsdp_run, ddp_run, mode):
     """Same batches, same averaged gradients: the FSDP2 and DDP runs log the same
-    losses (up to reduction order) and reach nearly the same weights."""
+    step-0 grad_norm and per-step losses (up to reduction order) and reach nearly
+    the same weights. The same comparison as the 2-GPU test
+    (test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same), at TOL_CPU."""
     for _, proc in (fsdp_run, ddp_run):
         assert proc.returncode == 0, proc.stderr[-3000:]
     a = read_log(fsdp_run[0] / "run" / f"{mode}.jsonl")
     b = read_log(ddp_run[0] / "run" / f"{mode}.jsonl")
     assert a["summary"]["fsdp"] and not b["summary"]["fsdp"]
-    la, lb = [r["loss"] for r in a["steps"]], [r["loss"] for r in b["steps"]]
-    assert la == pytest.approx(lb, rel=1e-4), (la, lb)
-    assert a["summary"]["final_val_loss"] == pytest.approx(b["summary"]["final_val_loss"], rel=1e-4)
+    assert_trains_alike(a, b, TOL_CPU, f"{mode}: FSDP vs DDP")
+    assert a["summary"]["final_val_loss"] == pytest.approx(b["summary"]["final_val_loss"], rel=TOL_CPU)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_comparison_sees_a_one_rank_run(one_rank_run, ddp_run, mode):
+    """The failure assert_trains_alike guards against: a 1-rank run of the same
+    command (rank 0's batches and gradient only, as when the gradients are not
+    synced) differs from the 2-rank DDP run beyond TOL_CPU and TOL_GPU, in the
+    step-0 grad_norm and in a later step's loss."""
+    for _, proc in (one_rank_run, ddp_run):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one = read_log(one_rank_run[0] / "run" / f"{mode}.jsonl")
+    two = read_log(ddp_run[0] / "run" / f"{mode}.jsonl")
+    assert one["summary"]["world_size"] == 1 and two["summary"]["world_size"] == 2
+    for tol in (TOL_CPU, TOL_GPU):
+        with pytest.raises(AssertionError, match="grad_norm"):
+            assert_trains_alike(one, two, tol)
+        # the losses alone (step-0 grad_norm copied over) also tell the runs apart
+        patched = dict(one, steps=[dict(one["steps"][0], grad_norm=two["steps"][0]["grad_norm"])] + one["steps"][1:])
+        with pytest.raises(AssertionError, match="losses differ"):
+            assert_trains_alike(patched, two, tol)
 
 
 def test_fsdp_run_exits_cleanly(fsdp_run):

@@ -5,6 +5,7 @@ reference). Math: docs/numerics.md. Small shapes: the file runs in well under
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -554,14 +555,7 @@ def test_nan_in_dout_propagates_only_where_numerics_says(precision):
 
 # ---- regressions found by adversarial use -----------------------------------
 
-@pytest.mark.parametrize("precision", ["exact", "fp8"])
-def test_double_backward_fails_loudly(precision):
-    """bwd has no derivative: a second-order gradient must raise, never return zeros."""
-    q, k, v = [torch.randn(1, 1, 8, 8, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    o = fp8attn.attention(q, k, v, precision=precision)
-    (g,) = torch.autograd.grad((o ** 2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(g.pow(2).sum(), (q, k, v))
+# Double backward: tests/python/test_double_backward.py (all entry points, both loss kinds).
 
 
 def test_fp8_backward_large_finite_values_stay_finite():
@@ -598,3 +592,62 @@ def test_rowsum_single_key_rows_report_zero():
         diag = torch.ops.fp8attn.bwd(do, q, k, v, o, lse, 32 ** -0.5, True, "fp8", mode, 128, "e4m3", True)[3]
         assert (diag[2:, :, :, 0] == 0).all(), mode
         assert (diag[2, :, :, 1:] > 0).any() or mode == "delta_matching"
+
+
+# ---- options checked alike by attention and varlen_attention ---------------------
+
+
+def _both_entry_points():
+    """(name, call(**options)) for attention and varlen_attention on the same
+    input (varlen: one sequence of all 8 tokens)."""
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, requires_grad=False)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    return [("attention", lambda **kw: fp8attn.attention(q, k, v, **kw)),
+            ("varlen_attention", lambda **kw: fp8attn.varlen_attention(*packed, cu, cu, **kw))]
+
+
+BAD_OPTIONS = [
+    # (exception, argument, options)
+    (TypeError, "layer_name", dict(layer_name=5)),
+    (TypeError, "layer_name", dict(layer_name=b"attn0")),
+    (TypeError, "layer_name", dict(layer_name=("attn", 0))),
+    (TypeError, "return_lse", dict(return_lse=1)),
+    (TypeError, "return_lse", dict(return_lse="yes")),
+    (TypeError, "return_lse", dict(return_lse=np.True_)),
+    (ValueError, "block_size", dict(block_size=True)),
+    (ValueError, "block_size", dict(block_size=np.True_)),
+    (ValueError, "block_size", dict(block_size=32.0)),
+    (ValueError, "block_size", dict(block_size=np.int64(48))),
+    # float32(tau) finite, tau * log2(e) not: the kernels' FP32 product overflows
+    (ValueError, "softmax_scale", dict(softmax_scale=3e38)),
+    (ValueError, "softmax_scale", dict(softmax_scale=np.float32(3e38))),
+    (ValueError, "softmax_scale", dict(softmax_scale=1e39)),        # finite in float64, inf in FP32
+    # the FP32 number just above MAX_SOFTMAX_SCALE (2.3586574e38)
+    (ValueError, "softmax_scale", dict(softmax_scale=np.nextafter(np.float32(2.3586574e38), np.float32(np.inf)))),
+]
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen_attention"])
+@pytest.mark.parametrize("exc,arg,options", BAD_OPTIONS, ids=[f"{a}={o[a]!r}" for _, a, o in BAD_OPTIONS])
+def test_bad_options_raise_naming_the_argument(entry, exc, arg, options):
+    call = dict(_both_entry_points())[entry]
+    with pytest.raises(exc, match=f"fp8attn.{entry}: argument '{arg}'"):
+        call(**options)
+
+
+@pytest.mark.parametrize("entry", ["attention", "varlen_attention"])
+def test_good_edge_options_are_accepted(entry):
+    """Integer types other than int for block_size (operator.index), the largest
+    softmax_scale whose FP32 product with log2(e) is finite, layer_name str/None."""
+    call = dict(_both_entry_points())[entry]
+    want = call(block_size=32)
+    for bs in (np.int64(32), np.int32(32), np.uint8(32), torch.tensor(32)):
+        assert torch.equal(call(block_size=bs), want), type(bs)
+    top = fp8attn.ops.MAX_SOFTMAX_SCALE   # the bound itself: finite product, the next FP32 up is not
+    assert top == float(np.float32(2.3586574e38))
+    assert math.isfinite(fp8attn.ops._scale_log2_fp32(top))
+    assert not math.isfinite(fp8attn.ops._scale_log2_fp32(np.nextafter(np.float32(top), np.float32(np.inf))))
+    call(softmax_scale=top)          # accepted (the output is not the point)
+    call(layer_name="attn0", return_lse=True)
+    call(layer_name=None, return_lse=False)
