@@ -46,7 +46,12 @@ def _row(causal=False, **kw):
 
 
 def _run_script(script, *args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    # NOTE: the child must import the fp8attn this process imported (in-tree build
+    # or the installed package, as CI has it), not whatever python/ holds.
+    import fp8attn
+
+    py_dir = Path(fp8attn.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(py_dir), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=120, env=env, cwd=str(ROOT))
 
