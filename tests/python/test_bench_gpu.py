@@ -164,7 +164,10 @@ def test_help_is_complete():
 
 @pytest.mark.parametrize("args,want", [(["--bogus"], "unrecognized arguments: --bogus"),
                                        (["--shapes", "1x2x3"], "argument --shapes: expected"),
-                                       (["--iters", "ten"], "argument --iters")])
+                                       (["--iters", "ten"], "argument --iters"),
+                                       (["--iters", "0"], "argument --iters: must be an integer >= 1"),
+                                       (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+                                       (["--cudnn-fp8-tol", "-1"], "argument --cudnn-fp8-tol: must be a finite")])
 def test_bad_arguments_exit_2(args, want):
     p = _run_script("bench_gpu.py", *args)
     assert p.returncode == 2 and want in p.stderr and "Traceback" not in p.stderr, p.stderr
