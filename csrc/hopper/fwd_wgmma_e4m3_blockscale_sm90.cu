@@ -281,7 +281,15 @@ __device__ __forceinline__ void producer_warpgroup(const KernelParams& p, uint32
     const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
     for (int kt = 0; kt < n_tiles; ++kt) {
       const int s = kt % kStages;
-      mbar_wait(fwd_bar<kStages>(bar, kVRaw, s), (kt / kStages) & 1);
+      const uint32_t ph = (kt / kStages) & 1;
+      // NOTE: v_empty first (warp 0 waited on it too, so it never blocks here):
+      // the consumers' reads of stage s's s_v then happen-before this warp's
+      // s_v stores through one release / acquire pair, not only through warp
+      // 0's arrive on v_raw and the TMA's completion, which compute-sanitizer
+      // racecheck does not follow (it reported the s_v stores racing with
+      // promote's loads once a stage is reused).
+      mbar_wait(fwd_bar<kStages>(bar, kVEmpty, s), ph ^ 1);
+      mbar_wait(fwd_bar<kStages>(bar, kVRaw, s), ph);
       for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
         const uint4 x = ld_shared_v4(a);
         uint4 y;
