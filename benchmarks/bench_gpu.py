@@ -45,7 +45,7 @@ if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):  # NOTE: in-tree build fir
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
 
 import cudnn_fp8  # noqa: E402  (benchmarks/, next to this script)
-from timing import time_ms  # noqa: E402
+from timing import int_at_least, positive_float, time_ms  # noqa: E402
 
 OPS = torch.ops.fp8attn
 MODES = ("stale", "matched_do", "delta_matching")
@@ -205,13 +205,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (the device script's default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"),
                     help="directory for bench_gpu.json and bench_gpu.md (created; default $OUT, else ./bench_out)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before timing each number (default 3)")
-    ap.add_argument("--iters", type=int, default=10,
+    ap.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed calls before timing each number (default 3)")
+    ap.add_argument("--iters", type=int_at_least(1), default=10,
                     help="timed calls per number; the number is their median CUDA-event time (default 10)")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA baselines")
     ap.add_argument("--no-cudnn-fp8", action="store_true", help="skip the cuDNN FP8 baseline (cuDNN frontend)")
-    ap.add_argument("--cudnn-fp8-tol", type=float, default=cudnn_fp8.DEFAULT_TOL,
+    ap.add_argument("--cudnn-fp8-tol", type=positive_float, default=cudnn_fp8.DEFAULT_TOL,
                     help="largest relative Frobenius error of the cuDNN FP8 self-check (else the column says bad)")
     ap.add_argument("--cudnn-fp8-verbose", action="store_true", help="log every cuDNN FP8 graph variant tried")
     ap.add_argument("--no-accuracy", action="store_true",

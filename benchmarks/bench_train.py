@@ -157,7 +157,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--presets", default=None, help="comma list (default: gpu-50m,gpu-125m on CUDA, smoke on CPU)")
     ap.add_argument("--configs", default="bf16," + ",".join(f"fp8/{s}" for s in SCOPES),

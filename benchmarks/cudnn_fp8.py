@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from timing import time_ms as _time_ms  # benchmarks/timing.py
+from timing import positive_float, time_ms as _time_ms  # benchmarks/timing.py
 
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
@@ -610,7 +610,7 @@ def main(argv=None) -> int:
     ap.add_argument("shape", nargs="?", type=_shape_arg, default=(2, 16, 8192, 128),
                     help="BxHxSxd of the BF16 Q, K, V, dO (default 2x16x8192x128)")
     ap.add_argument("--every", action="store_true", help="try every variant, not only up to the first that passes")
-    ap.add_argument("--tol", type=float, default=DEFAULT_TOL,
+    ap.add_argument("--tol", type=positive_float, default=DEFAULT_TOL,
                     help=f"largest relative Frobenius error of the self-check (default {DEFAULT_TOL})")
     args = ap.parse_args(argv)
     if load() is None:

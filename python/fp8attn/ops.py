@@ -283,7 +283,9 @@ def single_backward(fn: str):
                     raise RuntimeError(
                         f"fp8attn.{fn}: double backward is not supported: its backward has no derivative, "
                         "but a backward ran with create_graph=True on inputs that require grad (a second "
-                        "derivative through it would be wrong); use create_graph=False, or an exact "
+                        "derivative through it would be wrong; e.g. a Hessian, a jacobian with "
+                        "create_graph=True, a gradient penalty through attention); use create_graph=False, "
+                        "or an exact "
                         "attention (e.g. torch SDPA) for higher-order gradients")
             with torch.no_grad():
                 return backward(ctx, *grads)

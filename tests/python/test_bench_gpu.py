@@ -46,7 +46,12 @@ def _row(causal=False, **kw):
 
 
 def _run_script(script, *args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    # NOTE: the child must import the fp8attn this process imported (in-tree build
+    # or the installed package, as CI has it), not whatever python/ holds.
+    import fp8attn
+
+    py_dir = Path(fp8attn.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(py_dir), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=120, env=env, cwd=str(ROOT))
 
@@ -159,7 +164,10 @@ def test_help_is_complete():
 
 @pytest.mark.parametrize("args,want", [(["--bogus"], "unrecognized arguments: --bogus"),
                                        (["--shapes", "1x2x3"], "argument --shapes: expected"),
-                                       (["--iters", "ten"], "argument --iters")])
+                                       (["--iters", "ten"], "argument --iters"),
+                                       (["--iters", "0"], "argument --iters: must be an integer >= 1"),
+                                       (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+                                       (["--cudnn-fp8-tol", "-1"], "argument --cudnn-fp8-tol: must be a finite")])
 def test_bad_arguments_exit_2(args, want):
     p = _run_script("bench_gpu.py", *args)
     assert p.returncode == 2 and want in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -93,14 +93,24 @@ def test_first_order_backward_still_works(fn):
     assert not any(g.requires_grad for g in grads if g is not None)
 
 
-def test_first_order_backward_with_grad_mode_on_but_no_input_grad():
-    """A backward outside create_graph but inside enable_grad (e.g. a checkpoint
-    recompute) is not a double backward: torch runs backward with grad mode =
-    create_graph, so plain .backward() never trips the check."""
-    q, k, v = _inputs("q")
-    with torch.enable_grad():
-        _attention(q, k, v).sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("fn", ["attention", "varlen_attention"])
+def test_activation_checkpointing_unaffected(fn, use_reentrant):
+    """torch.utils.checkpoint recomputes the forward under grad mode and runs its
+    backward inside the outer one (reentrant: a nested autograd.backward); that
+    is a first-order backward, so the guard must stay silent and the gradients
+    must be bitwise those of the same step without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _inputs("qkv")
+    x = torch.randn_like(q, requires_grad=True)  # reentrant checkpoint needs an input that requires grad
+    loss = checkpoint(lambda a, b, c, d: FNS[fn](a + d, b, c), q, k, v, x,
+                      use_reentrant=use_reentrant).pow(2).sum()
+    loss.backward()
+    want = [t.detach().clone().requires_grad_() for t in (q, k, v, x)]
+    FNS[fn](want[0] + want[3], want[1], want[2]).pow(2).sum().backward()
+    for got, ref in zip((q, k, v, x), want):
+        assert got.grad is not None and torch.equal(got.grad, ref.grad)
 
 
 @pytest.mark.parametrize("fn", ["attention", "varlen_attention"])
