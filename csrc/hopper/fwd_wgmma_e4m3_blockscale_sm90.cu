@@ -282,7 +282,8 @@ __device__ __forceinline__ void producer_warpgroup(const KernelParams& p, uint32
     for (int kt = 0; kt < n_tiles; ++kt) {
       const int s = kt % kStages;
       const uint32_t ph = (kt / kStages) & 1;
-      // NOTE: v_empty first (warp 0 waited on it too, so it never blocks here):
+      // NOTE: v_empty first (the same phase warp 0 waits on before the V TMA, so
+      // it never holds these warps longer than the v_raw wait behind it would):
       // the consumers' reads of stage s's s_v then happen-before this warp's
       // s_v stores through one release / acquire pair, not only through warp
       // 0's arrive on v_raw and the TMA's completion, which compute-sanitizer
