@@ -249,9 +249,11 @@ def bench_shape(r, args) -> None:
         f_ms, b_ms = (None, None) if args.no_sdpa else sdpa_times(backend, q, k, v, dout, causal,
                                                                    args.warmup, args.iters)
         r[f"{name}_fwd"], r[f"{name}_bwd"] = tflops(fwd_flops, f_ms), tflops(bwd_flops, b_ms)
+    # NOTE: one SDPA BF16 reference per shape, for the accuracy table and the cuDNN FP8 self-check.
+    ref = None if args.no_accuracy else cudnn_fp8._reference(q, k, v, dout, causal, bwd=not args.no_bwd)
     if not args.no_cudnn_fp8:
         res = cudnn_fp8.run(q, k, v, dout, causal, time_ms, args.warmup, args.iters, bwd=not args.no_bwd,
-                            tol=args.cudnn_fp8_tol, verbose=args.cudnn_fp8_verbose)
+                            tol=args.cudnn_fp8_tol, verbose=args.cudnn_fp8_verbose, ref=ref)
         r["cudnn_fp8_status"] = {"fwd": res.fwd_status, "bwd": res.bwd_status}
         r["cudnn_fp8_fwd"], r["cudnn_fp8_fwd_ms"] = tflops(fwd_flops, res.fwd_ms), res.fwd_ms
         r["cudnn_fp8_bwd"], r["cudnn_fp8_bwd_ms"] = tflops(bwd_flops, res.bwd_ms), res.bwd_ms
@@ -282,18 +284,12 @@ def bench_shape(r, args) -> None:
     # Accuracy next to speed: ||x - ref|| / ||ref|| against SDPA BF16 on the same inputs (the
     # reference of the cuDNN FP8 self-check, the same fixed backend order), O and the
     # Delta-Matching dQ, dK, dV.
-    if not args.no_accuracy:
-        ref = cudnn_fp8._reference(q, k, v, dout, causal, bwd=not args.no_bwd)
+    if ref is not None:
         r["reference"] = ref.backend
         r["fp8_err"] = {"O": cudnn_fp8.rel_fro(out, ref.o)}
         if ref.grads is not None:
             g = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, "e4m3", False)
             r["fp8_err"].update({n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], ref.grads)})
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def main(argv=None) -> int:
@@ -316,7 +312,7 @@ def main(argv=None) -> int:
             try:
                 bench_shape(r, args)
             except (RuntimeError, ValueError) as e:  # incl. torch.cuda.OutOfMemoryError, NotImplementedError
-                r["error"] = one_line(e)
+                r["error"] = cudnn_fp8.one_line(e, 200)
                 print(f"  failed, n/a from here on: {r['error']}")
             print("  " + json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in r.items()
                                      if k2 != "cudnn_fp8_reasons"}))

@@ -92,9 +92,10 @@ _GRAPH_ERRORS: dict = {}  # same key -> the full exception text of a failed buil
 _PREFERRED: list = []  # variants that worked before, tried first
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException, width: int = 160) -> str:
+    """An exception as one line: its type and the first `width` characters of its first line."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+    return f"{type(e).__name__}: {text[0][:width] if text else ''}"
 
 
 def load():
@@ -104,7 +105,7 @@ def load():
             import cudnn  # noqa: PLC0415
             _STATE["cudnn"] = cudnn
         except Exception as e:  # noqa: BLE001  (missing wheel, missing libcudnn, ...)
-            _STATE["why"] = f"import cudnn failed ({_one_line(e)})"
+            _STATE["why"] = f"import cudnn failed ({one_line(e)})"
     return _STATE["cudnn"]
 
 
@@ -116,7 +117,7 @@ def version_info() -> dict:
     try:
         info["cudnn_backend"] = cudnn.backend_version_string()
     except Exception as e:  # noqa: BLE001
-        info["cudnn_backend"] = _one_line(e)
+        info["cudnn_backend"] = one_line(e)
     return info
 
 
@@ -280,7 +281,7 @@ def _built(kind: str, shape, causal: bool, var: Variant):
             g, t = declare(cudnn, shape, causal, var, handle=_handle())
             _GRAPHS[key] = _finish(cudnn, g, t)
         except Exception as e:  # noqa: BLE001  (cudnnGraphNotSupportedError, ValueError, RuntimeError, ...)
-            _GRAPHS[key] = f"{kind} build: {_one_line(e)}"
+            _GRAPHS[key] = f"{kind} build: {one_line(e)}"
             _GRAPH_ERRORS[key] = f"{type(e).__name__}: {e}"[:3000]
     return _GRAPHS[key]
 
@@ -422,7 +423,7 @@ def _reference(q, k, v, dout, causal, bwd: bool) -> Reference:
         except RuntimeError as e:  # "No viable backend ..." / the backend refuses the shape
             if name == REFERENCE_BACKENDS[-1] or isinstance(e, torch.cuda.OutOfMemoryError):
                 raise
-            refused.append(f"{name}: {_one_line(e)}")
+            refused.append(f"{name}: {one_line(e)}")
             continue
         return Reference(o.detach(), grads, name, refused)
     raise AssertionError("unreachable")
@@ -430,21 +431,23 @@ def _reference(q, k, v, dout, causal, bwd: bool) -> Reference:
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, causal: bool,
         time_fn: Callable, warmup: int = 3, iters: int = 10, bwd: bool = True, tol: float = DEFAULT_TOL,
-        verbose: bool = False, variants=None) -> Result:
+        verbose: bool = False, variants=None, ref: Optional[Reference] = None) -> Result:
     """Build (cached), self-check and time cuDNN FP8 SDPA on BF16 (B, H, S, d) inputs.
-    time_fn(fn, warmup, iters) -> ms. Never raises: failures land in Result.reasons."""
+    time_fn(fn, warmup, iters) -> ms. ref: `_reference` of these inputs (with the
+    backward when bwd), if the caller already has it. Never raises: failures land
+    in Result.reasons."""
     res = Result()
     try:
-        _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, variants)
+        _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, variants, ref)
     except Exception as e:  # noqa: BLE001  (OOM, a runtime error inside execute, ...)
-        res.reasons.append(f"unexpected: {_one_line(e)}")
+        res.reasons.append(f"unexpected: {one_line(e)}")
         for which in ("fwd", "bwd"):
             if getattr(res, which + "_status") == "ok" and getattr(res, which + "_ms") is None:
                 setattr(res, which + "_status", "n/a")
     try:
         _sync(q.device)
     except Exception as e:  # noqa: BLE001  (a sticky CUDA error from inside cuDNN)
-        res.reasons.append(f"synchronize: {_one_line(e)}")
+        res.reasons.append(f"synchronize: {one_line(e)}")
     return res
 
 
@@ -453,7 +456,7 @@ def _log(verbose: bool, msg: str) -> None:
         print(f"    cudnn-fp8: {msg}", flush=True)
 
 
-def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, variants):
+def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, variants, ref=None):
     if load() is None:
         res.reasons.append(_STATE["why"])
         return
@@ -463,7 +466,8 @@ def _run(res, q, k, v, dout, causal, time_fn, warmup, iters, bwd, tol, verbose, 
     shape = tuple(q.shape)
     order = list(variants) if variants is not None else [x for x in _PREFERRED] + [x for x in VARIANTS
                                                                                if x not in _PREFERRED]
-    ref = _reference(q, k, v, dout, causal, bwd)
+    if ref is None:
+        ref = _reference(q, k, v, dout, causal, bwd)
     ref_o, ref_g = ref.o, ref.grads
     res.info["reference"] = ref.backend
     fwd_case = None
