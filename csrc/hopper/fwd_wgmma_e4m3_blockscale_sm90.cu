@@ -209,15 +209,20 @@ template <int kStages>
 __device__ __forceinline__ uint32_t fwd_bar(uint32_t bar, FwdBar which, int s) {
   return which == kQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
 }
+// NOTE: every consumer thread arrives on k_empty / v_empty (CUTLASS's
+// consumer_release does the same), not one lane per warp after __syncwarp:
+// each thread's own shared-memory reads of the stage are then ordered before
+// the producer's next stores by one arrive / wait pair, an order
+// compute-sanitizer racecheck follows (it reported the lane-0 form as racy).
 template <int kStages>
 __device__ __forceinline__ void fwd_init_bars(uint32_t bar) {
   mbar_init(fwd_bar<kStages>(bar, kQFull, 0), 1);
   for (int s = 0; s < kStages; ++s) {
     mbar_init(fwd_bar<kStages>(bar, kKFull, s), 32);                      // warp 0: TMA bytes + s_k stores
-    mbar_init(fwd_bar<kStages>(bar, kKEmpty, s), 4 * fwdw::kConsumerWGs);  // one arrival per consumer warp
+    mbar_init(fwd_bar<kStages>(bar, kKEmpty, s), 128 * fwdw::kConsumerWGs);  // every consumer thread
     mbar_init(fwd_bar<kStages>(bar, kVRaw, s), 1);                         // TMA bytes
     mbar_init(fwd_bar<kStages>(bar, kVFull, s), 96);                       // the permuting threads
-    mbar_init(fwd_bar<kStages>(bar, kVEmpty, s), 4 * fwdw::kConsumerWGs);
+    mbar_init(fwd_bar<kStages>(bar, kVEmpty, s), 128 * fwdw::kConsumerWGs);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -420,8 +425,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       sacc[4 * j + 2] *= sk.x;
       sacc[4 * j + 3] *= sk.y;
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+    mbar_arrive(k_empty(s));  // this thread is done with K / s_k of stage s (NOTE at fwd_init_bars)
 
     // ---- mask: keys past seqlen_k, causal ----
     const int key0 = kt * kBlockN;
@@ -496,8 +500,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
       o[4 * t + 3] = fmaf(part[4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
     }
     if (c == kPvChunks - 1) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+      mbar_arrive(v_empty(s));  // this thread is done with V / s_v of stage s
     }
   };
 
@@ -799,8 +802,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
         sacc[4 * j + 3] = fmaf(part[4 * i + 3], sk.y * qr[1], sacc[4 * j + 3]);
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+    mbar_arrive(k_empty(s));  // this thread is done with K / s_k of stage s (NOTE at fwd_init_bars)
 
     // ---- mask: keys past seqlen_k, causal ----
     const int key0 = kt * kBlockN;
@@ -883,8 +885,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
         o[4 * t + 3] = fmaf(pv[c & 1][4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+    mbar_arrive(v_empty(s));  // this thread is done with V / s_v of stage s
   }
 
   // ---- epilogue: O = acc / l (BF16), LSE (as fwd_wgmma_kernel) ----
