@@ -213,15 +213,20 @@ template <int kStages>
 __device__ __forceinline__ uint32_t fwd_bar(uint32_t bar, FwdBar which, int s) {
   return which == kQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
 }
+// NOTE: every consumer thread arrives on k_empty / v_empty (CUTLASS's
+// consumer_release does the same), not one lane per warp after __syncwarp:
+// each thread's own shared-memory reads of the stage are then ordered before
+// the producer's next stores by one arrive / wait pair, an order
+// compute-sanitizer racecheck follows (it reported the lane-0 form as racy).
 template <int kStages, int kCWG = fwdw::kConsumerWGs>
 __device__ __forceinline__ void fwd_init_bars(uint32_t bar) {
   mbar_init(fwd_bar<kStages>(bar, kQFull, 0), 1);
   for (int s = 0; s < kStages; ++s) {
     mbar_init(fwd_bar<kStages>(bar, kKFull, s), 32);                      // warp 0: TMA bytes + s_k stores
-    mbar_init(fwd_bar<kStages>(bar, kKEmpty, s), 4 * kCWG);  // one arrival per consumer warp
+    mbar_init(fwd_bar<kStages>(bar, kKEmpty, s), 128 * kCWG);  // every consumer thread
     mbar_init(fwd_bar<kStages>(bar, kVRaw, s), 1);                         // TMA bytes
     mbar_init(fwd_bar<kStages>(bar, kVFull, s), 96);                       // the permuting threads
-    mbar_init(fwd_bar<kStages>(bar, kVEmpty, s), 4 * kCWG);
+    mbar_init(fwd_bar<kStages>(bar, kVEmpty, s), 128 * kCWG);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -285,7 +290,16 @@ __device__ __forceinline__ void producer_warpgroup(const KernelParams& p, uint32
     const float* vs_g = p.v_col_s + bhk * kDv * nblk_k;
     for (int kt = 0; kt < n_tiles; ++kt) {
       const int s = kt % kStages;
-      mbar_wait(fwd_bar<kStages>(bar, kVRaw, s), (kt / kStages) & 1);
+      const uint32_t ph = (kt / kStages) & 1;
+      // NOTE: v_empty first (the same phase warp 0 waits on before the V TMA, so
+      // it never holds these warps longer than the v_raw wait behind it would):
+      // the consumers' reads of stage s's s_v then happen-before this warp's
+      // s_v stores through one release / acquire pair, not only through warp
+      // 0's arrive on v_raw and the TMA's completion, which compute-sanitizer
+      // racecheck does not follow (it reported the s_v stores racing with
+      // promote's loads once a stage is reused).
+      mbar_wait(fwd_bar<kStages>(bar, kVEmpty, s), ph ^ 1);
+      mbar_wait(fwd_bar<kStages>(bar, kVRaw, s), ph);
       for (uint32_t a = sV(s) + 16 * pt; a < sV(s) + T::kVBytes; a += 16 * 96) {
         const uint4 x = ld_shared_v4(a);
         uint4 y;
@@ -417,8 +431,7 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
       sacc[4 * j + 2] *= sk.x;
       sacc[4 * j + 3] *= sk.y;
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+    mbar_arrive(k_empty(s));  // this thread is done with K / s_k of stage s (NOTE at fwd_init_bars)
 
     // ---- mask: keys past seqlen_k, causal ----
     const int key0 = kt * kBlockN;
@@ -493,8 +506,7 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
       o[4 * t + 3] = fmaf(part[4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
     }
     if (c == kPvChunks - 1) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+      mbar_arrive(v_empty(s));  // this thread is done with V / s_v of stage s
     }
   };
 
@@ -797,8 +809,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
         sacc[4 * j + 3] = fmaf(part[4 * i + 3], sk.y * qr[1], sacc[4 * j + 3]);
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(k_empty(s));  // this warp is done with K / s_k of stage s
+    mbar_arrive(k_empty(s));  // this thread is done with K / s_k of stage s (NOTE at fwd_init_bars)
 
     // ---- mask: keys past seqlen_k, causal ----
     const int key0 = kt * kBlockN;
@@ -881,8 +892,7 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
         o[4 * t + 3] = fmaf(pv[c & 1][4 * tc + 3], sp[1] * sv.y, o[4 * t + 3] * alpha[1]);
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(v_empty(s));  // this warp is done with V / s_v of stage s
+    mbar_arrive(v_empty(s));  // this thread is done with V / s_v of stage s
   }
 
   // ---- epilogue: O = acc / l (BF16), LSE (as fwd_wgmma_kernel) ----
