@@ -4,7 +4,7 @@
 // how the products are computed. Design and measurements:
 // docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
 //
-// One CTA per (query tile of fwdw::kBlockM rows, query head, batch); 128-key
+// One CTA per (query tile of 64 rows per consumer warpgroup, query head, batch); 128-key
 // tiles in increasing order. Warp-specialized:
 //   producer warpgroup (setmaxnreg down)
 //     warp 0   TMA of the Q tile once, then per key tile: K tile (k_row,
@@ -22,8 +22,10 @@
 //       promoted into the O accumulator with its scales)
 //   epilogue: O / l -> BF16, LSE.
 // Consumer schedules (kVariant): v1 serial as above; v2 issues QK^T (kt + 1)
-// before the softmax of kt; v3 (default) pairs the two warpgroups so they take
-// turns issuing {P V (kt), QK^T (kt + 1)} (pingpong). Measurements: the doc.
+// before the softmax of kt; v3 (default at head_dim 128) pairs the two
+// warpgroups so they take turns issuing {P V (kt), QK^T (kt + 1)} (pingpong);
+// v11 (default at head_dim 64) runs v1 on three consumer warpgroups (192
+// query rows per CTA, 160 registers each). Measurements: the doc.
 // Stages are handed over with mbarriers: k_full/v_full (producer -> consumers),
 // k_empty/v_empty (consumers -> producer), v_raw (TMA -> permuting warps).
 //
@@ -513,7 +515,34 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
   if constexpr (kVariant == kSerial || kVariant == kSerial3) {
     // v1 / v11: QK^T, wait, softmax, PV, wait, promote (overlap only across
     // warpgroups: two in v1, three in v11).
+    // NOTE: a warpgroup computes only the key tiles its own 64 rows see
+    // (n_mine <= n_tiles: causal rows above the CTA's last rows, rows past
+    // seqlen_q); it still takes part in the stage hand-over of the rest. So
+    // a non-finite V at key j never reaches a row of an earlier 128-key tile
+    // than j's (the documented diagonal-tile deviation), whatever kBlockM.
+    int n_mine = 0;
+    {
+      const int wg_row0 = q0 + 64 * cw, wg_rows_end = min(wg_row0 + 64, Sq);
+      if (wg_rows_end > wg_row0) {
+        n_mine = n_tiles;
+        if (p.causal) {
+          const int last_key = wg_rows_end - 1 + diag;
+          n_mine = last_key < 0 ? 0 : min(n_tiles, last_key / kBlockN + 1);
+        }
+      }
+    }
     for (int kt = 0; kt < n_tiles; ++kt) {
+      if (kt >= n_mine) {
+        // Not seen by this warpgroup's rows: wait for the stage (so this
+        // arrival counts toward its current phase) and release it.
+        const int s = kt % kStages;
+        const uint32_t ph = (kt / kStages) & 1;
+        mbar_wait(k_full(s), ph);
+        mbar_arrive(k_empty(s));
+        mbar_wait(v_full(s), ph);
+        mbar_arrive(v_empty(s));
+        continue;
+      }
       float sacc[kBlockN / 2], part[kPvN / 2], alpha[2], sp[2];
       uint32_t pa[kNT / 4][4];
       qk_issue(sacc, kt);
@@ -1011,14 +1040,20 @@ bool fwd_wgmma_supported(const KernelParams& p) {
 
 void run_fwd_wgmma(const KernelParams& p, cudaStream_t stream) {
   if (!fwd_wgmma_supported(p)) fail("unsupported configuration (see fwd_wgmma_supported)");
-  // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap runs v1 | v2 instead
-  // of v3 at head_dim_qk <= 128 (benchmarking; measurements in the kernel doc).
+  // Default schedule (kernel doc, "v11"): three warpgroups on the serial
+  // schedule at head_dim 64 (+3-8% non-causal, +0-2% causal over pingpong),
+  // pingpong at 128 (v11 within +-2% there).
+  // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap | wgmma_pingpong |
+  // wgmma_serial3 picks v1 | v2 | v3 | v11 at head_dim_qk <= 128 instead
+  // (benchmarks and tests; measurements in the kernel doc).
   const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
   const std::string which = env != nullptr ? env : "";
-  const int variant = which == "wgmma_serial"    ? kSerial
-                      : which == "wgmma_overlap" ? kOverlap
-                      : which == "wgmma_serial3" ? kSerial3
-                                                 : kPingpong;
+  const int variant = which == "wgmma_serial"     ? kSerial
+                      : which == "wgmma_overlap"  ? kOverlap
+                      : which == "wgmma_serial3"  ? kSerial3
+                      : which == "wgmma_pingpong" ? kPingpong
+                      : p.head_dim_qk == 64       ? kSerial3
+                                                  : kPingpong;
   // NOTE: two head_dim blocks run fwd_wgmma_d2_kernel (one schedule, v1-like).
   if (p.head_dim_qk == 256) return launch_d2<256, 256>(p, stream);
   if (p.head_dim_qk == 192) return launch_d2<192, 128>(p, stream);
