@@ -1,7 +1,7 @@
 """Model check of the K/V stage protocol of the wgmma forward (d <= 128
 fwd_wgmma_kernel and d >= 192 fwd_wgmma_d2_kernel; producer_warpgroup in
-csrc/hopper/fwd_wgmma_e4m3_blockscale_sm90.cu), with branch fwd-vempty-wait's
-change: producer warps 1-3 wait v_empty[s] (parity ph ^ 1) before v_raw[s]
+csrc/hopper/fwd_wgmma_e4m3_blockscale_sm90.cu), with the producer change
+of branch fwd-vempty-wait (merged 2026-11-30): producer warps 1-3 wait v_empty[s] (parity ph ^ 1) before v_raw[s]
 (parity ph) and their s_v stores. CPU only; it checks the protocol as written
 down here, not the CUDA code: keep the two in step. Why: docs/kernels/
 fwd_wgmma_e4m3_blockscale_sm90.md, "racecheck on reused K/V stages".
@@ -13,7 +13,9 @@ Agents (each one warp; key tile kt, stage s = kt % S, ph = (kt / S) & 1):
   warps 1-3:  [new] wait v_empty[s] (ph ^ 1); wait v_raw[s] (ph); read its
               slice of V[s] (raw), store it permuted, store its s_v[s]
               channels; arrive v_full[s]
-  consumers (2 warpgroups x 4 warps), per variant: wait k_full, QK^T reads
+  consumers (2 warpgroups x 4 warps; the kernel's per-thread arrivals on
+              k_empty / v_empty, each after the thread's own reads, are one
+              arrival of the warp here), per variant: wait k_full, QK^T reads
               K[s] (from issue to wgmma wait), softmax reads s_k[s], arrive
               k_empty[s]; wait v_full, P V reads V[s], promote reads s_v[s] in
               two channel chunks, arrive v_empty[s] after the last chunk.
