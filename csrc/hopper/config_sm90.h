@@ -80,6 +80,20 @@ constexpr int kConsumerRegs = 232;
 // second head_dim block's S partial runs in n32 chunks (16 registers) next to
 // S (64): peak O + S + chunk = 208 in arrays (kernel doc, "head_dim 192 / 256").
 constexpr bool supported(int d_qk, int d_v) { return supported_head_dims(d_qk, d_v); }
+// v11 (schedule kSerial3): three consumer warpgroups (kBlockM 192) on the
+// serial schedule, so each SM sub-partition holds three consumer warps
+// instead of two (kernel doc, "v11"). 512 threads launch with 128 registers
+// each; the producer drops to 32 and the consumers rise to 160.
+constexpr int k3ConsumerWGs = 3;
+constexpr int k3BlockM = 64 * k3ConsumerWGs;
+constexpr int k3Threads = 128 * (1 + k3ConsumerWGs);
+constexpr int k3ProducerRegs = 32;
+constexpr int k3ConsumerRegs = 160;
+static_assert(k3BlockM <= 256, "TMA box dims are at most 256");
+static_assert(k3ProducerRegs % 8 == 0 && k3ConsumerRegs % 8 == 0 && k3ProducerRegs >= 24,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(k3ProducerRegs + k3ConsumerWGs * k3ConsumerRegs <= (1 + k3ConsumerWGs) * (65536 / k3Threads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch (three consumer warpgroups)");
 constexpr int kD2ProducerRegs = 24;
 constexpr int kD2ConsumerRegs = 240;
 constexpr int kD2S1ChunkN = 32;  // keys per wgmma chain of head_dim block 1's S partial

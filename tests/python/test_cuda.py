@@ -20,6 +20,7 @@ Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_cuda.py
 """
 import math
 import os
+import re
 import zlib
 
 import pytest
@@ -388,6 +389,86 @@ def test_fwd_kernels_agree(shape, causal, monkeypatch):
     assert (d_lse <= tol).all(), f"LSE max diff {d_lse.max().item():.3g}"
     rel = (o_wg.double() - o_mma.double()).norm() / o_mma.double().norm().clamp(min=1e-30)
     assert rel.item() < 2e-2, f"O: ||wgmma - mma|| / ||mma|| = {rel.item():.3g}"
+
+
+# ---- the wgmma forward's consumer schedules (FP8ATTN_FWD_KERNEL, head_dim <= 128) ----------
+# pingpong (v3, default at d = 128), serial (v1), serial3 (v11: three consumer
+# warpgroups, 192-row query tiles, default at d = 64). Same math in the same
+# order per (row, key tile): the P V partial of an output channel does not depend
+# on how many channels one wgmma computes, so the outputs are bitwise equal.
+
+SCHEDULES = ["wgmma_pingpong", "wgmma_serial", "wgmma_serial3"]
+SCHEDULE_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv)
+    (1, 4, 2, 200, 333, 64, 64),     # 192-row tile + a ragged one, GQA
+    (1, 2, 1, 45, 700, 64, 64),      # one query tile, 2 and 3 warpgroups without rows
+    (1, 4, 1, 700, 45, 64, 64),      # causal: rows without keys in whole warpgroups
+    (2, 3, 3, 385, 385, 128, 128),   # 385 = 2 * 192 + 1: a tile with one row
+    (1, 2, 2, 640, 1000, 128, 128),  # several key tiles, stages reused
+]
+
+
+@pytest.mark.parametrize("shape", SCHEDULE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_schedules_agree_bitwise(shape, causal, monkeypatch):
+    seed = seed_of("schedules", shape, causal)
+    q, k, v = make_qkv(*shape, seed)
+    outs = {}
+    for sched in SCHEDULES:
+        monkeypatch.setenv("FP8ATTN_FWD_KERNEL", sched)
+        outs[sched] = check_fwd(shape, causal, seed, q, k, v)
+    o0, l0 = outs[SCHEDULES[0]]
+    for sched in SCHEDULES[1:]:
+        o1, l1 = outs[sched]
+        assert torch.equal(o1, o0), f"{sched} O differs from {SCHEDULES[0]}"
+        assert torch.equal(l1, l0), f"{sched} LSE differs from {SCHEDULES[0]}"
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_fwd_schedule_nan_stays_in_its_key_tile(sched, monkeypatch):
+    # A NaN in V at key 200 reaches the rows of its own 128-key tile (the
+    # documented diagonal-tile deviation) and never a causal row < 128, also
+    # when those rows share a 192-row CTA tile with rows that see key 200 (v11).
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", sched)
+    for d in (64, 128):
+        q, k, v = make_qkv(1, 2, 1, 260, 260, d, d, seed_of("nan-sched", sched, d))
+        v[0, 0, 200, 7] = float("nan")
+        out, lse = cuda_fwd(q, k, v, True)
+        o_cpu, _ = OPS.fwd(q, k, v, f32_scale(d), True, "fp8", 128)
+        assert torch.isnan(out)[torch.isnan(o_cpu)].all(), f"{sched} d={d}: NaN was lost in O"
+        assert torch.isfinite(out[:, :, :128]).all() and torch.isfinite(lse[:, :, :128]).all(), f"{sched} d={d}"
+
+
+def cuda_kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# FP8ATTN_FWD_KERNEL value -> the kVariant template argument of fwd_wgmma_kernel<d, dv, kVariant>
+# (kSerial 1, kOverlap 2, kPingpong 3, kSerial3 4); None: the default per head_dim.
+SCHEDULE_VARIANT = {"wgmma_serial": 1, "wgmma_overlap": 2, "wgmma_pingpong": 3, "wgmma_serial3": 4, None: None}
+DEFAULT_VARIANT = {64: 4, 128: 3}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULE_VARIANT), ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_fwd_schedule_env_launches_that_schedule(sched, d, monkeypatch):
+    # Guards the tests above: a schedule name that did not reach the launcher
+    # would make "bitwise equal" trivially true.
+    if sched is None:
+        monkeypatch.delenv("FP8ATTN_FWD_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("FP8ATTN_FWD_KERNEL", sched)
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 300, 300, d, d, seed_of("sched-env", d)))
+    names = cuda_kernel_names(lambda: OPS.fwd(q, k, v, f32_scale(d), False, "fp8", 128))
+    want = SCHEDULE_VARIANT[sched] or DEFAULT_VARIANT[d]
+    fwd = [n for n in names if "fwd_wgmma_kernel" in n]
+    pat = re.compile(rf"fwd_wgmma_kernel<\s*{d}\s*,\s*{d}\s*,\s*{want}\s*>")
+    assert len(fwd) == 1 and pat.search(fwd[0]), (sched, d, fwd)
 
 
 # ---- argument errors (no kernel launch) -------------------------------------------------
