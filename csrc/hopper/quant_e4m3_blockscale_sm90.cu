@@ -9,8 +9,9 @@
 //     row), reduced across the lanes holding the row, codes written at once;
 //   - column pass (from a shared-memory copy of the tile): per channel, the
 //     block of kSeqBlock tokens, codes written transposed with 16-byte stores.
-// Scales come from fp8attn::block_scale and codes from fp8attn::fp8_encode
-// (common/fp8_codec.h), so both are bit-identical to the CPU quantize_blockwise.
+// Scales come from fp8attn::block_scale, codes from the hardware RNE
+// conversion (finite blocks) or fp8attn::fp8_encode (common/fp8_codec.h; blocks
+// holding NaN / inf), so both are bit-identical to the CPU quantize_blockwise.
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 
 #include <cuda_fp8.h>
@@ -52,103 +53,126 @@ __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d, 
          static_cast<uint32_t>(fp8_encode(c * inv_s, fmt)) << 16 | static_cast<uint32_t>(fp8_encode(d * inv_s, fmt)) << 24;
 }
 
-__global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJob j, int nblk_d, int nblk_s) {
-  __shared__ __align__(16) uint16_t tile[kSeqBlock * kMaxDimBlock];  // BF16 bits, [token][channel]
-  __shared__ float red_amax[kQuantThreads];
-  __shared__ int red_finite[kQuantThreads];
+// One tile of kSeqBlock tokens x kCw channels (kCw = 64 or 128: the head_dim
+// block of this CTA).
+template <int kCw>
+__device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nblk_s, int sblk, int dblk, int bh,
+                                           uint16_t* tile, float* red_amax, int* red_finite) {
+  constexpr int kVpr = kCw / kQuantVec;             // 16-byte vectors per token row: 8 or 16
+  constexpr int kRowsPerPass = kQuantThreads / kVpr;  // 32 or 16
+  constexpr int kPasses = kSeqBlock / kRowsPerPass;   // 4 or 8
+  constexpr int kGroups = kQuantThreads / kCw;        // column pass: token groups (4 or 2)
+  constexpr int kTpg = kSeqBlock / kGroups;           // tokens per group (32 or 64)
+  static_assert(kQuantThreads % kVpr == 0 && kSeqBlock % kRowsPerPass == 0, "whole rows per pass");
+  static_assert(kQuantThreads % kCw == 0 && kTpg % 16 == 0, "column pass: whole 16-token chunks per group");
 
-  const int sblk = blockIdx.x, dblk = blockIdx.y, bh = blockIdx.z;
   const int b = bh / j.heads, h = bh - b * j.heads;
   const int c0 = dblk * kMaxDimBlock;
-  const int cw = min(kMaxDimBlock, j.dim - c0);  // channels of this head_dim block: 64 or 128
-  const int vpr = cw / kQuantVec;                // 16-byte vectors per token row: 8 or 16
   const int t0 = sblk * kSeqBlock;
   const int tid = threadIdx.x;
-  const int v = tid % vpr;
+  const int v = tid % kVpr, r0 = tid / kVpr;
   const bool want_col = j.colT != nullptr;
   const uint16_t* xb = static_cast<const uint16_t*>(j.x) + b * j.stride_batch + h * j.stride_head;
 
-  // ---- row pass: load, keep a copy for the column pass, quantize per token ----
-  // NOTE: every lane runs the same number of iterations (kSeqBlock is a
-  // multiple of the rows per pass), so the shuffles below see full warps.
-  for (int r = tid / vpr; r < kSeqBlock; r += kQuantThreads / vpr) {
-    const int t = t0 + r;
-    uint4 raw = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
-    if (t < j.seqlen) raw = *reinterpret_cast<const uint4*>(xb + t * j.stride_seq + c0 + v * kQuantVec);
-    if (want_col) *reinterpret_cast<uint4*>(&tile[r * cw + v * kQuantVec]) = raw;
-    if (j.row == nullptr) continue;
+  // ---- loads: all of this thread's 16-byte vectors in flight at once ----
+  // NOTE: issued before any use (the row pass's shuffles would otherwise
+  // serialize one load per pass: the kernel was latency-bound at ~2x its byte
+  // floor, docs/kernels/quant_e4m3_blockscale_sm90.md).
+  uint4 raw[kPasses];
+#pragma unroll
+  for (int k = 0; k < kPasses; ++k) {
+    const int t = t0 + r0 + k * kRowsPerPass;
+    raw[k] = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
+    if (t < j.seqlen) raw[k] = *reinterpret_cast<const uint4*>(xb + t * j.stride_seq + c0 + v * kQuantVec);
+  }
+  if (want_col) {
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k)
+      *reinterpret_cast<uint4*>(&tile[(r0 + k * kRowsPerPass) * kCw + v * kQuantVec]) = raw[k];
+  }
 
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    float f[8];
+  // ---- row pass: per token, the block along head_dim (one tile row) ----
+  if (j.row != nullptr) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
-      f[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
-    }
-    float amax = 0.f;
-    int finite = 1;
+    for (int k = 0; k < kPasses; ++k) {
+      const int t = t0 + r0 + k * kRowsPerPass;
+      const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+      float f[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float a = fabsf(f[i]);
-      finite &= isfinite(a) ? 1 : 0;
-      amax = fmaxf(amax, a);
+      for (int i = 0; i < 4; ++i) {
+        f[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
+        f[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
+      }
+      float amax = 0.f;
+      int finite = 1;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float a = fabsf(f[i]);
+        finite &= isfinite(a) ? 1 : 0;
+        amax = fmaxf(amax, a);
+      }
+      // NOTE: every lane runs every pass (the bounds are compile-time), so
+      // the shuffles see full warps.
+#pragma unroll
+      for (int off = kVpr / 2; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        finite &= __shfl_xor_sync(0xffffffffu, finite, off);
+      }
+      if (t >= j.seqlen) continue;
+      const float s = scale_of(amax, finite != 0, j.fmt);
+      const float inv_s = 1.f / s;  // exact: s is a power of two (or NaN)
+      const uint32_t lo = encode4(f[0], f[1], f[2], f[3], inv_s, finite != 0, j.fmt);
+      const uint32_t hi = encode4(f[4], f[5], f[6], f[7], inv_s, finite != 0, j.fmt);
+      const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
+      *reinterpret_cast<uint2*>(j.row + row_idx * j.dim + c0 + v * kQuantVec) = make_uint2(lo, hi);
+      if (v == 0) j.row_s[row_idx * nblk_d + dblk] = s;
     }
-    for (int off = vpr / 2; off > 0; off >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      finite &= __shfl_xor_sync(0xffffffffu, finite, off);
-    }
-    if (t >= j.seqlen) continue;
-    const float s = scale_of(amax, finite != 0, j.fmt);
-    const float inv_s = 1.f / s;  // exact: s is a power of two (or NaN)
-    const uint32_t lo = encode4(f[0], f[1], f[2], f[3], inv_s, finite != 0, j.fmt);
-    const uint32_t hi = encode4(f[4], f[5], f[6], f[7], inv_s, finite != 0, j.fmt);
-    const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
-    *reinterpret_cast<uint2*>(j.row + row_idx * j.dim + c0 + v * kQuantVec) = make_uint2(lo, hi);
-    if (v == 0) j.row_s[row_idx * nblk_d + dblk] = s;
   }
   if (!want_col) return;
   __syncthreads();
 
   // ---- column pass: per channel, the block of kSeqBlock tokens -------------
-  const int c = tid % cw;               // channel within the head_dim block
-  const int grp = tid / cw;             // token group
-  const int ngrp = kQuantThreads / cw;  // 2 or 4
-  const int tpg = kSeqBlock / ngrp;     // tokens per group: 64 or 32
+  // Each thread reads its kTpg values of channel c once (two BF16 per register).
+  const int c = tid % kCw;   // channel within the head_dim block
+  const int grp = tid / kCw;  // token group
+  uint32_t pk[kTpg / 2];
   float amax = 0.f;
   int finite = 1;
-  for (int i = 0; i < tpg; ++i) {
-    const float a = fabsf(bf16_bits_to_float(tile[(grp * tpg + i) * cw + c]));
-    finite &= isfinite(a) ? 1 : 0;
-    amax = fmaxf(amax, a);
+#pragma unroll
+  for (int i = 0; i < kTpg / 2; ++i) {
+    const uint32_t lo = tile[(grp * kTpg + 2 * i) * kCw + c], hi = tile[(grp * kTpg + 2 * i + 1) * kCw + c];
+    pk[i] = lo | (hi << 16);
+    const float a0 = fabsf(bf16_bits_to_float(lo)), a1 = fabsf(bf16_bits_to_float(hi));
+    finite &= (isfinite(a0) && isfinite(a1)) ? 1 : 0;
+    amax = fmaxf(amax, fmaxf(a0, a1));
   }
-  red_amax[grp * cw + c] = amax;
-  red_finite[grp * cw + c] = finite;
+  red_amax[grp * kCw + c] = amax;
+  red_finite[grp * kCw + c] = finite;
   __syncthreads();
   amax = 0.f;
   finite = 1;
-  for (int g2 = 0; g2 < ngrp; ++g2) {
-    amax = fmaxf(amax, red_amax[g2 * cw + c]);
-    finite &= red_finite[g2 * cw + c];
+#pragma unroll
+  for (int g2 = 0; g2 < kGroups; ++g2) {  // always in the same order
+    amax = fmaxf(amax, red_amax[g2 * kCw + c]);
+    finite &= red_finite[g2 * kCw + c];
   }
   const float s = scale_of(amax, finite != 0, j.fmt);
   const float inv_s = 1.f / s;
   const int64_t col_idx = static_cast<int64_t>(bh) * j.dim + c0 + c;
   if (grp == 0) j.col_s[col_idx * nblk_s + sblk] = s;
   uint8_t* dst = j.colT + col_idx * j.seqlen_pad;
-  for (int k16 = 0; k16 < tpg / 16; ++k16) {
-    const int tt = t0 + grp * tpg + k16 * 16;  // first token of this 16-byte chunk
+#pragma unroll
+  for (int k16 = 0; k16 < kTpg / 16; ++k16) {
+    const int tt = t0 + grp * kTpg + k16 * 16;  // first token of this 16-byte chunk
     if (tt >= j.seqlen_pad) break;
     uint32_t packed[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      float x4[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = tt + 4 * q + e;
-        // NOTE: the tile holds zeros past seqlen (never read from x)
-        x4[e] = tok < j.seqlen ? bf16_bits_to_float(tile[(tok - t0) * cw + c]) : 0.f;
-      }
-      uint32_t word = encode4(x4[0], x4[1], x4[2], x4[3], inv_s, finite != 0, j.fmt);
+      const uint32_t p0 = pk[8 * k16 + 2 * q], p1 = pk[8 * k16 + 2 * q + 1];
+      // NOTE: the tile holds zeros past seqlen (never read from x)
+      uint32_t word = encode4(bf16_bits_to_float(p0 & 0xffffu), bf16_bits_to_float(p0 >> 16),
+                              bf16_bits_to_float(p1 & 0xffffu), bf16_bits_to_float(p1 >> 16), inv_s, finite != 0,
+                              j.fmt);
       // NOTE: padding tokens get code 0 explicitly (a NaN scale would
       // otherwise turn the zero-filled padding into NaN codes).
 #pragma unroll
@@ -158,6 +182,18 @@ __global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJo
     }
     *reinterpret_cast<uint4*>(dst + tt) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
+}
+
+__global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJob j, int nblk_d, int nblk_s) {
+  __shared__ __align__(16) uint16_t tile[kSeqBlock * kMaxDimBlock];  // BF16 bits, [token][channel]
+  __shared__ float red_amax[kQuantThreads];
+  __shared__ int red_finite[kQuantThreads];
+  const int dblk = blockIdx.y;
+  // The head_dim block of this CTA: 128 channels, or 64 (d = 64, and block 1 of d = 192).
+  if (j.dim - dblk * kMaxDimBlock >= 128)
+    quant_tile<128>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax, red_finite);
+  else
+    quant_tile<64>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax, red_finite);
 }
 
 [[noreturn]] void bad(const char* field, const std::string& what) {
