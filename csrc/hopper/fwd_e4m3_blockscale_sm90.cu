@@ -473,8 +473,15 @@ void run_fwd(const KernelParams& p, cudaStream_t stream) {
   // NOTE: the wgmma kernel (fwd_wgmma_e4m3_blockscale_sm90.cu) takes the shapes
   // it supports; FP8ATTN_FWD_KERNEL=mma forces this kernel (read on every call,
   // so one process can benchmark both).
-  const char* which = std::getenv("FP8ATTN_FWD_KERNEL");
-  const bool force_mma = which != nullptr && std::string(which) == "mma";
+  const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
+  const std::string which = env != nullptr ? env : "";
+  // NOTE: a misspelt value would silently benchmark / test the default kernel.
+  if (!which.empty() && which != "mma" && which != "wgmma" && which != "wgmma_serial" && which != "wgmma_overlap" &&
+      which != "wgmma_pingpong" && which != "wgmma_serial3")
+    throw std::invalid_argument("fp8attn: environment variable FP8ATTN_FWD_KERNEL='" + which +
+                                "' is not one of mma, wgmma, wgmma_serial, wgmma_overlap, wgmma_pingpong, "
+                                "wgmma_serial3 (or unset / empty for the default)");
+  const bool force_mma = which == "mma";
   if (!force_mma && fwd_wgmma_supported(p)) return run_fwd_wgmma(p, stream);
   const int d = p.head_dim_qk, dv = p.head_dim_v;
   if (d == 64 && dv == 64) return launch_fwd<64, 64>(p, stream);

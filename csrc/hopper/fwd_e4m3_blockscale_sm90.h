@@ -23,7 +23,9 @@
 // (head_dim_qk, head_dim_v) in {(64,64), (128,128), (256,256), (192,128)};
 // num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k >= 1; batch <= 65535.
 // Errors: an unsupported configuration throws std::invalid_argument naming the
-// field; a CUDA launch error throws std::runtime_error.
+// field, as does an FP8ATTN_FWD_KERNEL value other than mma / wgmma /
+// wgmma_serial / wgmma_overlap / wgmma_pingpong / wgmma_serial3 (unset or
+// empty: the default kernel); a CUDA launch error throws std::runtime_error.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -5,9 +5,11 @@
 //
 // run_fwd dispatches here when fwd_wgmma_supported(p) and the environment does
 // not ask for the mma.sync kernel (FP8ATTN_FWD_KERNEL=mma);
-// FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap selects the v1 | v2 consumer
-// schedule instead of v3 at head_dim_qk <= 128 (benchmarking; head_dim_qk 192
-// and 256 have one schedule). Design and measurements:
+// FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap | wgmma_pingpong |
+// wgmma_serial3 selects the v1 | v2 | v3 | v11 consumer schedule at
+// head_dim_qk <= 128 instead of the default (v11 at 64, v3 at 128; head_dim_qk
+// 192 and 256 have one schedule); another value is an error (run_fwd). Design
+// and measurements:
 // docs/kernels/fwd_wgmma_e4m3_blockscale_sm90.md.
 #pragma once
 

@@ -471,6 +471,17 @@ def test_fwd_schedule_env_launches_that_schedule(sched, d, monkeypatch):
     assert len(fwd) == 1 and pat.search(fwd[0]), (sched, d, fwd)
 
 
+def test_fwd_unknown_kernel_env_is_an_error(monkeypatch):
+    # A misspelt FP8ATTN_FWD_KERNEL must not silently run the default kernel.
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 100, 100, 64, 64, seed_of("env-typo")))
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", "wgmma_serial_3")
+    with pytest.raises((RuntimeError, ValueError), match="FP8ATTN_FWD_KERNEL='wgmma_serial_3'"):
+        OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", "")  # empty = unset: the default
+    out, _ = OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    assert torch.isfinite(out).all()
+
+
 # ---- argument errors (no kernel launch) -------------------------------------------------
 
 
