@@ -294,14 +294,15 @@ def test_fwd_noncontiguous_inputs_match_contiguous():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_more_query_tiles_than_sms_equals_one_head_at_a_time(d, causal):
-    # More (query tile, head, batch) work tiles than 2x the SMs, so a persistent
-    # forward CTA runs several tiles (and causal with seqlen_q > seqlen_k gives
-    # tiles whose rows see no key): O and LSE bitwise equal to calling the op on
-    # one (batch, head) at a time, where every CTA runs at most one tile.
+    # More (query tile, head, batch) work tiles than 2x the SMs, so the CTAs run
+    # in several waves (and would share SMs under a persistent scheduler), and
+    # causal with seqlen_q > seqlen_k gives tiles whose rows see no key: O and
+    # LSE bitwise equal to calling the op on one (batch, head) at a time.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     b, hq, hkv, sk = 2, 8, 2, 700
-    sq = 128 * (2 * sms // (b * hq) + 2) - 37  # ragged last query tile
-    assert b * hq * -(-sq // 128) > 2 * sms
+    rows = 192 if d == 64 else 128  # query rows per CTA of the default schedule (v11 at d = 64, v3 at 128)
+    sq = rows * (2 * sms // (b * hq) + 2) - 37  # ragged last query tile
+    assert b * hq * -(-sq // rows) > 2 * sms
     q, k, v = (t.cuda() for t in make_qkv(b, hq, hkv, sq, sk, d, d, seed_of(f"persist{d}{causal}")))
     out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128)
     assert torch.isfinite(out).all()
@@ -393,11 +394,11 @@ def test_fwd_kernels_agree(shape, causal, monkeypatch):
 
 # ---- the wgmma forward's consumer schedules (FP8ATTN_FWD_KERNEL, head_dim <= 128) ----------
 # pingpong (v3, default at d = 128), serial (v1), serial3 (v11: three consumer
-# warpgroups, 192-row query tiles, default at d = 64). Same math in the same
+# warpgroups, 192-row query tiles, default at d = 64), overlap (v2). Same math in the same
 # order per (row, key tile): the P V partial of an output channel does not depend
 # on how many channels one wgmma computes, so the outputs are bitwise equal.
 
-SCHEDULES = ["wgmma_pingpong", "wgmma_serial", "wgmma_serial3"]
+SCHEDULES = ["wgmma_pingpong", "wgmma_serial", "wgmma_serial3", "wgmma_overlap"]
 SCHEDULE_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv)
     (1, 4, 2, 200, 333, 64, 64),     # 192-row tile + a ragged one, GQA
     (1, 2, 1, 45, 700, 64, 64),      # one query tile, 2 and 3 warpgroups without rows
@@ -436,6 +437,28 @@ def test_fwd_schedule_nan_stays_in_its_key_tile(sched, monkeypatch):
         o_cpu, _ = OPS.fwd(q, k, v, f32_scale(d), True, "fp8", 128)
         assert torch.isnan(out)[torch.isnan(o_cpu)].all(), f"{sched} d={d}: NaN was lost in O"
         assert torch.isfinite(out[:, :, :128]).all() and torch.isfinite(lse[:, :, :128]).all(), f"{sched} d={d}"
+
+
+@pytest.mark.parametrize("sched", SCHEDULES)
+def test_fwd_schedule_nan_in_v_with_seqlen_k_above_seqlen_q(sched, monkeypatch):
+    # seqlen_k - seqlen_q = 64: rows 0-63 see key tile 0 only, rows >= 64 also
+    # tile 1, rows >= 86 key 150. A NaN in V at key 150 is never lost (rows the
+    # reference makes NaN are NaN); the serial schedules (v1, v11) never run
+    # tile 1 for the warpgroup of rows 0-63, so those rows stay finite. The
+    # pingpong / overlap schedules run every tile of the CTA in both warpgroups:
+    # they may make rows 0-63 NaN too (numerics.md section 7, "CUDA kernels
+    # quantize whole tiles"), which this test does not pin.
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", sched)
+    for d in (64, 128):
+        q, k, v = make_qkv(1, 2, 1, 300, 364, d, d, seed_of("nan-sk", sched, d))
+        v[0, 0, 150, 5] = float("inf")
+        out, lse = cuda_fwd(q, k, v, True)
+        o_cpu, _ = OPS.fwd(q, k, v, f32_scale(d), True, "fp8", 128)
+        assert torch.isnan(o_cpu[:, :, 86:]).any() and torch.isfinite(o_cpu[:, :, :86]).all()
+        assert torch.isnan(out)[torch.isnan(o_cpu)].all(), f"{sched} d={d}: NaN was lost in O"
+        assert torch.isfinite(lse).all(), f"{sched} d={d}: V never reaches LSE"
+        if sched in ("wgmma_serial", "wgmma_serial3"):
+            assert torch.isfinite(out[:, :, :64]).all(), f"{sched} d={d}: rows 0-63 ran key tile 1"
 
 
 def cuda_kernel_names(fn):

@@ -13,7 +13,7 @@ Agents (each one warp; key tile kt, stage s = kt % S, ph = (kt / S) & 1):
   warps 1-3:  [new] wait v_empty[s] (ph ^ 1); wait v_raw[s] (ph); read its
               slice of V[s] (raw), store it permuted, store its s_v[s]
               channels; arrive v_full[s]
-  consumers (2 warpgroups x 4 warps; the kernel's per-thread arrivals on
+  consumers (2 warpgroups x 4 warps, 3 for v11 in the n_mine tests; the kernel's per-thread arrivals on
               k_empty / v_empty, each after the thread's own reads, are one
               arrival of the warp here), per variant: wait k_full, QK^T reads
               K[s] (from issue to wgmma wait), softmax reads s_k[s], arrive
@@ -63,6 +63,12 @@ PROTOCOL = {
     "w0_kempty_wait": True,
     "vempty_after_last_chunk": True,          # False: arrive before the last s_v chunk read
     "kempty_after_softmax": True,             # False: arrive before the s_k reads
+    # Serial schedule only (v1 / v11): key tiles each warpgroup computes, one
+    # entry per warpgroup (None: 2 warpgroups computing every tile). A warpgroup
+    # only hands the later tiles over: wait k_full, arrive k_empty, wait v_full,
+    # arrive v_empty (the kernel's n_mine path).
+    "n_mine": None,
+    "skip_waits_for_stage": True,             # False: the hand-over arrives without waiting
 }
 
 
@@ -96,8 +102,10 @@ def programs(n_tiles, S, variant, n_perm, n_cons, proto):
             p.append(("write", ("svs", s, w), kt))
             p.append(("arrive", bar("v_full", s)))
         progs["p%d" % (w + 1)] = p
+    n_mine = proto["n_mine"]
+    n_wg = len(n_mine) if n_mine is not None else 2
     for c in range(n_cons):
-        cw = 0 if c < n_cons // 2 else 1
+        cw = c * n_wg // n_cons  # warpgroup of consumer warp c
         p = []
 
         def wait_k(kt):
@@ -137,6 +145,15 @@ def programs(n_tiles, S, variant, n_perm, n_cons, proto):
 
         if variant == "serial":
             for kt in range(n_tiles):
+                if n_mine is not None and kt >= n_mine[cw]:  # hand-over only
+                    s, ph, u = kt % S, (kt // S) & 1, kt // S
+                    if proto["skip_waits_for_stage"]:
+                        p.append(("wait", bar("k_full", s), ph, u + 1, None))
+                    p.append(("arrive", bar("k_empty", s)))
+                    if proto["skip_waits_for_stage"]:
+                        p.append(("wait", bar("v_full", s), ph, u + 1, None))
+                    p.append(("arrive", bar("v_empty", s)))
+                    continue
                 wait_k(kt)
                 softmax(kt)
                 pv_issue(kt)
@@ -528,6 +545,42 @@ def test_mutations_fail(name, variant):
         with pytest.raises(Fail) as ei:
             explore(2 * S + 1, S, variant, proto)
         assert ei.value.args[0][0] in want | {"deadlock"}, ei.value
+
+
+N_MINE_CASES = [  # (S, n_tiles, n_mine per warpgroup): 2 warpgroups (v1) and 3 (v11)
+    (S, n, nm) for S in (2, 3) for n in (1, S, 2 * S + 1)
+    for nm in ((0, n), (n - 1, n), (0, 0), (n, 0, n), (1, n, 0), (0, 1, 2))
+    if all(x <= n for x in nm)
+]
+
+
+@pytest.mark.parametrize("S,n,n_mine", N_MINE_CASES, ids=str)
+def test_serial_handover_of_unseen_tiles(S, n, n_mine):
+    """The serial schedules' n_mine path (a warpgroup computes only the key
+    tiles its rows see and hands the rest over), 2 and 3 warpgroups: no
+    deadlock, stale read or race under random interleavings of the full CTA
+    (4 warps per warpgroup), every read ordered directly through the empty
+    barriers; with 2 warpgroups also every interleaving of the reduced CTA."""
+    proto = dict(PROTOCOL, n_mine=n_mine)
+    for seed in SEEDS[:4]:
+        m = simulate(n, S, "serial", 7919 * seed + n, proto, n_cons=4 * len(n_mine))
+        assert not m.direct_misses and not m.stalls, (m.direct_misses[:2], m.stalls[:2])
+    if len(n_mine) == 2 and n <= 2 * S + 1:
+        assert explore(n, S, "serial", proto) > 0
+
+
+def test_serial_handover_without_stage_wait_fails():
+    """Mutation: the hand-over arrives on k_empty / v_empty without waiting
+    for the stage, so the arrival can count toward the previous phase while
+    the other warpgroups still read the stage."""
+    proto = dict(PROTOCOL, n_mine=(0, 5, 5), skip_waits_for_stage=False)
+    fails = []
+    for seed in SEEDS:
+        try:
+            simulate(5, 2, "serial", seed, proto, n_cons=12)
+        except Fail as e:
+            fails.append(e.args[0][0])
+    assert len(fails) == len(SEEDS) and set(fails) <= RACY | {"deadlock", "arrival on a full phase"}, fails
 
 
 def test_mbarrier_parity_wait_semantics():
