@@ -73,13 +73,19 @@ for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
         ops.bwd(do, q, k, v, o, lse, d ** -0.5, True, "fp8", "delta_matching", 128, "e4m3", True)
     except NotImplementedError:
         pass
-# More query tiles than SMs (a persistent forward CTA runs several tiles), ragged, both masks.
-for d in (64, 128):
-    for causal in (False, True):
-        q = torch.randn(2, 8, 1100, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(2, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(2, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
-        ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128)
+# More query tiles than SMs, more key tiles than K/V stages (stages reused), ragged, both masks,
+# the default forward schedules (v11 at d = 64, pingpong at 128), then the other d <= 128
+# schedule of each head_dim on a smaller case.
+import os
+for sched, b, sq in (("", 2, 1100), ("wgmma_pingpong", 1, 500), ("wgmma_serial3", 1, 500)):
+    os.environ["FP8ATTN_FWD_KERNEL"] = sched
+    for d in (64, 128):
+        for causal in (False, True):
+            q = torch.randn(b, 8, sq, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(b, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(b, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
+            ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128)
+os.environ["FP8ATTN_FWD_KERNEL"] = ""
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF
