@@ -531,32 +531,66 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
         }
       }
     }
-    for (int kt = 0; kt < n_tiles; ++kt) {
-      if (kt >= n_mine) {
-        // Not seen by this warpgroup's rows: wait for the stage (so this
-        // arrival counts toward its current phase) and release it.
-        const int s = kt % kStages;
-        const uint32_t ph = (kt / kStages) & 1;
-        mbar_wait(k_full(s), ph);
-        mbar_arrive(k_empty(s));
-        mbar_wait(v_full(s), ph);
-        mbar_arrive(v_empty(s));
-        continue;
-      }
-      float sacc[kBlockN / 2], part[kPvN / 2], alpha[2], sp[2];
-      uint32_t pa[kNT / 4][4];
-      qk_issue(sacc, kt);
-      cute::warpgroup_wait<0>();
-      fence_acc(sacc);
-      softmax(sacc, kt, pa, alpha, sp);
-#pragma unroll
-      for (int c = 0; c < kPvChunks; ++c) {
-        pv_issue(pa, part, kt, c);
+    auto handover = [&](int kt) {
+      // Not seen by this warpgroup's rows: wait for the stage (so this
+      // arrival counts toward its current phase) and release it.
+      const int s = kt % kStages;
+      const uint32_t ph = (kt / kStages) & 1;
+      mbar_wait(k_full(s), ph);
+      mbar_arrive(k_empty(s));
+      mbar_wait(v_full(s), ph);
+      mbar_arrive(v_empty(s));
+    };
+    if constexpr (kVariant == kSerial) {
+      // NOTE: early QK^T: QK^T (kt + 1) is issued right after the last P V chunk
+      // of tile kt (S (kt) is dead once packed), so it runs on the tensor cores
+      // during that chunk's promotion (v1 only: at v11's 160 registers it
+      // spills). The last tile is peeled (kNext a literal at both calls): a
+      // wgmma in a branch makes ptxas serialize them (C7518).
+      float sacc[kBlockN / 2];
+      auto body = [&](int kt, auto next_tag) {
+        constexpr bool kNext = decltype(next_tag)::value;
+        float part[kPvN / 2], alpha[2], sp[2];
+        uint32_t pa[kNT / 4][4];
         cute::warpgroup_wait<0>();
-        fence_acc(part);
-        promote(part, kt, c, alpha, sp);
+        fence_acc(sacc);
+        softmax(sacc, kt, pa, alpha, sp);
+#pragma unroll
+        for (int c = 0; c < kPvChunks; ++c) {
+          pv_issue(pa, part, kt, c);
+          if (kNext && c == kPvChunks - 1) {
+            qk_issue(sacc, kt + 1);
+            cute::warpgroup_wait<1>();  // P V (kt) chunk c; QK^T (kt + 1) may still run
+          } else {
+            cute::warpgroup_wait<0>();
+          }
+          fence_acc(part);
+          promote(part, kt, c, alpha, sp);
+        }
+      };
+      if (n_mine > 0) {
+        qk_issue(sacc, 0);
+        for (int kt = 0; kt + 1 < n_mine; ++kt) body(kt, std::true_type{});
+        body(n_mine - 1, std::false_type{});
+      }
+    } else {
+      for (int kt = 0; kt < n_mine; ++kt) {
+        float sacc[kBlockN / 2], part[kPvN / 2], alpha[2], sp[2];
+        uint32_t pa[kNT / 4][4];
+        qk_issue(sacc, kt);
+        cute::warpgroup_wait<0>();
+        fence_acc(sacc);
+        softmax(sacc, kt, pa, alpha, sp);
+#pragma unroll
+        for (int c = 0; c < kPvChunks; ++c) {
+          pv_issue(pa, part, kt, c);
+          cute::warpgroup_wait<0>();
+          fence_acc(part);
+          promote(part, kt, c, alpha, sp);
+        }
       }
     }
+    for (int kt = n_mine; kt < n_tiles; ++kt) handover(kt);
   } else if constexpr (kVariant == kOverlap) {
     // v2: QK^T of tile kt + 1 runs on the tensor cores during the softmax of
     // tile kt. NOTE: fixed roles (snxt is copied into scur once complete): no
