@@ -1074,9 +1074,10 @@ bool fwd_wgmma_supported(const KernelParams& p) {
 
 void run_fwd_wgmma(const KernelParams& p, cudaStream_t stream) {
   if (!fwd_wgmma_supported(p)) fail("unsupported configuration (see fwd_wgmma_supported)");
-  // Default schedule (kernel doc, "v11"): three warpgroups on the serial
-  // schedule at head_dim 64 (+3-8% non-causal, +0-2% causal over pingpong),
-  // pingpong at 128 (v11 within +-2% there).
+  // Default schedule (kernel doc, "v11", "v1b / v11b"): three warpgroups on
+  // the serial schedule at head_dim 64 (+6-11% over pingpong), pingpong at 128
+  // (v11 there: 0-6% above, within run-to-run drift, and -5% at 1K tokens from
+  // its 192-row tiles).
   // NOTE: FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap | wgmma_pingpong |
   // wgmma_serial3 picks v1 | v2 | v3 | v11 at head_dim_qk <= 128 instead
   // (benchmarks and tests; measurements in the kernel doc).
