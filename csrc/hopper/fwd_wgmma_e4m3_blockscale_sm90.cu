@@ -184,6 +184,9 @@ __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 template <int kD, int kDv, int kCWG = fwdw::kConsumerWGs>
 struct WTraits {
   static constexpr int kConsumerWGs = kCWG, kThreads = 128 * (1 + kCWG);
+  // setmaxnreg budgets: three consumer warpgroups (v11) launch at 128 registers.
+  static constexpr int kProducerRegs = kCWG == 3 ? fwdw::k3ProducerRegs : fwdw::kProducerRegs;
+  static constexpr int kConsumerRegs = kCWG == 3 ? fwdw::k3ConsumerRegs : fwdw::kConsumerRegs;
   static constexpr int kBlockM = 64 * kCWG, kBlockN = fwdw::kBlockN, kStages = fwdw::kStages;
   static constexpr int kQKRow = kD;  // bytes per Q / K smem row = swizzle span
   static constexpr int kQBytes = kBlockM * kD;
@@ -330,8 +333,6 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
                      const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
   using T = WTraits<kD, kDv, consumer_wgs(kVariant)>;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
-  constexpr int kProducerRegs = kVariant == kSerial3 ? fwdw::k3ProducerRegs : fwdw::kProducerRegs;
-  constexpr int kConsumerRegs = kVariant == kSerial3 ? fwdw::k3ConsumerRegs : fwdw::kConsumerRegs;
   constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
   constexpr int kVT = kDv / 8;      // n8 tiles of O
   // NOTE: P V runs in chunks of 64 output channels (m64n64k32): a 64-register
@@ -377,13 +378,13 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
 
   if (wg == 0) {
     // ================= producer warpgroup =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(T::kProducerRegs));
     producer_warpgroup<T>(p, sbase, bar, q0, Sk, n_tiles, nblk_k, bhq, bhk, &tm_q, nullptr, &tm_k, nullptr, &tm_v);
     return;
   }
 
   // ================= consumer warpgroups =================
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(T::kConsumerRegs));
   const int cw = wg - 1;
   const int t128 = tid - 128 * wg, warp = t128 / 32, lane = t128 & 31;
   const int g = lane >> 2, tig = lane & 3;
