@@ -19,6 +19,14 @@ What is measured, per (shape, causal):
     fp8attn's O and Delta-Matching dQ, dK, dV, and cuDNN FP8's self-check
     numbers, against torch SDPA BF16 on the same inputs, computed by a fixed
     SDPA backend: cuDNN, else flash, else math (the caption names the one used).
+  * issue #5's report table (unless --no-extras): the forward's TFLOP/s as a
+    share of the FP8 GEMM ceiling measured in the same run (cuBLAS through
+    torch._scaled_mm, E4M3 8192^3, per-tensor scales, BF16 out); the
+    Delta-Matching pre-pass's share of the DM backward's kernel time
+    (torch.profiler, kernels named *prepass*); the bytes autograd saves for the
+    backward (unique storages, inputs included) and the peak memory of one
+    forward + backward above the inputs, for fp8attn.attention and for SDPA
+    BF16 on the cuDNN backend (an O(S^2) buffer would show as GBs).
 A shape that fails (out of memory, an unsupported head_dim, any RuntimeError or
 ValueError) keeps what was measured, n/a elsewhere and the reason under the
 table; the run goes on.
@@ -28,6 +36,7 @@ Exit status: 0; 1 without a CUDA GPU (nothing written); 2 on a bad argument.
 """
 import argparse
 import datetime
+import gc
 import glob
 import json
 import math
@@ -88,6 +97,62 @@ def env_info():
 
 def tflops(flops, ms):
     return None if ms is None else flops / (ms * 1e-3) / 1e12
+
+
+def gemm_ceiling(warmup, iters, n=8192):
+    """TFLOP/s of cuBLAS FP8 GEMM n^3 (torch._scaled_mm, E4M3 x E4M3, per-tensor scales 1, BF16 out):
+    the FP8 ceiling the forward is reported against. None if _scaled_mm refuses."""
+    try:
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # NOTE: column-major second operand
+        one = torch.ones((), device="cuda")
+        ms = time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                     warmup, iters)
+    except Exception as e:  # noqa: BLE001  (a missing driver or CUDA build, _scaled_mm refusing: n/a)
+        print(f"  FP8 GEMM ceiling: n/a ({cudnn_fp8.one_line(e, 120)})")
+        return None
+    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def prepass_share(fn, reps=3):
+    """Share (0..1) of fn's CUDA kernel time spent in kernels whose name contains "prepass"
+    (torch.profiler over `reps` calls after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in ev)
+    pre = sum(e.device_time_total for e in ev if "prepass" in e.key)
+    return pre / total if total > 0 else None
+
+
+def memory_mb(attn, q, k, v, dout):
+    """(MB autograd saves for the backward, peak MB of one forward + backward above what was
+    allocated before) for out = attn(q, k, v) with q, k, v requiring grad. Saved bytes count
+    unique storages, the inputs included (both fp8attn and SDPA keep q, k, v)."""
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+    gc.collect()
+    torch.cuda.synchronize()
+    # NOTE: base read after the reset: a tensor freed in between (a garbage-collected cycle)
+    # would otherwise make the peak look smaller than the base.
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attn(qg, kg, vg)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return sum(storages.values()) / 2 ** 20, peak / 2 ** 20
 
 
 def fmt_t(x):
@@ -158,6 +223,22 @@ def markdown(rows, info):
             f"{fmt_t(r.get('fp8_fwd_mma'))}{fmt_r(r.get('fp8_fwd_mma'), cf)} | {fmt_t(cb)} | "
             f"{fmt_t(r.get('flash_bwd'))} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
             + " | ".join(f"{fmt_t(r.get(f'fp8_bwd_{m}'))}{fmt_r(r.get(f'fp8_bwd_{m}'), cb)}" for m in MODES) + " |")
+    if any(r.get("fp8_saved_mb") is not None or r.get("prepass_share") is not None for r in rows):
+        ceil = info.get("fp8_gemm_ceiling")
+        lines += ["", f"Issue #5 report: FP8 GEMM ceiling {fmt_t(ceil)} TFLOP/s (cuBLAS via torch._scaled_mm, "
+                  "E4M3 8192^3, per-tensor scales, same run); DM pre-pass share = the pre-pass kernel's part of "
+                  "the Delta-Matching backward's kernel time (torch.profiler); saved = bytes autograd keeps for "
+                  "the backward (inputs included), peak = peak memory of one forward + backward above the "
+                  "inputs; SDPA = torch SDPA BF16 on the cuDNN backend.", "", REPORT_HEAD,
+                  "|" + "---|" * (REPORT_HEAD.count("|") - 1)]
+        for r in rows:
+            share = r.get("prepass_share")
+            of_ceil = None if ceil is None or r.get("fp8_fwd") is None else 100 * r["fp8_fwd"] / ceil
+            lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | "
+                         f"{fmt_t(of_ceil)}{'' if of_ceil is None else '%'} | "
+                         f"{'n/a' if share is None else f'{100 * share:.0f}%'} | "
+                         f"{fmt_t(r.get('fp8_saved_mb'))} | {fmt_t(r.get('sdpa_saved_mb'))} | "
+                         f"{fmt_t(r.get('fp8_peak_mb'))} | {fmt_t(r.get('sdpa_peak_mb'))} |")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -175,6 +256,9 @@ def markdown(rows, info):
                          + " |")
     return "\n".join(lines)
 
+
+REPORT_HEAD = ("| B x H x S, d | causal | fp8 fwd / FP8 GEMM ceiling | DM pre-pass share | saved MB fp8attn | "
+               "saved MB SDPA | peak MB fp8attn | peak MB SDPA |")
 
 ACC_HEAD = ("| B x H x S, d | causal | O fp8attn | O cuDNN fp8 | dQ fp8attn | dQ cuDNN fp8 | dK fp8attn | "
             "dK cuDNN fp8 | dV fp8attn | dV cuDNN fp8 |")
@@ -214,6 +298,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cudnn-fp8-tol", type=positive_float, default=cudnn_fp8.DEFAULT_TOL,
                     help="largest relative Frobenius error of the cuDNN FP8 self-check (else the column says bad)")
     ap.add_argument("--cudnn-fp8-verbose", action="store_true", help="log every cuDNN FP8 graph variant tried")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the issue #5 report table (FP8 GEMM ceiling, DM pre-pass share, memory)")
     ap.add_argument("--no-accuracy", action="store_true",
                     help="skip the accuracy table (fp8attn and cuDNN FP8 against SDPA BF16)")
     ap.add_argument("--shapes", default=None, type=_shapes_arg,
@@ -233,6 +319,7 @@ def new_row(b, h, s, d, causal) -> dict:
     r["fp8_fwd"] = r["fp8_fwd_ms"] = r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
     for mode in MODES:
         r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
+    r["prepass_share"] = r["fp8_saved_mb"] = r["fp8_peak_mb"] = r["sdpa_saved_mb"] = r["sdpa_peak_mb"] = None
     return r
 
 
@@ -281,6 +368,19 @@ def bench_shape(r, args) -> None:
             print(f"  fp8 bwd: n/a ({str(e).splitlines()[0][:80]})")
             b_ms = None
         r[f"fp8_bwd_{mode}"], r[f"fp8_bwd_{mode}_ms"] = tflops(bwd_flops, b_ms), b_ms
+    if not args.no_extras and r["fp8_bwd_delta_matching"] is not None:
+        r["prepass_share"] = prepass_share(lambda: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8",
+                                                           "delta_matching", 128, "e4m3", False))
+        r["fp8_saved_mb"], r["fp8_peak_mb"] = memory_mb(
+            lambda x, y, z: fp8attn.attention(x, y, z, causal=causal, softmax_scale=tau), q, k, v, dout)
+        if not args.no_sdpa:
+            def sdpa(x, y, z):
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return F.scaled_dot_product_attention(x, y, z, is_causal=causal, scale=tau)
+            try:
+                r["sdpa_saved_mb"], r["sdpa_peak_mb"] = memory_mb(sdpa, q, k, v, dout)
+            except RuntimeError as e:  # NOTE: the cuDNN backend refuses some shapes; the row stays valid
+                print(f"  SDPA memory: n/a ({cudnn_fp8.one_line(e, 120)})")
     # Accuracy next to speed: ||x - ref|| / ||ref|| against SDPA BF16 on the same inputs (the
     # reference of the cuDNN FP8 self-check, the same fixed backend order), O and the
     # Delta-Matching dQ, dK, dV.
@@ -301,6 +401,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     info = env_info()
     info["cudnn_fp8"] = None if args.no_cudnn_fp8 else cudnn_fp8.version_info()
+    info["fp8_gemm_ceiling"] = None if args.no_extras else gemm_ceiling(args.warmup, args.iters)
     print("env:", json.dumps(info))
 
     rows = []

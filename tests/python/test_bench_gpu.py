@@ -105,6 +105,29 @@ def test_failed_row_is_na_with_its_reason():
 # ---- main ---------------------------------------------------------------------------
 
 
+def test_issue5_report_table():
+    rows = [_row(prepass_share=0.19, fp8_saved_mb=1536.0, sdpa_saved_mb=1540.5, fp8_peak_mb=2100.0,
+                 sdpa_peak_mb=2050.0),
+            _row(causal=True, prepass_share=None, fp8_fwd=None)]
+    md = bench_gpu.markdown(rows, dict(INFO, cudnn_fp8=None, fp8_gemm_ceiling=1300.0))
+    assert "FP8 GEMM ceiling 1300 TFLOP/s" in md and bench_gpu.REPORT_HEAD in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| 2x16x8192, 128 |")]
+    assert len(lines) == 4, md  # speed table + report table, two rows each
+    assert lines[2] == "| 2x16x8192, 128 | no | 35% | 19% | 1536 | 1540 | 2100 | 2050 |"  # 450 / 1300
+    assert lines[3] == "| 2x16x8192, 128 | yes | n/a | n/a | n/a | n/a | n/a | n/a |"
+    assert "(x)" not in "\n".join(lines[2:])  # NOTE: test_docs_benchmarks reads every "(x)" of a section
+    md = bench_gpu.markdown(rows, dict(INFO, cudnn_fp8=None, fp8_gemm_ceiling=None))
+    assert "FP8 GEMM ceiling n/a TFLOP/s" in md and "| 2x16x8192, 128 | no | n/a | 19% |" in md
+    assert "Issue #5 report" not in bench_gpu.markdown([_row()], dict(INFO, cudnn_fp8=None))  # --no-extras
+
+
+def test_gemm_ceiling_without_a_gpu_is_none(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("measures for real on a GPU")
+    assert bench_gpu.gemm_ceiling(0, 1, n=256) is None
+    assert "FP8 GEMM ceiling: n/a" in capsys.readouterr().out
+
+
 def test_no_gpu_is_a_message_and_exit_1_before_the_out_dir(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "never"
@@ -126,6 +149,7 @@ def test_failed_shapes_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench_gpu, "env_info", lambda: dict(INFO))
     monkeypatch.setattr(cf, "version_info", lambda: {"cudnn_frontend": "fake"})
+    monkeypatch.setattr(bench_gpu, "gemm_ceiling", lambda warmup, iters: 1000.0)
 
     def fake_bench(r, args):
         r["cudnn_fwd"] = 100.0
