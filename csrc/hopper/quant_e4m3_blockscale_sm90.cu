@@ -9,9 +9,10 @@
 //     row), reduced across the lanes holding the row, codes written at once;
 //   - column pass (from a shared-memory copy of the tile): per channel, the
 //     block of kSeqBlock tokens, codes written transposed with 16-byte stores.
-// Scales come from fp8attn::block_scale, codes from the hardware RNE
-// conversion (finite blocks) or fp8attn::fp8_encode (common/fp8_codec.h; blocks
-// holding NaN / inf), so both are bit-identical to the CPU quantize_blockwise.
+// Scales equal fp8attn::block_scale (block_scale_fast: exponent arithmetic on the
+// amax found by an integer max of the BF16 bits), codes come from the hardware
+// RNE conversion (finite blocks) or fp8attn::fp8_encode (common/fp8_codec.h;
+// blocks holding NaN / inf), so both are bit-identical to the CPU quantize_blockwise.
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 
 #include <cuda_fp8.h>
@@ -29,10 +30,47 @@ namespace {
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t u16) { return __uint_as_float(u16 << 16); }
 
-// Scale of a block from its amax and finiteness (numerics.md section 2; the
-// same expression as quant/block_quant.h's quantize_block).
-__device__ __forceinline__ float scale_of(float amax, bool finite, Fp8Format fmt) {
-  return finite ? block_scale(amax, fmt) : NAN;
+// Largest |x| of the two BF16 in each 16-bit half, as bits: for non-negative
+// floats the bit patterns order like the values, and a half >= 0x7f80 is inf
+// or NaN, so one integer max gives both the amax and the block's finiteness.
+__device__ __forceinline__ uint32_t vmax_u16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+constexpr uint32_t kAbsBf16x2 = 0x7fff7fffu;
+constexpr uint32_t kBf16InfBits = 0x7f80u;  // |x| bits >= this: inf or NaN
+
+// numerics.md section 2 block scale, bit-identical to fp8attn::block_scale:
+// for a normal amax = m 2^E (m in [1, 2)) and the format's max 1.75 2^P (E4M3
+// P = 8, E5M2 P = 15), the smallest power of two s with amax / s <= max is
+// 2^(E - P), or 2^(E - P + 1) if m > 1.75, the exponent clamped to [-126, 127].
+// Zero, subnormal and non-finite amax take fp8attn::block_scale (its frexp /
+// ldexp loops were most of this kernel's instructions).
+__device__ __forceinline__ float block_scale_fast(float amax, Fp8Format fmt) {
+  const uint32_t u = __float_as_uint(amax);
+  const uint32_t ex = (u >> 23) & 0xffu;
+  if (ex == 0u || ex == 0xffu) return block_scale(amax, fmt);
+  int e = static_cast<int>(ex) - 127 - (fmt == Fp8Format::kE4M3 ? 8 : 15) + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  e = max(-126, min(127, e));
+  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// Scale of a block from the bits of its amax (vmax_u16x2; NaN for a block
+// holding inf / NaN) and 1 / scale, exact (a power of two; 2^-127 is subnormal).
+struct BlockScale {
+  float s, inv_s;
+};
+__device__ __forceinline__ BlockScale scale_of_bits(uint32_t amax_bits, Fp8Format fmt) {
+  BlockScale r;
+  if (amax_bits >= kBf16InfBits) {
+    r.s = r.inv_s = NAN;
+    return r;
+  }
+  r.s = block_scale_fast(__uint_as_float(amax_bits << 16), fmt);
+  const uint32_t ex = __float_as_uint(r.s) >> 23;  // 1..254
+  r.inv_s = __uint_as_float(ex < 254u ? (254u - ex) << 23 : 0x00400000u);
+  return r;
 }
 
 // Codes of (a, b, c, d) * inv_s, `a` in the low byte.
@@ -57,7 +95,7 @@ __device__ __forceinline__ uint32_t encode4(float a, float b, float c, float d, 
 // block of this CTA).
 template <int kCw>
 __device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nblk_s, int sblk, int dblk, int bh,
-                                           uint16_t* tile, float* red_amax, int* red_finite) {
+                                           uint16_t* tile, uint32_t* red_amax) {
   constexpr int kVpr = kCw / kQuantVec;             // 16-byte vectors per token row: 8 or 16
   constexpr int kRowsPerPass = kQuantThreads / kVpr;  // 32 or 16
   constexpr int kPasses = kSeqBlock / kRowsPerPass;   // 4 or 8
@@ -103,29 +141,21 @@ __device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nb
         f[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
         f[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
       }
-      float amax = 0.f;
-      int finite = 1;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float a = fabsf(f[i]);
-        finite &= isfinite(a) ? 1 : 0;
-        amax = fmaxf(amax, a);
-      }
+      uint32_t m2 = vmax_u16x2(vmax_u16x2(w[0] & kAbsBf16x2, w[1] & kAbsBf16x2),
+                               vmax_u16x2(w[2] & kAbsBf16x2, w[3] & kAbsBf16x2));
       // NOTE: every lane runs every pass (the bounds are compile-time), so
       // the shuffles see full warps.
 #pragma unroll
-      for (int off = kVpr / 2; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        finite &= __shfl_xor_sync(0xffffffffu, finite, off);
-      }
+      for (int off = kVpr / 2; off > 0; off >>= 1) m2 = vmax_u16x2(m2, __shfl_xor_sync(0xffffffffu, m2, off));
       if (t >= j.seqlen) continue;
-      const float s = scale_of(amax, finite != 0, j.fmt);
-      const float inv_s = 1.f / s;  // exact: s is a power of two (or NaN)
-      const uint32_t lo = encode4(f[0], f[1], f[2], f[3], inv_s, finite != 0, j.fmt);
-      const uint32_t hi = encode4(f[4], f[5], f[6], f[7], inv_s, finite != 0, j.fmt);
+      const uint32_t amax_bits = max(m2 & 0xffffu, m2 >> 16);
+      const bool finite = amax_bits < kBf16InfBits;
+      const BlockScale bs = scale_of_bits(amax_bits, j.fmt);
+      const uint32_t lo = encode4(f[0], f[1], f[2], f[3], bs.inv_s, finite, j.fmt);
+      const uint32_t hi = encode4(f[4], f[5], f[6], f[7], bs.inv_s, finite, j.fmt);
       const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
       *reinterpret_cast<uint2*>(j.row + row_idx * j.dim + c0 + v * kQuantVec) = make_uint2(lo, hi);
-      if (v == 0) j.row_s[row_idx * nblk_d + dblk] = s;
+      if (v == 0) j.row_s[row_idx * nblk_d + dblk] = bs.s;
     }
   }
   if (!want_col) return;
@@ -136,30 +166,23 @@ __device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nb
   const int c = tid % kCw;   // channel within the head_dim block
   const int grp = tid / kCw;  // token group
   uint32_t pk[kTpg / 2];
-  float amax = 0.f;
-  int finite = 1;
+  uint32_t m2 = 0u;
 #pragma unroll
   for (int i = 0; i < kTpg / 2; ++i) {
     const uint32_t lo = tile[(grp * kTpg + 2 * i) * kCw + c], hi = tile[(grp * kTpg + 2 * i + 1) * kCw + c];
     pk[i] = lo | (hi << 16);
-    const float a0 = fabsf(bf16_bits_to_float(lo)), a1 = fabsf(bf16_bits_to_float(hi));
-    finite &= (isfinite(a0) && isfinite(a1)) ? 1 : 0;
-    amax = fmaxf(amax, fmaxf(a0, a1));
+    m2 = vmax_u16x2(m2, pk[i] & kAbsBf16x2);
   }
-  red_amax[grp * kCw + c] = amax;
-  red_finite[grp * kCw + c] = finite;
+  red_amax[grp * kCw + c] = max(m2 & 0xffffu, m2 >> 16);
   __syncthreads();
-  amax = 0.f;
-  finite = 1;
+  uint32_t amax_bits = 0u;
 #pragma unroll
-  for (int g2 = 0; g2 < kGroups; ++g2) {  // always in the same order
-    amax = fmaxf(amax, red_amax[g2 * kCw + c]);
-    finite &= red_finite[g2 * kCw + c];
-  }
-  const float s = scale_of(amax, finite != 0, j.fmt);
-  const float inv_s = 1.f / s;
+  for (int g2 = 0; g2 < kGroups; ++g2) amax_bits = max(amax_bits, red_amax[g2 * kCw + c]);
+  const bool finite = amax_bits < kBf16InfBits;
+  const BlockScale bs = scale_of_bits(amax_bits, j.fmt);
+  const float inv_s = bs.inv_s;
   const int64_t col_idx = static_cast<int64_t>(bh) * j.dim + c0 + c;
-  if (grp == 0) j.col_s[col_idx * nblk_s + sblk] = s;
+  if (grp == 0) j.col_s[col_idx * nblk_s + sblk] = bs.s;
   uint8_t* dst = j.colT + col_idx * j.seqlen_pad;
 #pragma unroll
   for (int k16 = 0; k16 < kTpg / 16; ++k16) {
@@ -171,13 +194,15 @@ __device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nb
       const uint32_t p0 = pk[8 * k16 + 2 * q], p1 = pk[8 * k16 + 2 * q + 1];
       // NOTE: the tile holds zeros past seqlen (never read from x)
       uint32_t word = encode4(bf16_bits_to_float(p0 & 0xffffu), bf16_bits_to_float(p0 >> 16),
-                              bf16_bits_to_float(p1 & 0xffffu), bf16_bits_to_float(p1 >> 16), inv_s, finite != 0,
+                              bf16_bits_to_float(p1 & 0xffffu), bf16_bits_to_float(p1 >> 16), inv_s, finite,
                               j.fmt);
       // NOTE: padding tokens get code 0 explicitly (a NaN scale would
       // otherwise turn the zero-filled padding into NaN codes).
+      if (tt + 16 > j.seqlen) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (tt + 4 * q + e >= j.seqlen) word &= ~(0xffu << (8 * e));
+        for (int e = 0; e < 4; ++e)
+          if (tt + 4 * q + e >= j.seqlen) word &= ~(0xffu << (8 * e));
+      }
       packed[q] = word;
     }
     *reinterpret_cast<uint4*>(dst + tt) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
@@ -186,14 +211,13 @@ __device__ __forceinline__ void quant_tile(const QuantJob& j, int nblk_d, int nb
 
 __global__ void __launch_bounds__(kQuantThreads) quant_bf16_kernel(const QuantJob j, int nblk_d, int nblk_s) {
   __shared__ __align__(16) uint16_t tile[kSeqBlock * kMaxDimBlock];  // BF16 bits, [token][channel]
-  __shared__ float red_amax[kQuantThreads];
-  __shared__ int red_finite[kQuantThreads];
+  __shared__ uint32_t red_amax[kQuantThreads];  // column pass: |x| bits of each thread's share
   const int dblk = blockIdx.y;
   // The head_dim block of this CTA: 128 channels, or 64 (d = 64, and block 1 of d = 192).
   if (j.dim - dblk * kMaxDimBlock >= 128)
-    quant_tile<128>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax, red_finite);
+    quant_tile<128>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax);
   else
-    quant_tile<64>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax, red_finite);
+    quant_tile<64>(j, nblk_d, nblk_s, blockIdx.x, dblk, blockIdx.z, tile, red_amax);
 }
 
 [[noreturn]] void bad(const char* field, const std::string& what) {
