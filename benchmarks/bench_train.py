@@ -8,7 +8,10 @@ Per (preset, config) it builds the trainer's model (fp8attn.train.model), the
 trainer's AdamW (FP32 master weights, BF16 autocast on CUDA), and times full
 training steps (forward, cross-entropy, backward, grad clip, optimizer step) on
 random tokens after `--warmup` untimed steps; CUDA is synchronized around the
-timed steps. Throughput does not depend on the token values, so no corpus is
+timed steps. With `--rounds R` (R > 1) every config of a preset stays built and is
+timed in R interleaved rounds (order rotated each round); tokens/s is the median
+and "vs bf16" the median (and min-max) of the per-round ratios, which keeps
+clock and thermal drift out of the comparison. Throughput does not depend on the token values, so no corpus is
 needed. Configs:
   bf16                          BF16 everywhere, attention by F.scaled_dot_product_attention
                                 restricted to the cuDNN backend on CUDA (the recorded
@@ -90,66 +93,130 @@ def cudnn_attention_context(device: torch.device):
     return ctx, "cudnn (K/V repeated for GQA)"
 
 
-def bench_one(preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory) -> dict:
-    p = M.PRESETS[preset]
-    batch = args.batch_size or p["train"]["batch_size"]
-    seq = args.seq_len or p["train"]["seq_len"]
-    cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
-                                max_seq_len=max(seq, p["model"]["max_seq_len"]))
-    torch.manual_seed(0)
-    model = M.Transformer(cfg).to(device)
-    tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
-    opt = make_optimizer(model, tc)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
-    y = torch.randint(1, cfg.vocab_size, (batch, seq), generator=g).to(device)
-    if args.packed:
-        # documents of random length (mean args.doc_len tokens) separated by <|endoftext|>
-        eot = torch.rand(batch, seq, generator=g) < 1.0 / args.doc_len
-        x = torch.where(eot.to(device), torch.zeros_like(x), x)
-    cuda = device.type == "cuda"
-    # NOTE: packed bf16 attention takes an explicit block-diagonal mask, which the
-    # cuDNN-only restriction may not accept: it uses SDPA's default dispatch.
-    ctx = ctx_factory if attn_mode == "bf16" and not args.packed else contextlib.nullcontext
+class Config:
+    """One (preset, config) model with its optimizer and inputs, built and warmed up on `device`.
 
-    def step():
-        with ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
+    `peak_mem_gb`: peak memory of building it and its warm-up steps above what was
+    allocated before (its own parameters, optimizer state and step activations; other
+    configs kept alive by --rounds do not count)."""
+
+    def __init__(self, preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory):
+        p = M.PRESETS[preset]
+        self.batch = args.batch_size or p["train"]["batch_size"]
+        self.seq = args.seq_len or p["train"]["seq_len"]
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if self.cuda else 0
+        cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
+                                    max_seq_len=max(self.seq, p["model"]["max_seq_len"]))
+        torch.manual_seed(0)
+        self.model = M.Transformer(cfg).to(device)
+        self.tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
+        self.opt = make_optimizer(self.model, self.tc)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        x = torch.randint(1, cfg.vocab_size, (self.batch, self.seq), generator=g).to(device)
+        self.y = torch.randint(1, cfg.vocab_size, (self.batch, self.seq), generator=g).to(device)
+        if args.packed:
+            # documents of random length (mean args.doc_len tokens) separated by <|endoftext|>
+            eot = torch.rand(self.batch, self.seq, generator=g) < 1.0 / args.doc_len
+            x = torch.where(eot.to(device), torch.zeros_like(x), x)
+        self.x = x
+        # NOTE: packed bf16 attention takes an explicit block-diagonal mask, which the
+        # cuDNN-only restriction may not accept: it uses SDPA's default dispatch.
+        self.ctx = ctx_factory if attn_mode == "bf16" and not args.packed else contextlib.nullcontext
+        self.row = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
+                    "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
+                    "params": self.model.num_params(), "batch_size": self.batch, "seq_len": self.seq,
+                    "packed": args.packed, "fp8_linear_layers": len(self.model.fp8_linear_names)}
+        self.loss = None
+        for _ in range(args.warmup):
+            self.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.row["peak_mem_gb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if self.cuda else None
+
+    def step(self):
+        with self.ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            logits = self.model(self.x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.y.flatten())
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        return loss
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
+        self.opt.step()
+        self.loss = loss
 
-    for _ in range(args.warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    out = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
-           "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
-           "params": model.num_params(), "batch_size": batch, "seq_len": seq, "packed": args.packed,
-           "ms_per_step": dt * 1e3, "tokens_per_s": batch * seq / dt, "final_loss": float(loss),
-           "fp8_linear_layers": len(model.fp8_linear_names),
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
-    del model, opt
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
+    def time_steps(self, n: int) -> float:
+        """Seconds per training step over n steps (CUDA synchronized around them)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    def free(self):
+        del self.model, self.opt
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) -> list[dict]:
+    """Rows of one preset. --rounds 1: each config built, warmed up, timed and freed in
+    turn. --rounds R > 1: all configs built first (kept alive), then R rounds of
+    --steps timed steps per config, the order rotated every round, so clock or
+    thermal drift during the run falls on every config alike; tokens/s is the median
+    over the rounds, and "vs bf16" the median of the per-round ratios."""
+    rows = []
+    if args.rounds == 1:
+        for mode, scope in configs:
+            t0 = time.perf_counter()
+            c = Config(preset, mode, scope, args, device, ctx_factory)
+            dt = c.time_steps(args.steps)
+            rows.append({**c.row, "ms_per_step": dt * 1e3, "tokens_per_s": c.batch * c.seq / dt,
+                         "final_loss": float(c.loss), "rounds_tokens_per_s": [c.batch * c.seq / dt]})
+            c.free()
+            print(f"[bench] {preset} {rows[-1]['config']}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
+                  f"{dt * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f} s incl. build and warm-up)", flush=True)
+        return rows
+    built = [Config(preset, mode, scope, args, device, ctx_factory) for mode, scope in configs]
+    per = [[] for _ in built]
+    for r in range(args.rounds):
+        for i in [(r + k) % len(built) for k in range(len(built))]:
+            per[i].append(built[i].batch * built[i].seq / built[i].time_steps(args.steps))
+        print(f"[bench] {preset} round {r + 1}/{args.rounds}: "
+              + ", ".join(f"{c.row['config']} {x[-1]:,.0f}" for c, x in zip(built, per)) + " tokens/s", flush=True)
+    for c, x in zip(built, per):
+        tps = median(x)
+        rows.append({**c.row, "ms_per_step": c.batch * c.seq / tps * 1e3, "tokens_per_s": tps,
+                     "final_loss": float(c.loss), "rounds_tokens_per_s": x})
+        c.free()
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:
+    """Table: median tokens/s; "vs bf16" = the median of per-round ratios to the same preset's bf16
+    row (one round: the plain ratio), with their min-max over the rounds when there are several."""
     lines = ["| preset | config | tokens/s | ms/step | vs bf16 | peak mem GB |", "|---|---|---|---|---|---|"]
-    base = {r["preset"]: r["tokens_per_s"] for r in rows if r["config"] == "bf16"}
+    base = {r["preset"]: r for r in rows if r["config"] == "bf16"}
     for r in rows:
-        rel = f"{r['tokens_per_s'] / base[r['preset']]:.2f}x" if r["preset"] in base else "n/a"
+        b = base.get(r["preset"])
+        if b is None:
+            rel = "n/a"
+        else:
+            ratios = [x / y for x, y in zip(r["rounds_tokens_per_s"], b["rounds_tokens_per_s"])]
+            rel = f"{median(ratios):.2f}x"
+            if len(ratios) > 1 and r is not b:
+                rel += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         mem = "n/a" if r["peak_mem_gb"] is None else f"{r['peak_mem_gb']:.1f}"
         lines.append(f"| {r['preset']} | {r['config']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
                      f"{rel} | {mem} |")
@@ -164,7 +231,9 @@ def main(argv=None) -> None:
                     help="comma list of bf16 and fp8/<scope>")
     ap.add_argument("--delta-mode", default="delta_matching", choices=["stale", "matched_do", "delta_matching"])
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per config (per round)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="R > 1: all configs of a preset kept alive and timed in R interleaved rounds (median)")
     ap.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     ap.add_argument("--packed", action="store_true",
@@ -172,8 +241,8 @@ def main(argv=None) -> None:
     ap.add_argument("--doc-len", type=int, default=512, help="mean document length with --packed")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
-    if args.warmup < 0 or args.steps < 1:
-        raise SystemExit("--warmup must be >= 0 and --steps >= 1")
+    if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
+        raise SystemExit("--warmup must be >= 0, --steps and --rounds >= 1")
     device = torch.device("cuda" if (args.device == "auto" and torch.cuda.is_available()) else
                           (args.device if args.device != "auto" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -196,20 +265,17 @@ def main(argv=None) -> None:
     t_all = time.perf_counter()
     rows = []
     for pr in presets:
-        for mode, scope in configs:
-            t0 = time.perf_counter()
-            r = bench_one(pr, mode, scope, args, device, ctx_factory)
-            rows.append(r)
-            print(f"[bench] {pr} {r['config']}: {r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.1f} ms/step "
-                  f"({time.perf_counter() - t0:.1f} s incl. build and warm-up)", flush=True)
+        rows += bench_preset(pr, configs, args, device, ctx_factory)
     table = markdown(rows)
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "bf16_attention": bf16_attn,
-            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps, "packed": args.packed,
+            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+            "packed": args.packed,
             "total_s": time.perf_counter() - t_all, "rows": rows}
     print()
     print(f"device {info['device']}, torch {info['torch']}, bf16 attention: {bf16_attn}, "
           f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config"
+          f"{' x %d interleaved rounds (median)' % args.rounds if args.rounds > 1 else ''}"
           f"{', packed documents (mean length %d)' % args.doc_len if args.packed else ''}")
     print(table)
     print(f"total {info['total_s']:.0f} s")

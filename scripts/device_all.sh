@@ -143,10 +143,12 @@ if [ "${DEVICE_PACKED:-1}" = 1 ]; then
   note "packed: rc=$rc (packed, final train loss, val loss) = $pk"
 fi
 
-# End-to-end training throughput (BF16 cuDNN vs the FP8 scopes), a few steps each.
+# End-to-end training throughput (BF16 cuDNN vs the FP8 scopes), interleaved timed rounds.
 if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
   echo "== bench_train"
-  timeout "${DEVICE_T_BENCH_TRAIN:-90}" python3 benchmarks/bench_train.py --json "$OUT/bench_train.json" \
+  # NOTE: interleaved rounds (median): single back-to-back timings moved 10-20% between calls.
+  timeout "${DEVICE_T_BENCH_TRAIN:-180}" python3 benchmarks/bench_train.py --rounds "${DEVICE_TRAIN_ROUNDS:-5}" \
+    --steps 10 --json "$OUT/bench_train.json" \
     >/tmp/bench_train.log 2>&1
   note "bench_train: rc=$?"
   tail -12 /tmp/bench_train.log | tee -a "$SUMMARY"

@@ -26,3 +26,34 @@ def test_bench_train_cpu_smoke(tmp_path):
     assert [r["fp8_linear_layers"] for r in rows] == [0, 0, 8, 14]       # smoke: 2 layers x (4 | 4 + 3)
     assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
     assert proc.stdout.count("| smoke |") == 4
+
+
+def test_bench_train_rounds_cpu_smoke(tmp_path):
+    """--rounds 2: every config timed twice (interleaved), the per-round numbers kept, the table
+    gives the median ratio and its range."""
+    out = tmp_path / "bench.json"
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
+                           "--presets", "smoke", "--configs", "bf16,fp8/attn-core", "--warmup", "1", "--steps", "1",
+                           "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    info = json.loads(out.read_text())
+    assert info["rounds"] == 2
+    assert [len(r["rounds_tokens_per_s"]) for r in info["rows"]] == [2, 2]
+    assert proc.stdout.count("[bench] smoke round") == 2
+    fp8_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| smoke | fp8/attn-core |"))
+    assert fp8_line.count("(") == 1 and "x (" in fp8_line  # median ratio, then (min-max)
+
+
+def test_markdown_median_of_round_ratios():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_train
+
+    def row(config, rounds):
+        return {"preset": "p", "config": config, "tokens_per_s": bench_train.median(rounds), "ms_per_step": 1.0,
+                "peak_mem_gb": None, "rounds_tokens_per_s": rounds}
+    # per-round ratios 1.5, 0.5, 1.0 (the bf16 baseline drifts): median 1.00x, range 0.50-1.50
+    md = bench_train.markdown([row("bf16", [100.0, 200.0, 100.0]), row("fp8/attn-core", [150.0, 100.0, 100.0])])
+    assert "| p | bf16 | 100 | 1.0 | 1.00x | n/a |" in md
+    assert "| p | fp8/attn-core | 100 | 1.0 | 1.00x (0.50-1.50) | n/a |" in md
+    assert bench_train.median([3.0, 1.0, 2.0, 10.0]) == 2.5
