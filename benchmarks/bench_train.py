@@ -145,7 +145,7 @@ class Config:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tc.grad_clip)
         self.opt.step()
-        self.loss = loss
+        self.loss = loss.detach()
 
     def time_steps(self, n: int) -> float:
         """Seconds per training step over n steps (CUDA synchronized around them)."""
