@@ -96,9 +96,11 @@ def cudnn_attention_context(device: torch.device):
 class Config:
     """One (preset, config) model with its optimizer and inputs, built and warmed up on `device`.
 
-    `peak_mem_gb`: peak memory of building it and its warm-up steps above what was
-    allocated before (its own parameters, optimizer state and step activations; other
-    configs kept alive by --rounds do not count)."""
+    `peak_mem_gb`: peak memory above what was allocated before it was built (its own
+    parameters, optimizer state and step activations; other configs kept alive by
+    --rounds do not count): over the build, the warm-up and, with --rounds 1, the
+    timed steps; with --rounds > 1 over the build and the warm-up only (None with
+    --warmup 0, when no step would be counted)."""
 
     def __init__(self, preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory):
         p = M.PRESETS[preset]
@@ -131,11 +133,16 @@ class Config:
                     "params": self.model.num_params(), "batch_size": self.batch, "seq_len": self.seq,
                     "packed": args.packed, "fp8_linear_layers": len(self.model.fp8_linear_names)}
         self.loss = None
+        self.base = base
         for _ in range(args.warmup):
             self.step()
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.row["peak_mem_gb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if self.cuda else None
+        self.row["peak_mem_gb"] = self.peak_gb() if args.warmup > 0 else None
+
+    def peak_gb(self):
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - self.base) / 2 ** 30
 
     def step(self):
         with self.ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
@@ -182,6 +189,7 @@ def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) 
             t0 = time.perf_counter()
             c = Config(preset, mode, scope, args, device, ctx_factory)
             dt = c.time_steps(args.steps)
+            c.row["peak_mem_gb"] = c.peak_gb()  # NOTE: nothing else allocated since its build
             rows.append({**c.row, "ms_per_step": dt * 1e3, "tokens_per_s": c.batch * c.seq / dt,
                          "final_loss": float(c.loss), "rounds_tokens_per_s": [c.batch * c.seq / dt]})
             c.free()
@@ -259,6 +267,9 @@ def main(argv=None) -> None:
             configs.append((f"fp8-{args.delta_mode}", c[4:]))
         else:
             raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>")
+    names = args.configs.split(",")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--configs: each config once, got {args.configs!r}")
     ctx_factory, bf16_attn = cudnn_attention_context(device)
     if args.packed:
         bf16_attn = "sdpa default dispatch with a block-diagonal causal mask (packed)"
@@ -277,6 +288,9 @@ def main(argv=None) -> None:
           f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config"
           f"{' x %d interleaved rounds (median)' % args.rounds if args.rounds > 1 else ''}"
           f"{', packed documents (mean length %d)' % args.doc_len if args.packed else ''}")
+    if args.rounds > 1:
+        print("tokens/s: median over the rounds; vs bf16: median (min-max) of the per-round ratios, so it need "
+              "not equal the ratio of the two medians")
     print(table)
     print(f"total {info['total_s']:.0f} s")
     if args.json:

@@ -28,6 +28,8 @@ def read_rows(path):
     if start is None:
         return []
     rows = list(csv.reader(lines[start:]))
+    if len(rows) < 2:  # a header without its units row: nothing was profiled
+        return []
     head, units, data = rows[0], rows[1], rows[2:]
     out = []
     for r in data:
@@ -51,8 +53,9 @@ def time_us(row):
 
 def short_name(name, width=46):
     """Kernel name without "void", anonymous namespaces, template arguments and parameters."""
-    name = name.replace("void ", "").replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
-    name = re.split(r"[<(]", name, maxsplit=1)[0].strip()
+    full = name.replace("void ", "").replace("<unnamed>::", "").replace("(anonymous namespace)::", "").strip()
+    name = re.split(r"[<(]", full, maxsplit=1)[0].strip() or full or "?"
+    name = name.replace("|", "\\|")  # NOTE: a bare | would split the markdown cell
     return name if len(name) <= width else name[: width - 1] + "~"
 
 

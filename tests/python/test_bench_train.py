@@ -57,3 +57,11 @@ def test_markdown_median_of_round_ratios():
     assert "| p | bf16 | 100 | 1.0 | 1.00x | n/a |" in md
     assert "| p | fp8/attn-core | 100 | 1.0 | 1.00x (0.50-1.50) | n/a |" in md
     assert bench_train.median([3.0, 1.0, 2.0, 10.0]) == 2.5
+
+
+def test_repeated_config_is_refused():
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
+                           "--presets", "smoke", "--configs", "bf16,bf16,fp8/attn-core"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "--configs: each config once" in proc.stderr, proc.stderr[-500:]

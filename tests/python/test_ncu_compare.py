@@ -64,5 +64,19 @@ def test_units_issue_pipes_and_stalls(tmp_path):
 def test_no_rows_fails(tmp_path):
     empty = tmp_path / "empty.csv"
     empty.write_text("==PROF== no kernels were profiled\n")
-    r = _run(empty)
-    assert r.returncode == 1 and "no kernel rows" in r.stderr
+    header_only = tmp_path / "header_only.csv"
+    header_only.write_text('"ID","Kernel Name","gpu__time_duration.sum"\n')
+    for f in (empty, header_only):
+        r = _run(f)
+        assert r.returncode == 1 and "no kernel rows" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_odd_kernel_names(tmp_path):
+    odd = tmp_path / "odd.csv"
+    _write(odd, "us", [["0", "(lambda)#1", "100", "10", "0.5", "10", "32", "1", "1", "1", "0.1", "0.1"],
+                       ["1", "a|b<int>(x)", "100", "10", "0.5", "10", "32", "1", "1", "1", "0.1", "0.1"]])
+    r = _run(odd)
+    assert r.returncode == 0, r.stderr
+    rows = [l for l in r.stdout.splitlines() if l.startswith("| odd")]
+    assert "| odd | (lambda)#1 |" in rows[0]  # no empty cell when the name starts with "("
+    assert "a\\|b" in rows[1] and rows[1].count(" | ") == rows[0].count(" | ")  # an escaped | keeps the columns
