@@ -21,9 +21,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup device_out
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
+summary_init
 
 echo "== versions"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$SUMMARY"

@@ -12,6 +12,14 @@ device_setup() {
   export PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1
 }
 
+# summary_init: a fresh $OUT/summary.txt (SUMMARY) and note MSG, which prints MSG and
+# appends it there (device_all.sh, device_ncu.sh, device_ncu_compare.sh).
+summary_init() {
+  SUMMARY="$OUT/summary.txt"
+  : >"$SUMMARY"
+  note() { echo "$*" | tee -a "$SUMMARY"; }
+}
+
 # use_carried_so: the CUDA build carried to the device in .devbuild/lib (see
 # device_all.sh) replaces the in-place extension; CARRIED_SO names it. Returns 1
 # (and leaves python/fp8attn alone) when nothing was carried.

@@ -14,9 +14,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup ncu_out
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
+summary_init
 
 use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so"; exit 1; }
 has_cuda_kernels || { note "library has no CUDA kernels"; exit 1; }

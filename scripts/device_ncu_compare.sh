@@ -12,9 +12,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup ncu_compare_out
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-note() { echo "$*" | tee -a "$SUMMARY"; }
+summary_init
 
 use_carried_so || note "no carried .devbuild/lib/fp8attn/_C*.so (fp8attn rows need it)"
 install_cudnn_frontend
