@@ -153,4 +153,36 @@ FP8ATTN_HD float block_scale(float amax, Fp8Format f) {
   return ldexpf(1.f, block_scale_exponent(amax, f));
 }
 
+// block_scale by exponent arithmetic, for the kernels (the loops above cost
+// tens of instructions), for amax >= 0 or NaN (a block's largest |x|): for a
+// normal amax = m 2^E (m in [1, 2)) and the format's max 1.75 2^P (E4M3 P = 8,
+// E5M2 P = 15), the smallest power of two s with amax / s <= max is 2^(E - P),
+// or 2^(E - P + 1) if m > 1.75, the exponent clamped to [-126, 127]; a
+// subnormal amax lands on the clamp 2^-126 by the same expression; 0 -> 1;
+// NaN / inf -> NaN. Bit-identical to block_scale on that domain
+// (tests/cpp/test_fp8_codec.cpp, BlockScaleFast).
+FP8ATTN_HD float block_scale_fast(float amax, Fp8Format f) {
+  if (!(amax <= 3.402823466e38f)) return NAN;
+  const uint32_t u = detail::float_bits(amax);
+  if (u == 0u) return 1.f;
+  int e = static_cast<int>(u >> 23) - 127 - (f == Fp8Format::kE4M3 ? 8 : 15) + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  e = e < -126 ? -126 : (e > 127 ? 127 : e);
+  const uint32_t r = static_cast<uint32_t>(e + 127) << 23;
+  float s;
+  memcpy(&s, &r, sizeof(s));
+  return s;
+}
+
+// 1 / s for a block scale s (a power of two 2^e, e in [-126, 127]), exact and
+// without a division: 2^-127 is the subnormal 0x00400000. NaN for anything
+// else (a NaN scale stays NaN).
+FP8ATTN_HD float block_scale_inverse(float s) {
+  const uint32_t ex = detail::float_bits(s) >> 23;
+  // NOTE: selects, no branch (the backward's register budget is tight).
+  const uint32_t r = ex == 0u || ex >= 0xffu ? 0x7fc00000u : (ex < 254u ? (254u - ex) << 23 : 0x00400000u);
+  float inv;
+  memcpy(&inv, &r, sizeof(inv));
+  return inv;
+}
+
 }  // namespace fp8attn

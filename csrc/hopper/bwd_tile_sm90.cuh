@@ -129,23 +129,14 @@ __device__ __forceinline__ float2 half2_bits_to_float2(uint32_t h2) {
 }
 
 // Block scale of numerics.md section 2 and its inverse, (s, 1/s), from the
-// block's amax (>= 0 or NaN): s = 2^e with the smallest e such that
-// amax <= fp8_max * 2^e, e clamped to [-126, 127]; s = 1 for amax = 0; NaN for
-// a non-finite amax. fp8_max = 1.75 * 2^K (K = 8 for E4M3, 15 for E5M2), so e
-// comes from amax's exponent bits plus one when its mantissa exceeds 1.75.
-// Bit-exact with fp8attn::block_scale (checked on the host over 4.2e7 values
-// incl. subnormals and the clamp ends); avoids its frexpf/ldexpf loops.
+// block's amax (>= 0 or NaN): fp8attn::block_scale_fast / block_scale_inverse
+// (common/fp8_codec.h; bit-identical to block_scale, tested on the host over
+// every BF16 amax and the clamp ends), not block_scale's frexpf/ldexpf loops.
 template <int F>
 __device__ __forceinline__ float2 fast_scale(float amax) {
-  constexpr int kK = F == kFmtE4M3 ? 8 : 15;
-  if (!(amax <= 3.402823466e38f)) return make_float2(NAN, NAN);
-  const uint32_t u = __float_as_uint(amax);
-  if (u == 0u) return make_float2(1.f, 1.f);
-  int e = static_cast<int>(u >> 23) - 127 - kK + ((u & 0x7FFFFFu) > 0x600000u ? 1 : 0);
-  e = min(max(e, -126), 127);
-  const float s = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
-  const float inv = e <= 126 ? __uint_as_float(static_cast<uint32_t>(127 - e) << 23) : __uint_as_float(0x00400000u);
-  return make_float2(s, inv);
+  if (!(amax <= 3.402823466e38f)) return make_float2(NAN, NAN);  // NOTE: one early exit for both
+  const float s = block_scale_fast(amax, F == kFmtE4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2);
+  return make_float2(s, block_scale_inverse(s));
 }
 
 // ---- shared-memory tile fills (global FP8 -> shared FP8 or FP16) --------------------

@@ -9,7 +9,7 @@
 //     row), reduced across the lanes holding the row, codes written at once;
 //   - column pass (from a shared-memory copy of the tile): per channel, the
 //     block of kSeqBlock tokens, codes written transposed with 16-byte stores.
-// Scales equal fp8attn::block_scale (block_scale_fast: exponent arithmetic on the
+// Scales equal fp8attn::block_scale (block_scale_fast, common/fp8_codec.h, on the
 // amax found by an integer max of the BF16 bits), codes come from the hardware
 // RNE conversion (finite blocks) or fp8attn::fp8_encode (common/fp8_codec.h;
 // blocks holding NaN / inf), so both are bit-identical to the CPU quantize_blockwise.
@@ -41,21 +41,6 @@ __device__ __forceinline__ uint32_t vmax_u16x2(uint32_t a, uint32_t b) {
 constexpr uint32_t kAbsBf16x2 = 0x7fff7fffu;
 constexpr uint32_t kBf16InfBits = 0x7f80u;  // |x| bits >= this: inf or NaN
 
-// numerics.md section 2 block scale, bit-identical to fp8attn::block_scale:
-// for a normal amax = m 2^E (m in [1, 2)) and the format's max 1.75 2^P (E4M3
-// P = 8, E5M2 P = 15), the smallest power of two s with amax / s <= max is
-// 2^(E - P), or 2^(E - P + 1) if m > 1.75, the exponent clamped to [-126, 127].
-// Zero, subnormal and non-finite amax take fp8attn::block_scale (its frexp /
-// ldexp loops were most of this kernel's instructions).
-__device__ __forceinline__ float block_scale_fast(float amax, Fp8Format fmt) {
-  const uint32_t u = __float_as_uint(amax);
-  const uint32_t ex = (u >> 23) & 0xffu;
-  if (ex == 0u || ex == 0xffu) return block_scale(amax, fmt);
-  int e = static_cast<int>(ex) - 127 - (fmt == Fp8Format::kE4M3 ? 8 : 15) + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
-  e = max(-126, min(127, e));
-  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
-}
-
 // Scale of a block from the bits of its amax (vmax_u16x2; NaN for a block
 // holding inf / NaN) and 1 / scale, exact (a power of two; 2^-127 is subnormal).
 struct BlockScale {
@@ -67,9 +52,11 @@ __device__ __forceinline__ BlockScale scale_of_bits(uint32_t amax_bits, Fp8Forma
     r.s = r.inv_s = NAN;
     return r;
   }
+  // NOTE: block_scale_fast / block_scale_inverse (common/fp8_codec.h): the
+  // generic block_scale's frexp / ldexp loops were most of this kernel's
+  // instructions, and 1.f / s a full division.
   r.s = block_scale_fast(__uint_as_float(amax_bits << 16), fmt);
-  const uint32_t ex = __float_as_uint(r.s) >> 23;  // 1..254
-  r.inv_s = __uint_as_float(ex < 254u ? (254u - ex) << 23 : 0x00400000u);
+  r.inv_s = block_scale_inverse(r.s);
   return r;
 }
 

@@ -293,5 +293,60 @@ TEST(BlockScale, ZeroTinyAndNonFiniteAmax) {
   }
 }
 
+// block_scale_fast / block_scale_inverse: the kernels' exponent-arithmetic forms
+// (quantization, forward P, backward dS / P^T) must give block_scale's bits.
+float bits_to_float(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+void expect_fast_equals_generic(float amax, Fp8Format fmt) {
+  const float want = block_scale(amax, fmt), got = block_scale_fast(amax, fmt);
+  if (std::isnan(want)) {
+    ASSERT_TRUE(std::isnan(got)) << "amax " << amax;
+  } else {
+    ASSERT_EQ(detail::float_bits(got), detail::float_bits(want)) << "amax " << amax << " (bits 0x" << std::hex
+                                                                 << detail::float_bits(amax) << ")";
+  }
+}
+
+TEST(BlockScaleFast, EveryBf16AmaxBothFormats) {
+  // Every non-negative BF16 value (the quantization kernel's amax), incl. zero,
+  // subnormals, +inf and NaN payloads.
+  for (const auto& f : kFormats) {
+    SCOPED_TRACE(f.name);
+    for (uint32_t b = 0; b <= 0x7fffu; ++b) expect_fast_equals_generic(bits_to_float(b << 16), f.fmt);
+  }
+}
+
+TEST(BlockScaleFast, MantissaEdgesOfEveryBinadeAndRandomFloats) {
+  // FP32 amax (the forward's P amax, the backward's FP32 dS / P amax): around
+  // m = 1.75 (the rounding edge of the rule) and the ends of every binade, plus
+  // random bit patterns.
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const auto& f : kFormats) {
+    SCOPED_TRACE(f.name);
+    for (uint32_t ex = 0; ex <= 0xffu; ++ex)
+      for (uint32_t frac : {0u, 1u, 0x5fffffu, 0x600000u, 0x600001u, 0x7ffffeu, 0x7fffffu})
+        expect_fast_equals_generic(bits_to_float(ex << 23 | frac), f.fmt);
+    for (int i = 0; i < 200000; ++i) expect_fast_equals_generic(bits_to_float(rng() & 0x7fffffffu), f.fmt);
+  }
+}
+
+TEST(BlockScaleFast, InverseIsExactForEveryScale) {
+  for (int e = -126; e <= 127; ++e) {
+    const float s = std::ldexp(1.f, e);
+    const float inv = block_scale_inverse(s);
+    ASSERT_EQ(detail::float_bits(inv), detail::float_bits(1.f / s)) << "e " << e;
+    ASSERT_EQ(inv, std::ldexp(1.f, -e)) << "e " << e;  // 2^-127 included: a subnormal, still exact
+  }
+  EXPECT_TRUE(std::isnan(block_scale_inverse(NAN)));
+  // Not a block scale: NaN, never a silent finite value.
+  for (float bad : {0.f, FLT_TRUE_MIN, INFINITY, -1.f}) EXPECT_TRUE(std::isnan(block_scale_inverse(bad))) << bad;
+}
+
 }  // namespace
 }  // namespace fp8attn
