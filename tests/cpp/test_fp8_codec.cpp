@@ -294,7 +294,9 @@ TEST(BlockScale, ZeroTinyAndNonFiniteAmax) {
 }
 
 // block_scale_fast / block_scale_inverse: the kernels' exponent-arithmetic forms
-// (quantization, forward P, backward dS / P^T) must give block_scale's bits.
+// (quantization kernel, backward fast_scale for P^T / dS) must give block_scale's
+// bits. (The forward's P scale uses the same rule in its own form,
+// fwd_softmax_sm90.cuh, checked by the GPU tests against the CPU reference.)
 float bits_to_float(uint32_t u) {
   float x;
   std::memcpy(&x, &u, sizeof(x));
@@ -321,7 +323,7 @@ TEST(BlockScaleFast, EveryBf16AmaxBothFormats) {
 }
 
 TEST(BlockScaleFast, MantissaEdgesOfEveryBinadeAndRandomFloats) {
-  // FP32 amax (the forward's P amax, the backward's FP32 dS / P amax): around
+  // FP32 amax (the backward's FP32 dS / P amax): around
   // m = 1.75 (the rounding edge of the rule) and the ends of every binade, plus
   // random bit patterns.
   const unsigned seed = std::random_device{}();
