@@ -30,6 +30,7 @@ import contextlib
 import json
 import platform
 import sys
+from statistics import median
 import time
 from pathlib import Path
 
@@ -165,16 +166,16 @@ class Config:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n
 
+    def result(self, tokens_per_s: list) -> dict:
+        """The table / JSON row: median tokens/s over the rounds (each round's kept)."""
+        tps = median(tokens_per_s)
+        return {**self.row, "ms_per_step": self.batch * self.seq / tps * 1e3, "tokens_per_s": tps,
+                "final_loss": float(self.loss), "rounds_tokens_per_s": tokens_per_s}
+
     def free(self):
         del self.model, self.opt
         if self.cuda:
             torch.cuda.empty_cache()
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) -> list[dict]:
@@ -190,8 +191,7 @@ def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) 
             c = Config(preset, mode, scope, args, device, ctx_factory)
             dt = c.time_steps(args.steps)
             c.row["peak_mem_gb"] = c.peak_gb()  # NOTE: nothing else allocated since its build
-            rows.append({**c.row, "ms_per_step": dt * 1e3, "tokens_per_s": c.batch * c.seq / dt,
-                         "final_loss": float(c.loss), "rounds_tokens_per_s": [c.batch * c.seq / dt]})
+            rows.append(c.result([c.batch * c.seq / dt]))
             c.free()
             print(f"[bench] {preset} {rows[-1]['config']}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
                   f"{dt * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f} s incl. build and warm-up)", flush=True)
@@ -204,9 +204,7 @@ def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) 
         print(f"[bench] {preset} round {r + 1}/{args.rounds}: "
               + ", ".join(f"{c.row['config']} {x[-1]:,.0f}" for c, x in zip(built, per)) + " tokens/s", flush=True)
     for c, x in zip(built, per):
-        tps = median(x)
-        rows.append({**c.row, "ms_per_step": c.batch * c.seq / tps * 1e3, "tokens_per_s": tps,
-                     "final_loss": float(c.loss), "rounds_tokens_per_s": x})
+        rows.append(c.result(x))
         c.free()
     return rows
 
