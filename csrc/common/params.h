@@ -16,6 +16,13 @@ enum class Precision : int { kExact = 0, kFP8 = 1 };
 // numerics.md section 4.
 enum class DeltaMode : int { kStale = 0, kMatchedDO = 1, kDeltaMatching = 2 };
 
+// numerics.md section 9: how the FP8 operands of the seven attention-core
+// matmuls are blocked. kRow: 1x128 blocks along each matmul's reduction
+// dimension (sections 2-3); kTile: one scale per query row or per tile of
+// block_size keys / queries, always over all of head_dim, so every scale folds
+// into a per-row coefficient or one scalar per loop step (section 9).
+enum class Scaling : int { kRow = 0, kTile = 1 };
+
 // Element type of a tensor at the API boundary. The reference computes in
 // FP32 (fp8 path) or FP64 (exact path) internally whatever the input type.
 enum class DType : int { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2 };
@@ -53,6 +60,7 @@ struct AttnParams {
   DeltaMode delta_mode = DeltaMode::kDeltaMatching;
   int block_size = 128;                       // B in {32, 64, 128}
   Fp8Format grad_format = Fp8Format::kE4M3;   // format of dO and dS (E4M3 or E5M2)
+  Scaling scaling = Scaling::kRow;            // FP8 recipe (numerics.md section 9); kTile: block_size = tile edge
 
   int num_threads = 0;  // CPU reference: 0 = std::thread::hardware_concurrency()
 };

@@ -497,6 +497,145 @@ inline void colblock_axpy(const float* a, float sa, const float* b, int64_t ldb,
   gemv_t(a, L, b, ldb, w, sa, sb, acc);
 }
 
+// ---- `tile` recipe operands (numerics.md section 9) --------------------------
+
+// Unscaled FP8 values of n strided elements encoded with a given block scale
+// s (quantize_block's encoding: x * (1/s), RNE, saturating); a NaN scale gives
+// NaN values.
+void quant_with_scale(const float* x, int64_t n, int64_t stride, float s, Fp8Format fmt,
+                      float* hat, int64_t hat_stride) {
+  const float inv_s = 1.f / s;
+  const float* values = fp8_values(fmt);
+  for (int64_t i = 0; i < n; ++i) hat[i * hat_stride] = values[fp8_encode(x[i * stride] * inv_s, fmt)];
+}
+
+// amax of n contiguous elements with NaN sticking (inf gives inf).
+inline float amax_of(const float* x, int64_t n) {
+  float a = 0.f;
+  for (int64_t i = 0; i < n; ++i) a = nan_max(a, std::fabs(x[i]));
+  return a;
+}
+
+// One block of n contiguous elements of any length (quant_hat is limited to
+// kMaxBlock): returns the scale, writes the unscaled FP8 values.
+float quant_hat_n(const float* x, int64_t n, Fp8Format fmt, float* hat) {
+  const float s = scale_of_amax(amax_of(x, n), fmt);
+  quant_with_scale(x, n, 1, s, fmt, hat, 1);
+  return s;
+}
+
+// An operand x[n][w] (n along the sequence, w = head_dim) blocked in tiles of
+// B rows times all w columns: one scale per tile. hat[r * w + c] (row-major)
+// and, with want_t, hat_t[c * n + r] (transposed, for the row-dot kernels).
+// Masking before quantization as for ColBlocked: prefix[r] is the scale of the
+// tile's rows [tile start, r], suffix[r] of [r, tile end), all w columns; a
+// row (column) that sees only a prefix (suffix) of a tile reads a block
+// requantized with that scale when it differs from the tile's.
+struct TileBlocked {
+  int64_t n = 0, w = 0, B = 0;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  bool has_t = false;
+  std::vector<float> raw, hat, hat_t, scale, prefix, suffix;
+};
+
+void make_tile_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp8Format fmt,
+                       bool want_t, bool want_prefix, bool want_suffix, TileBlocked& out) {
+  out.n = n;
+  out.w = w;
+  out.B = B;
+  out.fmt = fmt;
+  out.has_t = want_t;
+  out.raw = std::move(x);
+  const float* raw = out.raw.data();
+  const int64_t nt = ceil_div(n, B);
+  std::vector<float> row_amax(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) row_amax[r] = amax_of(raw + r * w, w);
+  out.hat.assign(static_cast<size_t>(n * w), 0.f);
+  out.scale.assign(static_cast<size_t>(nt), 0.f);
+  if (want_prefix) out.prefix.assign(static_cast<size_t>(n), 0.f);
+  if (want_suffix) out.suffix.assign(static_cast<size_t>(n), 0.f);
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t r0 = t * B, r1 = std::min(n, r0 + B);
+    float a = 0.f;
+    for (int64_t r = r0; r < r1; ++r) {
+      a = nan_max(a, row_amax[r]);
+      if (want_prefix) out.prefix[r] = scale_of_amax(a, fmt);
+    }
+    out.scale[t] = scale_of_amax(a, fmt);
+    quant_with_scale(raw + r0 * w, (r1 - r0) * w, 1, out.scale[t], fmt, out.hat.data() + r0 * w, 1);
+    if (want_suffix) {
+      float b = 0.f;
+      for (int64_t r = r1 - 1; r >= r0; --r) {
+        b = nan_max(b, row_amax[r]);
+        out.suffix[r] = scale_of_amax(b, fmt);
+      }
+    }
+  }
+  if (want_t) {
+    out.hat_t.assign(static_cast<size_t>(n * w), 0.f);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < w; ++c) out.hat_t[c * n + r] = out.hat[r * w + c];
+  }
+}
+
+// Rows [v0, v1) of tile t of `op` as the block a row / column that sees only
+// them reads (the whole tile, a prefix or a suffix): FP8 values row-major
+// (hat, row stride ld), transposed (hat_t, row stride ld_t; only if op.has_t)
+// and the one scale. mix / mix_t are scratch for a requantized block.
+struct TileView {
+  const float* hat;
+  int64_t ld;
+  const float* hat_t;
+  int64_t ld_t;
+  float scale;
+};
+
+TileView visible_tile(const TileBlocked& op, int64_t t, int64_t v0, int64_t v1,
+                      std::vector<float>& mix, std::vector<float>& mix_t) {
+  const int64_t w = op.w, r0 = t * op.B, r1 = std::min(r0 + op.B, op.n);
+  TileView tv{op.hat.data() + v0 * w, w, op.has_t ? op.hat_t.data() + v0 : nullptr, op.n,
+              op.scale[t]};
+  if (v0 == r0 && v1 == r1) return tv;
+  // Only causal masks make partial tiles, and then the tables exist.
+  const float vis = v0 == r0 ? op.prefix[v1 - 1] : op.suffix[v0];
+  if (vis == tv.scale) return tv;
+  const int64_t len = v1 - v0;
+  mix.resize(static_cast<size_t>(len * w));
+  quant_with_scale(op.raw.data() + v0 * w, len * w, 1, vis, op.fmt, mix.data(), 1);
+  tv.hat = mix.data();
+  if (op.has_t) {
+    mix_t.resize(static_cast<size_t>(len * w));
+    for (int64_t r = 0; r < len; ++r)
+      for (int64_t c = 0; c < w; ++c) mix_t[c * len + r] = mix[r * w + c];
+    tv.hat_t = mix_t.data();
+    tv.ld_t = len;
+  }
+  tv.scale = vis;
+  return tv;
+}
+
+// S-type product of the `tile` recipe (#1, #3, #4): for j in [0, L)
+//   out[j] = (sum_{k < w} a[k] * b_t[k * ldb + j]) * (sa * sb),
+// one FP32 sum over all of head_dim, then the row scale sa times the tile
+// scale sb (the per-row coefficient of numerics.md section 9).
+void tile_dots(const float* a, float sa, const float* b_t, int64_t ldb, int64_t w, float sb,
+               int64_t L, float* out) {
+  gemv_t(a, w, b_t, ldb, L, 0.f, nullptr, out);
+  const float s = sa * sb;
+  for (int64_t j = 0; j < L; ++j) out[j] *= s;
+}
+
+// Accumulating product of the `tile` recipe (#2, #5, #6, #7): one block of the
+// reduction dimension, L FP8 values a with scale sa times L rows of b (row
+// stride ldb) with the one tile scale sb:
+//   acc[c] += (sum_{j < L} a[j] * b[j * ldb + c]) * (sa * sb).
+// sbv is scratch of w floats.
+void tile_axpy(const float* a, float sa, const float* b, int64_t ldb, float sb, int64_t L,
+               int64_t w, float* sbv, float* acc) {
+  std::fill(sbv, sbv + w, sb);
+  gemv_t(a, L, b, ldb, w, sa, sbv, acc);
+}
+
 // Row-sum residual r = |sum dS| / sum |dS| (numerics.md section 5): 0 for an
 // all-zero row or a row that sees < 2 keys (section 7), NaN for a non-finite row.
 inline float rowsum_ratio(double sum, double sum_abs, bool has_freedom) {
@@ -873,6 +1012,239 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
   });
 }
 
+// ---- `tile` recipe (numerics.md section 9) -----------------------------------
+
+void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const TensorView& o, float* lse) {
+  const int64_t B = p.block_size, Sk = g.Sk, d = g.d, dvd = g.dv;
+  const float tau = static_cast<float>(p.softmax_scale);
+  const Fp8Format e4m3 = Fp8Format::kE4M3;
+
+  // K (#1) and V (#2): one scale per tile of B keys, all of head_dim.
+  struct KV {
+    TileBlocked k, v;
+  };
+  std::vector<KV> kv(static_cast<size_t>(g.B * g.Hkv));
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, hkv = task % g.Hkv;
+    std::vector<float> kf(Sk * d), vf(Sk * dvd);
+    load_seq(k, b, hkv, Sk, d, kf.data());
+    load_seq(v, b, hkv, Sk, dvd, vf.data());
+    make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, g.causal, false, kv[task].k);
+    make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, false, g.causal, false, kv[task].v);
+  });
+
+  const int64_t chunks = ceil_div(g.Sq, kFwdRowChunk);
+  parallel_for(g.B * g.Hq * chunks, p.num_threads, [&](int64_t task) {
+    const int64_t chunk = task % chunks, bh = task / chunks, b = bh / g.Hq, hq = bh % g.Hq;
+    const KV& kvh = kv[static_cast<size_t>(b * g.Hkv + hq / g.group)];
+    const int64_t i0 = chunk * kFwdRowChunk, i1 = std::min(g.Sq, i0 + kFwdRowChunk);
+    std::vector<float> qrow(d), qhat(d), s(B), pexp(B), phat(B), acc(dvd), sbv(dvd), mix, mix_t;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t nvis = g.visible_keys(i);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (nvis == 0) {
+        lse[g.lse_index(b, hq, i)] = -kInfF;
+        store_row(o, b, i, hq, dvd, acc.data());
+        continue;
+      }
+      // Q: one scale per query row, all of head_dim (#1).
+      load_row(q, b, i, hq, d, qrow.data());
+      const float sq = quant_hat_n(qrow.data(), d, e4m3, qhat.data());
+      float m = -kInfF, l = 0.f;
+      for (int64_t t = 0; t * B < nvis; ++t) {
+        const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+        const TileView kt = visible_tile(kvh.k, t, j0, j0 + L, mix, mix_t);
+        tile_dots(qhat.data(), sq, kt.hat_t, kt.ld_t, d, kt.scale, L, s.data());
+        float tile_max = -kInfF;
+        for (int64_t j = 0; j < L; ++j) {
+          s[j] *= tau;
+          tile_max = nan_max(tile_max, s[j]);
+        }
+        const float m_new = nan_max(m, tile_max);
+        const float alpha = std::exp(m - m_new);
+        float tile_sum = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+          pexp[j] = std::exp(s[j] - m_new);
+          tile_sum += pexp[j];
+        }
+        l = l * alpha + tile_sum;
+        if (!(m_new == m))
+          for (int64_t c = 0; c < dvd; ++c) acc[c] *= alpha;
+        m = m_new;
+        // P per (row, key tile), dynamic (its amax is exp(tile_max - m_new));
+        // V one scale per key tile.
+        const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
+        const TileView vt = visible_tile(kvh.v, t, j0, j0 + L, mix, mix_t);
+        tile_axpy(phat.data(), sp, vt.hat, vt.ld, vt.scale, L, dvd, sbv.data(), acc.data());
+      }
+      for (int64_t c = 0; c < dvd; ++c) acc[c] /= l;
+      lse[g.lse_index(b, hq, i)] = m + std::log(l);
+      store_row(o, b, i, hq, dvd, acc.data());
+    }
+  });
+}
+
+void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& o,
+                       const TensorView& dout, const float* lse, const TensorView& dq,
+                       const TensorView& dk, const TensorView& dv,
+                       const BackwardDiagnostics* diag) {
+  const int64_t B = p.block_size, Sq = g.Sq, Sk = g.Sk, d = g.d, dvd = g.dv;
+  const float tau = static_cast<float>(p.softmax_scale);
+  const Fp8Format e4m3 = Fp8Format::kE4M3, gf = p.grad_format;
+  const DeltaMode mode = p.delta_mode;
+  const bool need_o = mode != DeltaMode::kDeltaMatching;
+  const int64_t nqt = ceil_div(Sq, B), nkt = ceil_div(Sk, B);
+  const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
+
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, hkv = task % g.Hkv;
+    // One K_hat for #3 and #6, one V_hat for #4: a scale per tile of B keys.
+    TileBlocked k_t, v_t;
+    {
+      std::vector<float> kf(Sk * d), vf(Sk * dvd);
+      load_seq(k, b, hkv, Sk, d, kf.data());
+      load_seq(v, b, hkv, Sk, dvd, vf.data());
+      make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, g.causal, false, k_t);
+      make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, true, g.causal, false, v_t);
+    }
+    std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
+    std::vector<float> qf(Sq * d), dof(Sq * dvd), of(need_o ? Sq * dvd : 0);
+    std::vector<float> qhat(Sq * d), sq(Sq), dohat(Sq * dvd), sdo(Sq);
+    std::vector<float> Pt(B * Sk), dSt(B * Sk), dProw(std::max<int64_t>(Sk, 1)), dq_acc(d),
+        hat(B), sbv(std::max(d, dvd)), rmP(B), rmS(B), mix, mix_t;
+    TileBlocked q_t, do_t;
+
+    for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
+      load_seq(q, b, hq, Sq, d, qf.data());
+      load_seq(dout, b, hq, Sq, dvd, dof.data());
+      if (need_o) load_seq(o, b, hq, Sq, dvd, of.data());
+      // Q (#3) and dO (#4): one scale per query row, all of head_dim;
+      // Q (#7) and dO (#5): one scale per tile of B queries.
+      for (int64_t i = 0; i < Sq; ++i) {
+        sq[i] = quant_hat_n(qf.data() + i * d, d, e4m3, qhat.data() + i * d);
+        sdo[i] = quant_hat_n(dof.data() + i * dvd, dvd, gf, dohat.data() + i * dvd);
+      }
+      make_tile_blocked(qf, Sq, d, B, e4m3, false, false, g.causal, q_t);
+      make_tile_blocked(dof, Sq, dvd, B, gf, false, false, g.causal, do_t);
+      const float* lse_h = lse + g.lse_index(b, hq, 0);
+
+      for (int64_t qt = 0; qt < nqt; ++qt) {
+        const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
+        // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
+        for (int64_t i = i0; i < i1; ++i) {
+          float* P = Pt.data() + (i - i0) * Sk;
+          float* dS = dSt.data() + (i - i0) * Sk;
+          const int64_t nvis = g.visible_keys(i);
+          std::fill(P + nvis, P + Sk, 0.f);
+          std::fill(dS + nvis, dS + Sk, 0.f);
+          std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
+          float delta = 0.f, delta_dm = 0.f;
+          double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
+          if (nvis > 0) {
+            const float lse_i = lse_h[i];
+            for (int64_t t = 0; t * B < nvis; ++t) {
+              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+              const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
+              tile_dots(qhat.data() + i * d, sq[i], kt.hat_t, kt.ld_t, d, kt.scale, L, P + j0);
+              for (int64_t j = j0; j < j0 + L; ++j) P[j] = std::exp(P[j] * tau - lse_i);
+              const TileView vt = visible_tile(v_t, t, j0, j0 + L, mix, mix_t);
+              tile_dots(dohat.data() + i * dvd, sdo[i], vt.hat_t, vt.ld_t, dvd, vt.scale, L,
+                        dProw.data() + j0);
+            }
+            for (int64_t j = 0; j < nvis; ++j) delta_dm += P[j] * dProw[j];
+            if (mode == DeltaMode::kDeltaMatching) {
+              delta = delta_dm;
+            } else if (mode == DeltaMode::kStale) {
+              for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];
+            } else {  // kMatchedDO: decoded dO_hat of #4 (one scale per row)
+              for (int64_t c = 0; c < dvd; ++c)
+                delta += dohat[i * dvd + c] * sdo[i] * of[i * dvd + c];
+            }
+            for (int64_t j = 0; j < nvis; ++j) dS[j] = P[j] * (dProw[j] - delta);
+            if (want_pre)
+              for (int64_t j = 0; j < nvis; ++j) {
+                pre_sum += dS[j];
+                pre_abs += std::fabs(dS[j]);
+              }
+            // #6 dQ = dS K: dS one scale per (row, key tile), K per key tile.
+            for (int64_t t = 0; t * B < nvis; ++t) {
+              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+              const float sds = quant_hat(dS + j0, L, 1, gf, hat.data(), 1);
+              if (want_post)
+                for (int64_t j = 0; j < L; ++j) {
+                  const float dec = hat[j] * sds;
+                  post_sum += dec;
+                  post_abs += std::fabs(dec);
+                }
+              const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
+              tile_axpy(hat.data(), sds, kt.hat, kt.ld, kt.scale, L, d, sbv.data(), dq_acc.data());
+            }
+            for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
+          }
+          store_row(dq, b, i, hq, d, dq_acc.data());
+          if (diag) {
+            const int64_t idx = g.lse_index(b, hq, i);
+            if (diag->delta) diag->delta[idx] = delta;
+            if (diag->eps) diag->eps[idx] = delta - delta_dm;
+            const bool has_freedom = nvis >= 2;
+            if (diag->rowsum_pre) diag->rowsum_pre[idx] = rowsum_ratio(pre_sum, pre_abs, has_freedom);
+            if (diag->rowsum_post) diag->rowsum_post[idx] = rowsum_ratio(post_sum, post_abs, has_freedom);
+          }
+        }
+        // Column pass, per key tile this query tile sees: dV (#5), dK (#7).
+        // P and dS: one scale per (query tile, key tile) block, over the
+        // rows that see the key column (a suffix of the query tile).
+        for (int64_t kt = 0; kt < nkt; ++kt) {
+          const int64_t j0 = kt * B, j1 = std::min(Sk, j0 + B);
+          if (g.first_query(j0) >= i1) break;  // later tiles are seen by even fewer rows
+          for (int64_t i = i0; i < i1; ++i) {
+            const float* P = Pt.data() + (i - i0) * Sk;
+            const float* dS = dSt.data() + (i - i0) * Sk;
+            float ap = 0.f, as = 0.f;
+            for (int64_t j = j0; j < j1; ++j) {
+              ap = nan_max(ap, std::fabs(P[j]));
+              as = nan_max(as, std::fabs(dS[j]));
+            }
+            rmP[i - i0] = ap;
+            rmS[i - i0] = as;
+          }
+          for (int64_t r = i1 - i0 - 2; r >= 0; --r) {  // suffix maxima
+            rmP[r] = nan_max(rmP[r], rmP[r + 1]);
+            rmS[r] = nan_max(rmS[r], rmS[r + 1]);
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t v0 = std::max(i0, g.first_query(j));
+            if (v0 >= i1) break;
+            const int64_t L = i1 - v0;
+            const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
+            const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
+            // #5 dV = P^T dO: P per block (E4M3), dO per query tile (grad_format).
+            const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
+            quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
+            const TileView dot = visible_tile(do_t, qt, v0, i1, mix, mix_t);
+            tile_axpy(hat.data(), sp, dot.hat, dot.ld, dot.scale, L, dvd, sbv.data(),
+                      dv_acc.data() + j * dvd);
+            // #7 dK = dS^T Q: dS per block (grad_format), Q per query tile (E4M3).
+            const float sds = scale_of_amax(rmS[v0 - i0], gf);
+            quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
+            const TileView qv = visible_tile(q_t, qt, v0, i1, mix, mix_t);
+            tile_axpy(hat.data(), sds, qv.hat, qv.ld, qv.scale, L, d, sbv.data(),
+                      dk_acc.data() + j * d);
+          }
+        }
+      }
+    }
+    for (int64_t j = 0; j < Sk; ++j) {
+      float* dkr = dk_acc.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) dkr[c] *= tau;
+      store_row(dk, b, j, hkv, d, dkr);
+      store_row(dv, b, j, hkv, dvd, dv_acc.data() + j * dvd);
+    }
+  });
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -904,6 +1276,9 @@ void check_attention_params(const AttnParams& p) {
                     "must be Fp8Format::kE4M3 or kE5M2, got enum value ", fmt);
   FP8ATTN_CHECK_ARG(p.block_size == 32 || p.block_size == 64 || p.block_size == 128, "block_size",
                     "must be 32, 64 or 128, got ", p.block_size);
+  const int sc = static_cast<int>(p.scaling);
+  FP8ATTN_CHECK_ARG(sc == 0 || sc == 1, "scaling",
+                    "must be Scaling::kRow or kTile, got enum value ", sc);
   FP8ATTN_CHECK_ARG(p.num_threads >= 0, "num_threads", "must be >= 0 (0 = all cores), got ",
                     p.num_threads);
 }
@@ -956,6 +1331,8 @@ void attention_forward_ref(const AttnParams& p, const TensorView& q, const Tenso
   const Geometry g(p);
   if (p.precision == Precision::kExact)
     exact_forward(p, g, q, k, v, o, lse);
+  else if (p.scaling == Scaling::kTile)
+    fp8_forward_tile(p, g, q, k, v, o, lse);
   else
     fp8_forward(p, g, q, k, v, o, lse);
 }
@@ -980,6 +1357,8 @@ void attention_backward_ref(const AttnParams& p, const TensorView& q, const Tens
   const Geometry g(p);
   if (p.precision == Precision::kExact)
     exact_backward(p, g, q, k, v, dout, dq, dk, dv, diag);
+  else if (p.scaling == Scaling::kTile)
+    fp8_backward_tile(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
   else
     fp8_backward(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
 }

@@ -56,6 +56,18 @@
 //     K_hat (so lse must be the forward's), delta per p.delta_mode
 //     (numerics.md section 4), dS = P o (dP_hat - delta) in FP32.
 //   - Formats: Q, K, V, P in E4M3; dO and dS in p.grad_format.
+//   The above is p.scaling == Scaling::kRow. Scaling::kTile (numerics.md
+//   section 9) keeps everything but the blocking, with T = p.block_size as
+//   the tile edge and head_dim never split: Q and dO (#3, #4) one scale per
+//   query row; K and V one scale per tile of T keys (one K_hat for #1/#3/#6,
+//   one V_hat for #2/#4); P (forward) and dS (#6) one per (row, key tile);
+//   Q (#7) and dO (#5) one per tile of T queries; P (#5) and dS (#7) one per
+//   (query tile, key tile) block. Each partial product is one FP32 sum (over
+//   all of head_dim for #1/#3/#4) times the product of its two scales. The
+//   masking rule is the same: a block a row (key column) reads is quantized
+//   from the keys (query rows) it sees, so K/V tiles of a diagonal tile use
+//   the visible prefix of keys, Q/dO and the P/dS blocks of #5/#7 the rows
+//   of the query tile that see the key column.
 //
 // Errors: ArgumentError (common/error.h) naming the offending argument.
 #pragma once
@@ -69,8 +81,8 @@ namespace fp8attn {
 // Validates the scalar parameters: batch/seqlen_q/seqlen_k >= 0, num_heads_q
 // and num_heads_kv >= 1 with num_heads_q a multiple of num_heads_kv, head_dim_qk
 // and head_dim_v in [1, 256], softmax_scale positive and finite, precision /
-// delta_mode / grad_format valid enum values, block_size in {32, 64, 128},
-// num_threads >= 0. Throws ArgumentError naming the argument.
+// delta_mode / grad_format / scaling valid enum values, block_size in
+// {32, 64, 128}, num_threads >= 0. Throws ArgumentError naming the argument.
 void check_attention_params(const AttnParams& p);
 
 // Optional helper for bindings: checks tensor sizes given in the views' logical

@@ -35,4 +35,12 @@ inline Fp8Format parse_grad_format(c10::string_view s) {
                     std::string(s), "\"");
 }
 
+// numerics.md section 9: "row" (1x128 blocks, sections 2-3) or "tile".
+inline Scaling parse_scaling(c10::string_view s) {
+  if (s == "row") return Scaling::kRow;
+  if (s == "tile") return Scaling::kTile;
+  TORCH_CHECK_VALUE(false, "fp8attn: argument 'scaling': expected \"row\" or \"tile\", got \"",
+                    std::string(s), "\"");
+}
+
 }  // namespace fp8attn

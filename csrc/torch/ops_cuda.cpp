@@ -94,6 +94,13 @@ void check_precision(c10::string_view precision) {
                     std::string(precision), "\"");
 }
 
+// numerics.md section 9: only the `row` recipe has CUDA kernels so far; a
+// `tile` call is refused, never served by the row kernels.
+void check_scaling(c10::string_view scaling) {
+  TORCH_CHECK_NOT_IMPLEMENTED(parse_scaling(scaling) == Scaling::kRow,
+                              "fp8attn: argument 'scaling': scaling='tile' has no CUDA kernel yet; use scaling='row'");
+}
+
 
 
 // Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked.
@@ -217,7 +224,8 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
 // fwd: out bf16 [B,Hq,Sq,Dv] contiguous, lse float32 [B,Hq,Sq] (numerics.md s.1-3).
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
-                                            int64_t block_size) {
+                                            int64_t block_size, c10::string_view scaling) {
+  check_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const c10::cuda::CUDAGuard guard(q_in.device());
   at::Tensor out = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.dv}, q_in.options());
@@ -263,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
-    bool diagnostics) {
+    bool diagnostics, c10::string_view scaling) {
+  check_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);

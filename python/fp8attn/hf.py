@@ -46,7 +46,9 @@ from .ops import attention, check_options
 __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 
 # fp8attn.attention options that register() forwards (layer_name comes from the module).
-FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format")
+# NOTE: "scaling" here is fp8attn's FP8 scaling recipe ("row" / "tile",
+# numerics.md section 9); HF's per-call `scaling` argument stays the softmax scale.
+FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling")
 
 # HF attention kwargs this integration cannot honour when set (not None / not False).
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
@@ -132,7 +134,9 @@ def register(name: str = "fp8attn", **fp8_kwargs) -> Callable:
         name: the attention implementation name (default "fp8attn"). Register
             several names for several option sets (e.g. "fp8attn_exact" with
             precision="exact").
-        fp8_kwargs: delta_mode, precision, block_size, grad_format, as in
+        fp8_kwargs: delta_mode, precision, block_size, grad_format, scaling
+            (the FP8 scaling recipe "row" / "tile", numerics.md section 9; not
+            HF's per-call `scaling`, which stays the softmax scale), as in
             `fp8attn.attention` (checked here; ValueError naming the option).
 
     Returns the registered function

@@ -16,7 +16,8 @@ class FP8Attention(torch.nn.Module):
     """Attention core (no projections): forward(q, k, v) -> O.
 
     Args (fixed per module; see `fp8attn.attention` for their meaning):
-        causal, softmax_scale, delta_mode, precision, block_size, grad_format.
+        causal, softmax_scale, delta_mode, precision, block_size, grad_format,
+        scaling ("row" or "tile": the FP8 scaling recipe, numerics.md section 9).
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
             or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
             O comes back in the same layout.
@@ -36,11 +37,12 @@ class FP8Attention(torch.nn.Module):
         grad_format: str = "e4m3",
         layout: str = "bhsd",
         layer_name: Optional[str] = None,
+        scaling: str = "row",
     ):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                       precision=precision, block_size=block_size, grad_format=grad_format,
-                      layer_name=layer_name, fn="FP8Attention")
+                      layer_name=layer_name, scaling=scaling, fn="FP8Attention")
         if layout not in _LAYOUTS:
             raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
         self.causal = causal
@@ -51,16 +53,18 @@ class FP8Attention(torch.nn.Module):
         self.grad_format = grad_format
         self.layout = layout
         self.layer_name = layer_name
+        self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = attention if self.layout == "bhsd" else flash_attn_func
         return fn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                   delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
-                  grad_format=self.grad_format, layer_name=self.layer_name)
+                  grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling)
 
     def extra_repr(self) -> str:
         s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
-             f"block_size={self.block_size}, grad_format={self.grad_format!r}, layout={self.layout!r}")
+             f"block_size={self.block_size}, grad_format={self.grad_format!r}, scaling={self.scaling!r}, "
+             f"layout={self.layout!r}")
         if self.softmax_scale is not None:
             s += f", softmax_scale={self.softmax_scale}"
         if self.layer_name is not None:

@@ -4,7 +4,7 @@ Public functions (all tensors are torch tensors on one device):
 
   attention(q, k, v, *, causal=False, softmax_scale=None, delta_mode="delta_matching",
             precision="fp8", block_size=128, grad_format="e4m3", return_lse=False,
-            layer_name=None)
+            layer_name=None, scaling="row")
       SDPA layout [batch, heads, seqlen, head_dim].
   flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, ...)
       flash_attn layout [batch, seqlen, heads, head_dim].
@@ -13,7 +13,8 @@ Public functions (all tensors are torch tensors on one device):
       drop-in for torch.nn.functional.scaled_dot_product_attention.
 
 Math: docs/numerics.md (section 1 exact attention and the bottom-right causal
-mask, section 3 the seven FP8 matmuls, section 4 the delta modes). The ops are
+mask, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
+`tile` scaling recipe). The ops are
 torch.ops.fp8attn.fwd / bwd (schemas in csrc/torch/ops.cpp, docs/architecture.md).
 
 NOTE: autograd of the public functions is a torch.autograd.Function rather
@@ -43,6 +44,7 @@ __all__ = [
     "PRECISIONS",
     "GRAD_FORMATS",
     "BLOCK_SIZES",
+    "SCALINGS",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "MAX_SOFTMAX_SCALE",
@@ -56,6 +58,10 @@ DELTA_MODES = ("stale", "matched_do", "delta_matching")
 PRECISIONS = {"fp8": "fp8", "exact": "exact", "bf16": "exact"}
 GRAD_FORMATS = ("e4m3", "e5m2")
 BLOCK_SIZES = (32, 64, 128)
+# FP8 scaling recipes (numerics.md section 9): "row" = 1x128 blocks along each
+# matmul's reduction dim (sections 2-3); "tile" = per-row / per-tile scales
+# that fold into per-row coefficients (CPU reference only so far).
+SCALINGS = ("row", "tile")
 MAX_HEAD_DIM = 256
 # float64 is meant for the exact path (gradcheck); with precision="fp8" it is
 # accepted and computed like float32 (FP32 outside the FP8 matmul operands).
@@ -83,6 +89,7 @@ def check_options(
     grad_format: str = "e4m3",
     return_lse: bool = False,
     layer_name: Optional[str] = None,
+    scaling: str = "row",
     fn: str = "attention",
 ) -> str:
     """Checks the non-tensor options and returns the op-level precision
@@ -110,6 +117,8 @@ def check_options(
         raise ValueError(_err(fn, "grad_format", f"must be one of {GRAD_FORMATS}, got {grad_format!r}"))
     if layer_name is not None and not isinstance(layer_name, str):
         raise TypeError(_err(fn, "layer_name", f"must be a str or None, got {type(layer_name).__name__}"))
+    if not isinstance(scaling, str) or scaling not in SCALINGS:
+        raise ValueError(_err(fn, "scaling", f"must be one of {SCALINGS}, got {scaling!r}"))
     return PRECISIONS[precision]
 
 
@@ -201,7 +210,7 @@ def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 @torch.library.register_fake("fp8attn::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size):
+def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row"):
     B, Hq, Sq, _ = q.shape
     out = q.new_empty((B, Hq, Sq, v.shape[3]))
     lse = q.new_empty((B, Hq, Sq), dtype=torch.float32)
@@ -210,7 +219,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size):
 
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
-              grad_format, diagnostics):
+              grad_format, diagnostics, scaling="row"):
     B, Hq, Sq, _ = q.shape
     diag_shape = (4, B, Hq, Sq) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
@@ -220,7 +229,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 # ---- forward / backward on the ops -------------------------------------------
 
 
-def _forward(q, k, v, scale, causal, precision, block_size):
+def _forward(q, k, v, scale, causal, precision, block_size, scaling="row"):
     if _is_empty(q, k):
         # Nothing to compute, or no key at all: every row sees no key, so
         # O = 0 and LSE = -inf (numerics.md section 1).
@@ -228,23 +237,24 @@ def _forward(q, k, v, scale, causal, precision, block_size):
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
         return out, lse
-    return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size)
+    return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-              grad_format, layer_name):
+              grad_format, layer_name, scaling="row"):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
     dq, dk, dv, diag = torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision,
-                                             delta_mode, block_size, grad_format, want_diag)
+                                             delta_mode, block_size, grad_format, want_diag, scaling)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
-                                       layer_name))
+                                       layer_name, scaling))
     return dq, dk, dv
 
 
-def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, layer_name) -> dict:
+def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, layer_name,
+               scaling="row") -> dict:
     """The non-statistics fields of a diagnostics record of one bwd call on
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (also used by varlen)."""
     return {
@@ -253,6 +263,7 @@ def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, 
         "precision": precision,
         "grad_format": grad_format,
         "block_size": block_size,
+        "scaling": scaling,
         "causal": causal,
         "shape": {
             "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
@@ -297,10 +308,11 @@ class _AttentionFunction(torch.autograd.Function):
     """O, LSE = attention(Q, K, V); LSE is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name):
-        out, lse = _forward(q, k, v, scale, causal, precision, block_size)
+    def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
+                scaling="row"):
+        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name)
+        ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -308,28 +320,29 @@ class _AttentionFunction(torch.autograd.Function):
     @single_backward("attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, precision, delta_mode, block_size, grad_format, layer_name = ctx.opts
+        scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling = ctx.opts
         dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode,
-                               block_size, grad_format, layer_name)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                               block_size, grad_format, layer_name, scaling)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, precision, block_size = inputs
+    q, k, v, scale, causal, precision, block_size = inputs[:7]
+    scaling = inputs[7] if len(inputs) > 7 else "row"
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.opts = (scale, causal, precision, block_size)
+    ctx.opts = (scale, causal, precision, block_size, scaling, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
 @single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, precision, block_size = ctx.opts
+    scale, causal, precision, block_size, scaling, n_inputs = ctx.opts
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
-                           block_size, "e4m3", None)
-    return dq, dk, dv, None, None, None, None
+                           block_size, "e4m3", None, scaling)
+    return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
 torch.library.register_autograd("fp8attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
@@ -351,6 +364,7 @@ def attention(
     grad_format: str = "e4m3",
     return_lse: bool = False,
     layer_name: Optional[str] = None,
+    scaling: str = "row",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
 
@@ -371,13 +385,22 @@ def attention(
             (numerics.md section 4); used by the backward only.
         precision: "fp8" (the seven FP8 matmuls, section 3) or "exact"
             (section 1; "bf16" is an alias of "exact").
-        block_size: FP8 block length along each matmul's reduction dim: 32, 64, 128
-            (any integer type, e.g. numpy; not a bool)
+        block_size: with scaling="row", the FP8 block length along each matmul's
+            reduction dim: 32, 64, 128 (any integer type, e.g. numpy; not a bool)
             (dS of dQ = dS K uses min(block_size, 64) keys: numerics.md section 3).
+            With scaling="tile", the tile edge: scales are per tile of
+            block_size keys / queries, head_dim is never split (section 9).
+            The CUDA kernels take 128 only.
         grad_format: FP8 format of dO and dS: "e4m3" or "e5m2".
         return_lse: also return LSE (a bool).
         layer_name: label of this call in `fp8attn.diagnostics.record()` records
             (a str or None).
+        scaling: the FP8 scaling recipe (numerics.md section 9): "row" (default;
+            1x128 blocks along each reduction dim, sections 2-3) or "tile" (one
+            scale per query row or per tile, folded into per-row coefficients;
+            the same accuracy). "tile" runs on the CPU reference only so far:
+            on CUDA tensors it raises NotImplementedError. Ignored by
+            precision="exact".
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -390,18 +413,20 @@ def attention(
             not a number, layer_name not a str or None).
         ValueError: mismatched shapes or devices, a bad option value (incl. a
             softmax_scale too large for FP32, a block_size that is not 32, 64
-            or 128). The message names the argument.
+            or 128, a scaling other than "row" / "tile"). The message names the
+            argument.
+        NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet).
         RuntimeError: (in backward) a backward with create_graph=True while an
             input requires grad: double backward is not supported.
     """
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
-                                 return_lse=return_lse, layer_name=layer_name)
+                                 return_lse=return_lse, layer_name=layer_name, scaling=scaling)
     check_inputs(q, k, v, op_precision)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
-                                        grad_format, layer_name)
+                                        grad_format, layer_name, scaling)
     return (out, lse) if return_lse else out
 
 
@@ -419,6 +444,7 @@ def flash_attn_func(
     grad_format: str = "e4m3",
     return_lse: bool = False,
     layer_name: Optional[str] = None,
+    scaling: str = "row",
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """`attention` in the flash_attn layout: q [batch, seqlen_q, num_heads_q,
     head_dim_qk], k [batch, seqlen_k, num_heads_kv, head_dim_qk], v [batch,
@@ -426,7 +452,8 @@ def flash_attn_func(
     num_heads_q, head_dim_v] (a transposed view of a contiguous SDPA-layout
     tensor: use .reshape, not .view, to merge heads) and with return_lse LSE
     float32 [batch, num_heads_q, seqlen_q] (as flash_attn). dropout_p must be 0
-    (NotImplementedError otherwise). Other arguments as in `attention`."""
+    (NotImplementedError otherwise). Other arguments (incl. scaling, "row" or
+    "tile": numerics.md section 9) as in `attention`."""
     if dropout_p != 0.0:
         raise NotImplementedError("fp8attn.flash_attn_func: argument 'dropout_p': dropout is not supported")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -436,7 +463,7 @@ def flash_attn_func(
     res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
                     softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                     block_size=block_size, grad_format=grad_format, return_lse=return_lse,
-                    layer_name=layer_name)
+                    layer_name=layer_name, scaling=scaling)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)
@@ -456,7 +483,8 @@ def scaled_dot_product_attention(
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on 4-D
     [batch, heads, seqlen, head_dim] inputs, computed by `attention`.
 
-    fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name.
+    fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name,
+    scaling ("row" or "tile", numerics.md section 9), as in `attention`.
     Not supported (NotImplementedError): attn_mask, dropout_p != 0, and
     is_causal with seqlen_q != seqlen_k (PyTorch aligns that mask top-left,
     fp8attn bottom-right; call `attention(causal=True)` for the latter).

@@ -63,6 +63,9 @@ TEST(ReferenceArgs, BadParametersThrowNamingTheArgument) {
   expect_argument_error(with([](AttnParams& p) { p.seqlen_q = -1; }), "seqlen_q");
   expect_argument_error(with([](AttnParams& p) { p.batch = -2; }), "batch");
   expect_argument_error(with([](AttnParams& p) { p.num_threads = -1; }), "num_threads");
+  expect_argument_error(with([](AttnParams& p) { p.scaling = static_cast<Scaling>(2); }),
+                        "scaling");
+  EXPECT_NO_THROW(with([](AttnParams& p) { p.scaling = Scaling::kTile; })());
 }
 
 TEST(ReferenceArgs, ShapeMismatchThrowsNamingTheArgument) {

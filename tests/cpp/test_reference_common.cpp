@@ -1,7 +1,7 @@
 // Tests of the CPU reference's behaviour shared by the exact and fp8 paths:
 // fully masked rows, empty sequences, GQA, NaN containment under causal masks
 // and padding, dtypes, strided layouts and thread-count independence
-// (numerics.md sections 1-2).
+// (numerics.md sections 1-2; the fp8 tests run for both scaling recipes, section 9).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +18,14 @@ namespace {
 
 using namespace testutil;
 
+// Every path of the reference: exact, and fp8 with each scaling recipe.
+struct Recipe {
+  Precision prec;
+  Scaling scaling;
+};
+constexpr Recipe kAllRecipes[] = {
+    {Precision::kExact, Scaling::kRow}, {Precision::kFP8, Scaling::kRow}, {Precision::kFP8, Scaling::kTile}};
+
 TEST(Reference, FullyMaskedRowsAreZeroWithoutNaN) {
   Problem pr;
   pr.B = 2;
@@ -30,7 +38,9 @@ TEST(Reference, FullyMaskedRowsAreZeroWithoutNaN) {
   pr.causal = true;
   std::mt19937 rng(41);
   const Inputs in = random_inputs(pr, rng);
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
+    pr.scaling = rc.scaling;
     const RefOutputs r = run_reference(pr, in, pr.params(prec));
     EXPECT_TRUE(all_finite(r.o) && all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
     for (int64_t b = 0; b < pr.B; ++b)
@@ -60,8 +70,10 @@ TEST(Reference, FullyMaskedRowsAreZeroWithoutNaN) {
 
 // seqlen_k = 0: every row sees nothing; seqlen_q = 0: dK = dV = 0.
 TEST(Reference, EmptySequences) {
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
     Problem pr;
+    pr.scaling = rc.scaling;
     pr.Sq = 4;
     pr.Sk = 0;
     std::mt19937 rng(42);
@@ -106,8 +118,9 @@ std::vector<double> sum_groups(const std::vector<double>& y, int64_t B, int64_t 
   return x;
 }
 
-void check_gqa_equals_repeated(Precision prec, double grad_tol) {
+void check_gqa_equals_repeated(Precision prec, double grad_tol, Scaling sc = Scaling::kRow) {
   Problem pr;
+  pr.scaling = sc;
   pr.B = 2;
   pr.Sq = 37;
   pr.Sk = 45;
@@ -144,6 +157,9 @@ TEST(ReferenceExact, GqaEqualsRepeatedKvHeads) {
 }
 // FP32 accumulators in the fp8 path: the group sum differs by FP32 rounding.
 TEST(ReferenceFp8, GqaEqualsRepeatedKvHeads) { check_gqa_equals_repeated(Precision::kFP8, 1e-5); }
+TEST(ReferenceFp8Tile, GqaEqualsRepeatedKvHeads) {
+  check_gqa_equals_repeated(Precision::kFP8, 1e-5, Scaling::kTile);
+}
 
 // ---- NaN only where nobody may read it -------------------------------------
 
@@ -153,8 +169,9 @@ TEST(ReferenceFp8, GqaEqualsRepeatedKvHeads) { check_gqa_equals_repeated(Precisi
 // visible to rows below jn (the fp8 path must quantize that tile's K/V blocks
 // from the visible keys only). The same inputs without the NaN give the same
 // finite rows bit for bit.
-void check_nan_in_masked_kv(Precision prec, int block_size) {
+void check_nan_in_masked_kv(Precision prec, int block_size, Scaling sc = Scaling::kRow) {
   Problem pr;
+  pr.scaling = sc;
   pr.B = 1;
   pr.Sq = 150;
   pr.Sk = 150;
@@ -205,14 +222,19 @@ TEST(ReferenceFp8, NaNInMaskedKeysDoesNotReachOutputs) {
   check_nan_in_masked_kv(Precision::kFP8, 128);
   check_nan_in_masked_kv(Precision::kFP8, 32);
 }
+TEST(ReferenceFp8Tile, NaNInMaskedKeysDoesNotReachOutputs) {
+  check_nan_in_masked_kv(Precision::kFP8, 128, Scaling::kTile);
+  check_nan_in_masked_kv(Precision::kFP8, 32, Scaling::kTile);
+}
 
 // The query-side counterpart: NaN in Q and dO of query row in_ (causal) makes
 // that row's O and dQ NaN and, through its dS row, dK of the keys it sees;
 // keys it does not see (j > in_) keep dK/dV bit-identical to the clean run
 // (the fp8 path quantizes the Q/dO blocks of a key column from the rows that
 // see it), and so do all other rows' O and dQ.
-void check_nan_in_masked_queries(Precision prec) {
+void check_nan_in_masked_queries(Precision prec, Scaling sc = Scaling::kRow) {
   Problem pr;
+  pr.scaling = sc;
   pr.B = 1;
   pr.Sq = 150;
   pr.Sk = 150;
@@ -264,6 +286,9 @@ TEST(ReferenceExact, NaNInMaskedQueriesDoesNotReachOtherKeys) {
 TEST(ReferenceFp8, NaNInMaskedQueriesDoesNotReachOtherKeys) {
   check_nan_in_masked_queries(Precision::kFP8);
 }
+TEST(ReferenceFp8Tile, NaNInMaskedQueriesDoesNotReachOtherKeys) {
+  check_nan_in_masked_queries(Precision::kFP8, Scaling::kTile);
+}
 
 // NaN in memory outside the sequences (padding past seqlen, gaps between
 // heads) is never read: results equal the unpadded run bit for bit.
@@ -279,7 +304,9 @@ TEST(Reference, PaddingOutsideSequencesIsNeverRead) {
   pr.causal = true;
   std::mt19937 rng(81);
   const Inputs in = random_inputs(pr, rng);
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
+    pr.scaling = rc.scaling;
     RunOptions opt;
     opt.in_dtype = DType::kFloat32;
     opt.out_dtype = DType::kFloat32;
@@ -312,7 +339,9 @@ TEST(Reference, Bf16AndFp32ViewsAgree) {
   pr.causal = true;
   std::mt19937 rng(91);
   const Inputs in = random_inputs(pr, rng, true);
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
+    pr.scaling = rc.scaling;
     RunOptions f;
     // Exact path: FP64 outputs are the unrounded result; fp8 path: FP32 outputs.
     f.in_dtype = DType::kFloat32;
@@ -357,7 +386,9 @@ TEST(Reference, StridedLayoutsGiveIdenticalResults) {
   pr.causal = true;
   std::mt19937 rng(101);
   const Inputs in = random_inputs(pr, rng);
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
+    pr.scaling = rc.scaling;
     RunOptions a_opt;
     a_opt.in_dtype = a_opt.out_dtype = DType::kBFloat16;
     RunOptions b_opt = a_opt;
@@ -385,7 +416,9 @@ TEST(Reference, ThreadCountDoesNotChangeResults) {
   pr.causal = true;
   std::mt19937 rng(111);
   const Inputs in = random_inputs(pr, rng);
-  for (Precision prec : {Precision::kExact, Precision::kFP8}) {
+  for (const Recipe rc : kAllRecipes) {
+    const Precision prec = rc.prec;
+    pr.scaling = rc.scaling;
     const RefOutputs a =
         run_reference(pr, in, pr.params(prec, DeltaMode::kStale, 64, Fp8Format::kE4M3, 1));
     for (int t : {2, 5}) {

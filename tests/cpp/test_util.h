@@ -175,6 +175,7 @@ struct Problem {
   int64_t B = 1, Sq = 8, Sk = 8, Hq = 2, Hkv = 2, d = 16, dv = 16;
   bool causal = false;
   double scale = 0.0;  // 0 = 1/sqrt(d)
+  Scaling scaling = Scaling::kRow;  // FP8 recipe (numerics.md section 9)
   // softmax_scale as the reference receives it (AttnParams holds an FP32).
   double tau() const {
     return static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(d)));
@@ -198,6 +199,7 @@ struct Problem {
     p.block_size = block_size;
     p.grad_format = grad_format;
     p.num_threads = num_threads;
+    p.scaling = scaling;
     return p;
   }
   bool sees(int64_t i, int64_t j) const { return !causal || j <= i + (Sk - Sq); }

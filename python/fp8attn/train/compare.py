@@ -85,6 +85,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-mb", type=float, default=None, help="corpus cap in MB (default per preset)")
     ap.add_argument("--scope", default="attn-core", choices=list(SCOPES),
                     help="which matmuls the fp8 modes run in FP8 (the bf16 mode stays BF16)")
+    ap.add_argument("--scaling", default="row", choices=["row", "tile"],
+                    help="FP8 scaling recipe of the fp8 modes' attention core (docs/numerics.md section 9; "
+                         "tile runs on the CPU reference only so far)")
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
@@ -212,7 +215,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       save_final=not args.no_save, save_at=save_at)
 
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
-                    "scope": args.scope, "packed": args.packed,
+                    "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
                     "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])}
     model_configs(args.preset, modes, model_fields)   # NOTE: fail before any data or training work
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
+FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
 FP8_MAX_HEAD_DIM = 256            # fp8attn.ops.MAX_HEAD_DIM
 SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
 EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
@@ -65,6 +66,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     attn_mode: str = "bf16"
     fp8_block_size: int = 128    # fp8attn block size B (numerics.md section 2)
+    fp8_scaling: str = "row"     # fp8attn scaling recipe, "row" or "tile" (numerics.md section 9)
     init_std: float | None = None  # None = 1/sqrt(d_model)
     scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
     packed: bool = False         # per-document causal attention from <|endoftext|> separators
@@ -84,6 +86,8 @@ class ModelConfig:
             raise ValueError(f"init_std must be None or finite and > 0, got {self.init_std!r}")
         if self.fp8_block_size not in FP8_BLOCK_SIZES:
             raise ValueError(f"fp8_block_size must be one of {FP8_BLOCK_SIZES}, got {self.fp8_block_size!r}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
         # trains its bf16 mode rather than after.
         if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
@@ -105,7 +109,7 @@ class ModelConfig:
 # ----------------------------------------------------------------------------
 
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str,
-                      layer_name: str, block_size: int = 128) -> torch.Tensor:
+                      layer_name: str, block_size: int = 128, scaling: str = "row") -> torch.Tensor:
     """Causal attention. q [B, Hq, S, D], k/v [B, Hkv, S, D] (GQA by head count).
 
     Returns O [B, Hq, S, D] in q's dtype. Q/K/V are cast to BF16 first (op contract).
@@ -119,7 +123,7 @@ def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode
     elif mode.startswith("fp8-"):
         import fp8attn
         o = fp8attn.attention(qb, kb, vb, causal=True, precision="fp8", delta_mode=mode[len("fp8-"):],
-                              block_size=block_size, layer_name=layer_name)
+                              block_size=block_size, layer_name=layer_name, scaling=scaling)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
     return o.to(dtype)
@@ -146,7 +150,8 @@ def document_segments(tokens: torch.Tensor, eot_id: int = EOT_ID):
 
 
 def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                             mode: str, layer_name: str, block_size: int = 128) -> torch.Tensor:
+                             mode: str, layer_name: str, block_size: int = 128,
+                             scaling: str = "row") -> torch.Tensor:
     """Per-document causal attention on packed rows: q [B, Hq, S, D], k/v [B, Hkv, S, D],
     cu_seqlens from `document_segments` (over the B*S flattened tokens).
     Returns O [B, Hq, S, D] in q's dtype; Q/K/V cast to BF16 as in attention_backend."""
@@ -170,7 +175,7 @@ def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3])
         o = fp8attn.varlen_attention(flat(qb), flat(kb), flat(vb), cu_seqlens, cu_seqlens, causal=True,
                                      precision="fp8", delta_mode=mode[len("fp8-"):], block_size=block_size,
-                                     layer_name=layer_name)
+                                     layer_name=layer_name, scaling=scaling)
         o = o.view(b, s, hq, -1).transpose(1, 2)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
@@ -225,11 +230,12 @@ class AttentionCore(nn.Module):
     """
 
     def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, scaling: str = "row"):
         if cu_seqlens is None:
-            return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+            return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size,
+                                     scaling=scaling)
         return packed_attention_backend(q, k, v, cu_seqlens, mode=mode, layer_name=layer_name,
-                                        block_size=block_size)
+                                        block_size=block_size, scaling=scaling)
 
 
 class Attention(nn.Module):
@@ -259,6 +265,7 @@ class Attention(nn.Module):
         if c.rope:
             q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
         o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
+                      scaling=c.fp8_scaling,
                       cu_seqlens=None if segments is None else segments[0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 

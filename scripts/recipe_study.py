@@ -1,0 +1,175 @@
+"""Float64 emulation of the `row` and `tile` FP8 scaling recipes (docs/numerics.md
+section 9): O / LSE / dQ / dK / dV error against exact float64 attention, on Gaussian
+and training-shaped inputs, with variants of the backward's P-for-dV scale.
+
+Not part of the test suite (the CPU reference is the oracle; this script only
+explores choices before they are fixed in the contract). Every FP8 operand is
+rounded with torch's float8 casts (RNE, subnormals kept) after a power-of-two
+block scale 2^ceil(log2(amax / fp8_max)); all other arithmetic is float64.
+
+    python scripts/recipe_study.py [--long]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+F64 = torch.float64
+E4M3 = (torch.float8_e4m3fn, 448.0)
+
+
+def quant(x: torch.Tensor, b0: int, b1: int, fmt=E4M3, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoded FP8 of a 2-D x in blocks of b0 x b1 (b = 0: the whole extent)."""
+    R, C = x.shape
+    b0 = b0 or R
+    b1 = b1 or C
+    R2, C2 = -(-R // b0) * b0, -(-C // b1) * b1
+    xp = torch.zeros(R2, C2, dtype=F64)
+    xp[:R, :C] = x
+    blk = xp.view(R2 // b0, b0, C2 // b1, b1)
+    if scale is None:
+        amax = blk.abs().amax(dim=(1, 3), keepdim=True)
+        s = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / fmt[1])).clamp(-126, 127)), torch.ones_like(amax))
+    else:
+        s = scale.view(R2 // b0, 1, C2 // b1, 1)
+    y = (blk / s).clamp(-fmt[1], fmt[1]).to(fmt[0]).to(F64) * s
+    return y.view(R2, C2)[:R, :C]
+
+
+def exact(q, k, v, do, tau, causal):
+    S = tau * q @ k.T
+    if causal:
+        S = S + mask_bias(q.shape[0], k.shape[0])
+    lse = torch.logsumexp(S, 1)
+    P = torch.exp(S - lse[:, None])
+    o = P @ v
+    dP = do @ v.T
+    delta = (P * dP).sum(1, keepdim=True)
+    dS = P * (dP - delta)
+    return dict(o=o, lse=lse, dq=tau * dS @ k, dk=tau * dS.T @ q, dv=P.T @ do)
+
+
+def mask_bias(Sq, Sk):
+    i = torch.arange(Sq)[:, None]
+    j = torch.arange(Sk)[None, :]
+    return torch.where(j <= i + (Sk - Sq), 0.0, -math.inf).to(F64)
+
+
+def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128):
+    Sq, d = q.shape
+    Sk, dv = v.shape
+    row = recipe == "row"
+    # #1/#3: S = Q K^T.
+    qh = quant(q, 1, 128) if row else quant(q, 1, 0)
+    kh = quant(k, 1, 128) if row else quant(k, T, 0)
+    S = tau * qh @ kh.T
+    if causal:
+        S = S + mask_bias(Sq, Sk)
+    # Forward: online softmax over key tiles of T; P per (row, tile), dynamic.
+    nt = -(-Sk // T)
+    tmax = torch.stack([S[:, t * T:(t + 1) * T].amax(1) for t in range(nt)], 1)
+    run = torch.cummax(tmax, 1).values  # running max after tile t
+    m = run[:, -1]
+    vh2 = quant(v, T, 1) if row else quant(v, T, 0)
+    o = torch.zeros(Sq, dv, dtype=F64)
+    l = torch.zeros(Sq, dtype=F64)
+    for t in range(nt):
+        sl = slice(t * T, (t + 1) * T)
+        mt = run[:, t:t + 1]
+        pe = torch.exp(S[:, sl] - torch.where(torch.isfinite(mt), mt, 0.0))
+        w = torch.exp(torch.where(torch.isfinite(mt), mt - m[:, None], 0.0))
+        o += w * (quant(pe, 1, 0) @ vh2[sl])
+        l += (w[:, 0] * pe.sum(1))
+    o = o / l[:, None]
+    lse = m + torch.log(l)
+    # Backward.
+    P = torch.exp(S - lse[:, None])
+    doh = quant(do, 1, 128) if row else quant(do, 1, 0)
+    vh4 = quant(v, 1, 128) if row else vh2
+    dP = doh @ vh4.T
+    delta = (P * dP).sum(1, keepdim=True)
+    dS = P * (dP - delta)
+    if row:
+        dq = tau * quant(dS, 1, 64) @ quant(k, T, 1)
+        dvv = quant(P, T, 1).T @ quant(do, T, 1)
+        dk = tau * quant(dS, T, 1).T @ quant(q, T, 1)
+    else:
+        dq = tau * quant(dS, 1, T) @ kh
+        do5 = quant(do, T, 0)
+        if pdv == "fixed":
+            Ph = (P * 256).to(torch.float8_e4m3fn).to(F64) / 256
+        elif pdv == "fold_do":
+            # P * 2^(8 + e_dO(qt) - E): the dO tile factor as an exponent offset,
+            # E = the largest dO tile exponent (constant over the loop).
+            nq = -(-Sq // T)
+            e = torch.stack([torch.ceil(torch.log2(do[i * T:(i + 1) * T].abs().amax() / 448)).clamp(-126, 127) for i in range(nq)])
+            off = 8 + e - e.max()
+            scale = torch.exp2(-off).repeat_interleave(T)[:Sq, None].expand(Sq, Sk)
+            Ph = quant(P, 1, 1, scale=scale.contiguous())
+        else:  # tile_amax: per (query tile, key tile), dynamic
+            Ph = quant(P, T, T)
+        dvv = Ph.T @ do5
+        dk = tau * quant(dS, T, T).T @ quant(q, T, 0)
+    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dvv)
+
+
+def inputs(kind, Sq, Sk, d, g):
+    q = torch.randn(Sq, d, dtype=F64, generator=g)
+    k = torch.randn(Sk, d, dtype=F64, generator=g)
+    v = torch.randn(Sk, d, dtype=F64, generator=g)
+    do = torch.randn(Sq, d, dtype=F64, generator=g)
+    if kind == "training":
+        # Channel outliers shared by Q and K (grown QK-norm gains), a sink key
+        # with large logits, token-magnitude spread along the sequence.
+        gain = torch.ones(d, dtype=F64)
+        gain[:4] = 4.0
+        q, k = q * gain, k * gain
+        u = torch.randn(d, dtype=F64, generator=g)
+        u /= u.norm()
+        q += 2.0 * u * math.sqrt(d) / 4
+        k[0] = u * 8 * math.sqrt(d) / (2.0 * math.sqrt(d) / 4)
+        for x in (q, k, v, do):
+            x *= torch.exp2(0.5 * torch.randn(x.shape[0], 1, dtype=F64, generator=g))
+        do *= 1e-4
+    bf = lambda x: x.to(torch.bfloat16).to(F64)
+    return bf(q), bf(k), bf(v), bf(do)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def run(kind, Sq, Sk, d, causal, seed, variants):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = inputs(kind, Sq, Sk, d, g)
+    tau = 1 / math.sqrt(d)
+    ex = exact(q, k, v, do, tau, causal)
+    out = {}
+    for name, rec, pdv in variants:
+        em = emulate(q, k, v, do, tau, causal, rec, pdv)
+        fin = torch.isfinite(ex["lse"])
+        out[name] = {key: rel(em[key], ex[key]) if key != "lse" else
+                     (em[key][fin] - ex[key][fin]).pow(2).mean().sqrt().item() for key in ex}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--long", action="store_true", help="long rows: Sq=256, Sk up to 64K, d=64")
+    args = ap.parse_args()
+    variants = [("row", "row", None), ("tile/fixed", "tile", "fixed"), ("tile/fold_do", "tile", "fold_do"),
+                ("tile/tile_amax", "tile", "tile_amax")]
+    cases = ([("gaussian", 256, sk, 64, False) for sk in (8192, 32768, 65536)] +
+             [("training", 256, sk, 64, False) for sk in (8192, 32768, 65536)]) if args.long else \
+            [(kind, 2048, 2048, 128, c) for kind in ("gaussian", "training") for c in (False, True)]
+    for kind, Sq, Sk, d, causal in cases:
+        res = run(kind, Sq, Sk, d, causal, 1, variants)
+        print(f"{kind} Sq={Sq} Sk={Sk} d={d} causal={causal}")
+        for name, r in res.items():
+            print(f"  {name:15s} " + " ".join(f"{k} {r[k]:.4f}" for k in ("o", "lse", "dq", "dk", "dv")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+// Tests of the CPU reference's `tile` FP8 recipe (Scaling::kTile,
+// numerics.md section 9):
+//   - bit-level agreement with a slow, literal emulation of the recipe written
+//     here from the contract (every block decoded with quantize_block, masked
+//     entries zeroed before quantizing, no tiling tricks);
+//   - error against the exact path within the FP8 budget and within 1.05x of
+//     the `row` recipe's, on Gaussian and on training-shaped inputs;
+//   - the Delta-Matching row-sum invariant, shown against the stale delta.
+// GQA, fully masked rows and the NaN rules run for both recipes in
+// test_reference_common.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/fp8_codec.h"
+#include "quant/block_quant.h"
+#include "reference/attention_ref.h"
+#include "test_util.h"
+
+namespace fp8attn {
+namespace {
+
+using namespace testutil;
+
+constexpr float kInfF = INFINITY;
+
+// Decoded values (x_hat * s) of one block, any length.
+std::vector<float> decoded(const std::vector<float>& block, Fp8Format fmt) {
+  std::vector<float> out(block.size());
+  if (!block.empty())
+    quantize_block(block.data(), static_cast<int64_t>(block.size()), 1, fmt, nullptr, out.data());
+  return out;
+}
+
+AttnParams tile_params(const Problem& pr, DeltaMode mode, int B, Fp8Format gf) {
+  AttnParams p = pr.params(Precision::kFP8, mode, B, gf);
+  p.scaling = Scaling::kTile;
+  return p;
+}
+
+struct Emulated {
+  std::vector<double> o, lse, dq, dk, dv;
+  std::vector<float> delta, eps, pre, post;
+};
+
+// The `tile` recipe of numerics.md section 9, literally: Q and dO (#3, #4)
+// one block per query row (all of head_dim); K and V one block per tile of T
+// keys (all of head_dim), restricted to the keys the row sees; P (forward)
+// and dS (#6) one block per (row, key tile); P (#5) and dS (#7) one block per
+// (query tile, key tile) over the rows that see the key column; Q (#7) and
+// dO (#5) one block per tile of T queries over those rows (all of head_dim).
+Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format gf,
+                      DeltaMode mode) {
+  const int64_t Sq = pr.Sq, Sk = pr.Sk, Hq = pr.Hq, Hkv = pr.Hkv, d = pr.d, dv = pr.dv,
+                G = Hq / Hkv;
+  const float tau = static_cast<float>(pr.tau());
+  const Fp8Format e4 = Fp8Format::kE4M3;
+  auto qb = [&](int64_t b, int64_t i, int64_t h) { return ((b * Sq + i) * Hq + h) * d; };
+  auto kb = [&](int64_t b, int64_t j, int64_t h) { return ((b * Sk + j) * Hkv + h) * d; };
+  auto vb = [&](int64_t b, int64_t j, int64_t h) { return ((b * Sk + j) * Hkv + h) * dv; };
+  auto ob = [&](int64_t b, int64_t i, int64_t h) { return ((b * Sq + i) * Hq + h) * dv; };
+  auto nvis = [&](int64_t i) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < Sk; ++j) n += pr.sees(i, j);
+    return n;
+  };
+  auto first_query = [&](int64_t j) {
+    for (int64_t i = 0; i < Sq; ++i)
+      if (pr.sees(i, j)) return i;
+    return Sq;
+  };
+  // Rows [r0, r1) x w of x (base(r) = index of row r), decoded as one block.
+  auto block = [](const std::vector<double>& x, auto base, int64_t r0, int64_t r1, int64_t w,
+                  Fp8Format fmt) {
+    std::vector<float> v;
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < w; ++c) v.push_back(static_cast<float>(x[base(r) + c]));
+    return decoded(v, fmt);
+  };
+  Emulated e;
+  e.o.assign(pr.B * Sq * Hq * dv, 0.0);
+  e.dq.assign(pr.B * Sq * Hq * d, 0.0);
+  e.dk.assign(pr.B * Sk * Hkv * d, 0.0);
+  e.dv.assign(pr.B * Sk * Hkv * dv, 0.0);
+  e.delta.assign(pr.B * Hq * Sq, 0.f);
+  e.eps = e.pre = e.post = e.delta;
+  std::vector<float> o32(e.o.size(), 0.f), lse32(pr.B * Hq * Sq, -kInfF);
+
+  for (int64_t b = 0; b < pr.B; ++b)
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      auto kbase = [&](int64_t j) { return kb(b, j, hk); };
+      auto vbase = [&](int64_t j) { return vb(b, j, hk); };
+      // The K / V block of key tile [j0, j0 + T) that row i reads: its visible keys.
+      auto kv_block = [&](int64_t i, int64_t j0, bool is_k) {
+        const int64_t j1 = std::min(j0 + T, nvis(i));
+        return is_k ? block(in.k, kbase, j0, j1, d, e4) : block(in.v, vbase, j0, j1, dv, e4);
+      };
+      std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dv, 0.f);
+      for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
+        const int64_t lrow = (b * Hq + h) * Sq;
+        auto qbase = [&](int64_t i) { return qb(b, i, h); };
+        auto obase = [&](int64_t i) { return ob(b, i, h); };
+        std::vector<std::vector<float>> qrow(Sq), dorow(Sq);
+        for (int64_t i = 0; i < Sq; ++i) {
+          qrow[i] = block(in.q, qbase, i, i + 1, d, e4);
+          dorow[i] = block(in.dout, obase, i, i + 1, dv, gf);
+        }
+        // S of row i for the visible keys of tile j0: one FP32 sum over head_dim.
+        auto logits = [&](int64_t i, int64_t j0) {
+          const std::vector<float> kd = kv_block(i, j0, true);
+          const int64_t L = static_cast<int64_t>(kd.size()) / d;
+          std::vector<float> s(L);
+          for (int64_t j = 0; j < L; ++j) {
+            float acc = 0.f;
+            for (int64_t c = 0; c < d; ++c) acc += qrow[i][c] * kd[j * d + c];
+            s[j] = acc * tau;
+          }
+          return s;
+        };
+        // Forward: online softmax over key tiles of T.
+        for (int64_t i = 0; i < Sq; ++i) {
+          const int64_t n = nvis(i);
+          if (n == 0) continue;
+          float m = -kInfF, l = 0.f;
+          std::vector<float> acc(dv, 0.f);
+          for (int64_t j0 = 0; j0 < n; j0 += T) {
+            const std::vector<float> s = logits(i, j0);
+            const int64_t L = static_cast<int64_t>(s.size());
+            float tmax = -kInfF;
+            for (float x : s) tmax = std::max(tmax, x);
+            const float m_new = std::max(m, tmax), alpha = std::exp(m - m_new);
+            std::vector<float> p(L);
+            float tsum = 0.f;
+            for (int64_t j = 0; j < L; ++j) {
+              p[j] = std::exp(s[j] - m_new);
+              tsum += p[j];
+            }
+            l = l * alpha + tsum;
+            if (m_new != m)
+              for (float& a : acc) a *= alpha;
+            m = m_new;
+            const std::vector<float> pd = decoded(p, e4), vd = kv_block(i, j0, false);
+            for (int64_t c = 0; c < dv; ++c) {
+              float part = 0.f;
+              for (int64_t j = 0; j < L; ++j) part += pd[j] * vd[j * dv + c];
+              acc[c] += part;
+            }
+          }
+          for (int64_t c = 0; c < dv; ++c) o32[ob(b, i, h) + c] = acc[c] / l;
+          lse32[lrow + i] = m + std::log(l);
+        }
+        // Backward rows: P, dP_hat, delta, dS, dQ (#3, #4, #6).
+        std::vector<std::vector<float>> P(Sq, std::vector<float>(Sk, 0.f)), dS = P;
+        for (int64_t i = 0; i < Sq; ++i) {
+          const int64_t n = nvis(i);
+          if (n == 0) continue;
+          std::vector<float> dP(Sk, 0.f);
+          float dm = 0.f;
+          for (int64_t j0 = 0; j0 < n; j0 += T) {
+            const std::vector<float> s = logits(i, j0), vd = kv_block(i, j0, false);
+            for (int64_t j = 0; j < static_cast<int64_t>(s.size()); ++j) {
+              P[i][j0 + j] = std::exp(s[j] - lse32[lrow + i]);
+              float acc = 0.f;
+              for (int64_t c = 0; c < dv; ++c) acc += dorow[i][c] * vd[j * dv + c];
+              dP[j0 + j] = acc;
+            }
+          }
+          for (int64_t j = 0; j < n; ++j) dm += P[i][j] * dP[j];
+          float delta = dm;
+          if (mode != DeltaMode::kDeltaMatching) {
+            delta = 0.f;
+            for (int64_t c = 0; c < dv; ++c) {
+              const float dO = mode == DeltaMode::kStale
+                                   ? static_cast<float>(in.dout[ob(b, i, h) + c])
+                                   : dorow[i][c];
+              delta += dO * o32[ob(b, i, h) + c];
+            }
+          }
+          double ps = 0, pa = 0, qs = 0, qa = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            dS[i][j] = P[i][j] * (dP[j] - delta);
+            ps += dS[i][j];
+            pa += std::fabs(dS[i][j]);
+          }
+          std::vector<float> acc(d, 0.f);
+          for (int64_t j0 = 0; j0 < n; j0 += T) {
+            const int64_t L = std::min(T, n - j0);
+            const std::vector<float> dsd =
+                decoded(std::vector<float>(dS[i].begin() + j0, dS[i].begin() + j0 + L), gf);
+            const std::vector<float> kd = kv_block(i, j0, true);
+            for (float x : dsd) {
+              qs += x;
+              qa += std::fabs(x);
+            }
+            for (int64_t c = 0; c < d; ++c) {
+              float part = 0.f;
+              for (int64_t j = 0; j < L; ++j) part += dsd[j] * kd[j * d + c];
+              acc[c] += part;
+            }
+          }
+          for (int64_t c = 0; c < d; ++c) e.dq[qb(b, i, h) + c] = acc[c] * tau;
+          e.delta[lrow + i] = delta;
+          e.eps[lrow + i] = delta - dm;
+          e.pre[lrow + i] = n >= 2 && pa > 0 ? static_cast<float>(std::fabs(ps) / pa) : 0.f;
+          e.post[lrow + i] = n >= 2 && qa > 0 ? static_cast<float>(std::fabs(qs) / qa) : 0.f;
+        }
+        // Backward columns: dV (#5), dK (#7), per (query tile, key tile).
+        for (int64_t i0 = 0; i0 < Sq; i0 += T) {
+          const int64_t i1 = std::min(Sq, i0 + T);
+          for (int64_t j0 = 0; j0 < Sk; j0 += T) {
+            const int64_t j1 = std::min(Sk, j0 + T);
+            for (int64_t j = j0; j < j1; ++j) {
+              const int64_t v0 = std::max(i0, first_query(j));
+              if (v0 >= i1) continue;
+              const int64_t L = i1 - v0;
+              // The P and dS blocks: rows [v0, i1) x keys [j0, j1), masked entries 0.
+              std::vector<float> pb, sb;
+              for (int64_t i = v0; i < i1; ++i)
+                for (int64_t jj = j0; jj < j1; ++jj) {
+                  pb.push_back(P[i][jj]);
+                  sb.push_back(dS[i][jj]);
+                }
+              const std::vector<float> pd = decoded(pb, e4), sd = decoded(sb, gf);
+              const std::vector<float> dod = block(in.dout, obase, v0, i1, dv, gf),
+                                       qd = block(in.q, qbase, v0, i1, d, e4);
+              for (int64_t c = 0; c < dv; ++c) {
+                float part = 0.f;
+                for (int64_t r = 0; r < L; ++r) part += pd[r * (j1 - j0) + j - j0] * dod[r * dv + c];
+                dv_acc[j * dv + c] += part;
+              }
+              for (int64_t c = 0; c < d; ++c) {
+                float part = 0.f;
+                for (int64_t r = 0; r < L; ++r) part += sd[r * (j1 - j0) + j - j0] * qd[r * d + c];
+                dk_acc[j * d + c] += part;
+              }
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < Sk; ++j) {
+        for (int64_t c = 0; c < d; ++c) e.dk[kb(b, j, hk) + c] = dk_acc[j * d + c] * tau;
+        for (int64_t c = 0; c < dv; ++c) e.dv[vb(b, j, hk) + c] = dv_acc[j * dv + c];
+      }
+    }
+  e.o.assign(o32.begin(), o32.end());
+  e.lse.assign(lse32.begin(), lse32.end());
+  return e;
+}
+
+void spread_binades(std::vector<double>& x, int spread, std::mt19937& rng) {
+  std::uniform_int_distribution<int> k(-spread, spread);
+  for (double& e : x) e = std::ldexp(e, k(rng));
+}
+
+void expect_matches_emulation(const Problem& pr, int64_t T, Fp8Format gf, DeltaMode mode,
+                              uint32_t seed, int spread = 0) {
+  SCOPED_TRACE("Sq=" + std::to_string(pr.Sq) + " Sk=" + std::to_string(pr.Sk) +
+               " causal=" + std::to_string(pr.causal) + " T=" + std::to_string(T) +
+               " d=" + std::to_string(pr.d) + " dv=" + std::to_string(pr.dv) + " mode=" +
+               std::to_string(static_cast<int>(mode)) + " spread=" + std::to_string(spread));
+  std::mt19937 rng(seed);
+  Inputs in = random_inputs(pr, rng);
+  if (spread > 0) {
+    spread_binades(in.q, spread / 4, rng);
+    spread_binades(in.k, spread / 4, rng);
+    spread_binades(in.v, spread, rng);
+    spread_binades(in.dout, spread, rng);
+  }
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat32;
+  const RefOutputs r = run_reference(pr, in, tile_params(pr, mode, static_cast<int>(T), gf), opt);
+  const Emulated e = emulate_tile(pr, in, T, gf, mode);
+  EXPECT_EQ(max_abs_diff(r.o, e.o), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dq, e.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dk, e.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dv, e.dv), 0.0);
+  for (size_t i = 0; i < e.lse.size(); ++i) {
+    EXPECT_EQ(r.lse[i], e.lse[i]) << i;
+    EXPECT_EQ(r.diag_delta[i], e.delta[i]) << i;
+    EXPECT_EQ(r.diag_eps[i], e.eps[i]) << i;
+    EXPECT_EQ(r.rowsum_pre[i], e.pre[i]) << i;
+    EXPECT_EQ(r.rowsum_post[i], e.post[i]) << i;
+  }
+  EXPECT_TRUE(all_finite(r.o) && all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
+}
+
+TEST(ReferenceFp8Tile, MatchesLiteralEmulationOfTheRecipe) {
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = 2;  // GQA: two query heads per kv head
+  pr.Hkv = 1;
+  pr.d = 40;
+  pr.dv = 24;
+  // Causal with seqlen_q > seqlen_k (fully masked rows) and < seqlen_k,
+  // lengths not multiples of the tile.
+  pr.causal = true;
+  pr.Sq = 100;
+  pr.Sk = 75;
+  expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 1);
+  // Wide dynamic range: blocks quantized from the visible part differ from
+  // whole tiles here (FP8-subnormal elements).
+  expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 6, 12);
+  pr.Sq = 70;
+  pr.Sk = 133;
+  expect_matches_emulation(pr, 64, Fp8Format::kE5M2, DeltaMode::kStale, 2);
+  expect_matches_emulation(pr, 64, Fp8Format::kE4M3, DeltaMode::kMatchedDO, 7, 12);
+  expect_matches_emulation(pr, 128, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 8, 12);
+  // Non-causal; head_dim 192 and 130 (one block over all of head_dim).
+  pr.causal = false;
+  pr.Sq = 40;
+  pr.Sk = 150;
+  pr.d = 192;
+  pr.dv = 130;
+  expect_matches_emulation(pr, 128, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 4);
+  pr.d = 3;  // tiny head dims
+  pr.dv = 1;
+  pr.causal = true;
+  expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
+}
+
+// ---- Error against exact, tile vs row ----------------------------------------
+
+// Training-shaped inputs (numerics.md section 9): channel outliers shared by Q
+// and K (4 channels with gain 4, as grown QK-norm gains give), a sink key
+// (key 0 aligned with a component common to every query: logit ~ +8), and a
+// token-magnitude spread (each token's q, k, v, dO row times 2^(N(0,1)/2));
+// dO at 1e-4 (gradient magnitudes). BF16-exact.
+Inputs training_inputs(const Problem& pr, std::mt19937& rng) {
+  Inputs in = random_inputs(pr, rng, false);
+  const int64_t d = pr.d;
+  std::normal_distribution<double> nd;
+  std::vector<double> u(d);
+  double un = 0;
+  for (double& x : u) {
+    x = nd(rng);
+    un += x * x;
+  }
+  for (double& x : u) x /= std::sqrt(un);
+  const double a = 0.5 * std::sqrt(static_cast<double>(d));  // q's common component
+  auto shape_rows = [&](std::vector<double>& x, int64_t w, bool qk, bool is_k) {
+    const int64_t rows = static_cast<int64_t>(x.size()) / w;
+    for (int64_t r = 0; r < rows; ++r) {
+      double* row = x.data() + r * w;
+      if (qk) {
+        for (int64_t c = 0; c < 4; ++c) row[c] *= 4.0;
+        const bool sink = is_k && (r / pr.Hkv) % pr.Sk == 0;  // key 0 of every (b, h)
+        for (int64_t c = 0; c < w; ++c) {
+          if (!is_k) row[c] += a * u[c];
+          if (sink) row[c] = u[c] * 8.0 * std::sqrt(static_cast<double>(d)) / a;
+        }
+      }
+      const double g = std::exp2(0.5 * nd(rng));
+      for (int64_t c = 0; c < w; ++c) row[c] *= g;
+    }
+  };
+  shape_rows(in.q, d, true, false);
+  shape_rows(in.k, d, true, true);
+  shape_rows(in.v, pr.dv, false, false);
+  shape_rows(in.dout, pr.dv, false, false);
+  for (double& x : in.dout) x *= 1e-4;
+  for (auto* x : {&in.q, &in.k, &in.v, &in.dout})
+    for (double& e : *x) e = round_to_bf16(e);
+  return in;
+}
+
+struct Errors {
+  double o, lse, dq, dk, dv;
+};
+
+Errors errors_vs_exact(const RefOutputs& f8, const RefOutputs& ex) {
+  double lse_sq = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < ex.lse.size(); ++i)
+    if (std::isfinite(ex.lse[i])) {
+      lse_sq += (f8.lse[i] - ex.lse[i]) * (f8.lse[i] - ex.lse[i]);
+      ++n;
+    }
+  return {rel_error(f8.o, ex.o), std::sqrt(lse_sq / n), rel_error(f8.dq, ex.dq),
+          rel_error(f8.dk, ex.dk), rel_error(f8.dv, ex.dv)};
+}
+
+// E4M3 error budget of test_reference_fp8.cpp (rms rounding model), the same
+// for both recipes: with power-of-two scales they round the same mantissas
+// unless a value is FP8-subnormal under one scale and not the other.
+Errors budget_e4m3() {
+  const double r4 = std::ldexp(1.0, -4) / std::sqrt(3.0), sS2 = 2 * r4 * r4;
+  const double dqk = std::sqrt(sS2 + 4 * r4 * r4);
+  return {std::sqrt(sS2 + 2 * r4 * r4), std::sqrt(sS2), dqk, dqk, std::sqrt(sS2 + 2 * r4 * r4)};
+}
+
+void check_tile_vs_row(bool training, bool causal) {
+  Problem pr;
+  pr.B = 1;
+  pr.Sq = 384;
+  pr.Sk = 384;
+  pr.Hq = 4;
+  pr.Hkv = 2;
+  pr.d = 64;
+  pr.dv = 64;
+  pr.causal = causal;
+  std::mt19937 rng(601 + 2 * training + causal);
+  const Inputs in = training ? training_inputs(pr, rng) : random_inputs(pr, rng);
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat64;
+  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+  opt.out_dtype = DType::kFloat32;
+  const RefOutputs row = run_reference(pr, in, pr.params(Precision::kFP8), opt);
+  const RefOutputs tile =
+      run_reference(pr, in, tile_params(pr, DeltaMode::kDeltaMatching, 128, Fp8Format::kE4M3), opt);
+  const Errors er = errors_vs_exact(row, ex), et = errors_vs_exact(tile, ex);
+  std::printf(
+      "[tile vs row] %s causal=%d  rel err row / tile: O %.4f / %.4f  dQ %.4f / %.4f  "
+      "dK %.4f / %.4f  dV %.4f / %.4f; LSE rms abs %.4f / %.4f\n",
+      training ? "training-shaped" : "gaussian", causal, er.o, et.o, er.dq, et.dq, er.dk, et.dk,
+      er.dv, et.dv, er.lse, et.lse);
+  const double kRatio = 1.05;  // issue #17: tile within 1.05x of row on every output
+  EXPECT_LE(et.o, kRatio * er.o);
+  EXPECT_LE(et.dq, kRatio * er.dq);
+  EXPECT_LE(et.dk, kRatio * er.dk);
+  EXPECT_LE(et.dv, kRatio * er.dv);
+  EXPECT_LE(et.lse, kRatio * er.lse);
+  EXPECT_TRUE(all_finite(tile.o) && all_finite(tile.dq) && all_finite(tile.dk) &&
+              all_finite(tile.dv));
+  if (!training) {  // the derived budget is for unit-normal inputs
+    const Errors bud = budget_e4m3();
+    EXPECT_LT(et.o, bud.o);
+    EXPECT_LT(et.dq, bud.dq);
+    EXPECT_LT(et.dk, bud.dk);
+    EXPECT_LT(et.dv, bud.dv);
+    EXPECT_LT(et.lse, bud.lse);
+    EXPECT_GT(et.o, 0.25 * bud.o);  // it really quantizes
+    EXPECT_GT(et.dq, 0.25 * bud.dq);
+  }
+}
+
+TEST(ReferenceFp8Tile, ErrorAgainstExactLikeRowGaussian) {
+  check_tile_vs_row(false, false);
+  check_tile_vs_row(false, true);
+}
+TEST(ReferenceFp8Tile, ErrorAgainstExactLikeRowTrainingShaped) {
+  check_tile_vs_row(true, false);
+  check_tile_vs_row(true, true);
+}
+
+// Long rows (numerics.md section 9, P of #5): at many keys the normalized P
+// is ~1/seqlen_k, below the E4M3 normal range under a fixed scale 2^-8; the
+// per-block dynamic scale keeps dV as accurate as `row`. 32K keys, 128
+// queries. (Mutation check, 2026-12-02: a fixed P scale 2^-8 in #5 gives dV
+// 0.0750 against row's 0.0636 here, 1.18x, and fails.)
+TEST(ReferenceFp8Tile, LongRowsDvLikeRow) {
+  Problem pr;
+  pr.B = 1;
+  pr.Sq = 128;
+  pr.Sk = 32768;
+  pr.Hq = 1;
+  pr.Hkv = 1;
+  pr.d = 16;
+  pr.dv = 16;
+  std::mt19937 rng(611);
+  const Inputs in = random_inputs(pr, rng);
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat64;
+  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+  opt.out_dtype = DType::kFloat32;
+  const RefOutputs row = run_reference(pr, in, pr.params(Precision::kFP8), opt);
+  const RefOutputs tile =
+      run_reference(pr, in, tile_params(pr, DeltaMode::kDeltaMatching, 128, Fp8Format::kE4M3), opt);
+  const Errors er = errors_vs_exact(row, ex), et = errors_vs_exact(tile, ex);
+  std::printf("[tile long rows] Sk=%lld dV rel err row %.4f tile %.4f; dK %.4f / %.4f\n",
+              static_cast<long long>(pr.Sk), er.dv, et.dv, er.dk, et.dk);
+  EXPECT_LE(et.dv, 1.05 * er.dv);
+  EXPECT_LE(et.dk, 1.05 * er.dk);
+  EXPECT_LE(et.o, 1.05 * er.o);
+}
+
+// ---- Delta-Matching invariant ---------------------------------------------
+
+double mean(const std::vector<float>& x) {
+  double s = 0;
+  for (float v : x) s += v;
+  return s / static_cast<double>(x.size());
+}
+
+void check_invariant(bool causal) {
+  Problem pr;
+  pr.B = 1;
+  pr.Sq = 256;
+  pr.Sk = 256;
+  pr.Hq = 4;
+  pr.Hkv = 2;
+  pr.d = 64;
+  pr.dv = 64;
+  pr.causal = causal;
+  std::mt19937 rng(621 + causal);
+  const Inputs in = random_inputs(pr, rng);
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kBFloat16;  // the saved O is BF16, as at the op boundary
+  double pre[3], post[3];
+  const DeltaMode modes[3] = {DeltaMode::kStale, DeltaMode::kMatchedDO, DeltaMode::kDeltaMatching};
+  for (int m = 0; m < 3; ++m) {
+    const RefOutputs r =
+        run_reference(pr, in, tile_params(pr, modes[m], 128, Fp8Format::kE4M3), opt);
+    pre[m] = mean(r.rowsum_pre);
+    post[m] = mean(r.rowsum_post);
+    EXPECT_TRUE(all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
+  }
+  std::printf(
+      "[tile invariant] causal=%d mean row-sum residual pre/post: stale %.3e/%.3e matched_do "
+      "%.3e/%.3e delta_matching %.3e/%.3e\n",
+      causal, pre[0], post[0], pre[1], post[1], pre[2], post[2]);
+  EXPECT_LT(pre[2], 1e-5);
+  EXPECT_GE(pre[0], 10 * pre[2]);
+  EXPECT_GT(pre[0], 1e-4);
+  EXPECT_GT(post[0], post[2]);
+}
+
+TEST(ReferenceFp8Tile, DeltaMatchingRowSumInvariant) { check_invariant(false); }
+TEST(ReferenceFp8Tile, DeltaMatchingRowSumInvariantCausal) { check_invariant(true); }
+
+}  // namespace
+}  // namespace fp8attn
