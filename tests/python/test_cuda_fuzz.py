@@ -25,8 +25,8 @@ CPU reference (check_case):
     finite where the reference is.
 
 The CPU reference is the slow part: cases are sized by WORK (B * Hq * Sq * Sk *
-(d + dv)), at most CASE_WORK each and TOTAL_WORK per run (~1 minute of CPU
-reference on a 16-core host). The GPU test collects every failing case and
+(d + dv)), at most CASE_WORK each and TOTAL_WORK per run (6.9e9 in all: ~1-3 minutes of CPU
+reference; 15 min here with the CPU reference also playing the kernel, 2 shared cores). The GPU test collects every failing case and
 prints one summary line (run with -s to see it on success):
 
   PYTHONPATH=python python -m pytest -q -s -m gpu tests/python/test_cuda_fuzz.py
@@ -61,8 +61,8 @@ MAX_SEQLEN = 5000
 LOGIT_MAX = 50.0
 FUZZ_SEEDS = (20261201,)
 FUZZ_CASES = 240
-CASE_WORK = 2.0e8
-TOTAL_WORK = 2.5e10
+CASE_WORK = 1.0e8
+TOTAL_WORK = 1.2e10
 # The mode check needs enough elements for the kernel's noise to average out
 # along the direction between two modes' references (test_cuda_bwd: t ~ noise /
 # (separation * sqrt(elements))); tiny cases get the section 6 checks only.
@@ -400,7 +400,7 @@ def test_generator_covers_what_it_promises():
     # The CPU reference budget.
     assert all(c.work <= CASE_WORK for c in cases)
     assert sum(c.work for c in cases) <= TOTAL_WORK
-    assert sum(c.seqlen_q * c.seqlen_k > 1e6 for c in cases) >= 10
+    assert sum(c.seqlen_q * c.seqlen_k > 1e6 for c in cases) >= 5  # > 1M logits per head
 
 
 def test_generator_is_deterministic_per_seed():
