@@ -209,8 +209,18 @@ def _is_empty(q: torch.Tensor, k: torch.Tensor) -> bool:
 # ---- fake (meta) kernels, for torch.compile / FakeTensor ------------------------
 
 
+def _check_one_device(fn: str, **tensors) -> None:
+    """The fake kernels also run when only SOME inputs are meta tensors (the Meta
+    key wins the dispatch): a mix of devices is an error there, not meta outputs."""
+    first_name, first = next(iter(tensors.items()))
+    for name, t in tensors.items():
+        if t.device != first.device:
+            raise ValueError(_err(fn, name, f"must be on {first_name}'s device {first.device}, got {t.device}"))
+
+
 @torch.library.register_fake("fp8attn::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row"):
+    _check_one_device("fwd", q=q, k=k, v=v)
     B, Hq, Sq, _ = q.shape
     out = q.new_empty((B, Hq, Sq, v.shape[3]))
     lse = q.new_empty((B, Hq, Sq), dtype=torch.float32)
@@ -220,6 +230,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
               grad_format, diagnostics, scaling="row"):
+    _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse)
     B, Hq, Sq, _ = q.shape
     diag_shape = (4, B, Hq, Sq) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
@@ -505,4 +516,13 @@ def scaled_dot_product_attention(
         if not enable_gqa and query.shape[1] != key.shape[1]:
             raise ValueError(_err(fn, "enable_gqa", f"query has {query.shape[1]} heads and key {key.shape[1]}: "
                                                     "pass enable_gqa=True for grouped-query attention"))
-    return attention(query, key, value, causal=is_causal, softmax_scale=scale, **fp8_kwargs)
+    try:
+        return attention(query, key, value, causal=is_causal, softmax_scale=scale, **fp8_kwargs)
+    except (TypeError, ValueError) as exc:
+        # Name the arguments as this function calls them (attention's q, k, v).
+        msg = str(exc).replace("fp8attn.attention:", f"fp8attn.{fn}:")
+        for a, b in (("q", "query"), ("k", "key"), ("v", "value")):
+            msg = msg.replace(f"argument '{a}'", f"argument '{b}'").replace(f"{a}'s ", f"{b}'s ")
+        if msg == str(exc):
+            raise
+        raise type(exc)(msg) from None

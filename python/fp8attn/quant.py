@@ -53,6 +53,7 @@ def fp8_encode(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     Raises:
         ValueError: bad dtype, device or ``fmt``.
     """
+    _check_args("fp8_encode", x=x, fmt=fmt)
     return torch.ops.fp8attn.fp8_encode(x, fmt)
 
 
@@ -67,6 +68,7 @@ def fp8_decode(codes: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     Raises:
         ValueError: bad dtype, device or ``fmt``.
     """
+    _check_args("fp8_decode", codes=codes, fmt=fmt)
     return torch.ops.fp8attn.fp8_decode(codes, fmt)
 
 
@@ -89,6 +91,7 @@ def quantize_blockwise(
     Raises:
         ValueError: bad dtype, device, rank, ``dim``, ``block_size`` or ``fmt``.
     """
+    _check_args("quantize_blockwise", x=x, dim=dim, block_size=block_size, fmt=fmt)
     return torch.ops.fp8attn.quantize_blockwise(x, dim, block_size, fmt)
 
 
@@ -108,7 +111,27 @@ def dequantize_blockwise(
         ValueError: bad dtype, device, rank, ``dim``, ``block_size``, ``fmt`` or
             scales shape.
     """
+    _check_args("dequantize_blockwise", codes=codes, scales=scales, dim=dim, block_size=block_size, fmt=fmt)
     return torch.ops.fp8attn.dequantize_blockwise(codes, scales, dim, block_size, fmt)
+
+
+def _check_args(fn: str, **args) -> None:
+    """Python types of the public quantization functions' arguments (TypeError naming
+    the argument; without it torch's op binder raises RuntimeError, or NotImplementedError
+    when no argument is a tensor), and one device for codes and scales."""
+    for name, val in args.items():
+        if name in ("x", "codes", "scales"):
+            if not isinstance(val, torch.Tensor):
+                raise TypeError(f"fp8attn.{fn}: argument '{name}': must be a torch.Tensor, got {type(val).__name__}")
+        elif name == "fmt":
+            if not isinstance(val, str):
+                raise TypeError(f"fp8attn.{fn}: argument 'fmt': must be a str (\"e4m3\" or \"e5m2\"), got "
+                                f"{type(val).__name__}")
+        elif isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"fp8attn.{fn}: argument '{name}': must be an int, got {type(val).__name__}")
+    if "scales" in args and args["scales"].device != args["codes"].device:
+        raise ValueError(f"fp8attn.{fn}: argument 'scales': must be on codes' device {args['codes'].device}, "
+                         f"got {args['scales'].device}")
 
 
 # ---- fake (meta) kernels: shapes and dtypes only, same argument checks ------

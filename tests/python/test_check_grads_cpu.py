@@ -37,3 +37,78 @@ def test_garbage_where_the_reference_block_is_zero_fails():
     c[0][..., 128:] = 0.02 * torch.randn(c[0][..., 128:].shape, generator=g, dtype=torch.float64)
     with pytest.raises(AssertionError, match=r"128:192"):
         check_grads(tuple(c), tuple(r), tuple(e), "zero block")
+
+
+# ---- check_mode_closest and the residual floor: the CPU reference plays the kernel ----
+
+from test_cuda_bwd import (MODES, STALE_RESIDUAL_FLOOR, OPS, check_mode_closest, cpu_refs_by_mode,  # noqa: E402
+                           f32_scale, make_inputs)
+
+
+def _mode_case(fmt="e4m3", causal=True, dims=(64, 64)):
+    inp = make_inputs(1, 2, 1, 200, 150, *dims, causal, seed=5)
+    return inp, cpu_refs_by_mode(inp, causal, fmt)
+
+
+def _noisy(grads, rel, seed):
+    """grads with Gaussian noise of `rel` times each tensor's RMS (the CUDA kernel's
+    ~4e-3 distance from the reference, numerics.md section 7)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in grads[:3]:
+        t = t.double()
+        out.append(t + rel * t.norm() / t.numel() ** 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mode_check_passes_own_mode_and_fails_swapped(fmt, causal):
+    inp, refs = _mode_case(fmt, causal)
+    for i, mode in enumerate(MODES):
+        # The kernel of the right mode, with twice the measured CUDA noise: passes.
+        assert check_mode_closest(_noisy(refs[mode], 8e-3, i), mode, refs, mode) == 4
+        for other in MODES:
+            if other == mode:
+                continue
+            swapped = _noisy(refs[other], 4e-3, i)
+            with pytest.raises(AssertionError, match="wrong delta mode"):
+                check_mode_closest(swapped, mode, refs, f"{other} as {mode}")
+
+
+def test_section6_checks_miss_a_swapped_mode_the_mode_check_does_not():
+    # The gap issue #16 item 8 names, at test_bwd_modes_formats' shape (non-causal,
+    # e4m3): the stale and Delta-Matching references are 1.5% apart, so a "stale"
+    # kernel that computed the DM delta passes check_grads (2e-2), not the mode check.
+    causal = False
+    inp = make_inputs(2, 6, 2, 290, 260, 128, 128, causal, seed=3)
+    refs = cpu_refs_by_mode(inp, causal, "e4m3", modes=("stale", "delta_matching"))
+    q, k, v, out, lse, dout = inp
+    exact = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, f32_scale(128), causal,
+                    "exact", "stale", 128, "e4m3", False)
+    wrong = _noisy(refs["delta_matching"], 4e-3, 0)
+    check_grads(wrong, refs["stale"], exact, "delta_matching as stale")
+    with pytest.raises(AssertionError, match="wrong delta mode"):
+        check_mode_closest(wrong, "stale", refs, "delta_matching as stale")
+
+
+def test_mode_check_wants_equal_dv():
+    inp, refs = _mode_case()
+    bad = dict(refs)
+    dv = refs["stale"][2].clone()
+    dv[0, 0, 7, 3] += 0.5
+    bad["stale"] = (refs["stale"][0], refs["stale"][1], dv)
+    with pytest.raises(AssertionError, match="dV"):
+        check_mode_closest(refs["delta_matching"], "delta_matching", bad, "dV")
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (256, 256), (192, 128)])
+def test_residual_floor_separates_stale_from_delta_matching(dims):
+    # The floor of the GPU invariant tests: the CPU reference's stale and matched_do
+    # pre-cast residuals lie above it, Delta-Matching's far below it (so a backward
+    # that computed the DM delta under delta_mode="stale" fails the floor).
+    q, k, v, out, lse, dout = make_inputs(1, 4, 2, 384, 384, *dims, False, seed=11)
+    res = {m: OPS.bwd(dout, q, k, v, out, lse, f32_scale(dims[0]), False, "fp8", m, 128, "e4m3", True)[3][2]
+           .double().mean().item() for m in MODES}
+    assert res["stale"] > STALE_RESIDUAL_FLOOR and res["matched_do"] > STALE_RESIDUAL_FLOOR, res
+    assert res["delta_matching"] < 1e-3 * STALE_RESIDUAL_FLOOR, res

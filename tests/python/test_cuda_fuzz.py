@@ -1,0 +1,486 @@
+"""Randomized GPU test of the CUDA forward and backward against the CPU reference
+(issue #16 item 7; docs/numerics.md section 6).
+
+Each run draws FUZZ_CASES cases from a fixed seed (generate_cases): batch,
+num_heads_kv, GQA ratio, seqlen_q / seqlen_k in 1..5000 (either larger, equal,
+both 1), causal, every head_dim 8..256 in steps of 8 plus pairs with
+head_dim_qk != head_dim_v, softmax_scale, grad_format, and an input distribution
+from DISTRIBUTIONS: standard normal, channel outliers shared by Q and K, an
+attention-sink key, per-token magnitude spread, all-equal keys, huge and tiny
+magnitudes (with softmax_scale compensating so the logits stay O(1)). Every case
+runs the CUDA forward and the CUDA backward of every delta mode on the CUDA
+forward's O and LSE (the training pairing), and compares every output with the
+CPU reference (check_case):
+
+  - O, LSE: numerics.md section 6 (||cuda - exact|| <= 2 ||cpu - exact|| +
+    1e-3 ||exact||, ||cuda - cpu|| < 2e-2 ||cpu||), non-finite entries (LSE of
+    rows that see no key) exactly where the reference has them, and LSE per row
+    within 1e-4 relative plus the FP8 wgmma bound on S (section 7);
+  - dQ, dK, dV of each mode: section 6 on the whole tensor and on every
+    64-column block (as tests/python/test_cuda_bwd.py check_grads), in units of
+    each gradient's natural scale (so huge / tiny inputs get the same bounds);
+    and the mode check of test_cuda_bwd.check_mode_closest (the gradient sits
+    on its own mode's side of every other mode's reference);
+  - NaN never passes: every output is poisoned before the call and must be
+    finite where the reference is.
+
+The CPU reference is the slow part: cases are sized by WORK (B * Hq * Sq * Sk *
+(d + dv)), at most CASE_WORK each and TOTAL_WORK per run (6.9e9 in all: ~1-3 minutes of CPU
+reference; 15 min here with the CPU reference also playing the kernel, 2 shared cores). The GPU test collects every failing case and
+prints one summary line (run with -s to see it on success):
+
+  PYTHONPATH=python python -m pytest -q -s -m gpu tests/python/test_cuda_fuzz.py
+
+The CPU tests below check the generator (coverage, determinism, budget) and run
+small cases end to end with the CPU reference in the kernel's place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+
+import pytest
+import torch
+
+import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
+from fp8attn import _lib
+from test_cuda_bwd import MODES, check_mode_closest, f32_scale, poison_cuda_allocator
+
+OPS = torch.ops.fp8attn
+
+HAS_GPU = torch.cuda.is_available() and getattr(_lib, "HAS_CUDA_KERNELS", False)
+
+# Every head_dim of issue #16 item 4 (8..256, multiples of 8) with head_dim_v =
+# head_dim_qk, and pairs with head_dim_qk != head_dim_v.
+HEAD_DIMS = [(d, d) for d in range(8, 257, 8)] + [(192, 128), (128, 64), (64, 128), (256, 128), (96, 64)]
+DISTRIBUTIONS = ("gaussian", "channel_outliers", "sink_key", "token_spread", "equal_keys", "huge", "tiny")
+MAX_SEQLEN = 5000
+LOGIT_MAX = 50.0
+FUZZ_SEEDS = (20261201,)
+FUZZ_CASES = 240
+CASE_WORK = 1.0e8
+TOTAL_WORK = 1.2e10
+# The mode check needs enough elements for the kernel's noise to average out
+# along the direction between two modes' references (test_cuda_bwd: t ~ noise /
+# (separation * sqrt(elements))); tiny cases get the section 6 checks only.
+MODE_CHECK_MIN_ELEMENTS = 4096
+MODE_CHECK_MIN_SEPARATION = 5e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    index: int
+    seed: int
+    batch: int
+    heads_kv: int
+    group: int  # num_heads_q / num_heads_kv
+    seqlen_q: int
+    seqlen_k: int
+    d: int
+    dv: int
+    causal: bool
+    dist: str
+    scale_mult: float  # softmax_scale = FP32(scale_mult / sqrt(d)) before the distribution's compensation
+    grad_format: str
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.group
+
+    @property
+    def work(self) -> float:
+        return float(self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (self.d + self.dv))
+
+    def label(self) -> str:
+        return (f"case {self.index} (seed {self.seed}): B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} "
+                f"Sq={self.seqlen_q} Sk={self.seqlen_k} d={self.d}/{self.dv} causal={self.causal} "
+                f"{self.dist} scale_mult={self.scale_mult:.3g} {self.grad_format}")
+
+
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))))
+
+
+def _fit(batch, hkv, group, sq, sk, d, dv, cap):
+    """Shrinks batch, heads, then the shorter seqlen (then the longer) until the work fits cap."""
+    def work():
+        return batch * hkv * group * sq * sk * (d + dv)
+
+    while work() > cap:
+        if batch > 1:
+            batch -= 1
+        elif hkv > 1:
+            hkv -= 1
+        elif group > 1:
+            group = max(1, group // 2)
+        elif min(sq, sk) > 1:
+            if sq <= sk:
+                sq = max(1, sq // 2)
+            else:
+                sk = max(1, sk // 2)
+        else:
+            sq, sk = max(1, sq // 2), max(1, sk // 2)
+    return batch, hkv, group, sq, sk
+
+
+def generate_cases(seed: int, n: int = FUZZ_CASES) -> list:
+    """n cases from one seed; the same list for the same (seed, n). Coverage by
+    construction: case i takes HEAD_DIMS[i % 37] and DISTRIBUTIONS[i % 7]
+    (coprime periods: each head_dim meets several distributions), causal on
+    alternate pairs, and every 10th / 10th+1 / 10th+2 case seqlen_q = 5000 /
+    seqlen_k = 5000 / both 1 (before the work cap shrinks the other seqlen)."""
+    rng = random.Random(seed)
+    cases = []
+    budget = TOTAL_WORK
+    for i in range(n):
+        d, dv = HEAD_DIMS[i % len(HEAD_DIMS)]
+        dist = DISTRIBUTIONS[i % len(DISTRIBUTIONS)]
+        causal = (i // 2) % 2 == 1
+        sq = _log_uniform_int(rng, 1, MAX_SEQLEN)
+        sk = _log_uniform_int(rng, 1, MAX_SEQLEN)
+        slot = i % 10
+        if slot == 0:
+            sq = MAX_SEQLEN
+        elif slot == 1:
+            sk = MAX_SEQLEN
+        elif slot == 2:
+            sq = sk = 1
+        elif slot == 3:
+            sk = sq
+        batch = rng.choice((1, 1, 2, 3))
+        hkv = rng.choice((1, 1, 2, 3))
+        group = rng.choice((1, 1, 2, 3, 4, 8))
+        scale_mult = 1.0 if rng.random() < 0.5 else 2.0 ** rng.uniform(-3.0, 1.5)
+        grad_format = rng.choice(("e4m3", "e5m2"))
+        # The budget left is shared by the cases left: later cases are not starved.
+        cap = min(CASE_WORK, budget / (n - i) * 4)
+        batch, hkv, group, sq, sk = _fit(batch, hkv, group, sq, sk, d, dv, cap)
+        case = Case(i, rng.randrange(2**31), batch, hkv, group, sq, sk, d, dv, causal, dist, scale_mult,
+                    grad_format)
+        budget -= case.work
+        cases.append(case)
+    return cases
+
+
+def make_tensors(case: Case):
+    """BF16 CPU Q, K, V, dO of the case's distribution and its softmax_scale (FP32-rounded)."""
+    g = torch.Generator().manual_seed(case.seed)
+    B, Hq, Hkv, Sq, Sk, d, dv = case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k, case.d, case.dv
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def unif(lo, hi, *shape):
+        return lo + (hi - lo) * torch.rand(*shape, generator=g)
+
+    q, k, v, do = randn(B, Hq, Sq, d), randn(B, Hkv, Sk, d), randn(B, Hkv, Sk, dv), randn(B, Hq, Sq, dv)
+    tau = case.scale_mult / math.sqrt(d)
+    if case.dist == "channel_outliers":
+        # A few head_dim channels (shared by Q and K, as QK-norm gains make them)
+        # 3-8x larger: large logits carried by those channels.
+        ch = torch.randperm(d, generator=g)[: max(1, d // 32)]
+        f = unif(3.0, 8.0, len(ch))
+        q[..., ch] *= f
+        k[..., ch] *= f
+    elif case.dist == "sink_key":
+        # Key 0 takes most of every row's attention (logit ~8 +- 4 above the others).
+        u = randn(d)
+        u = u / u.norm()
+        q = q + 2.0 * u
+        k[:, :, 0, :] = u * (4.0 / tau)
+    elif case.dist == "token_spread":
+        # Per-token magnitudes over 2^-6 .. 2^6 for V, dO (inside one 128-token block:
+        # no FP8 subnormals), 2^-2 .. 2^2 for Q, K (logits grow with the product).
+        q, k = (t * torch.exp2(unif(-2.0, 2.0, *t.shape[:-1], 1)) for t in (q, k))
+        v, do = (t * torch.exp2(unif(-6.0, 6.0, *t.shape[:-1], 1)) for t in (v, do))
+    elif case.dist == "equal_keys":
+        # All keys of a (batch, kv head) equal: P uniform over the visible keys, and
+        # dQ = tau * k * sum_j dS_ij = 0 in exact arithmetic.
+        k = k[:, :, :1, :].expand(B, Hkv, Sk, d).clone()
+    elif case.dist in ("huge", "tiny"):
+        # Each tensor scaled by 2^(+-12..24) as a whole; softmax_scale compensates
+        # Q's and K's factors so the logits stay O(1) (tau itself goes to ~1e-15 / ~1e14).
+        sign = 1.0 if case.dist == "huge" else -1.0
+        e = [sign * float(unif(12.0, 24.0, 1)) for _ in range(4)]
+        q, k, v, do = (t * 2.0**ei for t, ei in zip((q, k, v, do), e))
+        tau = tau * 2.0 ** (-e[0] - e[1])
+    q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
+    # Logits at most ~LOGIT_MAX: beyond that rows are one-hot and the FP8 wgmma
+    # error bound on S (2^-12 tau ||q|| ||k||, numerics.md section 7) can exceed the
+    # gap between the two largest logits, so CUDA and the reference may pick
+    # different keys (not a kernel fault). Measured on the first 32 queries of batch 0.
+    grp = q.shape[1] // k.shape[1]
+    s = q[:1, :, :32].float() @ k[:1].float().repeat_interleave(grp, dim=1).transpose(-1, -2)
+    peak = tau * s.abs().max().item()
+    if peak > LOGIT_MAX:
+        tau *= LOGIT_MAX / peak
+    return q, k, v, do, float(torch.tensor(tau, dtype=torch.float32))
+
+
+# ---- the checks ---------------------------------------------------------------------
+
+
+def _rms(t) -> float:
+    t = t.double()
+    return max(t.norm().item() / math.sqrt(max(t.numel(), 1)), 1e-300)
+
+
+def grad_scales(q, k, v, do, tau):
+    """The natural size of dQ, dK, dV (dP ~ sqrt(dv) rms(dO) rms(V), dQ ~ tau dP rms(K),
+    dK ~ tau dP rms(Q), dV ~ rms(dO)): the gradient checks run in these units, so
+    their absolute floors mean the same for huge and tiny inputs."""
+    dp = math.sqrt(v.shape[-1]) * _rms(do) * _rms(v)
+    return tau * dp * _rms(k), tau * dp * _rms(q), _rms(do)
+
+
+def check_out(name, c, r, e, label, stats):
+    """Section 6 on one forward output (finite entries; non-finite ones must match the reference)."""
+    c, r, e = c.double(), r.double(), e.double()
+    assert not torch.isnan(c).any(), f"{label} {name}: NaN"
+    fin = torch.isfinite(r)
+    assert torch.equal(torch.isfinite(c), fin), f"{label} {name}: non-finite pattern differs from the reference"
+    assert torch.equal(c[~fin], r[~fin]), f"{label} {name}: non-finite values differ"
+    c, r, e = c[fin], r[fin], e[fin]
+    if c.numel() == 0:
+        return
+    ne, err_c, err_r = e.norm().item(), (c - e).norm().item(), (r - e).norm().item()
+    rel = (c - r).norm().item() / max(r.norm().item(), 1e-300)
+    _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
+    assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
+    assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
+
+
+def check_lse_rows(lse, l_cpu, q, k, tau, label):
+    """Per row: |LSE_cuda - LSE_cpu| <= 1e-4 max(|LSE|, 1) + 2^-12 tau ||q_i|| max_j ||k_j||
+    (test_cuda.check_rows with the FP8 wgmma bound of numerics.md section 7, applied
+    on every path: zero-padded head_dims run the wgmma kernels too)."""
+    fin = torch.isfinite(l_cpu)
+    d_lse = (lse.double() - l_cpu.double())[fin].abs()
+    if d_lse.numel() == 0:
+        return
+    bound = 2.0**-12 * tau * q.double().norm(dim=-1) * k.double().norm(dim=-1).amax()
+    tol = 1e-4 * l_cpu.double()[fin].abs().clamp(min=1.0) + bound[fin]
+    assert (d_lse <= tol).all(), f"{label} LSE: max |cuda-cpu| = {d_lse.max().item():.3g}"
+
+
+def check_grad(name, c, r, e, scale, label, stats):
+    """One gradient in units of `scale`: finite; section 6 on the whole tensor and on
+    every 64-column block (test_cuda_bwd.check_grads); where the exact gradient
+    vanishes (one key per row, all-equal keys' dQ) the kernel must be within 2e-2
+    of the FP8 reference (which then carries only the mode's residual) or ~0."""
+    c, r, e = (t.double() / scale for t in (c, r, e))
+    assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
+    assert torch.isfinite(r).all(), f"{label} {name}: the reference is not finite (case generator bug)"
+    ne = e.norm().item()
+    rel = (c - r).norm().item() / max(r.norm().item(), 1e-300)
+    if ne < 1e-6 * math.sqrt(e.numel()):
+        assert (c - r).norm().item() <= 2e-2 * r.norm().item() + 1e-2 * math.sqrt(c.numel()), (
+            f"{label} {name}: exact gradient ~0; ||cuda-cpu|| = {(c - r).norm().item():.4g}, ||cpu|| = "
+            f"{r.norm().item():.4g} (units of the natural scale)")
+        _note(stats, name, min(rel, 1.0), 0.0)
+        return
+    err_c, err_r = (c - e).norm().item(), (r - e).norm().item()
+    _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
+    assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
+    assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
+    for lo in range(0, c.shape[-1], 64):
+        cb, rb = c[..., lo:lo + 64], r[..., lo:lo + 64]
+        nb = rb.norm().item()
+        if nb < 1e-6 * math.sqrt(rb.numel()):
+            assert cb.abs().max().item() < 1e-2, f"{label} {name}[..., {lo}:]: expected ~0"
+            continue
+        rel_b = (cb - rb).norm().item() / nb
+        assert rel_b < 2e-2, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g}"
+
+
+def _note(stats, name, rel, ratio):
+    if stats is not None:
+        w = stats.setdefault(name, [0.0, 0.0])
+        w[0], w[1] = max(w[0], rel), max(w[1], ratio)
+
+
+def run_case(case: Case, device: str, stats=None, swap_modes=None):
+    """Runs and checks one case; device "cuda" (the kernels) or "cpu" (the CPU
+    reference in the kernel's place: the plumbing check of the CPU tests).
+    swap_modes={"stale": "delta_matching"} runs the "kernel" of a mode with
+    another mode's delta (the fault the mode check exists for)."""
+    q, k, v, do, tau = make_tensors(case)
+    label = case.label()
+    causal, fmt = case.causal, case.grad_format
+    # CPU reference: fp8 and exact forward, fp8 backward of every mode, exact backward.
+    o_cpu, l_cpu = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    qd, kd, vd, dod = q.double(), k.double(), v.double(), do.double()
+    o_ex, l_ex = OPS.fwd(qd, kd, vd, tau, causal, "exact", 128)
+    cpu = {m: OPS.bwd(do, q, k, v, o_cpu, l_cpu, tau, causal, "fp8", m, 128, fmt, False) for m in MODES}
+    exact = OPS.bwd(dod, qd, kd, vd, o_ex, l_ex, tau, causal, "exact", "delta_matching", 128, fmt, False)
+    # The device under test.
+    if device == "cuda":
+        B, Hq, Sq = q.shape[:3]
+        poison_cuda_allocator([((B, Hq, Sq, case.dv), torch.bfloat16), ((B, Hq, Sq), torch.float32)])
+        qc, kc, vc, doc = (t.cuda() for t in (q, k, v, do))
+        o_dev, l_dev = OPS.fwd(qc, kc, vc, tau, causal, "fp8", 128)
+        torch.cuda.synchronize()
+    else:
+        qc, kc, vc, doc = q, k, v, do
+        o_dev, l_dev = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    check_out("O", o_dev.cpu(), o_cpu, o_ex, label, stats)
+    check_out("LSE", l_dev.cpu(), l_cpu, l_ex, label, stats)
+    check_lse_rows(l_dev.cpu(), l_cpu, q, k, tau, label)
+    scales = grad_scales(q, k, v, do, tau)
+    mode_check = q.numel() >= MODE_CHECK_MIN_ELEMENTS  # dQ's elements
+    for mode in MODES:
+        run_mode = (swap_modes or {}).get(mode, mode)
+        if device == "cuda":
+            poison_cuda_allocator([(q.shape, torch.bfloat16), (k.shape, torch.bfloat16), (v.shape, torch.bfloat16)])
+        got = OPS.bwd(doc, qc, kc, vc, o_dev, l_dev, tau, causal, "fp8", run_mode, 128, fmt, False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        got = tuple(t.cpu() for t in got[:3])
+        for i, name in enumerate(("dQ", "dK", "dV")):
+            check_grad(name, got[i], cpu[mode][i], exact[i], scales[i], f"{label} {mode}", stats)
+        if mode_check:
+            scaled = {m: tuple(t.double() / s for t, s in zip(cpu[m][:3], scales)) for m in MODES}
+            n = check_mode_closest(tuple(t.double() / s for t, s in zip(got, scales)), mode, scaled,
+                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION)
+            if stats is not None:
+                stats["mode_pairs"] = stats.get("mode_pairs", 0) + n
+
+
+def summary_line(seed, n_cases, stats, failures, seconds) -> str:
+    parts = [f"{k} {v[0]:.2e}/{v[1]:.2f}" for k, v in stats.items() if isinstance(v, list)]
+    return (f"cuda fuzz seed {seed}: {n_cases} cases x (fwd + bwd {'/'.join(MODES)}), {len(failures)} failed, "
+            f"{stats.get('mode_pairs', 0)} mode pairs told apart; worst ||cuda-cpu||/||cpu|| / "
+            f"(||cuda-exact|| / section-6 bound): " + ", ".join(parts) + f"; {seconds:.0f} s")
+
+
+# ---- the GPU test ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and the CUDA kernels")
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_cuda_fuzz(seed):
+    cases = generate_cases(seed)
+    stats, failures = {}, []
+    t0 = time.time()
+    for case in cases:
+        try:
+            run_case(case, "cuda", stats)
+        except (AssertionError, RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
+            failures.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:400]}")
+    print("\n" + summary_line(seed, len(cases), stats, failures, time.time() - t0))
+    assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:25])
+
+
+# ---- CPU tests of the generator and of the checks ----------------------------------------
+
+
+def test_generator_covers_what_it_promises():
+    cases = generate_cases(FUZZ_SEEDS[0])
+    assert len(cases) >= 200
+    assert {(c.d, c.dv) for c in cases} == set(HEAD_DIMS)
+    assert {c.dist for c in cases} == set(DISTRIBUTIONS)
+    assert {c.causal for c in cases} == {False, True}
+    assert {c.grad_format for c in cases} == {"e4m3", "e5m2"}
+    assert max(c.seqlen_q for c in cases) == MAX_SEQLEN and max(c.seqlen_k for c in cases) == MAX_SEQLEN
+    assert any(c.seqlen_q > c.seqlen_k for c in cases) and any(c.seqlen_q < c.seqlen_k for c in cases)
+    assert any(c.seqlen_q == c.seqlen_k > 1 for c in cases) and any(c.seqlen_q == c.seqlen_k == 1 for c in cases)
+    assert any(c.seqlen_q == 1 and c.seqlen_k > 1 for c in cases)
+    assert any(c.seqlen_k == 1 and c.seqlen_q > 1 for c in cases)
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in cases)  # rows that see no key
+    assert {c.group for c in cases} >= {1, 2, 3, 4, 8} and max(c.heads_kv for c in cases) > 1
+    assert max(c.batch for c in cases) > 1
+    assert any(c.scale_mult != 1.0 for c in cases) and any(c.scale_mult == 1.0 for c in cases)
+    # Long sequences for every distribution, not only for the cheap ones.
+    for dist in DISTRIBUTIONS:
+        assert max(max(c.seqlen_q, c.seqlen_k) for c in cases if c.dist == dist) >= 2000, dist
+    # The CPU reference budget.
+    assert all(c.work <= CASE_WORK for c in cases)
+    assert sum(c.work for c in cases) <= TOTAL_WORK
+    assert sum(c.seqlen_q * c.seqlen_k > 1e6 for c in cases) >= 5  # > 1M logits per head
+
+
+def test_generator_is_deterministic_per_seed():
+    a, b = generate_cases(FUZZ_SEEDS[0]), generate_cases(FUZZ_SEEDS[0])
+    assert a == b
+    assert generate_cases(FUZZ_SEEDS[0] + 1) != a
+    for case in a[:14]:
+        x, y = make_tensors(case), make_tensors(case)
+        assert all(torch.equal(s, t) for s, t in zip(x[:4], y[:4])) and x[4] == y[4]
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+def test_distributions_are_what_they_say(dist):
+    case = next(c for c in generate_cases(FUZZ_SEEDS[0]) if c.dist == dist and c.seqlen_k >= 16 and c.seqlen_q >= 4)
+    q, k, v, do, tau = make_tensors(case)
+    for t in (q, k, v, do):
+        assert t.dtype == torch.bfloat16 and torch.isfinite(t).all() and (t != 0).any()
+    assert 0 < tau <= fp8attn.ops.MAX_SOFTMAX_SCALE and math.isfinite(tau)
+    group = case.group
+    s = tau * q.float() @ k.float().repeat_interleave(group, dim=1).transpose(-1, -2)  # logits, unmasked
+    assert s.abs().max() < 2 * LOGIT_MAX, "logits must stay moderate (no one-hot rows at huge scale)"
+    if dist == "equal_keys":
+        assert torch.equal(k, k[:, :, :1].expand_as(k))
+    elif dist == "sink_key":
+        assert (s.argmax(-1) == 0).float().mean() > 0.9  # key 0 is the row maximum almost everywhere
+    elif dist == "channel_outliers":
+        rms = k.float().pow(2).mean(dim=(0, 1, 2)).sqrt()
+        assert rms.max() > 2.5 * rms.median()
+    elif dist == "token_spread":
+        n = v.float().norm(dim=-1)
+        assert n.max() / n.min() > 2**6
+    elif dist == "huge":
+        assert min(t.float().abs().max() for t in (q, k, v, do)) > 2.0**12 and tau < 1e-6
+    elif dist == "tiny":
+        assert max(t.float().abs().max() for t in (q, k, v, do)) < 2.0**-8 and tau > 1e6
+
+
+def _small_cases():
+    """A few cheap cases of every distribution (the CPU stand-in runs them in seconds)."""
+    out = []
+    for c in generate_cases(FUZZ_SEEDS[0]):
+        if c.work <= 3e6 and c.dist not in {x.dist for x in out}:
+            out.append(c)
+    big = next(c for c in generate_cases(FUZZ_SEEDS[0])
+               if 2e6 <= c.work <= 2e7 and c.batch * c.heads_q * c.seqlen_q * c.d >= MODE_CHECK_MIN_ELEMENTS)
+    return out + [big]
+
+
+def test_checks_pass_with_the_reference_as_the_kernel():
+    # Plumbing: every check runs (degenerate gradients, rows without keys, the
+    # mode check) and passes when the "kernel" is the CPU reference itself.
+    cases = _small_cases()
+    assert {c.dist for c in cases} == set(DISTRIBUTIONS)
+    stats = {}
+    for case in cases:
+        run_case(case, "cpu", stats)
+    assert stats.get("mode_pairs", 0) > 0
+    assert summary_line(0, len(cases), stats, [], 1.0).startswith("cuda fuzz seed 0:")
+
+
+def test_checks_fail_a_kernel_with_the_wrong_delta():
+    # A "stale" kernel computing the Delta-Matching delta: caught (here already by
+    # section 6, the references being 3% apart; test_check_grads_cpu.py shows the
+    # mode check catching it where section 6 does not).
+    case = _small_cases()[-1]
+    with pytest.raises(AssertionError, match=r"stale (dQ|dK)"):
+        run_case(case, "cpu", swap_modes={"stale": "delta_matching"})
+
+
+def test_checks_fail_a_wrong_forward(monkeypatch):
+    # A "kernel" whose O is off by 5% fails the section 6 check of the forward.
+    case = _small_cases()[0]
+    calls = {"n": 0}
+
+    def fwd(q, k, v, tau, causal, precision, bs):
+        o, l = torch.ops.fp8attn.fwd(q, k, v, tau, causal, precision, bs)
+        calls["n"] += 1
+        return (o * 1.05 if calls["n"] == 3 else o), l  # the 3rd call is the device forward
+
+    fake = type("Ops", (), {"fwd": staticmethod(fwd), "bwd": torch.ops.fp8attn.bwd})
+    monkeypatch.setattr(sys.modules[__name__], "OPS", fake)
+    with pytest.raises(AssertionError, match="O"):
+        run_case(case, "cpu")
