@@ -163,9 +163,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.delta_mode = parse_delta_mode(delta_mode);
   p.grad_format = parse_grad_format(grad_format);
 
-  // dO and O are read in q's dtype (the op boundary dtype).
-  const at::Tensor dout = prepare(prepare(dout_in, "dout").to(q.scalar_type()), "dout");
-  const at::Tensor out = prepare(prepare(out_in, "out").to(q.scalar_type()), "out");
+  // dO and O come in q's dtype (the op boundary dtype; what autograd hands back): another
+  // dtype is the caller's mistake (as on CUDA), not something to convert silently.
+  const at::Tensor dout = prepare(dout_in, "dout");
+  const at::Tensor out = prepare(out_in, "out");
+  TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "fp8attn: argument 'dout': expected q's dtype ",
+                   q.scalar_type(), ", got ", dout.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "fp8attn: argument 'out': expected q's dtype ",
+                   q.scalar_type(), ", got ", out.scalar_type());
   for (int d = 0; d < 4; ++d) {
     const int64_t want[4] = {p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v};
     check_dim(dout, d, want[d], "dout", "size");
