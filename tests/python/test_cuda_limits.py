@@ -5,7 +5,8 @@ several launches on offset pointers (csrc/hopper/launch_sm90.h; the chunking
 itself is tested on the host in tests/cpp/test_cuda_shapes.cpp). Element
 offsets are 64-bit, so tensors of 2^31 and more elements work, and sequences
 of 1M tokens and more (seqlen < 2^30). Where the CPU reference would take hours
-these check against what must be equal instead:
+these check against what must be equal instead (the identities, with
+negative controls, shown on the CPU reference in test_limits_identities.py):
 
   - batch x heads >= 65536 (chunks on y, on z, and a GQA group of more than
     65535 query heads): a few (batch, head) slices at the chunk boundaries
