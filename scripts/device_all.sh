@@ -16,7 +16,8 @@
 # without them those columns say n/a).
 # Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
 # (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
-# runs the CPU pytest suites, DEVICE_PYTEST_ARGS extra pytest arguments,
+# runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
+# DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
@@ -45,7 +46,10 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
+tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
+# DEVICE_SLOW=1: also the launch / size limit tests (batch x heads >= 65536, 1M tokens,
+# 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
+[ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"
 # shellcheck disable=SC2086
 timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
 rc=$?

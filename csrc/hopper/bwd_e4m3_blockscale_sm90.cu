@@ -23,6 +23,7 @@
 #include <string>
 
 #include "hopper/bwd_tile_sm90.cuh"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -512,9 +513,12 @@ void launch_main_t(const KernelParams& p, cudaStream_t stream) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8attn: bwd main: cudaFuncSetAttribute failed: ") +
                              cudaGetErrorString(err));
-  const dim3 grid((p.seqlen_k + kTile - 1) / kTile, p.num_heads_kv * L::kSlices, p.batch);
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(p);
-  check_launch("bwd main kernel");
+  // NOTE: one launch unless batch or num_heads_kv * slices exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(p, (p.seqlen_k + kTile - 1) / kTile, GridHeads::kKv, L::kSlices, "bwd main kernel",
+                     [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                       kernel<<<dim3(gx, gy, gz), kThreads, L::kBytes, stream>>>(pc);
+                       check_launch("bwd main kernel");
+                     });
 }
 
 }  // namespace

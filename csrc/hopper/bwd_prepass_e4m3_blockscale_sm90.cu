@@ -11,6 +11,7 @@
 #include <string>
 
 #include "hopper/bwd_tile_sm90.cuh"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -145,11 +146,15 @@ void launch(const KernelParams& p, cudaStream_t stream) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8attn: bwd pre-pass: cudaFuncSetAttribute failed: ") +
                              cudaGetErrorString(err));
-  const dim3 grid((p.seqlen_q + kTile - 1) / kTile, p.num_heads_q, p.batch);
-  kernel<<<grid, kThreads, L::kBytes, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8attn: bwd pre-pass launch failed: ") + cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(p, (p.seqlen_q + kTile - 1) / kTile, GridHeads::kQuery, 1, "bwd pre-pass",
+                     [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                       kernel<<<dim3(gx, gy, gz), kThreads, L::kBytes, stream>>>(pc);
+                       const cudaError_t e = cudaGetLastError();
+                       if (e != cudaSuccess)
+                         throw std::runtime_error(std::string("fp8attn: bwd pre-pass launch failed: ") +
+                                                  cudaGetErrorString(e));
+                     });
 }
 
 }  // namespace

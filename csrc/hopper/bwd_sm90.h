@@ -7,7 +7,9 @@
 //
 // Preconditions set by the launcher (csrc/torch/ops_cuda.cpp):
 //   - p.block_size == 128; head_dim_qk, head_dim_v in {64, 128, 256} or
-//     (192, 128); num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k >= 1.
+//     (192, 128); num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k in
+//     [1, 2^30); batch * num_heads_q < 2^31 (more than 65535 heads or batch
+//     entries run as several launches, launch_sm90.h).
 //   - p.delta, p.delta_dm: FP32 [B, Hq, Sq], any content (written here).
 //   - p.dq_accum: FP32 [B, Hq, Sq, Dqk], zero-filled.
 //   - p.diag: FP32 [4, B, Hq, Sq] (delta, eps, rowsum_pre, rowsum_post) or

@@ -57,6 +57,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "hopper/bwd_tile_sm90.cuh"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -1785,9 +1786,12 @@ void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
     using L = WgPrepassLayout<DQK, DV>;
     auto kernel = bwd_wgmma_prepass_kernel<DQK, DV, FMT>;
     set_smem(kernel, L::kBytes, "bwd wgmma pre-pass");
-    const dim3 grid((p.seqlen_q + kPreQ - 1) / kPreQ, p.num_heads_q, p.batch);
-    kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
-    check("bwd wgmma pre-pass");
+    // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+    launch_attn_chunks(p, (p.seqlen_q + kPreQ - 1) / kPreQ, GridHeads::kQuery, 1, "bwd wgmma pre-pass",
+                       [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                         kernel<<<dim3(gx, gy, gz), kWgThreads, L::kBytes, stream>>>(pc);
+                         check("bwd wgmma pre-pass");
+                       });
   });
 }
 
@@ -1797,9 +1801,12 @@ void launch_wgmma_main(const KernelParams& p, cudaStream_t stream) {
     using L = WgMainLayout<DQK, DV>;
     auto kernel = bwd_wgmma_main_kernel<DQK, DV, FMT>;
     set_smem(kernel, L::kBytes, "bwd wgmma main");
-    const dim3 grid((p.seqlen_k + kTile - 1) / kTile, p.num_heads_kv * L::kSlices, p.batch);
-    kernel<<<grid, kWgThreads, L::kBytes, stream>>>(p);
-    check("bwd wgmma main");
+    // NOTE: one launch unless batch or num_heads_kv * slices exceed 65535 (launch_sm90.h).
+    launch_attn_chunks(p, (p.seqlen_k + kTile - 1) / kTile, GridHeads::kKv, L::kSlices, "bwd wgmma main",
+                       [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                         kernel<<<dim3(gx, gy, gz), kWgThreads, L::kBytes, stream>>>(pc);
+                         check("bwd wgmma main");
+                       });
   });
 }
 

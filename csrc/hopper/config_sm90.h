@@ -27,7 +27,40 @@ constexpr bool supported_head_dims(int d_qk, int d_v) {
          (d_qk == 192 && d_v == 128);
 }
 
+// ---- head dims served by zero padding (csrc/torch/ops_cuda.cpp) --------------
+//
+// Every (head_dim_qk, head_dim_v) in [1, kMaxHeadDim]^2 runs on CUDA: the op pads
+// Q and K (and V, dO, O) with zero channels to the first instantiated pair, in
+// the order below, that covers both dims, and slices O, dQ, dK, dV back. The
+// order is by padded work (head_dim_qk + head_dim_v: 128, 256, 320, 512), so
+// the first covering pair is also the cheapest. Exact under the FP8 recipe
+// (numerics.md section 7, "Zero-padded head dims"): head_dim blocks start at
+// channel 0 and are 128 channels wide (or the whole head_dim when it is
+// shorter), so zero channels change no block's amax, scale or codes of the
+// real channels; a padded block that holds only zeros gets scale 1 and codes
+// 0, adding exactly 0 to S and dP; every column-blocked operand (V, dO, Q, K
+// along the sequence) is per channel, so the padded channels only produce the
+// padded columns of O, dV, dQ, dK, which are sliced off.
+constexpr int kMaxHeadDim = 256;
+struct HeadDims {
+  int qk, v;
+};
+constexpr HeadDims kKernelHeadDims[] = {{64, 64}, {128, 128}, {192, 128}, {256, 256}};
+// The kernel pair serving (d_qk, d_v), or {0, 0} when a dim is outside [1, 256].
+constexpr HeadDims kernel_head_dims(int d_qk, int d_v) {
+  if (d_qk < 1 || d_v < 1 || d_qk > kMaxHeadDim || d_v > kMaxHeadDim) return {0, 0};
+  for (const HeadDims& k : kKernelHeadDims)
+    if (d_qk <= k.qk && d_v <= k.v) return k;
+  return {0, 0};
+}
+
 static_assert(kSeqBlock % kSeqPad == 0, "sequence blocks must be whole padded rows");
+static_assert(supported_head_dims(kKernelHeadDims[0].qk, kKernelHeadDims[0].v) &&
+                  supported_head_dims(kKernelHeadDims[1].qk, kKernelHeadDims[1].v) &&
+                  supported_head_dims(kKernelHeadDims[2].qk, kKernelHeadDims[2].v) &&
+                  supported_head_dims(kKernelHeadDims[3].qk, kKernelHeadDims[3].v),
+              "padding targets are instantiated pairs");
+static_assert(kernel_head_dims(kMaxHeadDim, kMaxHeadDim).qk == kMaxHeadDim, "every pair up to 256 is covered");
 static_assert(kSeqBlock == 128, "the kernels' fragment maps assume 128-token blocks");
 static_assert(dim_block(64) == 64 && dim_block(192) == 128 && num_dim_blocks(192) == 2,
               "head_dim block rule of numerics.md section 2");

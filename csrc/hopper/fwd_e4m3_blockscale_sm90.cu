@@ -42,6 +42,7 @@
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_softmax_sm90.cuh"
 #include "hopper/fwd_wgmma_e4m3_blockscale_sm90.h"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -435,11 +436,15 @@ void launch_fwd_warps(const KernelParams& p, cudaStream_t stream) {
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8attn: run_fwd: cudaFuncSetAttribute failed: ") +
                              cudaGetErrorString(err));
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8attn: run_fwd: launch failed: ") + cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(p, (p.seqlen_q + T::kBlockM - 1) / T::kBlockM, GridHeads::kQuery, 1, "run_fwd",
+                     [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                       kernel<<<dim3(gx, gy, gz), T::kThreads, T::kSmemBytes, stream>>>(pc);
+                       const cudaError_t e = cudaGetLastError();
+                       if (e != cudaSuccess)
+                         throw std::runtime_error(std::string("fp8attn: run_fwd: launch failed: ") +
+                                                  cudaGetErrorString(e));
+                     });
 }
 
 template <int kD, int kDv>
@@ -467,7 +472,8 @@ void run_fwd(const KernelParams& p, cudaStream_t stream) {
   if (p.seqlen_q < 1 || p.seqlen_k < 1) bad("seqlen", "seqlen_q and seqlen_k must be >= 1");
   if (p.num_heads_kv < 1 || p.num_heads_q % p.num_heads_kv != 0)
     bad("num_heads_kv", "num_heads_q must be a multiple of num_heads_kv");
-  if (p.batch < 1 || p.batch > 65535 || p.num_heads_q > 65535) bad("batch", "batch and num_heads_q must be in [1, 65535]");
+  if (p.batch < 1 || p.num_heads_q < 1 || static_cast<int64_t>(p.batch) * p.num_heads_q > 2147483647)
+    bad("batch", "batch and num_heads_q must be >= 1 with batch * num_heads_q < 2^31");
   if (p.seqlen_k_pad < p.seqlen_k || p.seqlen_k_pad % kSeqPad != 0)
     bad("seqlen_k_pad", "must be a multiple of 16 and >= seqlen_k");
   // NOTE: the wgmma kernel (fwd_wgmma_e4m3_blockscale_sm90.cu) takes the shapes

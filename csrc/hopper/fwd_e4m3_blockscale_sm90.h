@@ -21,7 +21,9 @@
 //
 // Preconditions (set by csrc/torch/ops_cuda.cpp): block_size == 128;
 // (head_dim_qk, head_dim_v) in {(64,64), (128,128), (256,256), (192,128)};
-// num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k >= 1; batch <= 65535.
+// num_heads_q % num_heads_kv == 0; seqlen_q, seqlen_k in [1, 2^30); batch * num_heads_q
+// < 2^31 (more than 65535 heads or batch entries run as several launches,
+// launch_sm90.h).
 // Errors: an unsupported configuration throws std::invalid_argument naming the
 // field, as does an FP8ATTN_FWD_KERNEL value other than mma / wgmma /
 // wgmma_serial / wgmma_overlap / wgmma_pingpong / wgmma_serial3 (unset or

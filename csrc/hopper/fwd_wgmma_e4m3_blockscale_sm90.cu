@@ -61,6 +61,7 @@
 
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_softmax_sm90.cuh"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -1020,48 +1021,64 @@ CUtensorMap make_map(const void* base, uint64_t d0, uint64_t d1, uint64_t d2, ui
   return m;
 }
 
+// (b, h) rows of the query and kv side from a chunk's first row to the end:
+// the TMA maps' outermost extent (the kernel's coordinate bhq / bhk is
+// chunk-local; launch_sm90.h).
+uint64_t rows_q(const KernelParams& p, const AttnChunk& c) {
+  return static_cast<uint64_t>(p.batch * static_cast<int64_t>(p.num_heads_q) - (c.b0 * p.num_heads_q + c.hq0));
+}
+uint64_t rows_kv(const KernelParams& p, const AttnChunk& c) {
+  return static_cast<uint64_t>(p.batch * static_cast<int64_t>(p.num_heads_kv) - (c.b0 * p.num_heads_kv + c.hk0));
+}
+
 template <int kD, int kDv, int kVariant>
 void launch(const KernelParams& p, cudaStream_t stream) {
   using T = WTraits<kD, kDv, consumer_wgs(kVariant)>;
-  const uint64_t bhq = static_cast<uint64_t>(p.batch) * p.num_heads_q;
-  const uint64_t bhk = static_cast<uint64_t>(p.batch) * p.num_heads_kv;
-  const CUtensorMapSwizzle swz_qk = kD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-  const CUtensorMap tm_q = make_map(p.q_row, kD, p.seqlen_q, bhq, kD, T::kBlockM, swz_qk, "q_row");
-  const CUtensorMap tm_k = make_map(p.k_row, kD, p.seqlen_k, bhk, kD, T::kBlockN, swz_qk, "k_row");
-  const CUtensorMap tm_v =
-      make_map(p.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
   auto kernel = fwd_wgmma_kernel<kD, kDv, kVariant>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(
+      p, (p.seqlen_q + T::kBlockM - 1) / T::kBlockM, GridHeads::kQuery, 1, "run_fwd_wgmma",
+      [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk& c) {
+        const uint64_t bhq = rows_q(p, c), bhk = rows_kv(p, c);
+        const CUtensorMapSwizzle swz_qk = kD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+        const CUtensorMap tm_q = make_map(pc.q_row, kD, p.seqlen_q, bhq, kD, T::kBlockM, swz_qk, "q_row");
+        const CUtensorMap tm_k = make_map(pc.k_row, kD, p.seqlen_k, bhk, kD, T::kBlockN, swz_qk, "k_row");
+        const CUtensorMap tm_v =
+            make_map(pc.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
+        kernel<<<dim3(gx, gy, gz), T::kThreads, T::kSmemBytes, stream>>>(pc, tm_q, tm_k, tm_v);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(e));
+      });
 }
 
 template <int kD, int kDv>
 void launch_d2(const KernelParams& p, cudaStream_t stream) {
   using T = WTraits2<kD, kDv>;
-  const uint64_t bhq = static_cast<uint64_t>(p.batch) * p.num_heads_q;
-  const uint64_t bhk = static_cast<uint64_t>(p.batch) * p.num_heads_kv;
-  // NOTE: one map per head_dim block: the box of block 1 is 64 bytes wide at
-  // d = 192 (64B swizzle), and a box row must be one swizzle span.
-  const CUtensorMapSwizzle swz1 = T::kD1 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-  const CUtensorMap tm_q0 =
-      make_map(p.q_row, kD, p.seqlen_q, bhq, T::kD0, T::kBlockM, CU_TENSOR_MAP_SWIZZLE_128B, "q_row (block 0)");
-  const CUtensorMap tm_q1 = make_map(p.q_row, kD, p.seqlen_q, bhq, T::kD1, T::kBlockM, swz1, "q_row (block 1)");
-  const CUtensorMap tm_k0 =
-      make_map(p.k_row, kD, p.seqlen_k, bhk, T::kD0, T::kBlockN, CU_TENSOR_MAP_SWIZZLE_128B, "k_row (block 0)");
-  const CUtensorMap tm_k1 = make_map(p.k_row, kD, p.seqlen_k, bhk, T::kD1, T::kBlockN, swz1, "k_row (block 1)");
-  const CUtensorMap tm_v =
-      make_map(p.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
   auto kernel = fwd_wgmma_d2_kernel<kD, kDv>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.num_heads_q, p.batch);
-  kernel<<<grid, fwdw::kThreads, T::kSmemBytes, stream>>>(p, tm_q0, tm_q1, tm_k0, tm_k1, tm_v);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(
+      p, (p.seqlen_q + T::kBlockM - 1) / T::kBlockM, GridHeads::kQuery, 1, "run_fwd_wgmma",
+      [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk& c) {
+        const uint64_t bhq = rows_q(p, c), bhk = rows_kv(p, c);
+        // NOTE: one map per head_dim block: the box of block 1 is 64 bytes wide at
+        // d = 192 (64B swizzle), and a box row must be one swizzle span.
+        const CUtensorMapSwizzle swz1 = T::kD1 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+        const CUtensorMap tm_q0 =
+            make_map(pc.q_row, kD, p.seqlen_q, bhq, T::kD0, T::kBlockM, CU_TENSOR_MAP_SWIZZLE_128B, "q_row (block 0)");
+        const CUtensorMap tm_q1 = make_map(pc.q_row, kD, p.seqlen_q, bhq, T::kD1, T::kBlockM, swz1, "q_row (block 1)");
+        const CUtensorMap tm_k0 =
+            make_map(pc.k_row, kD, p.seqlen_k, bhk, T::kD0, T::kBlockN, CU_TENSOR_MAP_SWIZZLE_128B, "k_row (block 0)");
+        const CUtensorMap tm_k1 = make_map(pc.k_row, kD, p.seqlen_k, bhk, T::kD1, T::kBlockN, swz1, "k_row (block 1)");
+        const CUtensorMap tm_v =
+            make_map(pc.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
+        kernel<<<dim3(gx, gy, gz), fwdw::kThreads, T::kSmemBytes, stream>>>(pc, tm_q0, tm_q1, tm_k0, tm_k1, tm_v);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(e));
+      });
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }

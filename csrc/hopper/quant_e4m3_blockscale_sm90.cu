@@ -23,6 +23,7 @@
 
 #include "common/fp8_codec.h"
 #include "hopper/config_sm90.h"
+#include "hopper/launch_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
@@ -225,15 +226,35 @@ void quantize_bf16_sm90(const QuantJob& j, cudaStream_t stream) {
   if ((j.colT == nullptr) != (j.col_s == nullptr)) bad("colT", "colT and col_s must both be set or both null");
   if (j.colT != nullptr && (j.seqlen_pad < j.seqlen || j.seqlen_pad % kSeqPad != 0))
     bad("seqlen_pad", "must be a multiple of 16 and >= seqlen");
-  if (static_cast<int64_t>(j.batch) * j.heads > 65535) bad("batch", "batch * heads must be <= 65535");
+  if (j.seqlen >= (1 << 30)) bad("seqlen", "must be < 2^30, got " + std::to_string(j.seqlen));
+  if (static_cast<int64_t>(j.batch) * j.heads >= (int64_t{1} << 31))
+    bad("batch", "batch * heads must be < 2^31, got " + std::to_string(static_cast<int64_t>(j.batch) * j.heads));
   if (j.row == nullptr && j.colT == nullptr) return;
   const int nblk_d = (j.dim + kMaxDimBlock - 1) / kMaxDimBlock;
   const int nblk_s = (j.seqlen + kSeqBlock - 1) / kSeqBlock;
-  const dim3 grid(nblk_s, nblk_d, j.batch * j.heads);
-  quant_bf16_kernel<<<grid, kQuantThreads, 0, stream>>>(j, nblk_d, nblk_s);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("fp8attn: quantize_bf16_sm90 launch failed: ") + cudaGetErrorString(err));
+  // NOTE: (b, h) rows on gridDim.z (<= 65535): more run as several launches,
+  // each on a job whose pointers start at its first row (launch_sm90.h); the
+  // kernel is unchanged, and batch * heads <= 65535 is one launch on j itself.
+  for_each_row_chunk(j.batch, j.heads, [&](const RowChunk& c) {
+    QuantJob jc = j;
+    const int64_t r0 = c.b0 * j.heads + c.h0;  // first (b, h) row of the chunk
+    jc.x = static_cast<const uint16_t*>(j.x) + c.b0 * j.stride_batch + c.h0 * j.stride_head;
+    jc.batch = static_cast<int>(c.nb);
+    jc.heads = static_cast<int>(c.nh);
+    if (j.row != nullptr) {
+      jc.row = j.row + r0 * j.seqlen * j.dim;
+      jc.row_s = j.row_s + r0 * j.seqlen * nblk_d;
+    }
+    if (j.colT != nullptr) {
+      jc.colT = j.colT + r0 * j.dim * j.seqlen_pad;
+      jc.col_s = j.col_s + r0 * j.dim * nblk_s;
+    }
+    const dim3 grid(nblk_s, nblk_d, static_cast<unsigned>(c.nb * c.nh));
+    quant_bf16_kernel<<<grid, kQuantThreads, 0, stream>>>(jc, nblk_d, nblk_s);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("fp8attn: quantize_bf16_sm90 launch failed: ") + cudaGetErrorString(err));
+  });
 }
 
 }  // namespace sm90

@@ -45,7 +45,9 @@ struct QuantJob {
 // Launches the quantization on `stream`. Requirements (checked, throwing
 // std::invalid_argument naming the field): dim in {64, 128, 192, 256} (head
 // dims whose blocks are 64 or 128 channels), 16-byte aligned x and strides,
-// batch * heads <= 65535. seqlen == 0 or batch * heads == 0 is a no-op.
+// batch * heads < 2^31 (any number of (b, h) rows: more than 65535 run as
+// several launches, launch_sm90.h), seqlen < 2^30 (token indices are int,
+// element offsets 64-bit). seqlen == 0 or batch * heads == 0 is a no-op.
 // Throws std::runtime_error on a CUDA launch error.
 void quantize_bf16_sm90(const QuantJob& job, cudaStream_t stream);
 

@@ -4,11 +4,26 @@
 //
 // What the CUDA path supports (anything else raises a clear error naming the
 // argument):
-//   - q, k, v (and dout, out for bwd) bfloat16 CUDA tensors on one device,
-//     [batch, heads, seqlen, head_dim], any strides (copied to a contiguous
-//     tensor when the head_dim stride is not 1 or rows are not 16-byte aligned);
-//   - (head_dim_qk, head_dim_v) in {(64,64), (128,128), (256,256), (192,128)};
-//   - block_size == 128; num_heads_q a multiple of num_heads_kv (GQA);
+//   - q, k, v (and dout, out for bwd) bfloat16 or float32 CUDA tensors on one
+//     device, q, k, v of one dtype, [batch, heads, seqlen, head_dim], any
+//     strides (copied to a contiguous tensor when the head_dim stride is not 1
+//     or rows are not 16-byte aligned). float32 inputs are rounded to bfloat16
+//     first (the kernels read BF16; one extra rounding of at most 2^-9
+//     relative before the FP8 quantization, whose step is 2^-4 in E4M3), and
+//     the outputs come back as float32 (out, dq, dk, dv in the dtype of q, k,
+//     v; their values are BF16 numbers). float64 / float16 raise TypeError;
+//   - every head_dim_qk, head_dim_v in [1, 256]: the kernels are instantiated
+//     for (64,64), (128,128), (192,128), (256,256); any other pair is padded
+//     with zero channels to the first of those that covers it
+//     (kernel_head_dims, config_sm90.h; exact under the FP8 recipe, the
+//     comment there and numerics.md section 7), and O, dQ, dK, dV are sliced
+//     back (a copy of each). softmax_scale is the caller's (the Python layer's
+//     default is 1/sqrt of the true head_dim_qk);
+//   - block_size == 128 (other block sizes: the CPU reference only; ValueError);
+//     num_heads_q a multiple of num_heads_kv (GQA);
+//   - any batch x heads (< 2^31 (b, h) pairs; more than 65535 run as several
+//     launches, hopper/launch_sm90.h) and seqlen < 2^30 (element offsets are
+//     64-bit: tensors of 2^31 and more elements work);
 //   - precision == "fp8". precision == "exact" raises NotImplementedError: the
 //     exact path (FP64 accumulation, numerics.md section 1) is the CPU
 //     reference's job; call the op on CPU tensors for it. NOTE: a silent
@@ -19,10 +34,11 @@
 // kernel, RuntimeError for a CUDA launch failure.
 //
 // Work per call (stream = the current torch CUDA stream of q's device):
-//   fwd: quantize Q (row), K (row), V (column) -> run_fwd.
-//   bwd: quantize Q, K, dO (row and column), V (row) -> allocate the backward
+//   fwd: [pad / convert Q, K, V] -> quantize Q (row), K (row), V (column) ->
+//        run_fwd -> [slice / convert O].
+//   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
 //        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
-//        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h).
+//        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -66,8 +82,8 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
   TORCH_CHECK_VALUE(t.dim() == 4, "fp8attn: argument '", name,
                     "': expected a 4-D tensor [batch, heads, seqlen, head_dim], got ", t.dim(),
                     "-D with shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "fp8attn: argument '", name,
-                   "': the CUDA kernels take bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, "fp8attn: argument '", name,
+                   "': dtype must be bfloat16 or float32 (rounded to bfloat16) on CUDA, got ", t.scalar_type());
 }
 
 void check_size(const at::Tensor& t, int dim, int64_t expected, const char* name, const char* what) {
@@ -102,10 +118,11 @@ void check_scaling(c10::string_view scaling) {
 }
 
 
-
-// Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked.
+// Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked;
+// kqk, kv: the head dims of the kernel that runs it (kernel_head_dims: D, Dv
+// padded with zero channels).
 struct Problem {
-  int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, dqk, dv;
+  int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, dqk, dv, kqk, kv;
   bool empty() const { return batch == 0 || heads_q == 0 || seqlen_q == 0; }
 };
 
@@ -116,7 +133,11 @@ Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_cuda_tensor(q, "q", device);
   check_cuda_tensor(k, "k", device);
   check_cuda_tensor(v, "v", device);
-  Problem pr{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "fp8attn: argument 'k': must have q's dtype ",
+                   q.scalar_type(), ", got ", k.scalar_type());
+  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "fp8attn: argument 'v': must have q's dtype ",
+                   q.scalar_type(), ", got ", v.scalar_type());
+  Problem pr{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3), 0, 0};
   check_size(k, 0, pr.batch, "k", "batch");
   check_size(v, 0, pr.batch, "v", "batch");
   check_size(k, 3, pr.dqk, "k", "head_dim (must equal q's)");
@@ -124,19 +145,46 @@ Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_size(v, 2, pr.seqlen_k, "v", "seqlen (must equal k's)");
   TORCH_CHECK_VALUE(pr.heads_kv >= 1 && pr.heads_q % pr.heads_kv == 0, "fp8attn: argument 'k': num_heads_kv (",
                     pr.heads_kv, ") must be >= 1 and divide num_heads_q (", pr.heads_q, ")");
-  TORCH_CHECK_VALUE(supported_head_dims(static_cast<int>(pr.dqk), static_cast<int>(pr.dv)),
-                    "fp8attn: argument 'q': (head_dim_qk, head_dim_v) = (", pr.dqk, ", ", pr.dv,
-                    ") has no CUDA kernel; supported: (64, 64), (128, 128), (256, 256), (192, 128)");
+  TORCH_CHECK_VALUE(pr.dqk >= 1 && pr.dqk <= kMaxHeadDim, "fp8attn: argument 'q': head_dim must be in [1, ",
+                    kMaxHeadDim, "] on CUDA, got ", pr.dqk);
+  TORCH_CHECK_VALUE(pr.dv >= 1 && pr.dv <= kMaxHeadDim, "fp8attn: argument 'v': head_dim must be in [1, ",
+                    kMaxHeadDim, "] on CUDA, got ", pr.dv);
+  const HeadDims kd = kernel_head_dims(static_cast<int>(pr.dqk), static_cast<int>(pr.dv));
+  pr.kqk = kd.qk;
+  pr.kv = kd.v;
   TORCH_CHECK_VALUE(block_size == kSeqBlock, "fp8attn: argument 'block_size': the CUDA kernels support 128 only, got ",
-                    block_size);
+                    block_size, " (block sizes 32 and 64 run on the CPU reference: pass CPU tensors)");
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0.0,
                     "fp8attn: argument 'softmax_scale': must be finite and > 0, got ", softmax_scale);
   constexpr int64_t kMaxSeq = (int64_t{1} << 30);
-  TORCH_CHECK_VALUE(pr.seqlen_q < kMaxSeq && pr.seqlen_k < kMaxSeq, "fp8attn: argument 'q': seqlen must be < 2^30");
-  TORCH_CHECK_VALUE(pr.batch * pr.heads_q <= 65535 && pr.batch * pr.heads_kv <= 65535,
-                    "fp8attn: argument 'q': batch * num_heads must be <= 65535 on CUDA, got ",
-                    pr.batch * pr.heads_q);
+  TORCH_CHECK_VALUE(pr.seqlen_q < kMaxSeq && pr.seqlen_k < kMaxSeq,
+                    "fp8attn: argument 'q': seqlen_q and seqlen_k must be < 2^30 on CUDA, got ", pr.seqlen_q, " and ",
+                    pr.seqlen_k);
+  // NOTE: (b, h) indices are int and TMA coordinates int32 (hopper/launch_sm90.h
+  // splits grids past 65535); 2^31 (b, h) rows exceed any GPU's memory anyway.
+  TORCH_CHECK_VALUE(pr.batch * pr.heads_q < (int64_t{1} << 31),
+                    "fp8attn: argument 'q': batch * num_heads_q must be < 2^31 on CUDA, got ", pr.batch * pr.heads_q);
   return pr;
+}
+
+// x as the kernels read it: BF16 with head_dim d (x's channels, then zero
+// channels up to d). x itself when it already is that (aligned_bf16: a copy
+// only for a misaligned layout); else one copy, which also converts float32.
+at::Tensor kernel_input(const at::Tensor& x, int64_t d) {
+  if (x.scalar_type() == at::kBFloat16 && x.size(3) == d) return aligned_bf16(x);
+  at::Tensor y = at::empty({x.size(0), x.size(1), x.size(2), d}, x.options().dtype(at::kBFloat16));
+  if (d > x.size(3)) y.narrow(3, x.size(3), d - x.size(3)).zero_();
+  y.narrow(3, 0, x.size(3)).copy_(x);
+  return y;
+}
+
+// The op's output from a kernel output y [B, H, S, kd] (BF16, contiguous): its
+// first d channels in `dtype`, contiguous; y itself when that is the same.
+at::Tensor op_output(const at::Tensor& y, int64_t d, at::ScalarType dtype) {
+  if (y.size(3) == d && dtype == at::kBFloat16) return y;
+  at::Tensor r = at::empty({y.size(0), y.size(1), y.size(2), d}, y.options().dtype(dtype));
+  r.copy_(y.narrow(3, 0, d));
+  return r;
 }
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -154,7 +202,7 @@ void launch(Fn&& fn) {
   }
 }
 
-// Quantizes x [B, H, S, D] (BF16, aligned) on `stream`; outputs that are
+// Quantizes x [B, H, S, D] (BF16, aligned; B * H < 2^31, S < 2^30) on `stream`; outputs that are
 // undefined tensors are not produced.
 void quantize(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
               const at::Tensor& colT, const at::Tensor& col_s, int64_t seqlen_pad, cudaStream_t stream) {
@@ -201,8 +249,8 @@ void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, bool c
   kp.seqlen_k = static_cast<int>(pr.seqlen_k);
   kp.num_heads_q = static_cast<int>(pr.heads_q);
   kp.num_heads_kv = static_cast<int>(pr.heads_kv);
-  kp.head_dim_qk = static_cast<int>(pr.dqk);
-  kp.head_dim_v = static_cast<int>(pr.dv);
+  kp.head_dim_qk = static_cast<int>(pr.kqk);  // the kernel's (padded) head dims
+  kp.head_dim_v = static_cast<int>(pr.kv);
   kp.block_size = kSeqBlock;
   kp.softmax_scale = static_cast<float>(softmax_scale);
   kp.causal = causal;
@@ -221,23 +269,24 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
 
 // ---- ops ------------------------------------------------------------------------
 
-// fwd: out bf16 [B,Hq,Sq,Dv] contiguous, lse float32 [B,Hq,Sq] (numerics.md s.1-3).
+// fwd: out [B,Hq,Sq,Dv] contiguous in q's dtype, lse float32 [B,Hq,Sq]
+// (numerics.md s.1-3; padded head dims: s.7).
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
                                             int64_t block_size, c10::string_view scaling) {
   check_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor out = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.dv}, q_in.options());
   at::Tensor lse = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
-  if (pr.empty()) return {out, lse};
-  if (pr.seqlen_k == 0) {  // no key at all: every row sees no key
-    out.zero_();
+  if (pr.empty() || pr.seqlen_k == 0) {  // nothing to compute, or no key at all: every row sees no key
     lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
+    return {at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dv}, q_in.options()), lse};
   }
-  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
+  const at::Tensor q = kernel_input(q_in, pr.kqk), k = kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  // The kernel's O (BF16, the kernel's head_dim_v); the op's out is it unless
+  // the head dims are padded or q is float32 (op_output).
+  at::Tensor out_k = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kv}, q.options());
 
   auto [q_row, q_row_s] = alloc_row(q);
   auto [k_row, k_row_s] = alloc_row(k);
@@ -252,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
   set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
   set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
-  kp.out = out.data_ptr();
+  kp.out = out_k.data_ptr();
   kp.lse = lse.data_ptr<float>();
   kp.q_row = q_row.data_ptr<uint8_t>();
   kp.q_row_s = q_row_s.data_ptr<float>();
@@ -261,10 +310,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   kp.v_colT = v_colT.data_ptr<uint8_t>();
   kp.v_col_s = v_col_s.data_ptr<float>();
   launch([&] { run_fwd(kp, stream); });
-  return {out, lse};
+  return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
 }
 
-// bwd: dq/dk/dv bf16 contiguous in the shapes of q/k/v; diag float32
+// bwd: dq/dk/dv contiguous in the shapes and dtype of q/k/v; diag float32
 // [4,B,Hq,Sq] = (delta, eps, rowsum_pre, rowsum_post) when `diagnostics`,
 // else empty [0] (numerics.md sections 3-5).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -299,22 +348,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   const c10::cuda::CUDAGuard guard(device);
   const auto opts = q_in.options();
-  at::Tensor dq = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, opts);
-  at::Tensor dk = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dqk}, opts);
-  at::Tensor dv = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dv}, opts);
   const auto fopts = opts.dtype(at::kFloat);
   at::Tensor diag = diagnostics ? at::empty({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::empty({0}, fopts);
   if (pr.empty() || pr.seqlen_k == 0) {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
     diag.zero_();
-    return {dq, dk, dv, diag};
+    return {at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, opts),
+            at::zeros({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dqk}, opts),
+            at::zeros({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dv}, opts), diag};
   }
 
-  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
-  const at::Tensor dout = aligned_bf16(dout_in), out = aligned_bf16(out_in);
+  // The kernels' operands: BF16, head dims padded to the kernel's (kernel_input).
+  const at::Tensor q = kernel_input(q_in, pr.kqk), k = kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
+  const at::Tensor dout = kernel_input(dout_in, pr.kv), out = kernel_input(out_in, pr.kv);
   const at::Tensor lse = lse_in.contiguous();
+  // The kernels' gradients (BF16, padded head dims); op_output slices / converts.
+  const auto bopts = opts.dtype(at::kBFloat16);
+  at::Tensor dq = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, bopts);
+  at::Tensor dk = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.kqk}, bopts);
+  at::Tensor dv = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.kv}, bopts);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
   // Quantized operands (kernel_params_sm90.h). V's column blocking feeds only
@@ -335,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   // Workspace.
   at::Tensor delta = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
   at::Tensor delta_dm = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
-  at::Tensor dq_accum = at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, fopts);
+  at::Tensor dq_accum = at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, fopts);
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
 
   KernelParams kp{};
@@ -371,7 +422,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
   kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
   launch([&] { sm90::run_bwd(kp, stream); });
-  return {dq, dk, dv, diag};
+  const at::ScalarType dt = q_in.scalar_type();
+  return {op_output(dq, pr.dqk, dt), op_output(dk, pr.dqk, dt), op_output(dv, pr.dv, dt), diag};
 }
 
 // quantize_blockwise on CUDA (used to check the quantization kernels bit for
@@ -396,7 +448,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
   const int64_t D = x_in.size(3);
   TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
                     "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
-  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) <= 65535, "fp8attn: argument 'x': size(0) * size(1) must be <= 65535");
+  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) < (int64_t{1} << 31) && x_in.size(2) < (int64_t{1} << 30),
+                    "fp8attn: argument 'x': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ",
+                    x_in.sizes());
   TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
                     std::string(fmt_s), "\"");
   const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;

@@ -194,6 +194,10 @@ def _check_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: st
     if not _lib.HAS_CUDA_KERNELS:
         raise ValueError(_err(fn, "q", "is a CUDA tensor but fp8attn was built without CUDA kernels "
                                        "(rebuild with FP8ATTN_BUILD_CUDA=1, or use CPU tensors)"))
+    if q.dtype == torch.float64:
+        # NOTE: float32 is rounded to bfloat16 inside the CUDA op (numerics.md section 7).
+        raise TypeError(_err(fn, "q", "dtype float64 has no CUDA kernel (CUDA takes bfloat16 or float32; "
+                                      "float64 runs on CPU tensors)"))
     if CUDA_PRECISIONS is not None and precision not in CUDA_PRECISIONS:
         raise ValueError(_err(fn, "precision", f"{precision!r} has no CUDA kernel (supported: {CUDA_PRECISIONS})"))
     dims = (q.shape[3], v.shape[3])
@@ -381,7 +385,11 @@ def attention(
 
     Args:
         q: [batch, num_heads_q, seqlen_q, head_dim_qk] (SDPA layout), bfloat16,
-            float32 or float64. Any strides (a non-unit head_dim stride costs a copy).
+            float32 or float64 (CUDA: bfloat16 or float32, which the op rounds to
+            bfloat16 for the kernels; O and the gradients come back as float32).
+            Any strides (a non-unit head_dim stride costs a copy). head_dim_qk
+            and head_dim_v in [1, 256]; on CUDA a pair without its own kernel
+            runs zero-padded to the next one (exact, numerics.md section 7).
         k: [batch, num_heads_kv, seqlen_k, head_dim_qk]; num_heads_q must be a
             multiple of num_heads_kv (GQA: query head h uses kv head
             h // (num_heads_q // num_heads_kv)).
@@ -397,7 +405,8 @@ def attention(
         precision: "fp8" (the seven FP8 matmuls, section 3) or "exact"
             (section 1; "bf16" is an alias of "exact").
         block_size: with scaling="row", the FP8 block length along each matmul's
-            reduction dim: 32, 64, 128 (any integer type, e.g. numpy; not a bool)
+            reduction dim: 32, 64, 128 (any integer type, e.g. numpy; not a bool;
+            CUDA tensors: 128 only, ValueError otherwise)
             (dS of dQ = dS K uses min(block_size, 64) keys: numerics.md section 3).
             With scaling="tile", the tile edge: scales are per tile of
             block_size keys / queries, head_dim is never split (section 9).
@@ -419,14 +428,16 @@ def attention(
         log, not differentiable).
 
     Raises:
-        TypeError: a non-tensor input, an unsupported or mismatched dtype, a
-            wrongly typed option (causal / return_lse not a bool, softmax_scale
-            not a number, layer_name not a str or None).
+        TypeError: a non-tensor input, an unsupported or mismatched dtype
+            (float64 on CUDA), a wrongly typed option (causal / return_lse not a
+            bool, softmax_scale not a number, layer_name not a str or None).
         ValueError: mismatched shapes or devices, a bad option value (incl. a
             softmax_scale too large for FP32, a block_size that is not 32, 64
-            or 128, a scaling other than "row" / "tile"). The message names the
-            argument.
-        NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet).
+            or 128, or not 128 on CUDA, a scaling other than "row" / "tile").
+            The message names the argument.
+        NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet);
+            precision "exact" on CUDA tensors (the exact reference runs on CPU
+            tensors).
         RuntimeError: (in backward) a backward with create_graph=True while an
             input requires grad: double backward is not supported.
     """

@@ -254,7 +254,9 @@ def varlen_attention(
     starts at token 0 of every sequence, section 7).
 
     Args:
-        q: [total_q, num_heads_q, head_dim_qk], bfloat16, float32 or float64.
+        q: [total_q, num_heads_q, head_dim_qk], bfloat16, float32 or float64
+            (CUDA: as in `fp8attn.attention`: bfloat16 or float32, head dims
+            1..256).
         k: [total_k, num_heads_kv, head_dim_qk]; num_heads_q must be a multiple
             of num_heads_kv (GQA).
         v: [total_k, num_heads_kv, head_dim_v].
@@ -265,6 +267,9 @@ def varlen_attention(
             0, and whatever they hold (even NaN) reaches no output or gradient.
             Their values are read on the host inside the op fp8attn::varlen_fwd
             (a sync if they live on the GPU; no graph break under torch.compile).
+            int32 holds totals up to 2^31 - 1 tokens; use int64 beyond. Each
+            sequence is one fwd / bwd op call, with that op's limits (on CUDA:
+            any number of heads, seqlen < 2^30; tensors of 2^31+ elements).
         max_seqlen_q, max_seqlen_k: optional ints; must be >= the longest
             sequence (ValueError otherwise, raised when the op runs).
             Informative only.

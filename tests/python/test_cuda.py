@@ -517,11 +517,13 @@ def test_errors_name_the_argument():
         OPS.fwd(q, k, v, 0.125, False, "exact", 128)
     with pytest.raises(ValueError, match="precision"):
         OPS.fwd(q, k, v, 0.125, False, "fp16", 128)
+    # float32 is rounded to BF16 and head_dims up to 256 are zero-padded
+    # (test_cuda_head_dims.py); float64 and head_dim 257 are errors.
     with pytest.raises(TypeError, match="'q'"):
-        OPS.fwd(q.float(), k.float(), v.float(), 0.125, False, "fp8", 128)
-    q96 = torch.randn(1, 4, 64, 96, device="cuda", dtype=torch.bfloat16)
+        OPS.fwd(q.double(), k.double(), v.double(), 0.125, False, "fp8", 128)
+    q257 = torch.randn(1, 4, 64, 257, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim"):
-        OPS.fwd(q96, q96[:, :2], q96[:, :2], 0.125, False, "fp8", 128)
+        OPS.fwd(q257, q257[:, :2], q257[:, :2], 0.125, False, "fp8", 128)
     with pytest.raises(ValueError, match="'k'"):
         OPS.fwd(q, k.cpu(), v, 0.125, False, "fp8", 128)
     with pytest.raises(ValueError, match="num_heads_kv"):
