@@ -502,6 +502,37 @@ def test_fwd_unknown_kernel_env_is_an_error(monkeypatch):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("warps", [None, "4", "8"], ids=str)
+def test_fwd_warps_env_launches_that_cta_shape(warps, monkeypatch):
+    # FP8ATTN_FWD_WARPS picks the mma.sync forward's CTA (fwd_kernel<d, dv, kWarps>);
+    # unset: the per-head_dim default (fwd_warps: 4 at d 64).
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", "mma")
+    if warps is None:
+        monkeypatch.delenv("FP8ATTN_FWD_WARPS", raising=False)
+    else:
+        monkeypatch.setenv("FP8ATTN_FWD_WARPS", warps)
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 300, 300, 64, 64, seed_of("warps-env")))
+    names = [n for n in cuda_kernel_names(lambda: OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128))
+             if re.search(r"\bfwd_kernel<", n)]
+    want = warps or "4"
+    assert len(names) == 1 and re.search(rf"fwd_kernel<\s*64\s*,\s*64\s*,\s*{want}\s*>", names[0]), names
+
+
+@pytest.mark.parametrize("kernel", ["", "mma"], ids=["default", "mma"])
+@pytest.mark.parametrize("value", ["16", "four", "4 ", "0"])
+def test_bad_fwd_warps_env_is_an_error(kernel, value, monkeypatch):
+    # Before: read once per process and any value but 4 / 8 silently took the default.
+    # Now an error whichever forward kernel would run (checked before the choice).
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 100, 100, 64, 64, seed_of("warps-typo")))
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", kernel)
+    monkeypatch.setenv("FP8ATTN_FWD_WARPS", value)
+    with pytest.raises(ValueError, match=f"FP8ATTN_FWD_WARPS='{value}' is not one of 4, 8"):
+        OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    monkeypatch.setenv("FP8ATTN_FWD_WARPS", "")  # empty = unset: the default
+    out, _ = OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    assert torch.isfinite(out.float()).all()
+
+
 # ---- argument errors (no kernel launch) -------------------------------------------------
 
 

@@ -78,9 +78,13 @@ def init_from_env(device: str = "auto") -> DistContext:
 
     device: the trainer's --device ("auto" | "cpu" | "cuda"): gloo for CPU, nccl
     (and torch.cuda.set_device(LOCAL_RANK)) for CUDA.
-    Raises RuntimeError if torch.distributed or the backend is unavailable.
+    Raises RuntimeError if torch.distributed or the backend is unavailable;
+    ValueError if FP8ATTN_DIST is set to anything but 0, 1 or empty.
     """
-    forced = os.environ.get("FP8ATTN_DIST") == "1" and "MASTER_ADDR" in os.environ
+    from .. import _env
+
+    # NOTE: FP8ATTN_DIST must be 0, 1 or unset/empty (anything else: ValueError naming it).
+    forced = _env.flag("FP8ATTN_DIST", False) and "MASTER_ADDR" in os.environ
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not forced:
         return DistContext()
     if not dist.is_available():
