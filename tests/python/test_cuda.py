@@ -30,9 +30,7 @@ import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA_KERNELS = hasattr(torch.ops.fp8attn, "fwd") and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "fp8attn::fwd", "CUDA"
-)
+HAS_CUDA_KERNELS = fp8attn._lib.HAS_CUDA_KERNELS  # NOTE: a CPU-only build registers CUDA-key error kernels too
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if not HAS_CUDA_KERNELS:
@@ -531,6 +529,38 @@ def test_bad_fwd_warps_env_is_an_error(kernel, value, monkeypatch):
     monkeypatch.setenv("FP8ATTN_FWD_WARPS", "")  # empty = unset: the default
     out, _ = OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
     assert torch.isfinite(out.float()).all()
+
+
+def test_this_gpu_is_supported_and_import_does_not_warn():
+    # The device check passes on the H200 (sm_90) on both sides; the import-time
+    # warning (fp8attn._lib.warn_if_no_supported_gpu) stays silent in a fresh process.
+    import subprocess
+    import sys
+
+    fp8attn._lib.check_cuda_device(torch.device("cuda", 0))
+    assert fp8attn._lib.warn_if_no_supported_gpu() is None
+    code = ("import warnings, sys\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import fp8attn\n"
+            "sys.exit(7 if any(x.category.__name__ == 'DeviceSupportWarning' for x in w) else 0)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(fp8attn.__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cpu_only_ops_on_cuda_name_the_argument():
+    # fp8_encode / fp8_decode / dequantize_blockwise have CPU kernels only: a
+    # ValueError naming the argument, not torch's "Could not run ... 'CUDA' backend".
+    x = torch.randn(4, 128, device="cuda")
+    with pytest.raises(ValueError, match="fp8attn.fp8_encode: argument 'x': expected a CPU tensor"):
+        OPS.fp8_encode(x, "e4m3")
+    with pytest.raises(ValueError, match="fp8attn.fp8_decode: argument 'codes': expected a CPU tensor"):
+        OPS.fp8_decode(torch.zeros(4, dtype=torch.uint8, device="cuda"), "e4m3")
+    with pytest.raises(ValueError, match="fp8attn.dequantize_blockwise: argument 'codes': expected a CPU tensor"):
+        OPS.dequantize_blockwise(torch.zeros(1, 128, dtype=torch.uint8, device="cuda"),
+                                 torch.ones(1, 1, device="cuda"), -1, 128, "e4m3")
 
 
 # ---- argument errors (no kernel launch) -------------------------------------------------
