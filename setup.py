@@ -34,7 +34,12 @@ def _nvcc_major():
 
 def _want_cuda():
     env = os.environ.get("FP8ATTN_BUILD_CUDA")
-    if env is not None:
+    if env:
+        # NOTE: e.g. "true" must not silently build a CPU-only library.
+        if env not in ("0", "1"):
+            raise SystemExit(f"setup.py: environment variable FP8ATTN_BUILD_CUDA={env!r} is not one of 0, 1 "
+                             "(or unset / empty: build the CUDA kernels when torch has CUDA, nvcc's major "
+                             "version matches torch.version.cuda and a GPU is visible)")
         return env == "1"
     if torch.version.cuda is None or _nvcc_major() != int(torch.version.cuda.split(".")[0]):
         return False

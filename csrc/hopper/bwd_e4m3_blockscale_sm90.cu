@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/env_choice.h"
 #include "hopper/bwd_tile_sm90.cuh"
 #include "hopper/launch_sm90.h"
 
@@ -534,13 +535,8 @@ void launch_main(const KernelParams& p, cudaStream_t stream) {
 namespace {
 // FP8ATTN_BWD_KERNEL=wgmma (default: wgmma where it supports the shape, else
 // mma.sync) or mma (always the mma.sync kernels; benchmarking both).
-bool want_wgmma() {
-  const char* env = std::getenv("FP8ATTN_BWD_KERNEL");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "wgmma") == 0) return true;
-  if (std::strcmp(env, "mma") == 0) return false;
-  throw std::runtime_error(std::string("fp8attn: environment variable FP8ATTN_BWD_KERNEL: expected 'wgmma' or "
-                                       "'mma', got '") + env + "'");
-}
+// Any other non-empty value is a std::invalid_argument (ValueError) naming it.
+bool want_wgmma() { return env_choice("FP8ATTN_BWD_KERNEL", {"wgmma", "mma"}) != 1; }
 }  // namespace
 
 void run_bwd(const KernelParams& p, cudaStream_t stream) {

@@ -38,6 +38,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/env_choice.h"
 #include "common/fp8_codec.h"
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_softmax_sm90.cuh"
@@ -450,13 +451,10 @@ void launch_fwd_warps(const KernelParams& p, cudaStream_t stream) {
 template <int kD, int kDv>
 void launch_fwd(const KernelParams& p, cudaStream_t stream) {
   // NOTE: FP8ATTN_FWD_WARPS=4|8 overrides the CTA shape (benchmarking; 4 warps:
-  // 64 query rows, two CTAs per SM; 8 warps: 128 rows, one CTA per SM).
-  static const int env_warps = [] {
-    const char* e = std::getenv("FP8ATTN_FWD_WARPS");
-    const int w = e != nullptr ? std::atoi(e) : 0;
-    return w == 4 || w == 8 ? w : 0;
-  }();
-  const int warps = env_warps != 0 ? env_warps : fwd_warps(kD);
+  // 64 query rows, two CTAs per SM; 8 warps: 128 rows, one CTA per SM); read at
+  // every call, any other non-empty value is an error (run_fwd checks it first).
+  const int env_warps = env_choice("FP8ATTN_FWD_WARPS", {"4", "8"});
+  const int warps = env_warps == 0 ? 4 : env_warps == 1 ? 8 : fwd_warps(kD);
   if (warps == 4) return launch_fwd_warps<kD, kDv, 4>(p, stream);
   return launch_fwd_warps<kD, kDv, 8>(p, stream);
 }
@@ -479,15 +477,12 @@ void run_fwd(const KernelParams& p, cudaStream_t stream) {
   // NOTE: the wgmma kernel (fwd_wgmma_e4m3_blockscale_sm90.cu) takes the shapes
   // it supports; FP8ATTN_FWD_KERNEL=mma forces this kernel (read on every call,
   // so one process can benchmark both).
-  const char* env = std::getenv("FP8ATTN_FWD_KERNEL");
-  const std::string which = env != nullptr ? env : "";
-  // NOTE: a misspelt value would silently benchmark / test the default kernel.
-  if (!which.empty() && which != "mma" && which != "wgmma" && which != "wgmma_serial" && which != "wgmma_overlap" &&
-      which != "wgmma_pingpong" && which != "wgmma_serial3")
-    throw std::invalid_argument("fp8attn: environment variable FP8ATTN_FWD_KERNEL='" + which +
-                                "' is not one of mma, wgmma, wgmma_serial, wgmma_overlap, wgmma_pingpong, "
-                                "wgmma_serial3 (or unset / empty for the default)");
-  const bool force_mma = which == "mma";
+  // NOTE: a misspelt value would silently benchmark / test the default kernel,
+  // so both knobs are checked here, before any kernel is picked.
+  const int which = env_choice("FP8ATTN_FWD_KERNEL", {"mma", "wgmma", "wgmma_serial", "wgmma_overlap",
+                                                      "wgmma_pingpong", "wgmma_serial3"});
+  env_choice("FP8ATTN_FWD_WARPS", {"4", "8"});
+  const bool force_mma = which == 0;
   if (!force_mma && fwd_wgmma_supported(p)) return run_fwd_wgmma(p, stream);
   const int d = p.head_dim_qk, dv = p.head_dim_v;
   if (d == 64 && dv == 64) return launch_fwd<64, 64>(p, stream);

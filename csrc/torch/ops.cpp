@@ -3,6 +3,14 @@
 // Layouts and semantics: docs/architecture.md, docs/numerics.md.
 #include <torch/library.h>
 
+#include "op_stubs.h"
+
+#ifdef FP8ATTN_WITH_CUDA
+#define FP8ATTN_CUDA_BUILT true
+#else
+#define FP8ATTN_CUDA_BUILT false
+#endif
+
 TORCH_LIBRARY(fp8attn, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, str precision, "
@@ -16,4 +24,17 @@ TORCH_LIBRARY(fp8attn, m) {
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");
   m.def("dequantize_blockwise(Tensor codes, Tensor scales, int dim, int block_size, str fmt) -> Tensor");
+  // Whether this library holds the sm_90a kernels (fp8attn._lib.HAS_CUDA_KERNELS).
+  // NOTE: a CPU-only build also registers CUDA-key kernels (errors, below), so
+  // the dispatch table cannot tell the builds apart.
+  m.def("cuda_kernels_built() -> bool", [] { return FP8ATTN_CUDA_BUILT; });
 }
+
+#ifndef FP8ATTN_WITH_CUDA
+// A CUDA tensor in a CPU-only build: a ValueError saying so and how to rebuild
+// (op_stubs.h), not torch's "Could not run ... 'CUDA' backend".
+TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
+  for (const char* name : {"fwd", "bwd", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_not_built>());
+}
+#endif

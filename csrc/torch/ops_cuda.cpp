@@ -29,9 +29,12 @@
 //     reference's job; call the op on CPU tensors for it. NOTE: a silent
 //     device->host fallback was rejected because it would hide a large
 //     slowdown (host FP64 attention) inside a training step.
-// Errors: ValueError (TORCH_CHECK_VALUE) for a bad argument, TypeError for a
-// wrong dtype, NotImplementedError for precision "exact" or a missing backward
-// kernel, RuntimeError for a CUDA launch failure.
+// Errors: ValueError (TORCH_CHECK_VALUE) for a bad argument or a bad
+// FP8ATTN_* environment knob, TypeError for a wrong dtype, NotImplementedError
+// for precision "exact" or a missing backward kernel, RuntimeError for a GPU
+// that is not compute capability 9.0 (device_check.h: checked before any
+// launch) and for a CUDA launch failure. fp8_encode, fp8_decode and
+// dequantize_blockwise have CPU kernels only: ValueError on CUDA tensors.
 //
 // Work per call (stream = the current torch CUDA stream of q's device):
 //   fwd: [pad / convert Q, K, V] -> quantize Q (row), K (row), V (column) ->
@@ -51,7 +54,9 @@
 #include <string>
 
 #include "common/params.h"
+#include "device_check.h"
 #include "op_args.h"
+#include "op_stubs.h"
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
 #include "hopper/kernel_params_sm90.h"
@@ -131,6 +136,7 @@ Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_precision(precision);
   const at::Device device = q.device();
   check_cuda_tensor(q, "q", device);
+  check_cuda_device(device);  // RuntimeError on a GPU that is not sm_90 (before any launch)
   check_cuda_tensor(k, "k", device);
   check_cuda_tensor(v, "v", device);
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "fp8attn: argument 'k': must have q's dtype ",
@@ -436,6 +442,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_in, int64_t dim, int64_t block_size,
                                                            c10::string_view fmt_s) {
   TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
+  check_cuda_device(x_in.device());
   TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
                    "fp8attn: argument 'x': the CUDA quantize_blockwise takes bfloat16, got ", x_in.scalar_type());
   TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': the CUDA quantize_blockwise takes a rank-4 tensor, got rank ",
@@ -475,4 +482,7 @@ TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("fwd", &fp8attn::fwd_cuda);
   m.impl("bwd", &fp8attn::bwd_cuda);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
+  // CPU-only ops: a ValueError naming the argument (op_stubs.h), not torch's "Could not run".
+  for (const char* name : {"fp8_encode", "fp8_decode", "dequantize_blockwise"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cpu_only_op>());
 }

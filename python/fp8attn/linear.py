@@ -23,7 +23,8 @@ block, as in the reference; that equals zero padding to 128.
 
 Quantizers: on CUDA one fused Triton kernel per quantization
 (fp8attn/quant_fp8_block128_triton.py; bit-identical to the torch ops used on
-CPU; FP8ATTN_FUSED_QUANT=0 or `FUSED_QUANT = False` selects the torch ops). With
+CPU; FP8ATTN_FUSED_QUANT=0 or `FUSED_QUANT = False` selects the torch ops; any
+FP8ATTN_FUSED_QUANT other than 0, 1 or empty is a ValueError). With
 "scaled_mm" the forward quantizes x along K and, when W needs a gradient, x^T
 along the tokens from the same read, and saves only the FP8 x^T (and the
 weight codes) for backward; backward quantizes dy both ways from one read.
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import os
 import re
 import warnings
 from typing import Callable, Iterable, Optional, Tuple, Union
@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _env
 from . import quant_fp8_block128_triton as _TQ
 from .ops import single_backward
 
@@ -67,13 +68,17 @@ _FMT = {"e4m3": (torch.float8_e4m3fn, 448.0, 9), "e5m2": (torch.float8_e5m2, 573
 _BLOCK = 128
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Fused Triton quantizers for CUDA tensors (fp8attn/quant_fp8_block128_triton.py):
-# same codes and scales as the torch ops below. FP8ATTN_FUSED_QUANT=0 turns them off.
-FUSED_QUANT = os.environ.get("FP8ATTN_FUSED_QUANT", "1") != "0"
+# same codes and scales as the torch ops below. None: environment variable
+# FP8ATTN_FUSED_QUANT decides at each call (1 / unset: on, 0: off, anything else
+# a ValueError naming it); True / False override it (tests, benchmarks).
+FUSED_QUANT: Optional[bool] = None
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """True when `t` is quantized by the fused Triton kernels (CUDA, triton present)."""
-    return FUSED_QUANT and t.is_cuda and _TQ.available()
+    """True when `t` is quantized by the fused Triton kernels (CUDA, triton present).
+    Raises ValueError for a bad FP8ATTN_FUSED_QUANT (also for CPU tensors)."""
+    on = _env.flag("FP8ATTN_FUSED_QUANT", True) if FUSED_QUANT is None else FUSED_QUANT
+    return on and t.is_cuda and _TQ.available()
 
 
 def _err(arg: str, msg: str) -> str:

@@ -190,7 +190,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: s
 
 
 def _check_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str, fn: str) -> None:
-    """What the CUDA kernels support (hook; see CUDA_HEAD_DIMS / CUDA_PRECISIONS)."""
+    """What the CUDA kernels support (hook; see CUDA_HEAD_DIMS / CUDA_PRECISIONS).
+    Raises RuntimeError for a GPU that is not compute capability 9.0
+    (_lib.check_cuda_device), ValueError for a library without CUDA kernels."""
+    _lib.check_cuda_device(q.device)
     if not _lib.HAS_CUDA_KERNELS:
         raise ValueError(_err(fn, "q", "is a CUDA tensor but fp8attn was built without CUDA kernels "
                                        "(rebuild with FP8ATTN_BUILD_CUDA=1, or use CPU tensors)"))

@@ -30,9 +30,7 @@ import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA_KERNELS = hasattr(torch.ops.fp8attn, "fwd") and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "fp8attn::fwd", "CUDA"
-)
+HAS_CUDA_KERNELS = fp8attn._lib.HAS_CUDA_KERNELS  # NOTE: a CPU-only build registers CUDA-key error kernels too
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if not HAS_CUDA_KERNELS:
@@ -500,6 +498,69 @@ def test_fwd_unknown_kernel_env_is_an_error(monkeypatch):
     monkeypatch.setenv("FP8ATTN_FWD_KERNEL", "")  # empty = unset: the default
     out, _ = OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("warps", [None, "4", "8"], ids=str)
+def test_fwd_warps_env_launches_that_cta_shape(warps, monkeypatch):
+    # FP8ATTN_FWD_WARPS picks the mma.sync forward's CTA (fwd_kernel<d, dv, kWarps>);
+    # unset: the per-head_dim default (fwd_warps: 4 at d 64).
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", "mma")
+    if warps is None:
+        monkeypatch.delenv("FP8ATTN_FWD_WARPS", raising=False)
+    else:
+        monkeypatch.setenv("FP8ATTN_FWD_WARPS", warps)
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 300, 300, 64, 64, seed_of("warps-env")))
+    names = [n for n in cuda_kernel_names(lambda: OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128))
+             if re.search(r"\bfwd_kernel<", n)]
+    want = warps or "4"
+    assert len(names) == 1 and re.search(rf"fwd_kernel<\s*64\s*,\s*64\s*,\s*{want}\s*>", names[0]), names
+
+
+@pytest.mark.parametrize("kernel", ["", "mma"], ids=["default", "mma"])
+@pytest.mark.parametrize("value", ["16", "four", "4 ", "0"])
+def test_bad_fwd_warps_env_is_an_error(kernel, value, monkeypatch):
+    # Before: read once per process and any value but 4 / 8 silently took the default.
+    # Now an error whichever forward kernel would run (checked before the choice).
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 100, 100, 64, 64, seed_of("warps-typo")))
+    monkeypatch.setenv("FP8ATTN_FWD_KERNEL", kernel)
+    monkeypatch.setenv("FP8ATTN_FWD_WARPS", value)
+    with pytest.raises(ValueError, match=f"FP8ATTN_FWD_WARPS='{value}' is not one of 4, 8"):
+        OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    monkeypatch.setenv("FP8ATTN_FWD_WARPS", "")  # empty = unset: the default
+    out, _ = OPS.fwd(q, k, v, f32_scale(64), False, "fp8", 128)
+    assert torch.isfinite(out.float()).all()
+
+
+def test_this_gpu_is_supported_and_import_does_not_warn():
+    # The device check passes on the H200 (sm_90) on both sides; the import-time
+    # warning (fp8attn._lib.warn_if_no_supported_gpu) stays silent in a fresh process.
+    import subprocess
+    import sys
+
+    fp8attn._lib.check_cuda_device(torch.device("cuda", 0))
+    assert fp8attn._lib.warn_if_no_supported_gpu() is None
+    code = ("import warnings, sys\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import fp8attn\n"
+            "sys.exit(7 if any(x.category.__name__ == 'DeviceSupportWarning' for x in w) else 0)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(fp8attn.__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cpu_only_ops_on_cuda_name_the_argument():
+    # fp8_encode / fp8_decode / dequantize_blockwise have CPU kernels only: a
+    # ValueError naming the argument, not torch's "Could not run ... 'CUDA' backend".
+    x = torch.randn(4, 128, device="cuda")
+    with pytest.raises(ValueError, match="fp8attn.fp8_encode: argument 'x': expected a CPU tensor"):
+        OPS.fp8_encode(x, "e4m3")
+    with pytest.raises(ValueError, match="fp8attn.fp8_decode: argument 'codes': expected a CPU tensor"):
+        OPS.fp8_decode(torch.zeros(4, dtype=torch.uint8, device="cuda"), "e4m3")
+    with pytest.raises(ValueError, match="fp8attn.dequantize_blockwise: argument 'codes': expected a CPU tensor"):
+        OPS.dequantize_blockwise(torch.zeros(1, 128, dtype=torch.uint8, device="cuda"),
+                                 torch.ones(1, 1, device="cuda"), -1, 128, "e4m3")
 
 
 # ---- argument errors (no kernel launch) -------------------------------------------------

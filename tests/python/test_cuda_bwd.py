@@ -510,3 +510,18 @@ def test_bad_block_size_names_argument():
     with pytest.raises((ValueError, RuntimeError), match="block_size"):
         OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 64, "e4m3", False)
 
+
+
+@needs_gpu
+@pytest.mark.parametrize("value", ["MMA", "wgmma ", "1", "mma.sync"])
+def test_bad_bwd_kernel_env_names_the_variable(value, monkeypatch):
+    # A misspelt FP8ATTN_BWD_KERNEL must not silently run the default kernels
+    # (csrc/common/env_choice.h; the pure parsing has C++ unit tests).
+    q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 2, 64, 64, 64, 64, False, seed=4))
+    monkeypatch.setenv("FP8ATTN_BWD_KERNEL", value)
+    with pytest.raises(ValueError, match=f"FP8ATTN_BWD_KERNEL='{value}' is not one of wgmma, mma"):
+        OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
+    for ok in ("", "wgmma", "mma"):
+        monkeypatch.setenv("FP8ATTN_BWD_KERNEL", ok)
+        dq, dk, dv, _ = OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
+        assert all(torch.isfinite(t.float()).all() for t in (dq, dk, dv)), ok

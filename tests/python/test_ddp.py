@@ -67,6 +67,67 @@ def test_rank_batches_are_strided_over_one_order(tmp_path):
     assert not torch.equal(order[0], order[1])
 
 
+def _params_with_grads(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((7, 33), (64,), (), (3, 4, 5), (1, 9))]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    return ps
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e-3])
+def test_clip_grad_norm_is_torchs_clip(scale):
+    """ddp.clip_grad_norm returns the total L2 norm and scales the gradients by
+    min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ does (up
+    to rounding: its norm is float64); below max_norm the gradients stay as they are."""
+    ours, ref = _params_with_grads(0, scale), _params_with_grads(0, scale)
+    before = [p.grad.clone() for p in ours]
+    n_ours = ddp.clip_grad_norm(ours, 1.0)
+    n_ref = float(torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    assert isinstance(n_ours, float) and n_ours == pytest.approx(n_ref, rel=1e-6)
+    for a, b, g0 in zip(ours, ref, before):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+        if n_ours < 1.0:
+            assert torch.equal(a.grad, g0)
+        else:
+            assert not torch.equal(a.grad, g0)
+
+
+def test_clip_grad_norm_non_finite_scales_nothing():
+    ps = _params_with_grads(1, 1.0)
+    ps[1].grad[3] = float("nan")
+    before = [p.grad.clone() for p in ps]
+    assert math.isnan(ddp.clip_grad_norm(ps, 1.0))
+    for i, (p, g0) in enumerate(zip(ps, before)):
+        assert torch.equal(torch.nan_to_num(p.grad), torch.nan_to_num(g0)), i   # unscaled
+    assert ddp.clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0) == 0.0   # no gradients
+
+
+def test_clip_norm_rows_do_not_depend_on_sharding():
+    """What makes the clip norm of DDP and FSDP2 bitwise equal: the float64 row
+    sums of squares of FSDP2's dim-0 shards (torch.chunk, uneven and empty ones
+    too), concatenated in rank order, are those of the full gradient, and so is
+    their sum. The failure it replaces: combining the shards' FP32 norms (what
+    torch.nn.utils.clip_grad_norm_ does on DTensor shards) rounds differently
+    from the FP32 norm of the full tensor for some gradients (1-2 ulp; the clip
+    factor passes that into every weight, see test_fsdp.py)."""
+    g = torch.Generator().manual_seed(3)
+    shard_fp32_differs = 0
+    for trial in range(40):
+        full = torch.randn(int(torch.randint(1, 70, (1,), generator=g)), 48, generator=g)
+        ref_rows = ddp._row_sumsq(full)
+        for world in (2, 3, 8):
+            shards = list(torch.chunk(full, world, dim=0))
+            shards += [full[:0]] * (world - len(shards))   # ranks past the last row hold empty shards
+            rows = torch.cat([ddp._row_sumsq(t) for t in shards])
+            assert torch.equal(rows, ref_rows) and torch.equal(rows.sum(), ref_rows.sum())
+        shards = torch.chunk(full, 2, dim=0)
+        by_shards = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in shards]))
+        shard_fp32_differs += int(not torch.equal(by_shards, torch.linalg.vector_norm(full)))
+    assert shard_fp32_differs > 0
+    assert torch.equal(ddp._row_sumsq(torch.tensor(3.0)), torch.tensor([9.0], dtype=torch.float64))
+
+
 # ---- 2-process smoke run ---------------------------------------------------------------
 
 

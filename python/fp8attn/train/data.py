@@ -286,11 +286,15 @@ def prepare(data_dir: str | os.PathLike = "data", vocab_size: int = 4096, max_mb
     Raises RuntimeError with a fix when the source cannot be obtained.
     """
     data_dir = Path(data_dir)
-    text_dir = text_dir or os.environ.get("FP8ATTN_TEXT_DIR") or None
+    source = "text_dir"
+    if not text_dir and os.environ.get("FP8ATTN_TEXT_DIR"):
+        text_dir, source = os.environ["FP8ATTN_TEXT_DIR"], "environment variable FP8ATTN_TEXT_DIR"
+    text_dir = text_dir or None
     if text_dir is not None:
         src_root = Path(text_dir).resolve()
         if not src_root.is_dir():
-            raise RuntimeError(f"fp8attn.train.data: text_dir {src_root} is not a directory")
+            raise RuntimeError(f"fp8attn.train.data: {source}: {src_root} is not a directory "
+                               "(expected a directory of text files)")
         src_name = "textdir-" + hashlib.sha1(str(src_root).encode()).hexdigest()[:8]
     else:
         src_root, src_name = None, DEB_PACKAGE

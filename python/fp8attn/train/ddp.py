@@ -26,9 +26,13 @@ model get torch.distributed.fsdp.fully_shard over a 1-D mesh of all ranks
 forward/backward). Same batches, loss averaging and checks as DDP; parameters
 become DTensors, so fingerprints and gain statistics read `full(p)`, and every
 rank runs the val loss (FSDP's forward is collective; rank 0 logs it).
+
+clip_grad_norm: the trainer's gradient clipping, with a total norm that does not
+depend on the sharding (DDP and FSDP2 compute it bit for bit alike).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -74,9 +78,13 @@ def init_from_env(device: str = "auto") -> DistContext:
 
     device: the trainer's --device ("auto" | "cpu" | "cuda"): gloo for CPU, nccl
     (and torch.cuda.set_device(LOCAL_RANK)) for CUDA.
-    Raises RuntimeError if torch.distributed or the backend is unavailable.
+    Raises RuntimeError if torch.distributed or the backend is unavailable;
+    ValueError if FP8ATTN_DIST is set to anything but 0, 1 or empty.
     """
-    forced = os.environ.get("FP8ATTN_DIST") == "1" and "MASTER_ADDR" in os.environ
+    from .. import _env
+
+    # NOTE: FP8ATTN_DIST must be 0, 1 or unset/empty (anything else: ValueError naming it).
+    forced = _env.flag("FP8ATTN_DIST", False) and "MASTER_ADDR" in os.environ
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not forced:
         return DistContext()
     if not dist.is_available():
@@ -130,6 +138,96 @@ def full(t):
     """The full (unsharded) tensor of a DTensor (a collective: every rank must
     call it); any other value unchanged."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _row_sumsq(t: torch.Tensor) -> torch.Tensor:
+    """float64 sums of squares of each row (index along dim 0) of `t` (a 0-d `t`
+    is one row). The squares of FP32/BF16 values are exact in float64; a row is
+    reduced on its own, so its sum does not depend on the rows beside it."""
+    t = t.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.double().square().reshape(t.shape[0], math.prod(t.shape[1:])).sum(dim=1)
+
+
+def _gather_row_sums(grads: list, local: list) -> list:
+    """The full per-row sums of every sharded gradient: each rank's rows of each
+    DTensor (Shard(0) on a 1-D mesh, FSDP2's layout) gathered in mesh order, so the
+    result is the vector `_row_sumsq` gives for the full tensor. Unsharded entries
+    are returned unchanged. A collective: every rank must call it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = [isinstance(g, DTensor) for g in grads]
+    meshes = {id(g.device_mesh): g.device_mesh for g, s in zip(grads, sharded) if s}
+    if len(meshes) != 1:
+        raise ValueError(f"clip_grad_norm: the sharded gradients must share one device mesh, got {len(meshes)}")
+    (mesh,) = meshes.values()
+    for g, s in zip(grads, sharded):
+        if s and (mesh.ndim != 1 or tuple(g.placements) != (Shard(0),)):
+            raise ValueError(f"clip_grad_norm: a sharded gradient must be Shard(0) on a 1-D mesh "
+                             f"(FSDP2), got placements {g.placements} on a {mesh.ndim}-D mesh")
+    group, world = mesh.get_group(), mesh.size()
+    dev = local[0].device
+    counts = torch.tensor([r.numel() if s else 0 for r, s in zip(local, sharded)], dtype=torch.int64, device=dev)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts, group=group)
+    all_counts = [c.tolist() for c in all_counts]
+    n_max = max(sum(c) for c in all_counts)
+    mine = torch.zeros(n_max, dtype=torch.float64, device=dev)
+    flat = [r for r, s in zip(local, sharded) if s]
+    if flat:
+        cat = torch.cat(flat)
+        mine[:cat.numel()] = cat
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine, group=group)
+    offsets, out = [0] * world, []
+    for i, (g, r, s) in enumerate(zip(grads, local, sharded)):
+        if not s:
+            out.append(r)
+            continue
+        pieces = []
+        for k in range(world):
+            n = all_counts[k][i]
+            pieces.append(got[k][offsets[k]:offsets[k] + n])
+            offsets[k] += n
+        rows = torch.cat(pieces)
+        if rows.numel() != (g.shape[0] if g.dim() else 1):
+            raise RuntimeError(f"clip_grad_norm: gathered {rows.numel()} rows of a gradient of shape "
+                               f"{tuple(g.shape)}")
+        out.append(rows)
+    return out
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Scales the gradients of `parameters` in place so that their total L2 norm is
+    at most `max_norm` (factor min(1, max_norm / (norm + 1e-6)), as
+    torch.nn.utils.clip_grad_norm_) and returns the total norm before clipping
+    (a float; nan/inf when a gradient is not finite, and then nothing is scaled).
+
+    Unlike torch.nn.utils.clip_grad_norm_, the norm does not depend on how the
+    gradients are sharded: it is sqrt of the float64 sum, in one fixed order
+    (parameter, then row), of the float64 per-row sums of squares, and under
+    FSDP2 (DTensor gradients, Shard(0) on a 1-D mesh) each rank's row sums are
+    gathered first, so DDP (full gradients) and FSDP2 compute the same norm bit
+    for bit from the same gradients. NOTE: torch's version on DTensors sums the
+    shards' FP32 norms, which rounds differently from the norm of the full tensor
+    (1-2 ulp at step 0 on the smoke model), and the clip factor passes that
+    difference into every weight (tests/python/test_fsdp.py). A collective under
+    FSDP2: every rank must call it. Cost: one float64 per gradient row gathered.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    local = [_row_sumsq(g.to_local() if hasattr(g, "to_local") else g) for g in grads]
+    if any(hasattr(g, "to_local") for g in grads):
+        local = _gather_row_sums(grads, local)
+    norm = float(torch.cat(local).sum().sqrt())
+    if math.isfinite(norm):
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+    return norm
 
 
 def rank_batch(stream, rng: np.random.Generator, batch_size: int, ctx: DistContext):

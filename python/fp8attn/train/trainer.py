@@ -53,6 +53,10 @@ rank; differing ones raise RuntimeError). One process: unchanged. With
 TrainConfig.fsdp (compare --fsdp) the model is sharded with FSDP2 instead of
 DDP (ddp.wrap_model): parameters are DTensors, read through ddp.full() for the
 fingerprints and gain statistics, and every rank runs the val loss.
+Gradient clipping (ddp.clip_grad_norm, all cases): the total norm is computed
+from float64 per-row sums of squares, gathered across FSDP2's shards, so it does
+not depend on the sharding: with 2 ranks on the CPU, DDP and FSDP2 train bit for
+bit alike (tests/python/test_fsdp.py says why torch's clip_grad_norm_ did not).
 """
 from __future__ import annotations
 
@@ -392,7 +396,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-            grad_norm = float(ddp.full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+            grad_norm = ddp.clip_grad_norm(model.parameters(), cfg.grad_clip)   # NOTE: sharding-independent
             loss_v = ddp.mean_over_ranks(float(loss.detach()), dctx, device)
             if not math.isfinite(loss_v) or not math.isfinite(grad_norm):
                 diverged = True
