@@ -13,12 +13,16 @@ import glob
 import os
 import re
 import subprocess
+import sys
 
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import build_support  # noqa: E402  (tools/build_support.py: linkage probe and checks)
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
 def _nvcc_major():
@@ -97,7 +101,30 @@ else:
         extra_compile_args={"cxx": cxx_flags},
     )
 
+
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension plus the libstdc++ linkage probe and check
+    (tools/build_support.py says why): before the build, a tiny C++ library is
+    linked with the same compiler and link arguments; when it does not need
+    libstdc++.so.6, torch's libstdc++ is added to the link line (or the build
+    stops, saying what to set); after the build, each library's DT_NEEDED must
+    list libstdc++.so.6."""
+
+    def build_extensions(self):
+        probe_dir = os.path.join(self.build_temp, "fp8attn-link-probe")
+        os.makedirs(probe_dir, exist_ok=True)
+        for e in self.extensions:
+            e.extra_link_args = list(e.extra_link_args or []) + build_support.libstdcxx_link_args(
+                self.compiler, e.extra_link_args or [], e.libraries or [], e.library_dirs or [],
+                workdir=probe_dir)
+        super().build_extensions()
+        for e in self.extensions:
+            path = self.get_ext_fullpath(e.name)
+            needed = build_support.check_linkage(path)
+            print(f"fp8attn build: {os.path.basename(path)} DT_NEEDED: {' '.join(needed)}")
+
+
 setup(
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )
