@@ -59,7 +59,8 @@ cuda_sources = _rel(
 )
 
 build_cuda = _want_cuda()
-cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+# C++20: torch >= 2.12 c10 headers need it (std::strong_ordering, std::bit_width).
+cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden"]
 include_dirs = [os.path.join(ROOT, "csrc")]
 # CUTLASS/CuTe headers for the wgmma/TMA kernels: scripts/get_cutlass.sh puts
 # them in third_party/cutlass/include (ignored by git); FP8ATTN_CUTLASS_INCLUDE
@@ -85,7 +86,7 @@ if build_cuda:
             "cxx": cxx_flags,
             "nvcc": [
                 "-O3",
-                "-std=c++17",
+                "-std=c++20",
                 "-gencode=arch=compute_90a,code=sm_90a",
                 "--expt-relaxed-constexpr",
                 "-lineinfo",
