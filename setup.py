@@ -8,6 +8,10 @@ CUDA sources (csrc/hopper/*.cu, csrc/torch/*_cuda.cpp) are compiled for
 sm_90a when FP8ATTN_BUILD_CUDA=1, or automatically when nvcc is present, its
 CUDA major matches torch.version.cuda and a GPU is visible. FP8ATTN_BUILD_CUDA=0
 forces a CPU-only build.
+
+Build with `pip install --no-build-isolation .` (torch installed first): the
+library must be compiled against the torch it runs with, so a build whose
+torch is missing or comes from an isolated build environment stops at once.
 """
 import glob
 import os
@@ -21,7 +25,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_support  # noqa: E402  (tools/build_support.py: linkage probe and checks)
 
-import torch  # noqa: E402
+_NO_ISOLATION = ("fp8attn is a PyTorch extension: it must be built against the torch it will run with. "
+                 "Install torch first, then build without build isolation: pip install --no-build-isolation .")
+try:
+    import torch
+except ImportError:
+    # pip's isolated build env: pyproject.toml lists no torch on purpose (an isolated
+    # build would take the newest torch from PyPI, not the user's, and ~3 GB with it).
+    raise SystemExit(f"fp8attn: torch is not importable in this build environment. {_NO_ISOLATION}")
+if build_support.isolated_build_torch(torch.__file__):
+    raise SystemExit(f"fp8attn: torch {torch.__version__} was imported from an isolated build environment "
+                     f"({os.path.dirname(torch.__file__)}). {_NO_ISOLATION}")
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 

@@ -124,6 +124,29 @@ def test_error_messages_keep_their_numbers():
         torch.ops.fp8attn.fwd(q, q, q, 0.125, False, "fp8", 7)
 
 
+def test_isolated_build_markers():
+    assert bs.isolated_build_torch("/tmp/pip-build-env-abc123/overlay/lib/python3.12/site-packages/torch/__init__.py")
+    assert bs.isolated_build_torch("/tmp/build-env-x7/lib/python3.12/site-packages/torch/__init__.py")
+    assert not bs.isolated_build_torch(torch.__file__)
+
+
+@pytest.mark.parametrize("fake", ["isolated", "missing"])
+def test_setup_refuses_an_isolated_build(tmp_path, fake):
+    """setup.py stops at once (before any compile) when torch comes from an isolated
+    build environment or is missing there, telling the user --no-build-isolation."""
+    site = tmp_path / "pip-build-env-test" / "site"
+    (site / "torch").mkdir(parents=True)
+    body = "__version__ = '9.9.9'\n" if fake == "isolated" else "raise ImportError('no torch here')\n"
+    (site / "torch" / "__init__.py").write_text(body)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--version"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "pip install --no-build-isolation ." in r.stderr
+    if fake == "isolated":
+        assert "9.9.9" in r.stderr and "isolated build environment" in r.stderr
+
+
 _CHILD = textwrap.dedent("""
     import torch, fp8attn
     from build_support import check_linkage
