@@ -113,7 +113,7 @@ def process_libstdcxx():
 def _linker_name(compiler):
     # distutils links a C++ target with compiler_cxx's driver and linker_so's (or linker_so_cxx's) flags.
     cxx = getattr(compiler, "compiler_cxx", None) or getattr(compiler, "linker_so_cxx", None) or compiler.linker_so
-    return " ".join(cxx) if isinstance(cxx, (list, tuple)) else str(cxx)
+    return cxx[0] if isinstance(cxx, (list, tuple)) else str(cxx).split()[0]  # the driver, without flags
 
 
 def probe_needed(compiler, extra_link_args=(), libraries=(), library_dirs=(), workdir=None):
@@ -173,7 +173,7 @@ def libstdcxx_link_args(compiler, extra_link_args=(), libraries=(), library_dirs
                 f"linking torch's {lib} explicitly")
             return [lib]
         tried = f"; with {lib} added to the link line: {fixed}"
-    others = ", ".join(_other_compilers(linker.split()[0])) or "none found on PATH"
+    others = ", ".join(_other_compilers(linker)) or "none found on PATH"
     raise LinkageError(
         f"fp8attn: the C++ linker {linker!r} links libstdc++ statically (a test library's DT_NEEDED: "
         f"{needed}{tried}); an extension with its own C++ runtime crashes when it throws through torch. "
