@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
-if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):  # NOTE: in-tree build first, else the installed package
+# NOTE: in-tree build first, else the installed package (FP8ATTN_SOURCE_TREE=0: sys.path's, as conftest.py)
+if os.environ.get("FP8ATTN_SOURCE_TREE", "1") != "0" and glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")):
     sys.path.insert(0, _PY)
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
 

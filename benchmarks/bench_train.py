@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import sys
 from statistics import median
@@ -39,8 +40,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: prefer the in-tree package only when it holds a build (like tests/python/conftest.py);
-# otherwise the installed fp8attn (pip install .) is used.
-if list((ROOT / "python" / "fp8attn").glob("_C*.so")) and str(ROOT / "python") not in sys.path:
+# otherwise the installed fp8attn (pip install .) is used; FP8ATTN_SOURCE_TREE=0: sys.path's.
+if (os.environ.get("FP8ATTN_SOURCE_TREE", "1") != "0" and list((ROOT / "python" / "fp8attn").glob("_C*.so"))
+        and str(ROOT / "python") not in sys.path):
     sys.path.insert(0, str(ROOT / "python"))
 
 from fp8attn.train import model as M  # noqa: E402

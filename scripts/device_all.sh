@@ -4,17 +4,23 @@
 # racecheck on a small fwd+bwd case, then the GPU benchmark; logs under $OUT,
 # a short table last. At most 8 files land in $OUT (the tool's limit): summary.txt,
 # pytest_gpu.log, sanitizer_{memcheck,racecheck}.log, bench_gpu.{log,json,md}
-# and build.log when it had to build.
+# and build.log (native builds).
 #
-# Build here first (torch 2.11 cu130 is the same on both machines, so the .so
-# built with this machine's Python 3.11 loads on the device's Python 3.12):
+# The library is built here on the device by default (DEVICE_LIB=native, ~40 s with
+# MAX_JOBS=16: FP8ATTN_BUILD_CUDA=1 python3 setup.py build_ext --inplace, with whatever
+# compiler CXX names; setup.py checks it links libstdc++.so.6 dynamically), so carry the
+# CUTLASS headers (scripts/get_cutlass.sh puts them in third_party/, ignored by git):
+#   run(command="bash scripts/device_all.sh", carry=["third_party", ".whl"], timeout_s=600)
+# DEVICE_LIB=carried instead uses a build made on the CPU machine and carried in
+# .devbuild/lib (torch 2.11 cu130 is the same on both machines, so the .so built with
+# that machine's Python 3.11 loads on the device's Python 3.12):
 #   FP8ATTN_BUILD_CUDA=1 MAX_JOBS=2 python3 setup.py build_ext \
 #       --build-lib .devbuild/lib --build-temp .devbuild/tmp
-# (.devbuild/ is in .git/info/exclude). Then the exact call:
-#   run(command="bash scripts/device_all.sh", carry=[".devbuild/lib", ".whl"], timeout_s=600)
-# (.whl: the cuDNN frontend wheels for the benchmark's cuDNN FP8 columns; optional,
-# without them those columns say n/a).
-# Env knobs: DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
+#   run(command="DEVICE_LIB=carried bash scripts/device_all.sh", carry=[".devbuild/lib", ".whl"], timeout_s=600)
+# (.devbuild/ is in .git/info/exclude; .whl: the cuDNN frontend wheels for the
+# benchmark's cuDNN FP8 columns; optional, without them those columns say n/a).
+# The summary names the library, the compiler and its libstdc++ linkage (ldd).
+# Env knobs: DEVICE_LIB=native|carried (default native), DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
 # (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_PYTEST_ARGS extra pytest arguments,
@@ -30,23 +36,15 @@ torch_versions | tee -a "$SUMMARY"
 nvcc --version | tail -1 | tee -a "$SUMMARY"
 
 echo "== library"
-if use_carried_so && has_cuda_kernels 2>>/tmp/fp8attn_load.log; then
-  note "library: carried prebuilt $(basename "$CARRIED_SO")"
-else
-  tail -5 /tmp/fp8attn_load.log 2>/dev/null
-  note "library: carried .so missing or not loading; building with FP8ATTN_BUILD_CUDA=1"
-  rm -f python/fp8attn/_C*.so
-  if ! FP8ATTN_BUILD_CUDA=1 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-    tail -40 "$OUT/build.log"; note "BUILD FAILED"; exit 1
-  fi
-  has_cuda || { note "built library has no CUDA kernels"; exit 1; }
-fi
+device_library || exit 1
+note "$LIB_NOTE"
+note "$(library_linkage)"
 
 install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
+tests="tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_tile.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
 # DEVICE_SLOW=1: also the launch / size limit tests (batch x heads >= 65536, 1M tokens,
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"

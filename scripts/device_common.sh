@@ -30,6 +30,45 @@ use_carried_so() {
   cp "$CARRIED_SO" python/fp8attn/
 }
 
+# device_library: the CUDA library the device scripts test (DEVICE_LIB, default native):
+# native builds it here in place (FP8ATTN_BUILD_CUDA=1 MAX_JOBS=16 python3 setup.py
+# build_ext --inplace, log in $OUT/build.log; needs the carried third_party/cutlass
+# headers: the device has no network), carried copies the CPU machine's build from
+# .devbuild/lib (use_carried_so). Sets LIB_NOTE (one line); returns 1 after a note
+# saying why when there is no loading library with CUDA kernels.
+device_library() {
+  local mode="${DEVICE_LIB:-native}" t0
+  case "$mode" in
+    carried)
+      use_carried_so || { note "DEVICE_LIB=carried: no .devbuild/lib/fp8attn/_C*.so carried"; return 1; }
+      LIB_NOTE="library: carried prebuilt $(basename "$CARRIED_SO")";;
+    native)
+      if [ -z "${FP8ATTN_CUTLASS_INCLUDE:-}" ] && [ ! -f third_party/cutlass/include/cute/tensor.hpp ]; then
+        note "native build: no CUTLASS headers in third_party/cutlass/include: carry third_party (scripts/get_cutlass.sh)"
+        return 1
+      fi
+      rm -f python/fp8attn/_C*.so
+      t0=$SECONDS
+      if ! FP8ATTN_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" python3 setup.py build_ext --inplace >"${OUT:-/tmp}/build.log" 2>&1; then
+        tail -40 "${OUT:-/tmp}/build.log"; note "native build FAILED (build.log)"; return 1
+      fi
+      LIB_NOTE="library: built here in $((SECONDS - t0)) s with CXX=${CXX:-c++} ($("${CXX:-c++}" --version 2>&1 | head -1)); $(grep -m1 'fp8attn build: .* links' "${OUT:-/tmp}/build.log")";;
+    *) note "DEVICE_LIB=$mode: expected native or carried"; return 1;;
+  esac
+  if ! has_cuda_kernels 2>/tmp/fp8attn_load.log; then
+    tail -5 /tmp/fp8attn_load.log; note "$LIB_NOTE: does not load with CUDA kernels"; return 1
+  fi
+}
+
+# library_linkage: one line, the libstdc++ the in-place library links (ldd | grep libstdc),
+# or a warning that it has none (its own static C++ runtime: errors crash).
+library_linkage() {
+  local so l
+  so="$(ls python/fp8attn/_C*.so 2>/dev/null | head -1)"
+  l="$(ldd "$so" 2>/dev/null | grep libstdc | tr -s ' \t' ' ')"
+  echo "linkage: ${l:-NO libstdc++.so.6 in ldd $(basename "$so") (static C++ runtime: C++ errors crash)}"
+}
+
 # install_cudnn_frontend: the cuDNN FP8 baseline of bench_gpu.py needs the cuDNN
 # frontend (pip nvidia-cudnn-frontend; the device has no network): install the
 # carried .whl/nvidia_cudnn_frontend-*-cp3XY-*.whl matching this python into

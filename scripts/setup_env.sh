@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing), installs the Python dependencies and builds and
 # installs the fp8attn package into it. Idempotent; sourced by the other scripts.
-# Env: FP8ATTN_VENV (default .venv), FP8ATTN_BUILD_CUDA (see setup.py).
+# Env: FP8ATTN_VENV (default .venv), FP8ATTN_BUILD_CUDA (see setup.py),
+# FP8ATTN_TORCH (pip requirement, default torch==2.11.*; read when the venv's
+# dependencies are installed), FP8ATTN_BUILD_BASE (build the package there with
+# `setup.py build` instead of installing it, and put it first on PYTHONPATH with
+# FP8ATTN_SOURCE_TREE=0: a second venv sharing this tree, whose objects must not
+# mix with build/, the first venv's; scripts/run_tests.sh's latest-torch job).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FP8ATTN_VENV:-$ROOT/.venv}"
@@ -15,9 +20,9 @@ fi
 source "$VENV/bin/activate"
 stamp="$VENV/.fp8attn-deps-v2"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing Python dependencies (torch 2.11 is ~0.5 GB plus its CUDA libraries)"
+  echo "[setup] installing Python dependencies (${FP8ATTN_TORCH:-torch==2.11.*}: ~0.5-1 GB plus ~3 GB of CUDA libraries)"
   python -m pip install -q --upgrade pip
-  python -m pip install -q "torch==2.11.*" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers
+  python -m pip install -q "${FP8ATTN_TORCH:-torch==2.11.*}" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers
   touch "$stamp"
 fi
 # CMake/GoogleTest for the C++ suite (Debian packages; present on the dev image).
@@ -26,5 +31,12 @@ if ! command -v cmake >/dev/null 2>&1 || [ ! -d /usr/src/googletest ]; then
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq cmake g++ googletest libgtest-dev >/dev/null
   else sudo apt-get update -qq && sudo apt-get install -y -qq cmake g++ googletest libgtest-dev >/dev/null; fi
 fi
-echo "[setup] building and installing fp8attn"
-( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --no-build-isolation . )
+if [ -n "${FP8ATTN_BUILD_BASE:-}" ]; then
+  echo "[setup] building fp8attn in $FP8ATTN_BUILD_BASE (torch $(python -c 'import torch; print(torch.__version__)'))"
+  ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python setup.py -q build --build-base "$FP8ATTN_BUILD_BASE" )
+  lib="$(ls -d "$FP8ATTN_BUILD_BASE"/lib.*/ | head -1)"
+  export PYTHONPATH="${lib%/}${PYTHONPATH:+:$PYTHONPATH}" FP8ATTN_SOURCE_TREE=0
+else
+  echo "[setup] building and installing fp8attn"
+  ( cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --no-build-isolation . )
+fi

@@ -11,8 +11,12 @@ import torch
 
 # Use the source tree's package when it holds a built library (in-place build,
 # `setup.py build_ext --inplace`); otherwise the installed package (pip install .).
+# FP8ATTN_SOURCE_TREE=0 keeps the package found on sys.path (PYTHONPATH), e.g. in
+# the latest-torch job of scripts/run_tests.sh, whose library is built against
+# another torch than an in-place one (benchmarks/bench_{gpu,train}.py follow it too).
 _PY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
-if glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")) and _PY not in sys.path:
+if (os.environ.get("FP8ATTN_SOURCE_TREE", "1") != "0" and glob.glob(os.path.join(_PY, "fp8attn", "_C*.so"))
+        and _PY not in sys.path):
     sys.path.insert(0, _PY)
 
 

@@ -2,6 +2,7 @@
 config): a table row and a JSON row per config, positive throughput, the FP8
 scopes really convert their linear layers."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ PY_DIR = Path(fp8attn.__file__).resolve().parents[1]
 
 def test_bench_train_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
                            "--presets", "smoke", "--warmup", "1", "--steps", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -32,7 +34,8 @@ def test_bench_train_rounds_cpu_smoke(tmp_path):
     """--rounds 2: every config timed twice (interleaved), the per-round numbers kept, the table
     gives the median ratio and its range."""
     out = tmp_path / "bench.json"
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
                            "--presets", "smoke", "--configs", "bf16,fp8/attn-core", "--warmup", "1", "--steps", "1",
                            "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
@@ -60,7 +63,8 @@ def test_markdown_median_of_round_ratios():
 
 
 def test_repeated_config_is_refused():
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
                            "--presets", "smoke", "--configs", "bf16,bf16,fp8/attn-core"],
                           capture_output=True, text=True, timeout=120, env=env)
