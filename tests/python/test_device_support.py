@@ -56,7 +56,7 @@ def fake_gpus(monkeypatch):
 
 def _cuda_like(device: str, shape=(1, 2, 16, 64)):
     """Stands in for a CUDA tensor (none can be made without a GPU): what _check_cuda reads."""
-    return types.SimpleNamespace(device=torch.device(device), shape=shape)
+    return types.SimpleNamespace(device=torch.device(device), shape=shape, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name,cap", OTHER_GPUS)
