@@ -24,7 +24,7 @@
 # (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_PYTEST_ARGS extra pytest arguments,
-# DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# DEVICE_SAN=0 skips the sanitizers, DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup device_out
@@ -89,6 +89,7 @@ os.environ["FP8ATTN_FWD_KERNEL"] = ""
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF
+[ "${DEVICE_SAN:-1}" = 0 ] && DEVICE_SAN_TOOLS=" "
 for tool in ${DEVICE_SAN_TOOLS:-memcheck racecheck}; do
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
     python3 /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
