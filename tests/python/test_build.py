@@ -23,7 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_support as bs  # noqa: E402
 
-GXX = shutil.which("g++")
+# The distribution's compiler (links libstdc++ dynamically; on the H200 the g++ first on
+# PATH is the /opt/gcc wrapper that does not), else the g++ on PATH.
+GXX = "/usr/bin/g++" if os.access("/usr/bin/g++", os.X_OK) else shutil.which("g++")
+GCC = "/usr/bin/gcc" if os.access("/usr/bin/gcc", os.X_OK) else (shutil.which("gcc") or GXX)
 needs_gxx = pytest.mark.skipif(GXX is None, reason="needs g++")
 
 
@@ -45,10 +48,10 @@ def _compiler(monkeypatch, cxx, cc):
 def static_wrapper(tmp_path):
     """g++ / gcc wrappers that link libstdc++ statically (the H200's compiler, simulated)."""
     paths = []
-    for name in ("g++", "gcc"):
+    for name, real in (("g++", GXX), ("gcc", GCC)):
         p = tmp_path / "simcc" / name
         p.parent.mkdir(exist_ok=True)
-        p.write_text(f"#!/bin/sh\nexec {shutil.which(name)} -static-libstdc++ \"$@\"\n")
+        p.write_text(f"#!/bin/sh\nexec {real} -static-libstdc++ \"$@\"\n")
         p.chmod(0o755)
         paths.append(str(p))
     return paths
@@ -78,7 +81,7 @@ def test_built_library_links_libstdcxx_dynamically():
 
 @needs_gxx
 def test_probe_keeps_a_compiler_that_links_libstdcxx_dynamically(monkeypatch, tmp_path):
-    c = _compiler(monkeypatch, GXX, shutil.which("gcc") or GXX)
+    c = _compiler(monkeypatch, GXX, GCC)
     assert "libstdc++.so.6" in bs.probe_needed(c, workdir=str(tmp_path))
     assert bs.libstdcxx_link_args(c, log=lambda m: None) == []
 
