@@ -240,6 +240,30 @@ float quant_hat(const float* x, int64_t n, int64_t stride, Fp8Format fmt, float*
 }
 
 // Scale of a block with the given running amax (quantize_block's rule).
+// One step of the forward's online softmax over a key tile (numerics.md section 3,
+// "Forward P"; both scaling recipes): scales the tile's L logits by tau, folds their
+// max into the running max m, rescales the running sum l and the O accumulator acc
+// (dvd channels) by exp(m - m_new), and leaves the unnormalized exp(S - m_new) in pexp.
+inline void online_softmax_tile(float* s, int64_t L, float tau, float& m, float& l, float* acc,
+                                int64_t dvd, float* pexp) {
+  float tile_max = -kInfF;
+  for (int64_t j = 0; j < L; ++j) {
+    s[j] *= tau;
+    tile_max = nan_max(tile_max, s[j]);
+  }
+  const float m_new = nan_max(m, tile_max);
+  const float alpha = std::exp(m - m_new);
+  float tile_sum = 0.f;
+  for (int64_t j = 0; j < L; ++j) {
+    pexp[j] = std::exp(s[j] - m_new);
+    tile_sum += pexp[j];
+  }
+  l = l * alpha + tile_sum;
+  if (!(m_new == m))
+    for (int64_t c = 0; c < dvd; ++c) acc[c] *= alpha;
+  m = m_new;
+}
+
 inline float scale_of_amax(float amax, Fp8Format fmt) {
   return std::isfinite(amax) ? block_scale(amax, fmt) : NAN;
 }
@@ -827,22 +851,7 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
         const int64_t j0 = t * B, L = std::min(B, nvis - j0);
         rowblock_dots(qhat.data(), qscale.data(), kvh.k_rows.hat_t.data() + j0,
                       kvh.k_rows.scale_t.data() + j0, Sk, d, B, L, s.data());
-        float tile_max = -kInfF;
-        for (int64_t j = 0; j < L; ++j) {
-          s[j] *= tau;
-          tile_max = nan_max(tile_max, s[j]);
-        }
-        const float m_new = nan_max(m, tile_max);
-        const float alpha = std::exp(m - m_new);
-        float tile_sum = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-          pexp[j] = std::exp(s[j] - m_new);
-          tile_sum += pexp[j];
-        }
-        l = l * alpha + tile_sum;
-        if (!(m_new == m))
-          for (int64_t c = 0; c < dvd; ++c) acc[c] *= alpha;
-        m = m_new;
+        online_softmax_tile(s.data(), L, tau, m, l, acc.data(), dvd, pexp.data());
         // P tile: one block of #2's P operand (masked keys are zeros, which
         // do not change the block); V per channel along keys (#2).
         const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
@@ -1056,22 +1065,7 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
         const int64_t j0 = t * B, L = std::min(B, nvis - j0);
         const TileView kt = visible_tile(kvh.k, t, j0, j0 + L, mix, mix_t);
         tile_dots(qhat.data(), sq, kt.hat_t, kt.ld_t, d, kt.scale, L, s.data());
-        float tile_max = -kInfF;
-        for (int64_t j = 0; j < L; ++j) {
-          s[j] *= tau;
-          tile_max = nan_max(tile_max, s[j]);
-        }
-        const float m_new = nan_max(m, tile_max);
-        const float alpha = std::exp(m - m_new);
-        float tile_sum = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-          pexp[j] = std::exp(s[j] - m_new);
-          tile_sum += pexp[j];
-        }
-        l = l * alpha + tile_sum;
-        if (!(m_new == m))
-          for (int64_t c = 0; c < dvd; ++c) acc[c] *= alpha;
-        m = m_new;
+        online_softmax_tile(s.data(), L, tau, m, l, acc.data(), dvd, pexp.data());
         // P per (row, key tile), dynamic (its amax is exp(tile_max - m_new));
         // V one scale per key tile.
         const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
