@@ -42,7 +42,7 @@ def test_garbage_where_the_reference_block_is_zero_fails():
 # ---- check_mode_closest and the residual floor: the CPU reference plays the kernel ----
 
 from test_cuda_bwd import (MODES, STALE_RESIDUAL_FLOOR, OPS, check_mode_closest, cpu_refs_by_mode,  # noqa: E402
-                           f32_scale, make_inputs)
+                           f32_scale, make_inputs, mode_t_noise, MODE_MIN_ROWS, MODE_MIN_SNR)
 
 
 def _mode_case(fmt="e4m3", causal=True, dims=(64, 64)):
@@ -66,8 +66,9 @@ def _noisy(grads, rel, seed):
 def test_mode_check_passes_own_mode_and_fails_swapped(fmt, causal):
     inp, refs = _mode_case(fmt, causal)
     for i, mode in enumerate(MODES):
-        # The kernel of the right mode, with twice the measured CUDA noise: passes.
-        assert check_mode_closest(_noisy(refs[mode], 8e-3, i), mode, refs, mode) == 4
+        # The kernel of the right mode, with 1.5x the measured CUDA noise: passes, every
+        # pair judged (||s|| / noise >= 2 here; at 8e-3 some pairs fall under MODE_MIN_SNR).
+        assert check_mode_closest(_noisy(refs[mode], 6e-3, i), mode, refs, mode) == 4
         for other in MODES:
             if other == mode:
                 continue
@@ -90,6 +91,25 @@ def test_section6_checks_miss_a_swapped_mode_the_mode_check_does_not():
     check_grads(wrong, refs["stale"], exact, "delta_matching as stale")
     with pytest.raises(AssertionError, match="wrong delta mode"):
         check_mode_closest(wrong, "stale", refs, "delta_matching as stale")
+
+
+def test_mode_check_skips_noise_dominated_pairs():
+    # Where the kernel's noise is as large as the references' distance, t is noise
+    # (or bias) and no pair is judged, for a right and a wrong kernel alike (the
+    # rule reads only the noise off the line between the references); the same
+    # wrong kernel at the CUDA noise level is caught (above).
+    inp, refs = _mode_case()
+    assert check_mode_closest(_noisy(refs["stale"], 5e-2, 0), "stale", refs, "noisy stale") == 0
+    assert check_mode_closest(_noisy(refs["delta_matching"], 5e-2, 0), "stale", refs, "noisy DM as stale") == 0
+    # 2 rows at the CUDA noise level: a clear separation (snr), but the standard
+    # error of t from 2 rows is no estimate (here sigma_t ~0.03 while t ~ -0.07):
+    # not judged (MODE_MIN_ROWS); the same kernel on all rows is (above).
+    few = {m: tuple(t[:, :1, 60:62] for t in refs[m][:3]) for m in MODES}
+    noisy = _noisy(few["stale"], 4e-3, 1)
+    for i in (0, 1):
+        t, sigma, snr, rows = mode_t_noise(noisy[i], few["stale"][i], few["delta_matching"][i])
+        assert snr >= MODE_MIN_SNR and rows == 2 < MODE_MIN_ROWS, (i, t, sigma, snr, rows)
+    assert check_mode_closest(noisy, "stale", few, "2 rows") == 0
 
 
 def test_mode_check_wants_equal_dv():
