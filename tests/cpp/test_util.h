@@ -396,5 +396,25 @@ inline bool bitwise_equal(const std::vector<double>& a, const std::vector<double
   return std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
 }
 
+// Multiplies each element by 2^k, k uniform in [-spread, spread]: blocks then
+// span many binades, so a block's scale decides which elements fall into the
+// FP8 subnormal range. (Power-of-two scales leave the rounding of normal FP8
+// values unchanged, so only such data tells a block quantized from the visible
+// entries from one quantized over the whole tile.)
+inline void spread_binades(std::vector<double>& x, int spread, std::mt19937& rng) {
+  std::uniform_int_distribution<int> k(-spread, spread);
+  for (double& e : x) e = std::ldexp(e, k(rng));
+}
+
+// The spread the emulation tests use: Q and K over spread / 4 binades (S stays in
+// range), V and dO over spread. spread = 0 leaves the inputs alone.
+inline void spread_inputs(Inputs& in, int spread, std::mt19937& rng) {
+  if (spread <= 0) return;
+  spread_binades(in.q, spread / 4, rng);
+  spread_binades(in.k, spread / 4, rng);
+  spread_binades(in.v, spread, rng);
+  spread_binades(in.dout, spread, rng);
+}
+
 }  // namespace testutil
 }  // namespace fp8attn
