@@ -23,7 +23,7 @@
 # Env knobs: DEVICE_LIB=native|carried (default native), DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
 # (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
-# DEVICE_PYTEST_ARGS extra pytest arguments,
+# DEVICE_TESTS replaces the GPU test list, DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_SAN=0 skips the sanitizers, DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
@@ -44,7 +44,7 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_tile.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
+tests="${DEVICE_TESTS:-tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_tile.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same}"
 # DEVICE_SLOW=1: also the launch / size limit tests (batch x heads >= 65536, 1M tokens,
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"

@@ -190,7 +190,7 @@ def mode_t_noise(cuda, own, other):
 
 
 def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep=MODE_MIN_SEPARATION,
-                       z=MODE_Z, min_snr=MODE_MIN_SNR):
+                       z=MODE_Z, min_snr=MODE_MIN_SNR, gates=True):
     """cuda: (dq, dk, dv, ...) of a backward run with delta_mode=mode; cpu_by_mode:
     {mode: CPU reference (dq, dk, dv, ...)} with `mode` and at least one other.
     dQ, dK: mode_t(cuda, cpu[mode], cpu[other]) < t_max for every other mode whose
@@ -208,6 +208,10 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
         and t is biased by ~||n||^2 / ||s||^2 ~ 1 / (2 snr^2) whatever the sample
         size (n ~ e_perp / sqrt(2): kernel and reference round alike); 1.5 keeps
         that bias (0.22) under t_max.
+    gates=False judges every pair past min_sep (the plain rule): the fixed shapes of
+    this file use it, where every pair was judged and passed on the H200
+    (2026-12-02) while the noise gates, tuned for the fuzz's degenerate cases,
+    skipped 1-2 of their 4 pairs.
     dV: the references of all modes are bitwise equal (dV does not use delta).
     Returns the number of (gradient, other mode) pairs compared."""
     assert mode in cpu_by_mode and len(cpu_by_mode) >= 2
@@ -221,7 +225,7 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
             if _rel(ref[i], own[i]) < min_sep:
                 continue
             t, sigma, snr, rows = mode_t_noise(cuda[i], own[i], ref[i])
-            if rows < MODE_MIN_ROWS or sigma > t_max / z or snr < min_snr:
+            if gates and (rows < MODE_MIN_ROWS or sigma > t_max / z or snr < min_snr):
                 continue
             assert abs(t) < t_max, (
                 f"{label} {name}: a {mode} backward sits at t = {t:.3f} on the line from the {mode} "
@@ -261,7 +265,7 @@ def test_bwd_modes_formats(mode, fmt, causal):
     cuda, cpu, exact = run_bwd(inp, causal, mode, fmt)
     check_grads(cuda, cpu, exact, f"{mode} {fmt} causal={causal}")
     # The right delta, not merely one within 2e-2: both other modes are told apart.
-    assert check_mode_closest(cuda, mode, cpu_refs_by_mode(inp, causal, fmt), f"{mode} {fmt} causal={causal}") == 4
+    assert check_mode_closest(cuda, mode, cpu_refs_by_mode(inp, causal, fmt), f"{mode} {fmt} causal={causal}", gates=False) == 4
 
 
 @needs_gpu
@@ -279,7 +283,7 @@ def test_bwd_each_mode_is_its_own(dims, causal):
         cuda, cpu, exact = run_bwd(inp, causal, mode, "e4m3")
         assert torch.equal(cpu[0], refs[mode][0]) and torch.equal(cpu[2], refs[mode][2])
         check_grads(cuda, cpu, exact, f"{dims} {mode} causal={causal}")
-        assert check_mode_closest(cuda, mode, refs, f"{dims} {mode} causal={causal}") == 4
+        assert check_mode_closest(cuda, mode, refs, f"{dims} {mode} causal={causal}", gates=False) == 4
         cudas[mode] = cuda
     for mode in MODES[:2]:
         assert _rel(cudas[mode][2], cudas["delta_matching"][2]) <= 1e-6, (mode, "dV depends on the delta mode")
