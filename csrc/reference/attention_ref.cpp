@@ -668,6 +668,22 @@ inline float rowsum_ratio(double sum, double sum_abs, bool has_freedom) {
   return static_cast<float>(std::fabs(sum) / sum_abs);
 }
 
+// The fp8 backward's per-row diagnostics (numerics.md section 7), both scaling
+// recipes: delta, eps = delta - delta_dm, and the pre-/post-cast dS row-sum ratios.
+// NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio would
+// only measure rounding noise, so it reports 0. A non-finite dS row reports NaN so
+// monitoring sees it.
+inline void write_row_diagnostics(const BackwardDiagnostics& diag, int64_t idx, float delta, float delta_dm,
+                                  double pre_sum, double pre_abs, double post_sum, double post_abs,
+                                  int64_t nvis) {
+  if (diag.delta) diag.delta[idx] = delta;
+  if (diag.eps) diag.eps[idx] = delta - delta_dm;
+  const bool has_freedom = nvis >= 2;
+  if (diag.rowsum_pre) diag.rowsum_pre[idx] = rowsum_ratio(pre_sum, pre_abs, has_freedom);
+  if (diag.rowsum_post) diag.rowsum_post[idx] = rowsum_ratio(post_sum, post_abs, has_freedom);
+}
+
+
 // ---------------------------------------------------------------------------
 // 4. Exact path (numerics.md section 1, FP64)
 // ---------------------------------------------------------------------------
@@ -975,18 +991,9 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }
           store_row(dq, b, i, hq, d, dq_acc.data());
-          if (diag) {
-            const int64_t idx = g.lse_index(b, hq, i);
-            if (diag->delta) diag->delta[idx] = delta;
-            if (diag->eps) diag->eps[idx] = delta - delta_dm;
-            // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic;
-            // its ratio would only measure rounding noise, so it reports 0
-            // (numerics.md section 7).
-            // A non-finite dS row reports NaN so monitoring sees it.
-            const bool has_freedom = nvis >= 2;
-            if (diag->rowsum_pre) diag->rowsum_pre[idx] = rowsum_ratio(pre_sum, pre_abs, has_freedom);
-            if (diag->rowsum_post) diag->rowsum_post[idx] = rowsum_ratio(post_sum, post_abs, has_freedom);
-          }
+          if (diag)
+            write_row_diagnostics(*diag, g.lse_index(b, hq, i), delta, delta_dm, pre_sum, pre_abs, post_sum,
+                                  post_abs, nvis);
         }
         // Column pass over the keys this query tile sees: dV (#5), dK (#7).
         for (int64_t j = 0; j < Sk; ++j) {
@@ -1178,14 +1185,9 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }
           store_row(dq, b, i, hq, d, dq_acc.data());
-          if (diag) {
-            const int64_t idx = g.lse_index(b, hq, i);
-            if (diag->delta) diag->delta[idx] = delta;
-            if (diag->eps) diag->eps[idx] = delta - delta_dm;
-            const bool has_freedom = nvis >= 2;
-            if (diag->rowsum_pre) diag->rowsum_pre[idx] = rowsum_ratio(pre_sum, pre_abs, has_freedom);
-            if (diag->rowsum_post) diag->rowsum_post[idx] = rowsum_ratio(post_sum, post_abs, has_freedom);
-          }
+          if (diag)
+            write_row_diagnostics(*diag, g.lse_index(b, hq, i), delta, delta_dm, pre_sum, pre_abs, post_sum,
+                                  post_abs, nvis);
         }
         // Column pass, per key tile this query tile sees: dV (#5), dK (#7).
         // P and dS: one scale per (query tile, key tile) block, over the
