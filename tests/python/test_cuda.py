@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
+from wgmma_bounds import wgmma_lse_bound
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +118,8 @@ def check_fwd(shape, causal, seed, q=None, k=None, v=None):
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     check_close("O", out, o_cpu, o_ex, label)
     check_close("LSE", lse, l_cpu, l_ex, label)
-    check_rows(out, lse, o_cpu, l_cpu, label, wgmma_s_bound(q, k) if wgmma_fwd_active(d, dv) else None)
+    check_rows(out, lse, o_cpu, l_cpu, label,
+               wgmma_lse_bound(q, k, f32_scale(d), causal) if wgmma_fwd_active(d, dv) else None)
     return out, lse
 
 
@@ -127,16 +129,6 @@ def wgmma_fwd_active(d, dv):
     return os.environ.get("FP8ATTN_FWD_KERNEL") != "mma" and (d, dv) in ((64, 64), (128, 128), (256, 256), (192, 128))
 
 
-def wgmma_s_bound(q, k):
-    """Per query row, the bound on |S_cuda - S_exact-from-codes| of FP8 wgmma (numerics.md
-    section 7, "FP8 wgmma accumulation"): 2^-12 * tau * ||q_i|| * max_j ||k_j||, [B, Hq, Sq].
-    With two head_dim blocks (d = 192, 256) the per-block errors add and stay under the same
-    bound (sum_b ||q_ib|| ||k_jb|| <= ||q_i|| ||k_j||)."""
-    tau = f32_scale(q.shape[-1])
-    kmax = k.double().norm(dim=-1).amax()
-    return 2.0**-12 * tau * q.double().norm(dim=-1) * kmax
-
-
 def check_rows(out, lse, o_cpu, l_cpu, label, s_bound=None):
     """Per-row checks that a norm over all rows would hide (a wrong mask on a few rows).
     - LSE: both paths take the FP32 log-sum-exp of the same S (the same bit-exact
@@ -144,8 +136,8 @@ def check_rows(out, lse, o_cpu, l_cpu, label, s_bound=None):
       only by summation order and exp/log rounding, ~1e-6 relative: allow 1e-4
       (one key too many or too few moves LSE by log(1 + P_j), far more).
       On the wgmma kernel S itself carries the FP8 tensor-core accumulation
-      error (s_bound per row, numerics.md section 7), and LSE, a softmax-weighted
-      mean of S, moves by at most that much: it is added to the allowance.
+      error, and LSE moves with it by at most s_bound per row
+      (wgmma_bounds.wgmma_lse_bound, numerics.md section 7): it is added to the allowance.
     - O rows: FP8 rounding flips of single P values (a different exp()) and the
       coarser V scale of diagonal tiles move a row by a few percent at most;
       a wrong key moves a short row by tens of percent: allow 0.25 relative."""
@@ -384,7 +376,7 @@ def test_fwd_kernels_agree(shape, causal, monkeypatch):
     fin = torch.isfinite(l_mma)
     assert torch.equal(fin, torch.isfinite(l_wg))
     d_lse = (l_wg.double() - l_mma.double())[fin].abs()
-    tol = 1e-4 * l_mma.double()[fin].abs().clamp(min=1.0) + wgmma_s_bound(q, k)[fin]
+    tol = 1e-4 * l_mma.double()[fin].abs().clamp(min=1.0) + wgmma_lse_bound(q, k, f32_scale(q.shape[-1]), causal)[fin]
     assert (d_lse <= tol).all(), f"LSE max diff {d_lse.max().item():.3g}"
     rel = (o_wg.double() - o_mma.double()).norm() / o_mma.double().norm().clamp(min=1e-30)
     assert rel.item() < 2e-2, f"O: ||wgmma - mma|| / ||mma|| = {rel.item():.3g}"

@@ -11,13 +11,15 @@ magnitudes (with softmax_scale compensating so the logits stay O(1)). Every case
 runs the CUDA forward and the CUDA backward of every delta mode on the CUDA
 forward's O and LSE (the training pairing), and compares every output with the
 CPU reference (run_case) on the same inputs: the CPU fp8 backward of every mode
-also runs on the CUDA forward's O and LSE (the exact backward on the exact
-forward), so forward differences are not charged to the backward:
+runs on the CUDA forward's O and the CPU forward's own LSE (each implementation
+pairs its S with the LSE of that S; the exact backward on the exact forward), so
+forward differences are not charged to the backward:
 
   - O, LSE: numerics.md section 6 (||cuda - exact|| <= 2 ||cpu - exact|| +
     1e-3 ||exact||, ||cuda - cpu|| < 2e-2 ||cpu||), non-finite entries (LSE of
     rows that see no key) exactly where the reference has them, and LSE per row
-    within 1e-4 relative plus the FP8 wgmma bound on S (section 7);
+    within 1e-4 relative plus the FP8 wgmma bound of the row (wgmma_bounds.py,
+    the accumulation model measured on the H200, section 7);
   - dQ, dK, dV of each mode: section 6 on the whole tensor and on every
     64-column block (as tests/python/test_cuda_bwd.py check_grads), in units of
     each gradient's natural scale (so huge / tiny inputs get the same bounds);
@@ -39,7 +41,9 @@ small cases end to end with the CPU reference in the kernel's place.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import random
 import sys
 import time
@@ -50,6 +54,7 @@ import torch
 import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 from fp8attn import _lib
 from test_cuda_bwd import MODES, check_mode_closest, f32_scale, poison_cuda_allocator
+from wgmma_bounds import wgmma_lse_bound
 
 OPS = torch.ops.fp8attn
 
@@ -213,7 +218,7 @@ def make_tensors(case: Case):
         tau = tau * 2.0 ** (-e[0] - e[1])
     q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
     # Logits at most ~LOGIT_MAX: beyond that rows are one-hot and the FP8 wgmma
-    # error bound on S (2^-12 tau ||q|| ||k||, numerics.md section 7) can exceed the
+    # error bound on S (wgmma_bounds.py, numerics.md section 7) can exceed the
     # gap between the two largest logits, so CUDA and the reference may pick
     # different keys (not a kernel fault). Measured on the first 32 queries of batch 0.
     grp = q.shape[1] // k.shape[1]
@@ -253,50 +258,61 @@ def check_out(name, c, r, e, label, stats):
     ne, err_c, err_r = e.norm().item(), (c - e).norm().item(), (r - e).norm().item()
     rel = (c - r).norm().item() / max(r.norm().item(), 1e-300)
     _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
+    _record(label, name, rel=rel, err_cuda=err_c, err_cpu=err_r, norm_exact=ne, norm_cpu=r.norm().item())
     assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
     assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
 
 
-def check_lse_rows(lse, l_cpu, q, k, tau, label):
-    """Per row: |LSE_cuda - LSE_cpu| <= 1e-4 max(|LSE|, 1) + 2^-12 tau ||q_i|| max_j ||k_j||
-    (test_cuda.check_rows with the FP8 wgmma bound of numerics.md section 7, applied
-    on every path: zero-padded head_dims run the wgmma kernels too)."""
+def check_lse_rows(lse, l_cpu, q, k, tau, causal, label):
+    """Per row: |LSE_cuda - LSE_cpu| <= 1e-4 max(|LSE|, 1) + the FP8 wgmma bound of the
+    row (test_cuda.check_rows; wgmma_bounds.wgmma_lse_bound, the accumulation model
+    measured on the H200, numerics.md section 7), applied on every path: zero-padded
+    head_dims run the wgmma kernels too. The bound is computed only when some row needs it."""
     fin = torch.isfinite(l_cpu)
     d_lse = (lse.double() - l_cpu.double())[fin].abs()
     if d_lse.numel() == 0:
         return
-    bound = 2.0**-12 * tau * q.double().norm(dim=-1) * k.double().norm(dim=-1).amax()
-    tol = 1e-4 * l_cpu.double()[fin].abs().clamp(min=1.0) + bound[fin]
+    tol = 1e-4 * l_cpu.double()[fin].abs().clamp(min=1.0)
+    if (d_lse <= tol).all():
+        return
+    bound = wgmma_lse_bound(q, k, tau, causal)[fin]
+    _record(label, "LSE rows", worst=(d_lse / (tol + bound)).max().item(), max_dlse=d_lse.max().item())
+    tol = tol + bound
     if not (d_lse <= tol).all():
-        # The worst row against its tolerance, and the largest single product
-        # tau max_c |q_ic| max_j |k_jc| of the case (the outlier-channel suspicion of
-        # numerics.md section 7, "OPEN").
         w = int((d_lse / tol).argmax())
-        prod = tau * (q.double().abs().amax(dim=(0, 1, 2)) * k.double().abs().amax(dim=(0, 1, 2))).max().item()
         raise AssertionError(
             f"{label} LSE: max |cuda-cpu| = {d_lse.max().item():.3g}; worst row {d_lse[w].item():.3g} > tol "
-            f"{tol[w].item():.3g} ({(d_lse[w] / tol[w]).item():.2f}x; wgmma bound {bound[fin][w].item():.3g}); "
-            f"largest single product tau |q_c| |k_c| = {prod:.3g}")
+            f"{tol[w].item():.3g} ({(d_lse[w] / tol[w]).item():.2f}x; wgmma bound {bound[w].item():.3g})")
 
 
 def check_grad(name, c, r, e, scale, label, stats):
     """One gradient in units of `scale`: finite; section 6 on the whole tensor and on
     every 64-column block (test_cuda_bwd.check_grads); where the exact gradient
-    vanishes (one key per row, all-equal keys' dQ) the kernel must be within 2e-2
-    of the FP8 reference (which then carries only the mode's residual) or ~0."""
+    vanishes (one key per row, all-equal keys' dQ) the kernel must be no further from
+    it than twice the FP8 reference (plus 1e-2 of the natural scale per element)."""
     c, r, e = (t.double() / scale for t in (c, r, e))
     assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
     assert torch.isfinite(r).all(), f"{label} {name}: the reference is not finite (case generator bug)"
     ne = e.norm().item()
     rel = (c - r).norm().item() / max(r.norm().item(), 1e-300)
     if ne < 1e-6 * math.sqrt(e.numel()):
-        assert (c - r).norm().item() <= 2e-2 * r.norm().item() + 1e-2 * math.sqrt(c.numel()), (
-            f"{label} {name}: exact gradient ~0; ||cuda-cpu|| = {(c - r).norm().item():.4g}, ||cpu|| = "
-            f"{r.norm().item():.4g} (units of the natural scale)")
+        # Section 6's first rule with ||exact|| ~ 0: the kernel no further from the exact
+        # (zero) gradient than twice the reference's FP8 residual, plus a floor of 1e-2 of
+        # the natural scale per element. What is left here is rounding that each
+        # implementation does its own way (one key: P = exp(S - LSE) with the backward's S
+        # against the forward's LSE; all-equal keys: the residual of each dS row sum), so
+        # the two residuals are not compared with each other.
+        err_c, err_r = (c - e).norm().item(), (r - e).norm().item()
+        assert err_c <= 2 * err_r + 1e-2 * math.sqrt(c.numel()), (
+            f"{label} {name}: exact gradient ~0; ||cuda-exact|| = {err_c:.4g} > 2 * ||cpu-exact|| = "
+            f"2 * {err_r:.4g} + 1e-2 * sqrt({c.numel()}) (units of the natural scale)")
         _note(stats, name, min(rel, 1.0), 0.0)
+        _record(label, name, vanish=True, norm_cuda=c.norm().item(), norm_cpu=r.norm().item(),
+                diff=(c - r).norm().item(), n=c.numel())
         return
     err_c, err_r = (c - e).norm().item(), (r - e).norm().item()
     _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
+    _record(label, name, rel=rel, err_cuda=err_c, err_cpu=err_r, norm_exact=ne, norm_cpu=r.norm().item())
     assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
     assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
     for lo in range(0, c.shape[-1], 64):
@@ -307,6 +323,17 @@ def check_grad(name, c, r, e, scale, label, stats):
             continue
         rel_b = (cb - rb).norm().item() / nb
         assert rel_b < 2e-2, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g}"
+
+
+# FUZZ_REPORT=<file> (a test-run option, not a library knob): every check's numbers,
+# one JSON line per output and case, for studying the tolerances.
+_REPORT = os.environ.get("FUZZ_REPORT")
+
+
+def _record(label, name, **values):
+    if _REPORT:
+        with open(_REPORT, "a") as f:
+            f.write(json.dumps({"case": label, "output": name, **values}) + "\n")
 
 
 def _note(stats, name, rel, ratio):
@@ -340,13 +367,18 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
         o_dev, l_dev = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
     check_out("O", o_dev.cpu(), o_cpu, o_ex, label, stats)
     check_out("LSE", l_dev.cpu(), l_cpu, l_ex, label, stats)
-    check_lse_rows(l_dev.cpu(), l_cpu, q, k, tau, label)
-    # The CPU fp8 backward of every mode on the device forward's O and LSE, the
-    # inputs the device backward gets: P uses LSE in every mode and the stale /
-    # matched_do delta uses O, so references on the CPU forward's O and LSE would
-    # charge the forward's (separately checked) differences to the backward.
-    o_in, l_in = o_dev.cpu(), l_dev.cpu()
-    cpu = {m: OPS.bwd(do, q, k, v, o_in, l_in, tau, causal, "fp8", m, 128, fmt, False) for m in MODES}
+    check_lse_rows(l_dev.cpu(), l_cpu, q, k, tau, causal, label)
+    # The CPU fp8 backward of every mode on the device forward's O (the stale / matched_do
+    # delta uses it: references on the CPU's O would charge the forward's separately
+    # checked differences to the backward) and on the CPU forward's own LSE: P =
+    # exp(S - LSE) must pair each implementation's S with the LSE of that same S. The
+    # kernels do (the backward recomputes S with the forward's wgmma steps); the CPU S
+    # with the CUDA LSE would not: its rows would sum to 1 + O(S error), and the FP8
+    # backward amplifies that (measured on fuzz cases: LSE noise of 1e-3 moved dQ by
+    # 1-10%, and the Delta-Matching dQ of a two-key case by 170%, while a consistent
+    # 2^-12 change of S with its own LSE moved them by 0.1-1%; numerics.md section 7).
+    o_in = o_dev.cpu()
+    cpu = {m: OPS.bwd(do, q, k, v, o_in, l_cpu, tau, causal, "fp8", m, 128, fmt, False) for m in MODES}
     scales = grad_scales(q, k, v, do, tau)
     # The mode is identifiable only where the exact dQ, dK do not vanish: with one key per
     # row (seqlen_k = 1) or all-equal keys, dS is 0 in exact arithmetic and the modes'
@@ -510,15 +542,35 @@ def test_checks_fail_a_wrong_forward(monkeypatch):
 
 
 def test_lse_row_check_fails_one_wrong_row():
-    # One row's LSE off by 0.05 (above its wgmma bound, inside the norm checks of
-    # a long LSE): check_lse_rows names the worst row and its tolerance.
+    # One row's LSE off by a little more than its tolerance (1e-4 |LSE| + its wgmma
+    # bound; inside the norm checks of a long LSE): check_lse_rows names the worst row.
     case = next(c for c in generate_cases(FUZZ_SEEDS[0]) if c.dist == "gaussian" and 16 <= c.seqlen_q
                 and c.work <= 3e6)
     q, k, v, do, tau = make_tensors(case)
     _, lse = OPS.fwd(q, k, v, tau, case.causal, "fp8", 128)
-    check_lse_rows(lse, lse, q, k, tau, "same")
+    check_lse_rows(lse, lse, q, k, tau, case.causal, "same")
     bad = lse.clone()
-    row = torch.isfinite(bad).nonzero()[-1].tolist()
-    bad[tuple(row)] += 0.05
-    with pytest.raises(AssertionError, match=r"LSE: max \|cuda-cpu\| = 0.05.*worst row"):
-        check_lse_rows(bad, lse, q, k, tau, "one row")
+    row = tuple(torch.isfinite(bad).nonzero()[-1].tolist())
+    tol = 1e-4 * max(abs(lse[row].item()), 1.0) + wgmma_lse_bound(q, k, tau, case.causal)[row].item()
+    assert 0 < tol < 0.1
+    bad[row] += 1.05 * tol
+    check_lse_rows(lse + 0.9 * tol * (torch.arange(lse.numel()).view(lse.shape) == 0), lse, q, k, tau,
+                   case.causal, "within")
+    with pytest.raises(AssertionError, match=r"LSE: max \|cuda-cpu\| = .*worst row"):
+        check_lse_rows(bad, lse, q, k, tau, case.causal, "one row")
+
+
+def test_vanishing_gradient_rule():
+    # One key per row: the exact dK is 0. A kernel whose P sums to 1 (its S and LSE
+    # agree) gives ~0 while the FP8 reference carries a residual: that passes; a
+    # kernel further from 0 than twice the reference's residual plus the floor fails.
+    label = "seqlen_k = 1"
+    e = torch.zeros(1, 2, 1, 64, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    r = 0.3 * torch.randn(e.shape, generator=g, dtype=torch.float64)  # the reference's residual
+    check_grad("dK", torch.zeros_like(e), r, e, 1.0, label, None)
+    check_grad("dK", r, r, e, 1.0, label, None)
+    with pytest.raises(AssertionError, match="exact gradient ~0"):
+        check_grad("dK", 2.2 * r + 0.05, r, e, 1.0, label, None)
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_grad("dK", torch.full_like(e, float("nan")), r, e, 1.0, label, None)

@@ -30,11 +30,12 @@ import torch
 
 import fp8attn
 from test_cuda import (OPS, check_close, check_rows, cuda_fwd, f32_scale, make_qkv, needs_bwd, randn,  # noqa: F401
-                       ref_fwd, seed_of, wgmma_s_bound)
+                       ref_fwd, seed_of)
 from test_cuda import check_grads as check_grads_pipeline
 from test_cuda import full_pipeline
 from test_cuda_bwd import check_grads as check_grads_bwd
 from test_cuda_bwd import make_inputs, run_bwd
+from wgmma_bounds import wgmma_lse_bound
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +71,7 @@ def check_fwd_any(shape, causal, seed):
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     check_close("O", out, o_cpu, o_ex, label)
     check_close("LSE", lse, l_cpu, l_ex, label)
-    check_rows(out, lse, o_cpu, l_cpu, label, wgmma_s_bound(q, k))
+    check_rows(out, lse, o_cpu, l_cpu, label, wgmma_lse_bound(q, k, f32_scale(d), causal))
     return q, k, v, out, lse
 
 
