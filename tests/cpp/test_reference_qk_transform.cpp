@@ -184,5 +184,40 @@ TEST(QkTransform, Fp8PathIsThePlainPathOnTransformedInputsBitForBit) {
       }
 }
 
+// dK = dK_s - mean_j dK_s: the key gradients of a (batch, kv head) sum to zero
+// over the keys. Exact and Delta-Matching backwards already nearly have that
+// (zero row sums of dS), so the test uses `stale`, whose rows sum to eps_i.
+TEST(QkTransform, GradientThroughTheMeanIsApplied) {
+  for (Scaling scaling : {Scaling::kRow, Scaling::kTile}) {
+    Problem pr;
+    pr.B = 1, pr.Sq = 64, pr.Sk = 96, pr.Hq = 2, pr.Hkv = 1, pr.d = 64, pr.dv = 32;
+    pr.causal = true;
+    pr.scaling = scaling;
+    std::mt19937 rng(5);
+    const Inputs in = common_key_inputs(pr, rng, true);
+    RunOptions ro;
+    ro.in_dtype = ro.out_dtype = DType::kFloat32;
+    for (bool smooth : {false, true}) {
+      AttnParams p = pr.params(Precision::kFP8, DeltaMode::kStale, 32);
+      p.smooth_k = smooth;
+      const RefOutputs r = run_reference(pr, in, p, ro);
+      double worst = 0, scale = 0;
+      for (int64_t c = 0; c < pr.d; ++c) {
+        double s = 0, a = 0;
+        for (int64_t j = 0; j < pr.Sk; ++j) {
+          s += r.dk[j * pr.d + c];
+          a += std::fabs(r.dk[j * pr.d + c]);
+        }
+        worst = std::max(worst, std::fabs(s));
+        scale = std::max(scale, a);
+      }
+      if (smooth)
+        EXPECT_LT(worst, 1e-5 * scale);
+      else
+        EXPECT_GT(worst, 1e-3 * scale);  // the control: stale's column sums are not small
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fp8attn
