@@ -17,7 +17,6 @@ k [batch, num_heads_kv, seqlen_k, head_dim].
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Optional, Tuple
 
@@ -47,14 +46,14 @@ def _sign(c: int) -> float:
     return -1.0 if z >> 63 else 1.0
 
 
-@functools.lru_cache(maxsize=None)
-def _signs_list(d: int) -> Tuple[float, ...]:
-    return tuple(_sign(c) for c in range(d))
+# The sign of every channel up to the largest head_dim (256), computed once (a
+# plain constant, so torch.compile traces hadamard_signs without a cache wrapper).
+_SIGNS = tuple(_sign(c) for c in range(256))
 
 
 def hadamard_signs(d: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """The fixed sign of each of the d channels, [d] of +-1."""
-    return torch.tensor(_signs_list(d), dtype=dtype, device=device)
+    """The fixed sign of each of the d <= 256 channels, [d] of +-1."""
+    return torch.tensor(_SIGNS[:d], dtype=dtype, device=device)
 
 
 def _norm(n: int, dtype) -> torch.Tensor:

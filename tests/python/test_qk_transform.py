@@ -71,9 +71,9 @@ def test_rotation_is_orthogonal_blocked_and_fixed(d):
     if 128 < d < 256:
         edges = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
         assert all(not (a < 128 < b) for a, b in zip(edges, edges[1:]))
-    # Deterministic, no state: the same matrix every call and on a fresh sign table.
-    qkt._signs_list.cache_clear()
+    # Deterministic, no state: the same matrix every call, and the sign table is the formula's.
     assert torch.equal(qkt.hadamard_matrix(d), R)
+    assert qkt.hadamard_signs(d).tolist() == [qkt._sign(c) for c in range(d)]
     # x R R^T = x (the gradient map is the transpose).
     x = torch.randn(5, d, dtype=F64)
     assert torch.allclose(qkt.rotate_transposed(qkt.rotate(x)), x, atol=1e-13, rtol=0)
@@ -383,3 +383,48 @@ def test_options_do_not_hurt_gaussian_inputs(accuracy, scaling):
     for name in ("hadamard", "smooth_k", "both"):
         for key in ("o", "dq", "dk", "dv"):
             assert r[(scaling, name)][key] <= 1.05 * r[(scaling, "none")][key], (name, key)
+
+
+def test_torch_compile_fullgraph_with_the_options():
+    """Both paths trace without a graph break (aot_eager, as test_op.py): the fused
+    raw op through the public function, and the unfused torch path the CUDA op
+    runs (forced here on CPU tensors), with the same numbers as eager."""
+    torch._dynamo.reset()
+    q, k, v, do = _inputs(Sq=16, Sk=24, d=16, dv=16)
+
+    def step(q, k, v):
+        return (fp8attn.attention(q, k, v, causal=True, qk_rotation="hadamard", smooth_k=True).float() ** 2).sum()
+
+    def unfused(q, k, v):
+        o, lse = ops.fwd_op(q, k, v, 0.25, True, "fp8", 128, "row", "hadamard", True, unfused=True)
+        return o.float().sum() + lse.sum()
+
+    for fn, grads in ((step, True), (unfused, False)):
+        qq, kk, vv = (t.clone().requires_grad_(grads) for t in (q, k, v))
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(qq, kk, vv)
+        want = fn(q, k, v)
+        assert torch.equal(got, want)
+        if grads:
+            g = torch.autograd.grad(got, (qq, kk, vv))
+            qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+            ge = torch.autograd.grad(step(qe, ke, ve), (qe, ke, ve))
+            assert all(torch.equal(a, b) for a, b in zip(g, ge))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("scaling", ["row", "tile"])
+def test_delta_matching_invariant_holds_with_the_options(scaling):
+    """The DM pre-cast row sums stay at FP32 rounding with the transforms (the
+    backward's P comes from the recovered LSE', and delta from that same P)."""
+    q, k, v, do = _inputs(Sq=96, Sk=96, d=64, key_offset=4.0)
+    for rot, sm in OPTIONS:
+        qq = q.clone().requires_grad_()
+        with fp8attn.diagnostics.record() as rec:
+            o = fp8attn.attention(qq, k, v, causal=True, scaling=scaling, qk_rotation=rot, smooth_k=sm)
+            o.backward(do)
+        stale = q.clone().requires_grad_()
+        with fp8attn.diagnostics.record() as rec_s:
+            fp8attn.attention(stale, k, v, causal=True, scaling=scaling, qk_rotation=rot, smooth_k=sm,
+                              delta_mode="stale").backward(do)
+        dm, st = rec.records[0]["rowsum_pre_mean"], rec_s.records[0]["rowsum_pre_mean"]
+        assert dm < 1e-5 and dm < 0.01 * st, (rot, sm, dm, st)
