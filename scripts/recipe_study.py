@@ -209,13 +209,61 @@ def outlier_table(seqlen=2048, d=128, causal=True, seed=1, kinds=INPUT_KINDS):
     return out
 
 
+def rotation(d, blocks):
+    """R [d, d] = blockdiag(D_b H_b / sqrt(n_b)) for the given block sizes, with the
+    fixed signs of numerics.md section 10 (fp8attn.qk_transform)."""
+    from fp8attn import qk_transform as qkt
+    R = torch.zeros(d, d, dtype=F64)
+    o = 0
+    for n in blocks:
+        R[o:o + n, o:o + n] = qkt._fwht(torch.eye(n, dtype=F64)) / math.sqrt(n)
+        o += n
+    return qkt.hadamard_signs(d, F64)[:, None] * R
+
+
+def block_study(d, blocks, kind="training", seqlen=2048, causal=True, seed=1, spread=False):
+    """Errors of the CPU reference (row) when Q and K are rotated by `rotation(d, blocks)`
+    (applied here in float64, rounded to BF16; the reference then runs without options,
+    which is bit for bit its qk_rotation path for the blocks it implements). spread: the
+    outlier channels of the training-shaped inputs at random positions instead of 0..3."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = inputs(kind, seqlen, seqlen, d, g)
+    if spread:
+        perm = torch.randperm(d, generator=g)
+        q, k = q[:, perm], k[:, perm]
+    ex = exact(q, k, v, do, 1 / math.sqrt(d), causal)
+    R = rotation(d, blocks) if blocks else torch.eye(d, dtype=F64)
+    import fp8attn
+    qb, kb = ((x @ R).to(torch.bfloat16)[None, None].requires_grad_() for x in (q, k))
+    vb = v.to(torch.bfloat16)[None, None].requires_grad_()
+    o, lse = fp8attn.attention(qb, kb, vb, causal=causal, softmax_scale=1 / math.sqrt(d), return_lse=True)
+    o.backward(do.to(torch.bfloat16)[None, None])
+    got = dict(o=o[0, 0].detach(), lse=lse[0, 0], dq=qb.grad[0, 0].double() @ R.T, dk=kb.grad[0, 0].double() @ R.T,
+               dv=vb.grad[0, 0])
+    return errors(got, ex)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--long", action="store_true", help="long rows: Sq=256, Sk up to 64K, d=64")
     ap.add_argument("--outliers", action="store_true",
                     help="CPU reference errors, row/tile x qk_rotation / smooth_k (markdown table)")
     ap.add_argument("--seqlen", type=int, default=2048, help="--outliers: seqlen_q = seqlen_k")
+    ap.add_argument("--blocks", action="store_true",
+                    help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
+    if args.blocks:
+        print("| head_dim | outlier channels | blocks | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|")
+        for d, choices in ((192, ((), (128, 64), (64, 64, 64))), (80, ((), (64, 16), (16,) * 5)),
+                           (96, ((), (64, 32), (32, 32, 32)))):
+            for spread in (False, True):
+                for blocks in choices:
+                    r = block_study(d, blocks, spread=spread)
+                    name = " + ".join(map(str, blocks)) or "no rotation"
+                    print(f"| {d} | {'random' if spread else '0-3'} | {name} | " +
+                          " | ".join(f"{r[key]:.4f}" for key in ("o", "lse", "dq", "dk", "dv")) + " |")
+        return
     if args.outliers:
         import time
         t0 = time.time()
