@@ -291,6 +291,10 @@ def test_every_entry_point_applies_the_options():
     assert torch.equal(got, want)
     m = fp8attn.FP8Attention(causal=True, qk_rotation="hadamard", smooth_k=True)
     assert torch.equal(m(q, k, v), want) and "qk_rotation='hadamard'" in repr(m)
+    from fp8attn import hf  # the HF attention function (no transformers needed to build it)
+    hf_out, _ = hf.make_attention_function(qk_rotation="hadamard", smooth_k=True)(None, q, k, v, None,
+                                                                                 scaling=1 / 8)
+    assert torch.equal(hf_out, want.transpose(1, 2))
     with fp8attn.diagnostics.record() as rec:
         qq = q.clone().requires_grad_()
         fp8attn.attention(qq, k, v, causal=True, qk_rotation="hadamard", smooth_k=True).sum().backward()
@@ -428,3 +432,26 @@ def test_delta_matching_invariant_holds_with_the_options(scaling):
                               delta_mode="stale").backward(do)
         dm, st = rec.records[0]["rowsum_pre_mean"], rec_s.records[0]["rowsum_pre_mean"]
         assert dm < 1e-5 and dm < 0.01 * st, (rot, sm, dm, st)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_trainer_model_passes_the_options_to_the_attention_core(packed):
+    """The trainer's model (fp8attn.train.model) hands fp8_qk_rotation /
+    fp8_smooth_k to every attention call (dense and packed documents), and they
+    change the loss gradient (so they are not dropped)."""
+    from fp8attn.train.model import ModelConfig, Transformer
+    tokens = torch.randint(1, 64, (2, 32))
+    if packed:
+        tokens[:, 10] = 0  # <|endoftext|>: two documents per row
+    grads = {}
+    for rot, sm in (("none", False), ("hadamard", True)):
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                          mlp_hidden=128, max_seq_len=32, attn_mode="fp8-delta_matching", packed=packed,
+                          fp8_qk_rotation=rot, fp8_smooth_k=sm)
+        model = Transformer(cfg)
+        with fp8attn.diagnostics.record() as rec:
+            model(tokens).float().square().mean().backward()
+        assert rec.records and all(r["qk_rotation"] == rot and r["smooth_k"] is sm for r in rec.records)
+        grads[rot] = model.blocks[0].attn.wq.weight.grad.clone()
+    assert not torch.equal(grads["none"], grads["hadamard"])
