@@ -301,8 +301,14 @@ def test_every_entry_point_applies_the_options():
     assert rec.records[0]["qk_rotation"] == "hadamard" and rec.records[0]["smooth_k"] is True
     # The raw op (CPU) takes them too and is differentiable with them.
     s = 1 / 8
-    o_raw, _ = torch.ops.fp8attn.fwd(q, k, v, s, True, "fp8", 128, "row", "hadamard", True)
-    assert torch.equal(o_raw, want)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_raw, _ = torch.ops.fp8attn.fwd(qr, kr, vr, s, True, "fp8", 128, "row", "hadamard", True)
+    assert torch.equal(o_raw.detach(), want)
+    do = torch.randn_like(want)
+    o_raw.backward(do)
+    pub = _grads(fp8attn.attention, q, k, v, do, causal=True, qk_rotation="hadamard", smooth_k=True)
+    for a, b in zip((qr.grad, kr.grad, vr.grad), pub[2:]):
+        assert torch.equal(a, b)
 
 
 def test_bad_arguments_name_the_argument():
