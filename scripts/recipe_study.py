@@ -1,13 +1,17 @@
 """Float64 emulation of the `row` and `tile` FP8 scaling recipes (docs/numerics.md
 section 9): O / LSE / dQ / dK / dV error against exact float64 attention, on Gaussian
-and training-shaped inputs, with variants of the backward's P-for-dV scale.
+and training-shaped inputs, with variants of the backward's P-for-dV scale; and
+(--outliers) the same errors of the CPU reference (fp8attn.attention on CPU
+tensors) for row / tile x {no transform, qk_rotation="hadamard", smooth_k, both}
+(docs/numerics.md section 10; the table of docs/results.md).
 
-Not part of the test suite (the CPU reference is the oracle; this script only
-explores choices before they are fixed in the contract). Every FP8 operand is
+The emulation is not part of the test suite (the CPU reference is the oracle; it
+only explores choices before they are fixed in the contract). Every FP8 operand is
 rounded with torch's float8 casts (RNE, subnormals kept) after a power-of-two
 block scale 2^ceil(log2(amax / fp8_max)); all other arithmetic is float64.
+`inputs` is also the generator of the accuracy tests of tests/python/test_qk_transform.py.
 
-    python scripts/recipe_study.py [--long]
+    python scripts/recipe_study.py [--long | --outliers [--seqlen N]]
 """
 from __future__ import annotations
 
@@ -115,7 +119,17 @@ def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128):
     return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dvv)
 
 
+INPUT_KINDS = ("gaussian", "training", "common_key")
+COMMON_KEY = 4.0  # common_key: |common component| = COMMON_KEY * sqrt(d) (~4x a Gaussian key's norm)
+
+
 def inputs(kind, Sq, Sk, d, g):
+    """BF16-rounded float64 q [Sq, d], k [Sk, d], v [Sk, d], dO [Sq, d] of one head.
+    kind: "gaussian" (standard normal); "training" (channel outliers shared by Q
+    and K: 4 channels x4; a sink key with logit ~ +8 for every query; per-token
+    magnitudes 2^(N(0,1)/2) on q, k, v, dO; dO at 1e-4); "common_key" (Gaussian
+    plus one vector shared by all keys, of norm COMMON_KEY * sqrt(d): logits of
+    |S| ~ 3 carried by the common part)."""
     q = torch.randn(Sq, d, dtype=F64, generator=g)
     k = torch.randn(Sk, d, dtype=F64, generator=g)
     v = torch.randn(Sk, d, dtype=F64, generator=g)
@@ -133,6 +147,11 @@ def inputs(kind, Sq, Sk, d, g):
         for x in (q, k, v, do):
             x *= torch.exp2(0.5 * torch.randn(x.shape[0], 1, dtype=F64, generator=g))
         do *= 1e-4
+    elif kind == "common_key":
+        u = torch.randn(d, dtype=F64, generator=g)
+        k = k + COMMON_KEY * math.sqrt(d) * u / u.norm()
+    elif kind != "gaussian":
+        raise ValueError(f"kind must be one of {INPUT_KINDS}, got {kind!r}")
     bf = lambda x: x.to(torch.bfloat16).to(F64)
     return bf(q), bf(k), bf(v), bf(do)
 
@@ -155,10 +174,109 @@ def run(kind, Sq, Sk, d, causal, seed, variants):
     return out
 
 
+OPTIONS = (("none", "none", False), ("hadamard", "hadamard", False), ("smooth_k", "none", True),
+           ("both", "hadamard", True))
+
+
+def errors(got: dict, ex: dict) -> dict:
+    """Relative Frobenius error vs exact (LSE: rms absolute over finite rows)."""
+    fin = torch.isfinite(ex["lse"])
+    return {key: rel(got[key].double(), ex[key]) if key != "lse" else
+            (got[key].double()[fin] - ex[key][fin]).pow(2).mean().sqrt().item() for key in ex}
+
+
+def reference_errors(q, k, v, do, causal, scaling, qk_rotation, smooth_k, ex, block_size=128):
+    """Errors of the CPU reference (fp8attn.attention, BF16 CPU tensors, one head)
+    vs the float64 exact results `ex`."""
+    import fp8attn
+    qb, kb, vb = (x.to(torch.bfloat16)[None, None].requires_grad_() for x in (q, k, v))
+    o, lse = fp8attn.attention(qb, kb, vb, causal=causal, scaling=scaling, qk_rotation=qk_rotation,
+                               smooth_k=smooth_k, block_size=block_size, return_lse=True)
+    o.backward(do.to(torch.bfloat16)[None, None])
+    got = dict(o=o[0, 0].detach(), lse=lse[0, 0], dq=qb.grad[0, 0], dk=kb.grad[0, 0], dv=vb.grad[0, 0])
+    return errors(got, ex)
+
+
+def outlier_table(seqlen=2048, d=128, causal=True, seed=1, kinds=INPUT_KINDS):
+    """{kind: {(scaling, option name): errors}} of the CPU reference (OPTIONS)."""
+    out = {}
+    for kind in kinds:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v, do = inputs(kind, seqlen, seqlen, d, g)
+        ex = exact(q, k, v, do, 1 / math.sqrt(d), causal)
+        out[kind] = {(sc, name): reference_errors(q, k, v, do, causal, sc, rot, sm, ex)
+                     for sc in ("row", "tile") for name, rot, sm in OPTIONS}
+    return out
+
+
+def rotation(d, blocks):
+    """R [d, d] = blockdiag(D_b H_b / sqrt(n_b)) for the given block sizes, with the
+    fixed signs of numerics.md section 10 (fp8attn.qk_transform)."""
+    from fp8attn import qk_transform as qkt
+    R = torch.zeros(d, d, dtype=F64)
+    o = 0
+    for n in blocks:
+        R[o:o + n, o:o + n] = qkt._fwht(torch.eye(n, dtype=F64)) / math.sqrt(n)
+        o += n
+    return qkt.hadamard_signs(d, F64)[:, None] * R
+
+
+def block_study(d, blocks, kind="training", seqlen=2048, causal=True, seed=1, spread=False):
+    """Errors of the CPU reference (row) when Q and K are rotated by `rotation(d, blocks)`
+    (applied here in float64, rounded to BF16; the reference then runs without options,
+    which is bit for bit its qk_rotation path for the blocks it implements). spread: the
+    outlier channels of the training-shaped inputs at random positions instead of 0..3."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = inputs(kind, seqlen, seqlen, d, g)
+    if spread:
+        perm = torch.randperm(d, generator=g)
+        q, k = q[:, perm], k[:, perm]
+    ex = exact(q, k, v, do, 1 / math.sqrt(d), causal)
+    R = rotation(d, blocks) if blocks else torch.eye(d, dtype=F64)
+    import fp8attn
+    qb, kb = ((x @ R).to(torch.bfloat16)[None, None].requires_grad_() for x in (q, k))
+    vb = v.to(torch.bfloat16)[None, None].requires_grad_()
+    o, lse = fp8attn.attention(qb, kb, vb, causal=causal, softmax_scale=1 / math.sqrt(d), return_lse=True)
+    o.backward(do.to(torch.bfloat16)[None, None])
+    got = dict(o=o[0, 0].detach(), lse=lse[0, 0], dq=qb.grad[0, 0].double() @ R.T, dk=kb.grad[0, 0].double() @ R.T,
+               dv=vb.grad[0, 0])
+    return errors(got, ex)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--long", action="store_true", help="long rows: Sq=256, Sk up to 64K, d=64")
+    ap.add_argument("--outliers", action="store_true",
+                    help="CPU reference errors, row/tile x qk_rotation / smooth_k (markdown table)")
+    ap.add_argument("--seqlen", type=int, default=2048, help="--outliers: seqlen_q = seqlen_k")
+    ap.add_argument("--blocks", action="store_true",
+                    help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
+    if args.blocks:
+        print("| head_dim | outlier channels | blocks | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|")
+        for d, choices in ((192, ((), (128, 64), (64, 64, 64))), (80, ((), (64, 16), (16,) * 5)),
+                           (96, ((), (64, 32), (32, 32, 32)))):
+            for spread in (False, True):
+                for blocks in choices:
+                    r = block_study(d, blocks, spread=spread)
+                    name = " + ".join(map(str, blocks)) or "no rotation"
+                    print(f"| {d} | {'random' if spread else '0-3'} | {name} | " +
+                          " | ".join(f"{r[key]:.4f}" for key in ("o", "lse", "dq", "dk", "dv")) + " |")
+        return
+    if args.outliers:
+        import time
+        t0 = time.time()
+        print(f"CPU reference vs float64, 1 head, seqlen {args.seqlen}, head_dim 128, causal, BF16 inputs, "
+              "seed 1; relative Frobenius error (LSE: rms absolute)\n")
+        print("| inputs | scaling | option | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|")
+        for kind, res in outlier_table(args.seqlen).items():
+            for (sc, name), r in res.items():
+                print(f"| {kind} | {sc} | {name} | " + " | ".join(f"{r[key]:.4f}" for key in
+                                                               ("o", "lse", "dq", "dk", "dv")) + " |")
+        print(f"\n({time.time() - t0:.0f} s)")
+        return
     variants = [("row", "row", None), ("tile/fixed", "tile", "fixed"), ("tile/fold_do", "tile", "fold_do"),
                 ("tile/tile_amax", "tile", "tile_amax")]
     cases = ([("gaussian", 256, sk, 64, False) for sk in (8192, 32768, 65536)] +

@@ -23,6 +23,12 @@ enum class DeltaMode : int { kStale = 0, kMatchedDO = 1, kDeltaMatching = 2 };
 // into a per-row coefficient or one scalar per loop step (section 9).
 enum class Scaling : int { kRow = 0, kTile = 1 };
 
+// numerics.md section 10: the outlier transforms applied to Q and K before
+// quantization. kHadamard rotates every Q and K row by the same fixed
+// orthogonal matrix (block-diagonal normalized Hadamard with a fixed sign
+// pattern), so S is unchanged in exact arithmetic.
+enum class QkRotation : int { kNone = 0, kHadamard = 1 };
+
 // Element type of a tensor at the API boundary. The reference computes in
 // FP32 (fp8 path) or FP64 (exact path) internally whatever the input type.
 enum class DType : int { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2 };
@@ -61,6 +67,8 @@ struct AttnParams {
   int block_size = 128;                       // B in {32, 64, 128}
   Fp8Format grad_format = Fp8Format::kE4M3;   // format of dO and dS (E4M3 or E5M2)
   Scaling scaling = Scaling::kRow;            // FP8 recipe (numerics.md section 9); kTile: block_size = tile edge
+  QkRotation qk_rotation = QkRotation::kNone; // rotate Q and K before quantization (numerics.md section 10)
+  bool smooth_k = false;                      // subtract the mean key per (batch, kv head) (section 10)
 
   int num_threads = 0;  // CPU reference: 0 = std::thread::hardware_concurrency()
 };

@@ -5,7 +5,8 @@
 //   3. FP8 operand blockings and the block-scaled matmul kernels,
 //   4. exact path (FP64) forward / backward,
 //   5. fp8 path forward / backward,
-//   6. public entry points.
+//   6. outlier transforms of Q and K (numerics.md section 10) around 4-5,
+//   7. public entry points.
 //
 // Work split: the forward runs tasks (batch, query head, chunk of rows); the
 // backward runs tasks (batch, kv head) so each task owns its dK/dV rows (no
@@ -17,12 +18,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/error.h"
 #include "common/fp8_codec.h"
 #include "quant/block_quant.h"
 #include "reference/parallel.h"
+#include "reference/qk_transform.h"
 
 // NOTE: the hot kernels are also compiled for AVX2 and picked at load time
 // (GCC function multi-versioning). AVX2 without FMA performs the very same
@@ -1241,10 +1244,225 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
   });
 }
 
+
+// ---------------------------------------------------------------------------
+// 6. Outlier transforms (numerics.md section 10)
+// ---------------------------------------------------------------------------
+// The transforms run on copies of Q and K before either path sees them: the
+// paths of sections 4-5 are called unchanged on Q' = Q R and
+// K' = (K - 1 m^T) R, and the gradients they return are mapped back
+// (dQ = dQ' R^T, dK = C (dK' R^T) with C the centering over keys). Working
+// precision W: FP32 on the fp8 path (inputs read as FP32, as that path reads
+// them), FP64 on the exact path.
+
+void dispatch_forward(const AttnParams& p, const Geometry& g, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const TensorView& o, float* lse) {
+  if (p.precision == Precision::kExact)
+    exact_forward(p, g, q, k, v, o, lse);
+  else if (p.scaling == Scaling::kTile)
+    fp8_forward_tile(p, g, q, k, v, o, lse);
+  else
+    fp8_forward(p, g, q, k, v, o, lse);
+}
+
+void dispatch_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& o,
+                       const TensorView& dout, const float* lse, const TensorView& dq,
+                       const TensorView& dk, const TensorView& dv,
+                       const BackwardDiagnostics* diag) {
+  if (p.precision == Precision::kExact)
+    exact_backward(p, g, q, k, v, dout, dq, dk, dv, diag);
+  else if (p.scaling == Scaling::kTile)
+    fp8_backward_tile(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+  else
+    fp8_backward(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+}
+
+bool has_qk_transform(const AttnParams& p) {
+  return p.qk_rotation != QkRotation::kNone || p.smooth_k;
+}
+
+// A contiguous [batch, seqlen, heads, w] tensor of one dtype and its view.
+struct Buffer {
+  std::vector<double> storage;  // double: aligned for every dtype
+  TensorView view;
+  Buffer(DType dt, int64_t B, int64_t S, int64_t H, int64_t w) {
+    const int64_t n = B * S * H * w;
+    const int64_t elem = dt == DType::kFloat64 ? 8 : dt == DType::kFloat32 ? 4 : 2;
+    storage.resize(static_cast<size_t>((n * elem + 7) / 8 + 1));
+    view.data = storage.data();
+    view.dtype = dt;
+    view.stride_head = w;
+    view.stride_seq = H * w;
+    view.stride_batch = S * H * w;
+  }
+};
+
+// The dtype Q' and K' are stored in (so rounded to) before quantization: the
+// input's for bfloat16 inputs on the fp8 path (what a kernel reading BF16
+// gets), else the working precision.
+DType transformed_dtype(const AttnParams& p, DType in) {
+  if (p.precision == Precision::kExact) return DType::kFloat64;
+  return in == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
+// m[(b * Hkv + h) * d + c] = (FP64 sum over keys j = 0, 1, ... of K[b, j, h, c]
+// read in W) / seqlen_k, rounded to W. All zeros when seqlen_k = 0.
+template <class W>
+std::vector<W> key_means(const Geometry& g, const TensorView& k, int num_threads) {
+  std::vector<W> mean(static_cast<size_t>(g.B * g.Hkv * g.d), W(0));
+  if (g.Sk == 0) return mean;
+  parallel_for(g.B * g.Hkv, num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, h = task % g.Hkv;
+    std::vector<W> row(g.d);
+    std::vector<double> sum(g.d, 0.0);
+    for (int64_t j = 0; j < g.Sk; ++j) {
+      load_row(k, b, j, h, g.d, row.data());
+      for (int64_t c = 0; c < g.d; ++c) sum[c] += static_cast<double>(row[c]);
+    }
+    for (int64_t c = 0; c < g.d; ++c)
+      mean[task * g.d + c] = static_cast<W>(sum[c] / static_cast<double>(g.Sk));
+  });
+  return mean;
+}
+
+// dst row (b, s, h) = rotate(src row - mean[(b, h)]) in W, stored with
+// dst's rounding; mean null = no subtraction.
+template <class W>
+void transform_rows(const TensorView& src, const TensorView& dst, int64_t B, int64_t S, int64_t H,
+                    int64_t d, const W* mean, bool rotate, int num_threads) {
+  parallel_for(B * H, num_threads, [&](int64_t task) {
+    const int64_t b = task / H, h = task % H;
+    std::vector<W> row(d);
+    for (int64_t s = 0; s < S; ++s) {
+      load_row(src, b, s, h, d, row.data());
+      if (mean)
+        for (int64_t c = 0; c < d; ++c) row[c] -= mean[task * d + c];
+      if (rotate) hadamard_rotate_row(row.data(), d);
+      store_row(dst, b, s, h, d, row.data());
+    }
+  });
+}
+
+// lse[b, hq, i] += sign * shift_i with shift_i = tau * <q_i, m_(b, hkv)>
+// (q the untransformed row read in W, the dot product summed in FP64 over
+// c = 0, 1, ...): the LSE of the smoothed logits S' = S - shift_i to that of
+// S (sign +1) and back (sign -1). FP32 add on the fp8 path (tau rounded to
+// FP32, shift rounded to FP32 first); on the exact path FP64 then rounded to
+// FP32. A -inf LSE (row that sees no key) stays -inf.
+template <class W>
+void shift_lse(const AttnParams& p, const Geometry& g, const TensorView& q,
+               const std::vector<W>& mean, float* lse, int sign) {
+  const bool exact = p.precision == Precision::kExact;
+  const double tau = exact ? static_cast<double>(p.softmax_scale)
+                           : static_cast<double>(static_cast<float>(p.softmax_scale));
+  parallel_for(g.B * g.Hq, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hq, hq = task % g.Hq;
+    const W* m = mean.data() + (b * g.Hkv + hq / g.group) * g.d;
+    std::vector<W> row(g.d);
+    for (int64_t i = 0; i < g.Sq; ++i) {
+      float& l = lse[g.lse_index(b, hq, i)];
+      if (l == -kInfF) continue;
+      load_row(q, b, i, hq, g.d, row.data());
+      double u = 0.0;
+      for (int64_t c = 0; c < g.d; ++c) u += static_cast<double>(row[c]) * static_cast<double>(m[c]);
+      if (exact) {
+        l = static_cast<float>(static_cast<double>(l) + sign * (tau * u));
+      } else {
+        const float sh = static_cast<float>(tau * u);
+        l = sign > 0 ? l + sh : l - sh;
+      }
+    }
+  });
+}
+
+struct TransformedQK {
+  Buffer q, k;
+};
+
+template <class W>
+TransformedQK transform_qk(const AttnParams& p, const Geometry& g, const TensorView& q,
+                           const TensorView& k, const std::vector<W>& mean) {
+  const bool rotate = p.qk_rotation == QkRotation::kHadamard;
+  TransformedQK t{Buffer(transformed_dtype(p, q.dtype), g.B, g.Sq, g.Hq, g.d),
+                  Buffer(transformed_dtype(p, k.dtype), g.B, g.Sk, g.Hkv, g.d)};
+  transform_rows<W>(q, t.q.view, g.B, g.Sq, g.Hq, g.d, nullptr, rotate, p.num_threads);
+  transform_rows<W>(k, t.k.view, g.B, g.Sk, g.Hkv, g.d, p.smooth_k ? mean.data() : nullptr, rotate,
+                    p.num_threads);
+  return t;
+}
+
+AttnParams without_transform(const AttnParams& p) {
+  AttnParams p2 = p;
+  p2.qk_rotation = QkRotation::kNone;
+  p2.smooth_k = false;
+  return p2;
+}
+
+template <class W>
+void transformed_forward(const AttnParams& p, const Geometry& g, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& o, float* lse) {
+  const std::vector<W> mean = p.smooth_k ? key_means<W>(g, k, p.num_threads) : std::vector<W>();
+  const TransformedQK t = transform_qk<W>(p, g, q, k, mean);
+  dispatch_forward(without_transform(p), g, t.q.view, t.k.view, v, o, lse);
+  if (p.smooth_k) shift_lse<W>(p, g, q, mean, lse, +1);
+}
+
+template <class W>
+void transformed_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& o,
+                          const TensorView& dout, const float* lse, const TensorView& dq,
+                          const TensorView& dk, const TensorView& dv,
+                          const BackwardDiagnostics* diag) {
+  const bool rotate = p.qk_rotation == QkRotation::kHadamard;
+  const std::vector<W> mean = p.smooth_k ? key_means<W>(g, k, p.num_threads) : std::vector<W>();
+  const TransformedQK t = transform_qk<W>(p, g, q, k, mean);
+  // The LSE of the transformed logits (the fp8 path reads it; the exact path recomputes).
+  const int64_t n_lse = g.B * g.Hq * g.Sq;
+  std::vector<float> lse_t(lse ? lse : static_cast<const float*>(nullptr),
+                           lse ? lse + n_lse : static_cast<const float*>(nullptr));
+  if (p.smooth_k && p.precision == Precision::kFP8) shift_lse<W>(p, g, q, mean, lse_t.data(), -1);
+  const DType wt = std::is_same<W, double>::value ? DType::kFloat64 : DType::kFloat32;
+  Buffer dq_t(wt, g.B, g.Sq, g.Hq, g.d), dk_t(wt, g.B, g.Sk, g.Hkv, g.d);
+  dispatch_backward(without_transform(p), g, t.q.view, t.k.view, v, o, dout, lse_t.data(),
+                    dq_t.view, dk_t.view, dv, diag);
+  // dQ = dQ' R^T.
+  parallel_for(g.B * g.Hq, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hq, h = task % g.Hq;
+    std::vector<W> row(g.d);
+    for (int64_t i = 0; i < g.Sq; ++i) {
+      load_row(dq_t.view, b, i, h, g.d, row.data());
+      if (rotate) hadamard_rotate_row_transposed(row.data(), g.d);
+      store_row(dq, b, i, h, g.d, row.data());
+    }
+  });
+  // dK = dK' R^T minus its mean over the keys (the gradient through m).
+  parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
+    const int64_t b = task / g.Hkv, h = task % g.Hkv;
+    std::vector<W> rows(static_cast<size_t>(g.Sk * g.d));
+    std::vector<double> sum(g.d, 0.0);
+    for (int64_t j = 0; j < g.Sk; ++j) {
+      W* r = rows.data() + j * g.d;
+      load_row(dk_t.view, b, j, h, g.d, r);
+      if (rotate) hadamard_rotate_row_transposed(r, g.d);
+      for (int64_t c = 0; c < g.d; ++c) sum[c] += static_cast<double>(r[c]);
+    }
+    std::vector<W> gmean(g.d, W(0));
+    if (p.smooth_k && g.Sk > 0)
+      for (int64_t c = 0; c < g.d; ++c) gmean[c] = static_cast<W>(sum[c] / static_cast<double>(g.Sk));
+    for (int64_t j = 0; j < g.Sk; ++j) {
+      W* r = rows.data() + j * g.d;
+      if (p.smooth_k)
+        for (int64_t c = 0; c < g.d; ++c) r[c] -= gmean[c];
+      store_row(dk, b, j, h, g.d, r);
+    }
+  });
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// 6. Public entry points
+// 7. Public entry points
 // ---------------------------------------------------------------------------
 
 void check_attention_params(const AttnParams& p) {
@@ -1275,6 +1493,9 @@ void check_attention_params(const AttnParams& p) {
   const int sc = static_cast<int>(p.scaling);
   FP8ATTN_CHECK_ARG(sc == 0 || sc == 1, "scaling",
                     "must be Scaling::kRow or kTile, got enum value ", sc);
+  const int rot = static_cast<int>(p.qk_rotation);
+  FP8ATTN_CHECK_ARG(rot == 0 || rot == 1, "qk_rotation",
+                    "must be QkRotation::kNone or kHadamard, got enum value ", rot);
   FP8ATTN_CHECK_ARG(p.num_threads >= 0, "num_threads", "must be >= 0 (0 = all cores), got ",
                     p.num_threads);
 }
@@ -1325,12 +1546,12 @@ void attention_forward_ref(const AttnParams& p, const TensorView& q, const Tenso
   FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
   if (!any_q) return;
   const Geometry g(p);
-  if (p.precision == Precision::kExact)
-    exact_forward(p, g, q, k, v, o, lse);
-  else if (p.scaling == Scaling::kTile)
-    fp8_forward_tile(p, g, q, k, v, o, lse);
+  if (!has_qk_transform(p))
+    dispatch_forward(p, g, q, k, v, o, lse);
+  else if (p.precision == Precision::kExact)
+    transformed_forward<double>(p, g, q, k, v, o, lse);
   else
-    fp8_forward(p, g, q, k, v, o, lse);
+    transformed_forward<float>(p, g, q, k, v, o, lse);
 }
 
 void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
@@ -1351,12 +1572,12 @@ void attention_backward_ref(const AttnParams& p, const TensorView& q, const Tens
   FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
   if (!any_q && !any_k) return;
   const Geometry g(p);
-  if (p.precision == Precision::kExact)
-    exact_backward(p, g, q, k, v, dout, dq, dk, dv, diag);
-  else if (p.scaling == Scaling::kTile)
-    fp8_backward_tile(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+  if (!has_qk_transform(p))
+    dispatch_backward(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+  else if (p.precision == Precision::kExact)
+    transformed_backward<double>(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
   else
-    fp8_backward(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
+    transformed_backward<float>(p, g, q, k, v, o, dout, lse, dq, dk, dv, diag);
 }
 
 }  // namespace fp8attn

@@ -69,6 +69,18 @@
 //   the visible prefix of keys, Q/dO and the P/dS blocks of #5/#7 the rows
 //   of the query tile that see the key column.
 //
+// Outlier transforms (numerics.md section 10; both precisions, both
+// scalings): p.qk_rotation == kHadamard replaces Q, K by Q R, K R (R the
+// block-diagonal normalized Hadamard matrix of reference/qk_transform.h) and
+// p.smooth_k subtracts the mean key of each (batch, kv head) from K first,
+// in FP32 (fp8 path; FP64 exact path), stored in the input dtype when it is
+// bfloat16 (fp8 path), before the paths above run on them unchanged. The
+// forward's lse is that of the untransformed logits (smooth_k: the path's
+// LSE' plus tau <q_i, m>); the backward takes that lse, shifts it back and
+// maps dQ', dK' back (dQ = dQ' R^T; dK = dK' R^T minus its mean over keys).
+// With smooth_k a non-finite key makes every row of its (batch, kv head)
+// that sees a key NaN.
+//
 // Errors: ArgumentError (common/error.h) naming the offending argument.
 #pragma once
 

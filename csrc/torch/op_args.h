@@ -43,4 +43,12 @@ inline Scaling parse_scaling(c10::string_view s) {
                     std::string(s), "\"");
 }
 
+// numerics.md section 10: "none" or "hadamard".
+inline QkRotation parse_qk_rotation(c10::string_view s) {
+  if (s == "none") return QkRotation::kNone;
+  if (s == "hadamard") return QkRotation::kHadamard;
+  TORCH_CHECK_VALUE(false, "fp8attn: argument 'qk_rotation': expected \"none\" or \"hadamard\", got \"",
+                    std::string(s), "\"");
+}
+
 }  // namespace fp8attn

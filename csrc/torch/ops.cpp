@@ -14,11 +14,12 @@
 TORCH_LIBRARY(fp8attn, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, str precision, "
-      "int block_size, str scaling=\"row\") -> (Tensor out, Tensor lse)");
+      "int block_size, str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
-      "str scaling=\"row\") "
+      "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");

@@ -121,16 +121,19 @@ void call_reference(Fn&& fn) {
 // ---- ops ----------------------------------------------------------------------
 
 // fwd: out [B,Hq,Sq,Dv] in q's dtype, lse float32 [B,Hq,Sq] (numerics.md s.1/3;
-// scaling "row" or "tile": s.9).
+// scaling "row" or "tile": s.9; qk_rotation / smooth_k: s.10, applied by the reference).
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                            const at::Tensor& v_in, double softmax_scale,
                                            bool causal, c10::string_view precision,
-                                           int64_t block_size, c10::string_view scaling) {
+                                           int64_t block_size, c10::string_view scaling,
+                                           c10::string_view qk_rotation, bool smooth_k) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
   AttnParams p = make_params(q, k, v, softmax_scale, causal, precision, block_size);
   p.scaling = parse_scaling(scaling);
+  p.qk_rotation = parse_qk_rotation(qk_rotation);
+  p.smooth_k = smooth_k;
 
   at::Tensor out = at::empty({p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v}, q.options());
   at::Tensor lse = at::empty({p.batch, p.num_heads_q, p.seqlen_q}, q.options().dtype(at::kFloat));
@@ -154,12 +157,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
-    int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling) {
+    int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
+    c10::string_view qk_rotation, bool smooth_k) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
   AttnParams p = make_params(q, k, v, softmax_scale, causal, precision, block_size);
   p.scaling = parse_scaling(scaling);
+  p.qk_rotation = parse_qk_rotation(qk_rotation);
+  p.smooth_k = smooth_k;
   p.delta_mode = parse_delta_mode(delta_mode);
   p.grad_format = parse_grad_format(grad_format);
 

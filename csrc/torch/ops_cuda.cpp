@@ -122,6 +122,18 @@ void check_scaling(c10::string_view scaling) {
                               "fp8attn: argument 'scaling': scaling='tile' has no CUDA kernel yet; use scaling='row'");
 }
 
+// numerics.md section 10: the kernels have no fused rotation / smoothing. The
+// public functions (fp8attn.attention, ...) apply them around these raw ops
+// (python/fp8attn/qk_transform.py); the raw CUDA ops take the defaults only.
+void check_qk_transform(c10::string_view qk_rotation, bool smooth_k) {
+  TORCH_CHECK_NOT_IMPLEMENTED(parse_qk_rotation(qk_rotation) == QkRotation::kNone,
+                              "fp8attn: argument 'qk_rotation': the raw CUDA op has no fused rotation; call "
+                              "fp8attn.attention (it rotates around the kernels), or pass qk_rotation='none'");
+  TORCH_CHECK_NOT_IMPLEMENTED(!smooth_k,
+                              "fp8attn: argument 'smooth_k': the raw CUDA op has no fused K smoothing; call "
+                              "fp8attn.attention (it smooths around the kernels), or pass smooth_k=False");
+}
+
 
 // Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked;
 // kqk, kv: the head dims of the kernel that runs it (kernel_head_dims: D, Dv
@@ -279,8 +291,10 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
 // (numerics.md s.1-3; padded head dims: s.7).
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
-                                            int64_t block_size, c10::string_view scaling) {
+                                            int64_t block_size, c10::string_view scaling,
+                                            c10::string_view qk_rotation, bool smooth_k) {
   check_scaling(scaling);
+  check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const c10::cuda::CUDAGuard guard(q_in.device());
   at::Tensor lse = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
@@ -326,8 +340,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
-    bool diagnostics, c10::string_view scaling) {
+    bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k) {
   check_scaling(scaling);
+  check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);

@@ -56,7 +56,8 @@ class DiagnosticsRecord:
     Attributes:
         records: list of dicts, one per attention backward call, in call order.
             Keys: layer (str or None), delta_mode, precision, grad_format,
-            block_size, scaling ("row" / "tile"), causal, shape (dict of batch, num_heads_q, num_heads_kv,
+            block_size, scaling ("row" / "tile"), qk_rotation ("none" /
+            "hadamard"), smooth_k (bool), causal, shape (dict of batch, num_heads_q, num_heads_kv,
             seqlen_q, seqlen_k, head_dim_qk, head_dim_v), rows (number of rows
             seeing >= 1 key), delta_mean, delta_absmax, eps_mean, eps_absmean,
             eps_absmax, rowsum_pre_mean, rowsum_pre_max, rowsum_post_mean,

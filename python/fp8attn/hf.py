@@ -48,7 +48,7 @@ __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 # fp8attn.attention options that register() forwards (layer_name comes from the module).
 # NOTE: "scaling" here is fp8attn's FP8 scaling recipe ("row" / "tile",
 # numerics.md section 9); HF's per-call `scaling` argument stays the softmax scale.
-FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling")
+FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling", "qk_rotation", "smooth_k")
 
 # HF attention kwargs this integration cannot honour when set (not None / not False).
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
@@ -136,7 +136,9 @@ def register(name: str = "fp8attn", **fp8_kwargs) -> Callable:
             precision="exact").
         fp8_kwargs: delta_mode, precision, block_size, grad_format, scaling
             (the FP8 scaling recipe "row" / "tile", numerics.md section 9; not
-            HF's per-call `scaling`, which stays the softmax scale), as in
+            HF's per-call `scaling`, which stays the softmax scale),
+            qk_rotation ("none" / "hadamard") and smooth_k (bool; the
+            outlier transforms of numerics.md section 10), as in
             `fp8attn.attention` (checked here; ValueError naming the option).
 
     Returns the registered function

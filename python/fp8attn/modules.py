@@ -17,7 +17,9 @@ class FP8Attention(torch.nn.Module):
 
     Args (fixed per module; see `fp8attn.attention` for their meaning):
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
-        scaling ("row" or "tile": the FP8 scaling recipe, numerics.md section 9).
+        scaling ("row" or "tile": the FP8 scaling recipe, numerics.md section 9),
+        qk_rotation ("none" or "hadamard") and smooth_k (bool): the outlier
+        transforms of Q and K (numerics.md section 10).
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
             or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
             O comes back in the same layout.
@@ -38,11 +40,14 @@ class FP8Attention(torch.nn.Module):
         layout: str = "bhsd",
         layer_name: Optional[str] = None,
         scaling: str = "row",
+        qk_rotation: str = "none",
+        smooth_k: bool = False,
     ):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                       precision=precision, block_size=block_size, grad_format=grad_format,
-                      layer_name=layer_name, scaling=scaling, fn="FP8Attention")
+                      layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k,
+                      fn="FP8Attention")
         if layout not in _LAYOUTS:
             raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
         self.causal = causal
@@ -54,17 +59,20 @@ class FP8Attention(torch.nn.Module):
         self.layout = layout
         self.layer_name = layer_name
         self.scaling = scaling
+        self.qk_rotation = qk_rotation
+        self.smooth_k = smooth_k
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = attention if self.layout == "bhsd" else flash_attn_func
         return fn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                   delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
-                  grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling)
+                  grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling,
+                  qk_rotation=self.qk_rotation, smooth_k=self.smooth_k)
 
     def extra_repr(self) -> str:
         s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
              f"block_size={self.block_size}, grad_format={self.grad_format!r}, scaling={self.scaling!r}, "
-             f"layout={self.layout!r}")
+             f"qk_rotation={self.qk_rotation!r}, smooth_k={self.smooth_k}, layout={self.layout!r}")
         if self.softmax_scale is not None:
             s += f", softmax_scale={self.softmax_scale}"
         if self.layer_name is not None:

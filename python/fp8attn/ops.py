@@ -4,7 +4,7 @@ Public functions (all tensors are torch tensors on one device):
 
   attention(q, k, v, *, causal=False, softmax_scale=None, delta_mode="delta_matching",
             precision="fp8", block_size=128, grad_format="e4m3", return_lse=False,
-            layer_name=None, scaling="row")
+            layer_name=None, scaling="row", qk_rotation="none", smooth_k=False)
       SDPA layout [batch, heads, seqlen, head_dim].
   flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, ...)
       flash_attn layout [batch, seqlen, heads, head_dim].
@@ -14,7 +14,7 @@ Public functions (all tensors are torch tensors on one device):
 
 Math: docs/numerics.md (section 1 exact attention and the bottom-right causal
 mask, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
-`tile` scaling recipe). The ops are
+`tile` scaling recipe, section 10 the Q/K rotation and K smoothing). The ops are
 torch.ops.fp8attn.fwd / bwd (schemas in csrc/torch/ops.cpp, docs/architecture.md).
 
 NOTE: autograd of the public functions is a torch.autograd.Function rather
@@ -35,6 +35,7 @@ import torch
 
 from . import _lib
 from . import diagnostics as _diag
+from . import qk_transform as _qkt
 
 __all__ = [
     "attention",
@@ -45,6 +46,7 @@ __all__ = [
     "GRAD_FORMATS",
     "BLOCK_SIZES",
     "SCALINGS",
+    "QK_ROTATIONS",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "MAX_SOFTMAX_SCALE",
@@ -62,6 +64,11 @@ BLOCK_SIZES = (32, 64, 128)
 # matmul's reduction dim (sections 2-3); "tile" = per-row / per-tile scales
 # that fold into per-row coefficients (CPU reference only so far).
 SCALINGS = ("row", "tile")
+# Outlier transforms of Q and K before quantization (numerics.md section 10):
+# qk_rotation "hadamard" = incoherent processing (one fixed orthogonal rotation of
+# Q and K); smooth_k = subtract the mean key. Fused in the CPU reference; on CUDA
+# applied around the kernels with torch ops (unfused).
+QK_ROTATIONS = _qkt.QK_ROTATIONS
 MAX_HEAD_DIM = 256
 # float64 is meant for the exact path (gradcheck); with precision="fp8" it is
 # accepted and computed like float32 (FP32 outside the FP8 matmul operands).
@@ -90,11 +97,13 @@ def check_options(
     return_lse: bool = False,
     layer_name: Optional[str] = None,
     scaling: str = "row",
+    qk_rotation: str = "none",
+    smooth_k: bool = False,
     fn: str = "attention",
 ) -> str:
     """Checks the non-tensor options and returns the op-level precision
     ("fp8" or "exact"). Raises TypeError / ValueError naming the argument."""
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("smooth_k", smooth_k)):
         if not isinstance(flag, bool):
             t = type(flag)
             raise TypeError(_err(fn, name, f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
@@ -119,6 +128,8 @@ def check_options(
         raise TypeError(_err(fn, "layer_name", f"must be a str or None, got {type(layer_name).__name__}"))
     if not isinstance(scaling, str) or scaling not in SCALINGS:
         raise ValueError(_err(fn, "scaling", f"must be one of {SCALINGS}, got {scaling!r}"))
+    if not isinstance(qk_rotation, str) or qk_rotation not in QK_ROTATIONS:
+        raise ValueError(_err(fn, "qk_rotation", f"must be one of {QK_ROTATIONS}, got {qk_rotation!r}"))
     return PRECISIONS[precision]
 
 
@@ -226,7 +237,8 @@ def _check_one_device(fn: str, **tensors) -> None:
 
 
 @torch.library.register_fake("fp8attn::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row"):
+def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row", qk_rotation="none",
+              smooth_k=False):
     _check_one_device("fwd", q=q, k=k, v=v)
     B, Hq, Sq, _ = q.shape
     out = q.new_empty((B, Hq, Sq, v.shape[3]))
@@ -236,7 +248,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
-              grad_format, diagnostics, scaling="row"):
+              grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False):
     _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse)
     B, Hq, Sq, _ = q.shape
     diag_shape = (4, B, Hq, Sq) if diagnostics else (0,)
@@ -247,7 +259,68 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 # ---- forward / backward on the ops -------------------------------------------
 
 
-def _forward(q, k, v, scale, causal, precision, block_size, scaling="row"):
+def _has_transform(qk_rotation: str, smooth_k: bool) -> bool:
+    return qk_rotation != "none" or smooth_k
+
+
+def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
+           unfused: Optional[bool] = None):
+    """torch.ops.fp8attn.fwd with the outlier transforms (numerics.md section 10)
+    wherever they run: fused in the CPU reference (the raw op's qk_rotation /
+    smooth_k), or, on CUDA (unfused=None picks by device; True forces it, for
+    the CPU consistency tests; fp8 path only), applied around the raw op with
+    torch ops: Q', K' = qk_transform.transform_qk, then the kernel, then the LSE
+    shifted back to that of the untransformed logits. Returns (O, LSE)."""
+    if not _has_transform(qk_rotation, smooth_k):
+        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling)
+    if unfused is None:
+        unfused = q.device.type == "cuda"
+    if not unfused:
+        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
+    q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
+    w = _unfused_dtype(q)
+    out, lse = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling)
+    if mean is not None:
+        lse = _qkt.shift_lse(lse, q, mean, scale, +1)
+    return out.to(q.dtype), lse
+
+
+def _unfused_dtype(q: torch.Tensor):
+    """The dtype the unfused path hands the raw op: q's on CUDA (the kernels read
+    bfloat16; float32 holding bfloat16 values is rounded exactly), float32 for
+    bfloat16 CPU tensors, so that the reference keeps dQ', dK' in FP32 as its
+    fused path does (O and dV are rounded once, at the end, either way)."""
+    if q.device.type != "cuda" and q.dtype == torch.bfloat16:
+        return torch.float32
+    return q.dtype
+
+
+def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size, grad_format, diagnostics,
+           scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None):
+    """torch.ops.fp8attn.bwd with the outlier transforms, as `fwd_op`: the
+    unfused path recomputes Q', K' (deterministic), shifts the LSE to that of
+    the smoothed logits, runs the raw op and maps dQ', dK' back
+    (qk_transform.map_grads_back). Returns (dQ, dK, dV, diag)."""
+    if not _has_transform(qk_rotation, smooth_k):
+        return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
+                                     grad_format, diagnostics, scaling)
+    if unfused is None:
+        unfused = q.device.type == "cuda"
+    if not unfused:
+        return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
+                                     grad_format, diagnostics, scaling, qk_rotation, smooth_k)
+    q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
+    if mean is not None:
+        lse = _qkt.shift_lse(lse, q, mean, scale, -1)
+    w = _unfused_dtype(q)
+    dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
+                                                 causal, precision, delta_mode, block_size, grad_format, diagnostics,
+                                                 scaling)
+    dq, dk = _qkt.map_grads_back(dq_t, dk_t, qk_rotation, smooth_k, q.dtype, k.dtype)
+    return dq, dk, dv.to(v.dtype), diag
+
+
+def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False):
     if _is_empty(q, k):
         # Nothing to compute, or no key at all: every row sees no key, so
         # O = 0 and LSE = -inf (numerics.md section 1).
@@ -255,24 +328,24 @@ def _forward(q, k, v, scale, causal, precision, block_size, scaling="row"):
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
         return out, lse
-    return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling)
+    return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-              grad_format, layer_name, scaling="row"):
+              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
-    dq, dk, dv, diag = torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision,
-                                             delta_mode, block_size, grad_format, want_diag, scaling)
+    dq, dk, dv, diag = bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
+                              grad_format, want_diag, scaling, qk_rotation, smooth_k)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
-                                       layer_name, scaling))
+                                       layer_name, scaling, qk_rotation, smooth_k))
     return dq, dk, dv
 
 
 def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, layer_name,
-               scaling="row") -> dict:
+               scaling="row", qk_rotation="none", smooth_k=False) -> dict:
     """The non-statistics fields of a diagnostics record of one bwd call on
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (also used by varlen)."""
     return {
@@ -282,6 +355,8 @@ def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, 
         "grad_format": grad_format,
         "block_size": block_size,
         "scaling": scaling,
+        "qk_rotation": qk_rotation,
+        "smooth_k": smooth_k,
         "causal": causal,
         "shape": {
             "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
@@ -327,10 +402,11 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
-                scaling="row"):
-        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling)
+                scaling="row", qk_rotation="none", smooth_k=False):
+        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling)
+        ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling,
+                    qk_rotation, smooth_k)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -338,28 +414,31 @@ class _AttentionFunction(torch.autograd.Function):
     @single_backward("attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling = ctx.opts
+        (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling, qk_rotation,
+         smooth_k) = ctx.opts
         dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode,
-                               block_size, grad_format, layer_name, scaling)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                               block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k)
+        return (dq, dk, dv) + (None,) * 10
 
 
 # Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, scale, causal, precision, block_size = inputs[:7]
     scaling = inputs[7] if len(inputs) > 7 else "row"
+    qk_rotation = inputs[8] if len(inputs) > 8 else "none"
+    smooth_k = inputs[9] if len(inputs) > 9 else False
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.opts = (scale, causal, precision, block_size, scaling, len(inputs))
+    ctx.opts = (scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
 @single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, precision, block_size, scaling, n_inputs = ctx.opts
+    scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, n_inputs = ctx.opts
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
-                           block_size, "e4m3", None, scaling)
+                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k)
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
@@ -383,6 +462,8 @@ def attention(
     return_lse: bool = False,
     layer_name: Optional[str] = None,
     scaling: str = "row",
+    qk_rotation: str = "none",
+    smooth_k: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
 
@@ -424,6 +505,24 @@ def attention(
             the same accuracy). "tile" runs on the CPU reference only so far:
             on CUDA tensors it raises NotImplementedError. Ignored by
             precision="exact".
+        qk_rotation: "none" (default) or "hadamard": incoherent processing
+            (numerics.md section 10). Q and K are rotated by the same fixed
+            orthogonal matrix R (a normalized Hadamard transform with a fixed
+            sign pattern, block-diagonal in power-of-two blocks when head_dim
+            is not a power of two; no state) before quantization, so S is
+            unchanged in exact arithmetic while outlier channels are spread
+            over the whole block; dQ and dK are mapped back with R^T. Every
+            head uses the same R (a GQA group sees one rotation).
+        smooth_k: False (default) or True: K smoothing (section 10). The mean
+            key of each (batch, kv head) is subtracted from K before
+            quantization (softmax is invariant to it, also with causal); the
+            gradient through the mean is included and the returned LSE is that
+            of the unsmoothed logits. A non-finite key makes the whole (batch,
+            kv head) NaN. Both options apply to either scaling and to
+            precision="exact" (where they change results only by rounding).
+            CPU: fused in the reference; CUDA: applied around the kernels with
+            torch ops (unfused: extra memory traffic, Q' and K' rounded to
+            bfloat16 for the kernels, dQ' and dK' come back in bfloat16).
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -436,7 +535,9 @@ def attention(
             bool, softmax_scale not a number, layer_name not a str or None).
         ValueError: mismatched shapes or devices, a bad option value (incl. a
             softmax_scale too large for FP32, a block_size that is not 32, 64
-            or 128, or not 128 on CUDA, a scaling other than "row" / "tile").
+            or 128, or not 128 on CUDA, a scaling other than "row" / "tile",
+            a qk_rotation other than "none" / "hadamard"; smooth_k not a bool
+            is a TypeError).
             The message names the argument.
         NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet);
             precision "exact" on CUDA tensors (the exact reference runs on CPU
@@ -446,12 +547,13 @@ def attention(
     """
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
-                                 return_lse=return_lse, layer_name=layer_name, scaling=scaling)
+                                 return_lse=return_lse, layer_name=layer_name, scaling=scaling,
+                                 qk_rotation=qk_rotation, smooth_k=smooth_k)
     check_inputs(q, k, v, op_precision)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
-                                        grad_format, layer_name, scaling)
+                                        grad_format, layer_name, scaling, qk_rotation, smooth_k)
     return (out, lse) if return_lse else out
 
 
@@ -470,6 +572,8 @@ def flash_attn_func(
     return_lse: bool = False,
     layer_name: Optional[str] = None,
     scaling: str = "row",
+    qk_rotation: str = "none",
+    smooth_k: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """`attention` in the flash_attn layout: q [batch, seqlen_q, num_heads_q,
     head_dim_qk], k [batch, seqlen_k, num_heads_kv, head_dim_qk], v [batch,
@@ -478,7 +582,8 @@ def flash_attn_func(
     tensor: use .reshape, not .view, to merge heads) and with return_lse LSE
     float32 [batch, num_heads_q, seqlen_q] (as flash_attn). dropout_p must be 0
     (NotImplementedError otherwise). Other arguments (incl. scaling, "row" or
-    "tile": numerics.md section 9) as in `attention`."""
+    "tile": numerics.md section 9; qk_rotation and smooth_k: section 10) as in
+    `attention`."""
     if dropout_p != 0.0:
         raise NotImplementedError("fp8attn.flash_attn_func: argument 'dropout_p': dropout is not supported")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -488,7 +593,7 @@ def flash_attn_func(
     res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
                     softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                     block_size=block_size, grad_format=grad_format, return_lse=return_lse,
-                    layer_name=layer_name, scaling=scaling)
+                    layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k)
     if return_lse:
         return res[0].transpose(1, 2), res[1]
     return res.transpose(1, 2)
@@ -509,7 +614,8 @@ def scaled_dot_product_attention(
     [batch, heads, seqlen, head_dim] inputs, computed by `attention`.
 
     fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name,
-    scaling ("row" or "tile", numerics.md section 9), as in `attention`.
+    scaling ("row" or "tile", numerics.md section 9), qk_rotation ("none" or
+    "hadamard") and smooth_k (bool; section 10), as in `attention`.
     Not supported (NotImplementedError): attn_mask, dropout_p != 0, and
     is_causal with seqlen_q != seqlen_k (PyTorch aligns that mask top-left,
     fp8attn bottom-right; call `attention(causal=True)` for the latter).

@@ -11,17 +11,21 @@ Implementation: two custom ops, opaque to torch.compile, so that
 
   fp8attn::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, precision, block_size, delta_mode,
-      grad_format, layer_name, scaling="row") -> (out [total_q, Hq, Dv] q.dtype,
+      grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False)
+                                -> (out [total_q, Hq, Dv] q.dtype,
                                    lse float32 [Hq, total_q])
   fp8attn::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
       softmax_scale, causal, precision, delta_mode, block_size, grad_format,
-      diagnostics, scaling="row") -> (dq, dk, dv like q, k, v;
+      diagnostics, scaling="row", qk_rotation="none", smooth_k=False)
+                                -> (dq, dk, dv like q, k, v;
                        diag float32 [4, Hq, total_q] if diagnostics else [0])
 
 Each reads cu_seqlens on the host (a device sync for CUDA tensors), checks
 their values, and loops over the sequences calling the raw ops
-torch.ops.fp8attn.fwd / bwd on [1, heads, len, head_dim] views of each
-sequence's slices: bit-identical to calling `attention` per sequence. The
+torch.ops.fp8attn.fwd / bwd (through ops.fwd_op / bwd_op, which apply
+qk_rotation / smooth_k around them on CUDA) on [1, heads, len, head_dim] views
+of each sequence's slices: bit-identical to calling `attention` per sequence
+(so smooth_k subtracts each sequence's own mean key, numerics.md section 10). The
 outputs start as O = 0, LSE = -inf, zero gradients, so tokens outside every
 sequence and empty sequences keep those values. The fake kernels give the
 output shapes from the input shapes alone. varlen_fwd is differentiable
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _index, _is_empty, check_inputs, check_options, single_backward
+from .ops import _diag_meta, _err, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -124,7 +128,7 @@ def varlen_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
-    scaling: str = "row",
+    scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact")."""
@@ -138,7 +142,8 @@ def varlen_fwd(
         q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
         if _is_empty(q_b, k_b):
             continue
-        o_b, lse_b = torch.ops.fp8attn.fwd(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling)
+        o_b, lse_b = fwd_op(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling, qk_rotation,
+                            smooth_k)
         out[qa:qb] = o_b[0].transpose(0, 1)
         lse[:, qa:qb] = lse_b[0]
     return out, lse
@@ -146,7 +151,8 @@ def varlen_fwd(
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     precision, block_size, delta_mode, grad_format, layer_name, scaling="row"):
+                     precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
+                     smooth_k=False):
     total_q, hq, _ = q.shape
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -156,6 +162,7 @@ def varlen_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float, causal: bool, precision: str,
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
+    qk_rotation: str = "none", smooth_k: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
@@ -168,9 +175,9 @@ def varlen_bwd(
         q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
         if _is_empty(q_b, k_b):
             continue
-        dq_b, dk_b, dv_b, diag_b = torch.ops.fp8attn.bwd(
+        dq_b, dk_b, dv_b, diag_b = bwd_op(
             _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
-            causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling)
+            causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k)
         dq[qa:qb] = dq_b[0].transpose(0, 1)
         dk[ka:kb] = dk_b[0].transpose(0, 1)
         dv[ka:kb] = dv_b[0].transpose(0, 1)
@@ -181,7 +188,8 @@ def varlen_bwd(
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
-                     delta_mode, block_size, grad_format, diagnostics, scaling="row"):
+                     delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
+                     smooth_k=False):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -194,20 +202,24 @@ def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, _max_q, _max_k, scale, causal, precision, block_size, delta_mode, grad_format,
      layer_name) = inputs[:14]
     scaling = inputs[14] if len(inputs) > 14 else "row"
+    qk_rotation = inputs[15] if len(inputs) > 15 else "none"
+    smooth_k = inputs[16] if len(inputs) > 16 else False
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, len(inputs))
+    ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
+                smooth_k, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
 @single_backward(_FN)
 def _varlen_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, n_inputs = ctx.opts
+    (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
+     n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
-                                                    scaling)
+                                                    scaling, qk_rotation, smooth_k)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -216,7 +228,8 @@ def _varlen_backward(ctx, dout, _dlse):
             if _is_empty(q_b, k_b):
                 continue
             _diag._record(diag[:, None, :, qa:qb], _diag_meta(q_b, k_b, v_b, causal, precision, delta_mode,
-                                                              block_size, grad_format, layer_name, scaling))
+                                                              block_size, grad_format, layer_name, scaling,
+                                                              qk_rotation, smooth_k))
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
@@ -244,6 +257,8 @@ def varlen_attention(
     return_lse: bool = False,
     layer_name: Optional[str] = None,
     scaling: str = "row",
+    qk_rotation: str = "none",
+    smooth_k: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention over a packed batch of variable-length sequences (flash_attn varlen layout).
 
@@ -274,7 +289,9 @@ def varlen_attention(
             sequence (ValueError otherwise, raised when the op runs).
             Informative only.
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
-        layer_name, scaling ("row" or "tile", numerics.md section 9): as in `fp8attn.attention` (applied to every sequence; the
+        layer_name, scaling ("row" or "tile", numerics.md section 9),
+        qk_rotation, smooth_k (section 10; smooth_k subtracts each sequence's
+        own mean key): as in `fp8attn.attention` (applied to every sequence; the
             same checks: softmax_scale * log2(e) finite in FP32, block_size any
             integer type but bool, layer_name a str or None).
             Zero-length sequences are allowed: a query sequence with no keys
@@ -308,7 +325,8 @@ def varlen_attention(
     # ---- options and tensors
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
-                                 return_lse=return_lse, layer_name=layer_name, scaling=scaling, fn=_FN)
+                                 return_lse=return_lse, layer_name=layer_name, scaling=scaling,
+                                 qk_rotation=qk_rotation, smooth_k=smooth_k, fn=_FN)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -332,5 +350,5 @@ def varlen_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
-                                            scaling)
+                                            scaling, qk_rotation, smooth_k)
     return (out, lse) if return_lse else out

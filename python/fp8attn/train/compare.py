@@ -88,6 +88,12 @@ def parse_args(argv=None):
     ap.add_argument("--scaling", default="row", choices=["row", "tile"],
                     help="FP8 scaling recipe of the fp8 modes' attention core (docs/numerics.md section 9; "
                          "tile runs on the CPU reference only so far)")
+    ap.add_argument("--qk-rotation", default="none", choices=["none", "hadamard"],
+                    help="rotate Q and K by a fixed Hadamard transform before FP8 quantization in the fp8 modes "
+                         "(incoherent processing, docs/numerics.md section 10; unfused on CUDA)")
+    ap.add_argument("--smooth-k", action="store_true",
+                    help="subtract the mean key before FP8 quantization in the fp8 modes (K smoothing, "
+                         "docs/numerics.md section 10; unfused on CUDA)")
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
@@ -216,6 +222,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
 
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
+                    "fp8_qk_rotation": args.qk_rotation, "fp8_smooth_k": args.smooth_k,
                     "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])}
     model_configs(args.preset, modes, model_fields)   # NOTE: fail before any data or training work
 

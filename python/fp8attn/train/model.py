@@ -44,6 +44,7 @@ import torch.nn.functional as F
 ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
 FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
+FP8_QK_ROTATIONS = ("none", "hadamard")  # fp8attn.ops.QK_ROTATIONS (numerics.md section 10)
 FP8_MAX_HEAD_DIM = 256            # fp8attn.ops.MAX_HEAD_DIM
 SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
 EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
@@ -67,6 +68,8 @@ class ModelConfig:
     attn_mode: str = "bf16"
     fp8_block_size: int = 128    # fp8attn block size B (numerics.md section 2)
     fp8_scaling: str = "row"     # fp8attn scaling recipe, "row" or "tile" (numerics.md section 9)
+    fp8_qk_rotation: str = "none"  # fp8attn qk_rotation, "none" or "hadamard" (numerics.md section 10)
+    fp8_smooth_k: bool = False     # fp8attn smooth_k (numerics.md section 10)
     init_std: float | None = None  # None = 1/sqrt(d_model)
     scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
     packed: bool = False         # per-document causal attention from <|endoftext|> separators
@@ -88,6 +91,10 @@ class ModelConfig:
             raise ValueError(f"fp8_block_size must be one of {FP8_BLOCK_SIZES}, got {self.fp8_block_size!r}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
+        if self.fp8_qk_rotation not in FP8_QK_ROTATIONS:
+            raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
+        if not isinstance(self.fp8_smooth_k, bool):
+            raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
         # trains its bf16 mode rather than after.
         if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
@@ -109,7 +116,8 @@ class ModelConfig:
 # ----------------------------------------------------------------------------
 
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str,
-                      layer_name: str, block_size: int = 128, scaling: str = "row") -> torch.Tensor:
+                      layer_name: str, block_size: int = 128, scaling: str = "row", qk_rotation: str = "none",
+                      smooth_k: bool = False) -> torch.Tensor:
     """Causal attention. q [B, Hq, S, D], k/v [B, Hkv, S, D] (GQA by head count).
 
     Returns O [B, Hq, S, D] in q's dtype. Q/K/V are cast to BF16 first (op contract).
@@ -123,7 +131,8 @@ def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode
     elif mode.startswith("fp8-"):
         import fp8attn
         o = fp8attn.attention(qb, kb, vb, causal=True, precision="fp8", delta_mode=mode[len("fp8-"):],
-                              block_size=block_size, layer_name=layer_name, scaling=scaling)
+                              block_size=block_size, layer_name=layer_name, scaling=scaling,
+                              qk_rotation=qk_rotation, smooth_k=smooth_k)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
     return o.to(dtype)
@@ -151,7 +160,8 @@ def document_segments(tokens: torch.Tensor, eot_id: int = EOT_ID):
 
 def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              mode: str, layer_name: str, block_size: int = 128,
-                             scaling: str = "row") -> torch.Tensor:
+                             scaling: str = "row", qk_rotation: str = "none",
+                             smooth_k: bool = False) -> torch.Tensor:
     """Per-document causal attention on packed rows: q [B, Hq, S, D], k/v [B, Hkv, S, D],
     cu_seqlens from `document_segments` (over the B*S flattened tokens).
     Returns O [B, Hq, S, D] in q's dtype; Q/K/V cast to BF16 as in attention_backend."""
@@ -175,7 +185,8 @@ def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[3])
         o = fp8attn.varlen_attention(flat(qb), flat(kb), flat(vb), cu_seqlens, cu_seqlens, causal=True,
                                      precision="fp8", delta_mode=mode[len("fp8-"):], block_size=block_size,
-                                     layer_name=layer_name, scaling=scaling)
+                                     layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation,
+                                     smooth_k=smooth_k)
         o = o.view(b, s, hq, -1).transpose(1, 2)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
@@ -230,12 +241,13 @@ class AttentionCore(nn.Module):
     """
 
     def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
-                cu_seqlens: torch.Tensor | None = None, scaling: str = "row"):
+                cu_seqlens: torch.Tensor | None = None, scaling: str = "row", qk_rotation: str = "none",
+                smooth_k: bool = False):
+        opts = dict(mode=mode, layer_name=layer_name, block_size=block_size, scaling=scaling,
+                    qk_rotation=qk_rotation, smooth_k=smooth_k)
         if cu_seqlens is None:
-            return attention_backend(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size,
-                                     scaling=scaling)
-        return packed_attention_backend(q, k, v, cu_seqlens, mode=mode, layer_name=layer_name,
-                                        block_size=block_size, scaling=scaling)
+            return attention_backend(q, k, v, **opts)
+        return packed_attention_backend(q, k, v, cu_seqlens, **opts)
 
 
 class Attention(nn.Module):
@@ -265,7 +277,7 @@ class Attention(nn.Module):
         if c.rope:
             q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
         o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
-                      scaling=c.fp8_scaling,
+                      scaling=c.fp8_scaling, qk_rotation=c.fp8_qk_rotation, smooth_k=c.fp8_smooth_k,
                       cu_seqlens=None if segments is None else segments[0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
