@@ -211,3 +211,19 @@ def test_state_every_bounds_the_loss_of_a_crashed_call(runs, text_dir, tmp_path,
     _assert_same_run(runs["full"], out)
     lines = [json.loads(l) for l in (out / f"{MODES[0]}.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["type"] == "resume"] == [4]
+
+
+def test_a_run_recorded_before_a_field_existed_resumes_with_its_default():
+    # run_config.json of an older run has no fp8_qk_rotation / fp8_smooth_k (the options
+    # came later, off by default): resuming with the defaults is the same run; turning an
+    # option on is refused naming its flag.
+    from fp8attn.train.state import config_mismatches
+
+    cur = {"format": "f", "preset": "p", "modes": ["bf16"], "train": {"lr": 1e-3},
+           "model": {"fp8_scaling": "row", "fp8_qk_rotation": "none", "fp8_smooth_k": False},
+           "data": {}, "world_size": 1}
+    old = {**cur, "model": {}}
+    assert config_mismatches(old, cur) == []
+    on = {**cur, "model": {**cur["model"], "fp8_qk_rotation": "hadamard"}}
+    assert any(m.startswith("--qk-rotation") for m in config_mismatches(old, on))
+    assert any(m.startswith("--lr") for m in config_mismatches(cur, {**cur, "train": {"lr": 2e-3}}))

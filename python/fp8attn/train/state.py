@@ -158,6 +158,17 @@ def read_run_config(run_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _field_defaults(section: str) -> dict:
+    """Default values of the TrainConfig ("train") or ModelConfig ("model") fields."""
+    import dataclasses
+
+    if section == "train":
+        from .trainer import TrainConfig as cls
+    else:
+        from .model import ModelConfig as cls
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def config_mismatches(saved: dict, current: dict) -> list[str]:
     """Human-readable differences 'FLAG: saved X, now Y' between two run configs (empty: same)."""
     out = []
@@ -170,8 +181,11 @@ def config_mismatches(saved: dict, current: dict) -> list[str]:
     for section, flags, default in (("train", _TRAIN_FLAGS, "(a TrainConfig default)"),
                                     ("model", _MODEL_FLAGS, "--model")):
         a, b = saved.get(section, {}), current.get(section, {})
+        # A field a run recorded before the field existed had its default value then
+        # (new options are added off by default): an older run resumes with the default.
+        dflt = _field_defaults(section)
         for k in sorted(set(a) | set(b)):
-            if norm(a.get(k)) != norm(b.get(k)):
+            if norm(a.get(k, dflt.get(k))) != norm(b.get(k, dflt.get(k))):
                 out.append(f"{flags.get(k, default)}: {section} field {k} saved {a.get(k)!r}, now {b.get(k)!r}")
     if saved.get("data") != current.get("data"):
         diff = sorted(k for k in set(saved.get("data", {})) | set(current.get("data", {}))
