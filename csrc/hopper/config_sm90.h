@@ -104,8 +104,8 @@ constexpr int kBlockN = kSeqBlock;                   // keys per tile = one sequ
 constexpr int kThreads = 128 * (1 + kConsumerWGs);
 constexpr int kStages = 2;                           // K/V pipeline depth
 // setmaxnreg budgets (the register file is 64K 32-bit registers per SM; one CTA per SM).
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 // Head dims the wgmma kernel instantiates (every supported_head_dims pair).
 // NOTE: d_qk >= 192 (two head_dim blocks) runs its own kernel,
 // fwd_wgmma_d2_kernel: O is up to 64x256 FP32 per warpgroup (128 registers),
@@ -230,6 +230,51 @@ static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlock
               "dS blocks of #6: whole warps (16 keys) and whole k16 steps, tiling the key tile");
 
 }  // namespace bwd
+
+// ---- `tile`-recipe backward (bwd_*tilescale*_sm90.cu, mainloop_bwd_tilescale_sm90.cuh) ----
+// numerics.md section 9; design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
+namespace bwdts {
+
+constexpr int kTile = kSeqBlock;  // key tile = query tile = the recipe's T (one scale per tile)
+// Main kernel: two consumer warpgroups (warp w of 0..7 owns key rows [16w, 16w + 16)
+// of the key tile, the row kernels' map) and one producer warpgroup (cp.async
+// fills into an mbarrier ring), kThreads in all.
+constexpr int kConsumerWGs = 2;
+constexpr int kConsumerThreads = 128 * kConsumerWGs;
+constexpr int kProducerThreads = 128;
+constexpr int kThreads = kConsumerThreads + kProducerThreads;
+// setmaxnreg budgets: 384 threads launch with 168 registers each (65536 / 384
+// rounded down to 8); the producer gives back all but 24, the consumers take 240.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+// Query-side stages of the ring: 2 at head_dim <= 128, 1 above (shared memory).
+constexpr int stages(int d_qk, int d_v) { return d_qk > 128 || d_v > 128 ? 1 : 2; }
+// Output columns of dK / dQ (and dV) per main-kernel CTA: head_dim > 128 runs in
+// 128-column slices, each recomputing S, P, dP, dS (accumulators stay 64 + 64
+// registers per thread).
+constexpr int kSliceCols = 128;
+constexpr int slices(int d_qk, int d_v) {
+  return d_qk > kSliceCols || d_v > kSliceCols ? ((d_qk > d_v ? d_qk : d_v) + kSliceCols - 1) / kSliceCols : 1;
+}
+// Named barrier of the consumer warpgroups (0 is __syncthreads; the row kernels'
+// ids are private to them).
+constexpr int kBarConsumers = 1;
+// Pre-pass: queries per CTA (both warpgroups see them, each 64 keys of a key tile).
+constexpr int kPreQ = 64;
+constexpr int kPreThreads = 256;
+
+static_assert(kTile == 128, "fragment maps: 8 warps x 16 key rows, one 128-byte swizzle row per 128 codes");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch");
+static_assert(kConsumerThreads == 2 * kTile, "one query column per consumer thread in the per-column passes");
+static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
+static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
+              "slices of the instantiated head dims");
+static_assert(kBarConsumers > 0 && kBarConsumers < 16, "hardware named barriers 1..15");
+
+}  // namespace bwdts
 
 }  // namespace sm90
 }  // namespace fp8attn
