@@ -20,10 +20,11 @@
 //     barrier kBarConsumers: the P / dS block amax and the #6 row amax span
 //     both warpgroups' keys):
 //       S^T = K Q^T, P                  (SS m64n64k32 x 2)               #3
-//       P block amax -> P^T E4M3 codes   (one scale per 128 x 128 block)
-//       dV += P^T dO                     (RS m64n64k32, accumulator in units of 2^e) #5
-//       dP^T = V dO^T (SS m64n32k32 x 4), dS = P (dP_hat - delta)          #4
-//       dS row amax (128 keys) -> dS codes [q][k] in shared memory          #6 operand
+//       P block amax -> P^T E4M3 codes to shared memory (one scale per 128 x 128 block)
+//       dP^T = V dO^T (SS m64n16k32 x 8), dS = P (dP_hat - delta)          #4
+//       dS row amax (128 keys), dS block amax (both warpgroups)
+//       dV += P^T dO                     (SS m64n64k32, accumulator in units of 2^e) #5
+//       dS codes [q][k] in shared memory                                    #6 operand
 //       dS block amax -> dS^T codes; dK += dS^T Q (RS, units of 2^e)        #7
 //       dQ partial = dS K (SS), times s_dS(i) s_K per row -> float2 atomics  #6
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
@@ -61,7 +62,8 @@ struct MainLayout {
   static constexpr int kV = kK + kNbQK * kTileBytes;  // value rows
   static constexpr int kKc = kV + kNbV * kTileBytes;  // K^T [kWk channels][128 keys] (this slice)
   static constexpr int kDS = kKc + kWk * 128;         // dS codes (#6) [128 queries][128 keys]
-  static constexpr int kStage0 = kDS + kTileBytes;    // [kStages] query-side stages:
+  static constexpr int kPT = kDS + kTileBytes;        // P^T codes (#5 A operand) [128 keys (tile rows)][128 queries]
+  static constexpr int kStage0 = kPT + kTileBytes;    // [kStages] query-side stages:
   static constexpr int kSQ = 0;                       //   query rows (q_of_col order) [block][128][128 B]
   static constexpr int kSDO = kSQ + kNbQK * kTileBytes;  // dO rows
   static constexpr int kSQc = kSDO + kNbV * kTileBytes;  // Q^T [kWk][128 queries]
@@ -81,7 +83,7 @@ struct MainLayout {
   static constexpr int kFloats = kFStage + kStages * kFStageFloats;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kNumBars * 2 <= 16, "mbarrier slots");
-  static_assert(kKc % 1024 == 0 && kDS % 1024 == 0 && kStage0 % 1024 == 0 && kStageBytes % 1024 == 0 &&
+  static_assert(kKc % 1024 == 0 && kDS % 1024 == 0 && kPT % 1024 == 0 && kStage0 % 1024 == 0 && kStageBytes % 1024 == 0 &&
                     kSQc % 1024 == 0 && kSDOc % 1024 == 0,
                 "1024-byte aligned swizzled tiles");
   static_assert(kWk % 64 == 0 && kWv % 64 == 0, "whole n64 output chunks");
@@ -273,33 +275,35 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     for (int w = 0; w < kWarps; ++w) m_p = max_nan(m_p, sBlk[w]);
     const float2 sc_p = fast_scale<kFmtE4M3>(m_p);
 
-    // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), straight into the accumulator.
-    // NOTE: one k32 step (4 code registers) at a time, each waited: P stays
-    // live for dS, and 16 code registers next to it and dK + dV spilled.
-    if (wv > 0) {
-      rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
+    // ---- P^T codes (#5 A operand) into shared memory: row m of the tile is
+    // this thread's accumulator row (16 warp + g, + 8), K = the 128 queries in
+    // natural order (q_of_col), k32 step c / k16 half u at chunk 2c + u, bytes
+    // 4t..4t+3. NOTE: through shared memory (SS wgmma after dS) instead of
+    // registers: P stays live for dS, and register A fragments next to P, dK
+    // and dV spilled. Read by this warpgroup's dV wgmmas after the barrier
+    // below (sc_s); rewritten next pair after its first barrier.
+    {
+      uint8_t* pT = smem + L::kPT;
+      const int r0 = warp * 16 + g;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        uint32_t a_p[4];
-        codes_step<kFmtE4M3>(pt, sc_p.y, c, a_p);
-        fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-        wg_arrive();
+        uint32_t a[4];
+        codes_step<kFmtE4M3>(pt, sc_p.y, c, a);
 #pragma unroll
-        for (int h = 0; h < L::kWv / 64; ++h)
-          if (64 * h < wv)
-            gmma_rs<kFmtE4M3, FMT, 64>(a_p, desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dv_acc[h][0][0],
-                                       true);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-        fence_regs_u(a_p, 4);
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + 8 * hr;
+            *reinterpret_cast<uint32_t*>(pT + r * 128 + (((2 * c + u) ^ (r & 7)) << 4) + 4 * t) = a[2 * u + hr];
+          }
       }
+      fence_async_smem();  // st.shared (generic proxy) -> the dV wgmmas (async proxy)
     }
 
     // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
 #pragma unroll
-    for (int qc = 0; qc < kTile / 32; ++qc) {
-      float dp[4][4];
+    for (int qc = 0; qc < kTile / kDpN; ++qc) {
+      float dp[kDpN / 8][4];
       issue_dp<DV, FMT, kTile>(v_lo, do_lo, qc, dp);
       wg_wait<0>();
       ds_from_dp(pt, dp, s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
@@ -338,6 +342,25 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     for (int w = 0; w < kWarps; ++w) m_s = max_nan(m_s, sBlk[kWarps + w]);
     const float2 sc_s = fast_scale<FMT>(m_s);
     named_bar_sync(kBarConsumers, kConsumerThreads);
+
+    // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), straight into the accumulator
+    // (SS: P^T codes from shared memory, written before the barrier above).
+    if (wv > 0) {
+      rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
+      const uint32_t pt_lo = base + L::kPT / 16 + wg * kDesc64Rows;
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
+      wg_arrive();
+#pragma unroll
+      for (int h = 0; h < L::kWv / 64; ++h)
+        if (64 * h < wv)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            gmma_ss<kFmtE4M3, FMT, 64>(desc_of(pt_lo + kDescK32 * c),
+                                       desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dv_acc[h][0][0], true);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
+    }
 
     // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows g,
     // g + 8 are keys 16 warp + 2g, + 1 (k_of_row): one 16-bit store per column;

@@ -24,7 +24,7 @@
 // P^T / dS^T registers are the A fragments of natural query order.
 //
 // Bitwise contract with the pre-pass: S^T and dP^T are issued as one
-// m64n64k32 (S^T) / m64n32k32 (dP^T) chain per 64 / 32 columns in both kernels (same instruction per element, same k
+// m64n64k32 (S^T) / m64n16k32 (dP^T, kDpN) chain per 64 / 16 columns in both kernels (same instruction per element, same k
 // order: head-dim block 0 then 1), and P, dP_hat are formed by the same
 // functions below with explicit roundings (__fmul_rn, fmaf), so P and dP_hat
 // are bitwise equal and the Delta-Matching pre-cast row sums of dS are
@@ -42,6 +42,17 @@
 namespace fp8attn {
 namespace sm90 {
 namespace bwd {
+
+// m64n16k32 SS chains for dP^T (the row kernels instantiate n32 / n64 / n128).
+template <>
+struct GmmaOp<kFmtE4M3, kFmtE4M3, 16, false> {
+  using T = GM::MMA_64x16x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct GmmaOp<kFmtE4M3, kFmtE5M2, 16, false> {
+  using T = GM::MMA_64x16x32_F32E4M3E5M2_SS_TN<>;
+};
+
 namespace ts {
 
 // ---- sequence bounds ---------------------------------------------------------------
@@ -99,14 +110,16 @@ __device__ __forceinline__ void issue_s(uint32_t k_lo, uint32_t q_lo, float (&s)
   issue_rows_dot<DQK, 64, NQ, QROWS, kFmtE4M3, kFmtE4M3>(k_lo, q_lo, 0, &s[0][0]);
   wg_commit();
 }
-// dP^T = V dO^T for the 32 columns [32 qc, 32 qc + 32) (one m64n32k32 chain,
-// one commit group). NOTE: 32-column chunks keep dP at 16 registers next to
-// P, dK and dV (the main kernel's register peak).
+// dP^T = V dO^T for the kDpN columns [kDpN qc, kDpN qc + kDpN) (one
+// m64n{kDpN}k32 chain, one commit group). NOTE: narrow chunks keep dP at
+// kDpN / 2 registers next to P, dK and dV (the main kernel's register peak:
+// wider chunks found no contiguous accumulator block and spilled P).
+constexpr int kDpN = 16;
 template <int DV, int FMT, int QROWS>
-__device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, int qc, float (&dp)[4][4]) {
-  fence_regs<16>(&dp[0][0]);
+__device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, int qc, float (&dp)[kDpN / 8][4]) {
+  fence_regs<kDpN / 2>(&dp[0][0]);
   wg_arrive();
-  issue_rows_dot<DV, 32, 32, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, 32 * qc, &dp[0][0]);
+  issue_rows_dot<DV, kDpN, kDpN, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, kDpN * qc, &dp[0][0]);
   wg_commit();
 }
 
@@ -136,14 +149,14 @@ __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const 
   }
 }
 
-// dP_hat in place: acc (s_dO(q) s_V(kt)) for the 4 n8 tiles of the 32-column
-// chunk qc (columns 32 qc + ...). sDOs per column.
-__device__ __forceinline__ void dp_scale(float (&dp)[4][4], float sv, const float* sDOs, int qc, int lane) {
+// dP_hat in place: acc (s_dO(q) s_V(kt)) for the n8 tiles of chunk qc
+// (columns kDpN qc + ...). sDOs per column.
+__device__ __forceinline__ void dp_scale(float (&dp)[kDpN / 8][4], float sv, const float* sDOs, int qc, int lane) {
   const int t = lane & 3;
-  fence_regs<16>(&dp[0][0]);
+  fence_regs<kDpN / 2>(&dp[0][0]);
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    const float2 os = *reinterpret_cast<const float2*>(sDOs + 32 * qc + 8 * jj + 2 * t);
+  for (int jj = 0; jj < kDpN / 8; ++jj) {
+    const float2 os = *reinterpret_cast<const float2*>(sDOs + kDpN * qc + 8 * jj + 2 * t);
     const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
     dp[jj][0] = __fmul_rn(dp[jj][0], cx);
     dp[jj][1] = __fmul_rn(dp[jj][1], cy);
@@ -151,16 +164,16 @@ __device__ __forceinline__ void dp_scale(float (&dp)[4][4], float sv, const floa
     dp[jj][3] = __fmul_rn(dp[jj][3], cy);
   }
 }
-// dS = P (dP_hat - delta) over P in place, for the 32-column chunk qc: dP_hat
-// - delta as fmaf(acc, s_dO s_V, -delta), the value __fsub_rn(dp_scale's
-// dP_hat, delta) (the coefficient is a power of two: the product is exact).
-__device__ __forceinline__ void ds_from_dp(float (&pt)[16][4], const float (&dp)[4][4], float sv, const float* sDOs,
-                                           const float* sDelta, int qc, int lane) {
+// dS = P (dP_hat - delta) over P in place, for chunk qc: dP_hat - delta as
+// fmaf(acc, s_dO s_V, -delta), the value __fsub_rn(dp_scale's dP_hat, delta)
+// (the coefficient is a power of two: the product is exact).
+__device__ __forceinline__ void ds_from_dp(float (&pt)[16][4], const float (&dp)[kDpN / 8][4], float sv,
+                                           const float* sDOs, const float* sDelta, int qc, int lane) {
   const int t = lane & 3;
-  fence_regs<16>(const_cast<float*>(&dp[0][0]));
+  fence_regs<kDpN / 2>(const_cast<float*>(&dp[0][0]));
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    const int j = 4 * qc + jj;
+  for (int jj = 0; jj < kDpN / 8; ++jj) {
+    const int j = (kDpN / 8) * qc + jj;
     const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
     const float2 dl = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
     const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
