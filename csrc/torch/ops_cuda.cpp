@@ -61,6 +61,7 @@
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/quant_e4m3_blockscale_sm90.h"
+#include "hopper/quant_tilescale_e4m3_sm90.h"
 #if __has_include("hopper/bwd_sm90.h")
 #include "hopper/bwd_sm90.h"
 #endif
@@ -232,6 +233,50 @@ void quantize(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const a
     j.seqlen_pad = static_cast<int>(seqlen_pad);
   }
   launch([&] { quantize_bf16_sm90(j, stream); });
+}
+
+// `tile` recipe (numerics.md section 9): quantizes x [B, H, S, D] (BF16,
+// aligned) on `stream` into the TileQuantJob outputs (quant_tilescale_e4m3_sm90.h):
+// per-token codes + scales [B, H, S]; per-128-token-tile codes row-major and /
+// or transposed [B, H, D, S_pad] + scales [B, H, nblk]. Undefined tensors are
+// not produced.
+void quantize_tile(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
+                   const at::Tensor& tile, const at::Tensor& tileT, const at::Tensor& tile_s, cudaStream_t stream) {
+  TileQuantJob j;
+  j.x = x.data_ptr();
+  j.stride_batch = eff_stride(x, 0);
+  j.stride_head = eff_stride(x, 1);
+  j.stride_seq = eff_stride(x, 2);
+  j.batch = static_cast<int>(x.size(0));
+  j.heads = static_cast<int>(x.size(1));
+  j.seqlen = static_cast<int>(x.size(2));
+  j.dim = static_cast<int>(x.size(3));
+  j.fmt = fmt;
+  j.recipe = Scaling::kTile;
+  if (row.defined()) {
+    j.row = row.data_ptr<uint8_t>();
+    j.row_s = row_s.data_ptr<float>();
+  }
+  if (tile.defined()) j.tile = tile.data_ptr<uint8_t>();
+  if (tileT.defined()) {
+    j.tileT = tileT.data_ptr<uint8_t>();
+    j.seqlen_pad = static_cast<int>(tileT.size(3));
+  }
+  if (tile_s.defined()) j.tile_s = tile_s.data_ptr<float>();
+  launch([&] { quantize_tilescale_bf16_sm90(j, stream); });
+}
+
+// `tile` recipe buffers: codes [B,H,S,D]; per-token scales [B,H,S]; transposed
+// codes [B,H,D,S_pad]; per-tile scales [B,H,ceil(S/128)].
+at::Tensor alloc_codes(const at::Tensor& x) { return at::empty(x.sizes(), x.options().dtype(at::kByte)); }
+at::Tensor alloc_token_scales(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(at::kFloat));
+}
+at::Tensor alloc_codesT(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), x.size(3), round_up(x.size(2), kSeqPad)}, x.options().dtype(at::kByte));
+}
+at::Tensor alloc_tile_scales(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), ceil_div(x.size(2), kSeqBlock)}, x.options().dtype(at::kFloat));
 }
 
 // Row-blocked codes [B,H,S,D] + scales [B,H,S,nblk(D)].
@@ -475,6 +520,54 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
   return {colT.narrow(3, 0, x.size(2)).transpose(2, 3), col_s.transpose(2, 3)};
 }
 
+// quantize_tilescale on CUDA (checks the `tile` quantization kernel bit for bit
+// against the CPU op): x bfloat16 [B, H, S, D] on CUDA, D in {64, 128, 192,
+// 256}, block_size 128; dim 3 / -1: per-token codes and scales [B, H, S];
+// dim 2 / -2: per-tile codes (row-major, or with `transposed` a transposed
+// view of the kernel's [B, H, D, S_pad] layout) and scales [B, H, nblk]. Same
+// values as the CPU op.
+std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cuda(const at::Tensor& x_in, int64_t dim, int64_t block_size,
+                                                           c10::string_view fmt_s, bool transposed) {
+  TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
+  check_cuda_device(x_in.device());
+  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
+                   "fp8attn: argument 'x': the CUDA quantize_tilescale takes bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': quantize_tilescale takes a rank-4 tensor, got rank ",
+                    x_in.dim());
+  const int64_t d = dim < 0 ? dim + 4 : dim;
+  TORCH_CHECK_VALUE(d == 2 || d == 3, "fp8attn: argument 'dim': quantize_tilescale blocks dim 2 (tiles of tokens) or 3 "
+                    "(per token), or -2 / -1, got ", dim);
+  TORCH_CHECK_VALUE(block_size == kSeqBlock,
+                    "fp8attn: argument 'block_size': the CUDA quantize_tilescale supports 128 only, got ", block_size);
+  const int64_t D = x_in.size(3);
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
+                    "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
+  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) < (int64_t{1} << 31) && x_in.size(2) < (int64_t{1} << 30),
+                    "fp8attn: argument 'x': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ",
+                    x_in.sizes());
+  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(fmt_s), "\"");
+  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = aligned_bf16(x_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const at::Tensor none;
+  if (d == 3) {
+    at::Tensor row = alloc_codes(x), row_s = alloc_token_scales(x);
+    quantize_tile(x, fmt, row, row_s, none, none, none, stream);
+    return {row, row_s};
+  }
+  at::Tensor tile_s = alloc_tile_scales(x);
+  if (!transposed) {
+    at::Tensor tile = alloc_codes(x);
+    quantize_tile(x, fmt, none, none, tile, none, tile_s, stream);
+    return {tile, tile_s};
+  }
+  at::Tensor tileT = alloc_codesT(x);
+  quantize_tile(x, fmt, none, none, none, tileT, tile_s, stream);
+  return {tileT.narrow(3, 0, x.size(2)).transpose(2, 3), tile_s};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -482,6 +575,7 @@ TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("fwd", &fp8attn::fwd_cuda);
   m.impl("bwd", &fp8attn::bwd_cuda);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
+  m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cuda);
   // CPU-only ops: a ValueError naming the argument (op_stubs.h), not torch's "Could not run".
   for (const char* name : {"fp8_encode", "fp8_decode", "dequantize_blockwise"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cpu_only_op>());
