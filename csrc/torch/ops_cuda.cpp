@@ -38,7 +38,9 @@
 //
 // Work per call (stream = the current torch CUDA stream of q's device):
 //   fwd: [pad / convert Q, K, V] -> quantize Q (row), K (row), V (column) ->
-//        run_fwd -> [slice / convert O].
+//        run_fwd -> [slice / convert O]. scaling="tile": quantize Q (per row),
+//        K (per tile), V (per tile, transposed) -> run_fwd_tile (numerics.md s.9).
+//        The CUDA backward of "tile" raises NotImplementedError naming `scaling`.
 //   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
 //        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
 //        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
@@ -59,6 +61,7 @@
 #include "op_stubs.h"
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
+#include "hopper/fwd_tilescale_e4m3_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 #include "hopper/quant_tilescale_e4m3_sm90.h"
@@ -116,11 +119,13 @@ void check_precision(c10::string_view precision) {
                     std::string(precision), "\"");
 }
 
-// numerics.md section 9: only the `row` recipe has CUDA kernels so far; a
-// `tile` call is refused, never served by the row kernels.
-void check_scaling(c10::string_view scaling) {
+// numerics.md section 9: the `tile` recipe has CUDA forward kernels only so
+// far; a `tile` backward is refused (at backward time: autograd's forward runs
+// the tile forward, its backward calls bwd), never served by the row kernels.
+void check_bwd_scaling(c10::string_view scaling) {
   TORCH_CHECK_NOT_IMPLEMENTED(parse_scaling(scaling) == Scaling::kRow,
-                              "fp8attn: argument 'scaling': scaling='tile' has no CUDA kernel yet; use scaling='row'");
+                              "fp8attn: argument 'scaling': scaling='tile' has no CUDA backward kernel yet "
+                              "(the forward runs on CUDA); use scaling='row' to train on CUDA, or CPU tensors");
 }
 
 
@@ -325,7 +330,7 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
                                             int64_t block_size, c10::string_view scaling) {
-  check_scaling(scaling);
+  const Scaling recipe = parse_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const c10::cuda::CUDAGuard guard(q_in.device());
   at::Tensor lse = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
@@ -338,6 +343,34 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   // The kernel's O (BF16, the kernel's head_dim_v); the op's out is it unless
   // the head dims are padded or q is float32 (op_output).
   at::Tensor out_k = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kv}, q.options());
+
+  if (recipe == Scaling::kTile) {
+    // numerics.md section 9: Q one scale per row, K and V one per 128-key tile
+    // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h).
+    const at::Tensor none;
+    at::Tensor q_codes = alloc_codes(q), q_s = alloc_token_scales(q);
+    at::Tensor k_codes = alloc_codes(k), k_s = alloc_tile_scales(k);
+    at::Tensor v_codesT = alloc_codesT(v), v_s = alloc_tile_scales(v);
+    quantize_tile(q, Fp8Format::kE4M3, q_codes, q_s, none, none, none, stream);
+    quantize_tile(k, Fp8Format::kE4M3, none, none, k_codes, none, k_s, stream);
+    quantize_tile(v, Fp8Format::kE4M3, none, none, none, v_codesT, v_s, stream);
+    KernelParams kp{};
+    set_sizes(kp, pr, softmax_scale, causal);
+    kp.scaling = static_cast<int>(Scaling::kTile);
+    set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+    set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+    set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+    kp.out = out_k.data_ptr();
+    kp.lse = lse.data_ptr<float>();
+    kp.q_row = q_codes.data_ptr<uint8_t>();
+    kp.q_row_s = q_s.data_ptr<float>();
+    kp.k_row = k_codes.data_ptr<uint8_t>();
+    kp.k_row_s = k_s.data_ptr<float>();
+    kp.v_colT = v_codesT.data_ptr<uint8_t>();
+    kp.v_col_s = v_s.data_ptr<float>();
+    launch([&] { run_fwd_tile(kp, stream); });
+    return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
+  }
 
   auto [q_row, q_row_s] = alloc_row(q);
   auto [k_row, k_row_s] = alloc_row(k);
@@ -372,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling) {
-  check_scaling(scaling);
+  check_bwd_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);
