@@ -12,11 +12,12 @@ What is measured, per (shape, causal):
     divided by the median time.
   * fp8attn: the op as called, its FP8 quantization kernels included.
   * --scaling row,tile adds the `tile` recipe's forward (numerics.md section 9):
-    the op as called (quantization included), its attention kernel alone (the
+    the op as called (quantization included) and its attention kernel alone (the
     CUDA time of the fwd_tilescale kernels per call, torch.profiler: compare
-    with cuDNN FP8's graph time, which excludes its quantization too), and the
-    pingpong order (FP8ATTN_TILE_PINGPONG=1); a table of its own, ratios to
-    cuDNN BF16 in the same run.
+    with cuDNN FP8's graph time, which excludes its quantization too);
+    tile_pingpong in the list also times the pingpong order
+    (FP8ATTN_TILE_PINGPONG=1); a table of its own, ratios to cuDNN BF16 in the
+    same run.
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
     excluded), after a self-check against SDPA BF16: "bad" when the relative
     Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
@@ -323,8 +324,8 @@ def _shapes_arg(text: str) -> list:
 def _scalings_arg(text: str) -> tuple:
     """'row,tile' -> ('row', 'tile') (argparse type)."""
     out = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not out or any(x not in ("row", "tile") for x in out):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of row,tile, got {text!r}")
+    if not out or any(x not in ("row", "tile", "tile_pingpong") for x in out):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of row,tile,tile_pingpong, got {text!r}")
     return out
 
 
@@ -350,7 +351,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", default=None, type=_shapes_arg,
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--scaling", default="row", type=_scalings_arg,
-                    help="comma-separated recipes: row (always), tile (adds the tile forward table)")
+                    help="comma-separated recipes: row (always), tile (adds the tile forward table), "
+                         "tile_pingpong (also its pingpong order)")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     return ap
@@ -406,19 +408,21 @@ def bench_shape(r, args) -> None:
         finally:
             del os.environ["FP8ATTN_FWD_KERNEL"]
         r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
-    if "tile" in getattr(args, "scaling", ("row",)):
+    scalings = getattr(args, "scaling", ("row",))
+    if "tile" in scalings or "tile_pingpong" in scalings:
         def tile_fwd():
             return OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
         t_ms = time_ms(tile_fwd, args.warmup, args.iters)
         r["tile_fwd"], r["tile_fwd_ms"] = tflops(fwd_flops, t_ms), t_ms
         k_ms = kernel_ms(tile_fwd, "fwd_tilescale")
         r["tile_fwd_kernel"], r["tile_fwd_kernel_ms"] = tflops(fwd_flops, k_ms), k_ms
-        os.environ["FP8ATTN_TILE_PINGPONG"] = "1"  # read by run_fwd_tile on every call
-        try:
-            p_ms = time_ms(tile_fwd, args.warmup, args.iters)
-        finally:
-            del os.environ["FP8ATTN_TILE_PINGPONG"]
-        r["tile_fwd_pingpong"], r["tile_fwd_pingpong_ms"] = tflops(fwd_flops, p_ms), p_ms
+        if "tile_pingpong" in scalings:
+            os.environ["FP8ATTN_TILE_PINGPONG"] = "1"  # read by run_fwd_tile on every call
+            try:
+                p_ms = time_ms(tile_fwd, args.warmup, args.iters)
+            finally:
+                del os.environ["FP8ATTN_TILE_PINGPONG"]
+            r["tile_fwd_pingpong"], r["tile_fwd_pingpong_ms"] = tflops(fwd_flops, p_ms), p_ms
         if ref is not None:
             r["tile_fwd_err"] = cudnn_fp8.rel_fro(tile_fwd()[0], ref.o)
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
