@@ -410,6 +410,9 @@ def bench_shape(r, args) -> None:
         r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
     scalings = getattr(args, "scaling", ("row",))
     if "tile" in scalings or "tile_pingpong" in scalings:
+        # NOTE: FP8ATTN_TILE_FWD=1 enables the CUDA tile forward (docs/architecture.md)
+        os.environ["FP8ATTN_TILE_FWD"] = os.environ.get("FP8ATTN_TILE_FWD") or "1"
+
         def tile_fwd():
             return OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
         t_ms = time_ms(tile_fwd, args.warmup, args.iters)

@@ -88,6 +88,7 @@ for sched, b, sq in (("", 2, 1100), ("wgmma_pingpong", 1, 500), ("wgmma_serial3"
 os.environ["FP8ATTN_FWD_KERNEL"] = ""
 # The `tile` forward (quantization + fwd_tilescale kernels): every head_dim, both masks,
 # GQA, ragged, more key tiles than stages; both consumer orders at dv <= 128.
+os.environ["FP8ATTN_TILE_FWD"] = "1"
 for pp in ("0", "1"):
     os.environ["FP8ATTN_TILE_PINGPONG"] = pp
     for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):

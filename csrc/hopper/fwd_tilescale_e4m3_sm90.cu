@@ -13,10 +13,10 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
+#include "common/env_choice.h"
 #include "hopper/config_sm90.h"
 #include "hopper/launch_sm90.h"
 #include "hopper/mainloop_fwd_tilescale_sm90.cuh"
@@ -109,11 +109,11 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 template <int kD, int kDv>
 void launch_schedule(const KernelParams& p, cudaStream_t stream) {
   // NOTE: FP8ATTN_TILE_PINGPONG=0|1 picks the order at dv <= 128 (default: the
-  // kernel notes' measured choice, kTilePingpongDefault); dv = 256 is serial.
-  constexpr bool kOverlap = FwdTileTraits<kD, kDv>::kOverlap;
-  if constexpr (kOverlap) {
-    const char* env = std::getenv("FP8ATTN_TILE_PINGPONG");
-    const bool pp = env != nullptr && env[0] != '\0' ? env[0] == '1' : fwdt::kTilePingpongDefault;
+  // kernel notes' measured choice, kTilePingpongDefault; a bad value throws
+  // std::invalid_argument, ValueError in Python); dv = 256 is serial.
+  const int pp_env = env_choice("FP8ATTN_TILE_PINGPONG", {"0", "1"});
+  const bool pp = pp_env < 0 ? fwdt::kTilePingpongDefault : pp_env == 1;
+  if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
     if (pp) return launch<kD, kDv, true>(p, stream);
   }
   launch<kD, kDv, false>(p, stream);

@@ -1,7 +1,7 @@
 // fp8attn: the sm_90a pipeline primitives of the `tile` kernels: mbarriers,
 // TMA tile loads, named barriers, wgmma shared-memory descriptors and the
-// E4M3 wgmma atoms (CuTe's sm90 GMMA structs, called with our registers).
-// No math here (numerics.md is in softmax_* / mainloop_*).
+// E4M3 wgmma atoms (CuTe's sm90 GMMA structs, called with our registers),
+// shared by the `tile` kernels and the `row` wgmma forward. No math here.
 #pragma once
 
 #include <cuda.h>
@@ -70,6 +70,9 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 }
 
 // ---- 32-bit shared-memory accesses (producer warps at 24 registers) -------------
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 x;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(addr) : "memory");
@@ -93,6 +96,10 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr) {
 
 template <int N>
 struct E4m3Atom;
+template <>
+struct E4m3Atom<32> {  // S in n32 chunks (the `row` kernel's second head_dim block at d >= 192)
+  using SS = gmma::MMA_64x32x32_F32E4M3E4M3_SS_TN<>;
+};
 template <>
 struct E4m3Atom<64> {
   using SS = gmma::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;

@@ -28,6 +28,30 @@ from test_cuda_fuzz import check_lse_rows  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _tile_fwd_on(monkeypatch):
+    """FP8ATTN_TILE_FWD=1: the CUDA `tile` forward runs only when asked for until it
+    has passed this file on the GPU (docs/architecture.md, "Environment variables")."""
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+
+
+def test_tile_fwd_knob(monkeypatch):
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 130, 130, 64, 64, seed_of("knob")))
+    for off in ("0", ""):
+        monkeypatch.setenv("FP8ATTN_TILE_FWD", off)
+        with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_FWD=1"):
+            OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "yes")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_FWD='yes' is not one of 0, 1"):
+        OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+    monkeypatch.setenv("FP8ATTN_TILE_PINGPONG", "on")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_PINGPONG='on' is not one of 0, 1"):
+        OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
+    monkeypatch.delenv("FP8ATTN_TILE_PINGPONG")
+    OPS.fwd(q, k, v, 0.125, False, "fp8", 128)  # the row recipe never reads them
+
+
 # ---- quantization: bit-exact against the CPU op -----------------------------------------
 
 
@@ -37,6 +61,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dim,transposed", [(3, False), (2, False), (2, True)], ids=["row", "tile", "tileT"])
 def test_quantize_tilescale_bitexact(d, s, fmt, dim, transposed):
     x = quant_input(2, 3, s, d, seed_of("tq", d, s, fmt, dim))
+    x[0, 0, :128, :] = 0.0  # an all-zero token row and tile over all of head_dim (scale 1)
     codes_r, scales_r = OPS.quantize_tilescale(x.float(), dim, 128, fmt)
     codes_c, scales_c = OPS.quantize_tilescale(x.cuda(), dim, 128, fmt, transposed)
     assert codes_c.shape == codes_r.shape and scales_c.shape == scales_r.shape
