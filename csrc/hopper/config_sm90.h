@@ -153,6 +153,54 @@ static_assert(kD2PvN == 64 || kD2PvN == 128, "P V chains: m64n64 or m64n128");
 
 }  // namespace fwdw
 
+// ---- `tile`-recipe forward (fwd_tilescale_e4m3_sm90.cu, mainloop_fwd_tilescale_sm90.cuh) ----
+namespace fwdt {
+
+// One producer warpgroup (warp 0: TMA of Q, K, V^T; warps 1-3: the V^T key
+// permutation of the P fragment, mainloop_fwd_tilescale_sm90.cuh) and
+// kConsumerWGs consumer warpgroups of 64 query rows each.
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per CTA
+constexpr int kBlockN = kSeqBlock;          // keys per tile = the recipe's tile T
+constexpr int kThreads = 128 * (1 + kConsumerWGs);
+constexpr int kStages = 2;                  // K / V^T pipeline depth
+// setmaxnreg budgets (FA3's split at 384 threads): 24 + 2 * 240 = 3 * 168.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+// Q / K rows are stored in chunks of kQKChunk channels (one 128-byte swizzle
+// span); the last chunk of head_dim 192 is 64 channels (64-byte swizzle).
+constexpr int kQKChunk = 128;
+constexpr int qk_chunks(int d) { return (d + kQKChunk - 1) / kQKChunk; }
+constexpr int qk_chunk_width(int d, int c) { return d - c * kQKChunk < kQKChunk ? d - c * kQKChunk : kQKChunk; }
+// The in-warpgroup overlap (QK^T (t + 1) issued before the softmax of t, P V (t)
+// after it) needs O + S (t + 1) + two P fragments in registers: at dv = 256
+// (O = 128 registers) it does not fit 240, so dv = 256 runs the serial order.
+constexpr bool overlap_fits(int dv) { return dv <= 128; }
+// NOTE: a row whose P tile has a block scale below kPFlushScale (its largest
+// P is < 2^-56 of the running max's) adds exactly nothing: its codes are
+// flushed to 0 and O keeps its unit (numerics.md section 9, "Implementations":
+// O is accumulated in units of s_P s_V, and such a unit would overflow FP32).
+constexpr float kPFlushScale = 5.421010862427522e-20f;  // 2^-64
+// Named barrier ids of the pingpong between the two consumer warpgroups.
+constexpr int kBarPingpong = 1;  // ids kBarPingpong + 0 / + 1
+// Default order at dv <= 128 (FP8ATTN_TILE_PINGPONG overrides): the
+// in-warpgroup overlap alone until the pingpong is measured on the device
+// (docs/kernels/fwd_tilescale_e4m3_sm90.md).
+constexpr bool kTilePingpongDefault = false;
+
+static_assert(kBlockN == 128, "P fragment permutation covers 16-key groups of a 128-key tile; V^T rows 128 bytes");
+static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch");
+static_assert(kStages >= 2, "double buffering at least");
+static_assert(kQKChunk == 128 && qk_chunks(192) == 2 && qk_chunk_width(192, 1) == 64 && qk_chunk_width(64, 0) == 64,
+              "Q / K chunks: one 128B (or 64B) swizzle span per row");
+static_assert(kConsumerWGs == 2 && kBarPingpong > 0 && kBarPingpong + 1 < 16, "pingpong pairs two warpgroups");
+
+}  // namespace fwdt
+
 // ---- backward (bwd_*_sm90.cu, bwd_tile_sm90.cuh) -------------------------------
 namespace bwd {
 

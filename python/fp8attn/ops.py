@@ -421,8 +421,9 @@ def attention(
         scaling: the FP8 scaling recipe (numerics.md section 9): "row" (default;
             1x128 blocks along each reduction dim, sections 2-3) or "tile" (one
             scale per query row or per tile, folded into per-row coefficients;
-            the same accuracy). "tile" runs on the CPU reference only so far:
-            on CUDA tensors it raises NotImplementedError. Ignored by
+            the same accuracy). On CUDA tensors "tile" has a forward kernel
+            only so far: the forward runs, and a backward through it raises
+            NotImplementedError naming `scaling` (at backward time). Ignored by
             precision="exact".
 
     Returns:
@@ -438,7 +439,8 @@ def attention(
             softmax_scale too large for FP32, a block_size that is not 32, 64
             or 128, or not 128 on CUDA, a scaling other than "row" / "tile").
             The message names the argument.
-        NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet);
+        NotImplementedError: (in backward) scaling="tile" on CUDA tensors (no
+            backward kernel yet);
             precision "exact" on CUDA tensors (the exact reference runs on CPU
             tensors).
         RuntimeError: (in backward) a backward with create_graph=True while an
