@@ -40,7 +40,10 @@
 //   fwd: [pad / convert Q, K, V] -> quantize Q (row), K (row), V (column) ->
 //        run_fwd -> [slice / convert O]. scaling="tile": quantize Q (per row),
 //        K (per tile), V (per tile, transposed) -> run_fwd_tile (numerics.md s.9).
-//        The CUDA backward of "tile" raises NotImplementedError naming `scaling`.
+//        The CUDA backward of "tile" (same quantizations plus Q, dO per tile
+//        transposed, K transposed, V per tile -> run_bwd with scaling = tile)
+//        runs only with FP8ATTN_TILE_BWD=1 (experimental, unvalidated), else
+//        NotImplementedError naming `scaling`.
 //   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
 //        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
 //        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
@@ -54,6 +57,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "common/env_choice.h"
 #include "common/params.h"
@@ -120,9 +124,10 @@ void check_precision(c10::string_view precision) {
                     std::string(precision), "\"");
 }
 
-// numerics.md section 9: the `tile` recipe has CUDA forward kernels only so
-// far; a `tile` backward is refused (at backward time: autograd's forward runs
-// the tile forward, its backward calls bwd), never served by the row kernels.
+// numerics.md section 9: the `tile` recipe's CUDA kernels are gated until their
+// GPU tests pass (FP8ATTN_TILE_FWD here, FP8ATTN_TILE_BWD below; a refused
+// `tile` backward fails at backward time: autograd's forward runs the tile
+// forward, its backward calls bwd); `tile` is never served by the row kernels.
 // NOTE: FP8ATTN_TILE_FWD (docs/architecture.md, "Environment variables"): the
 // `tile` forward kernels compile and ran the benchmark shapes on the H200
 // (2026-12-02, O within FP8 error of SDPA BF16) but have not passed the GPU
@@ -138,12 +143,30 @@ bool tile_fwd_enabled() {
   return v == 1;
 }
 
-void check_bwd_scaling(c10::string_view scaling) {
-  TORCH_CHECK_NOT_IMPLEMENTED(parse_scaling(scaling) == Scaling::kRow,
-                              "fp8attn: argument 'scaling': scaling='tile' has no CUDA backward kernel yet "
-                              "(the forward runs on CUDA); use scaling='row' to train on CUDA, or CPU tensors");
+// NOTE: FP8ATTN_TILE_BWD (docs/architecture.md, "Environment variables"): the
+// `tile` backward kernels (hopper/bwd_tilescale_sm90.h) compile for sm_90a but
+// have NOT run on a GPU yet (tests/python/test_tile_cuda_bwd.py awaits its
+// first device run), so a `tile` backward on CUDA runs them only with
+// FP8ATTN_TILE_BWD=1 and is refused otherwise (never served by the row kernels).
+bool tile_bwd_enabled() {
+  int v = -1;
+  try {
+    v = env_choice("FP8ATTN_TILE_BWD", {"0", "1"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return v == 1;
 }
 
+// The recipe of a backward call: `row`, or `tile` when FP8ATTN_TILE_BWD=1.
+Scaling check_bwd_scaling(c10::string_view scaling) {
+  const Scaling recipe = parse_scaling(scaling);
+  TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kRow || tile_bwd_enabled(),
+                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is experimental and "
+                              "not yet validated on a GPU; set FP8ATTN_TILE_BWD=1 to run it (tests, benchmarks), "
+                              "or use scaling='row' to train on CUDA, or CPU tensors");
+  return recipe;
+}
 
 // Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked;
 // kqk, kv: the head dims of the kernel that runs it (kernel_head_dims: D, Dv
@@ -425,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling) {
-  check_bwd_scaling(scaling);
+  const Scaling recipe = check_bwd_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);
@@ -474,18 +497,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   // Quantized operands (kernel_params_sm90.h). V's column blocking feeds only
   // the forward's matmul #2, so the backward does not build it.
-  auto [q_row, q_row_s] = alloc_row(q);
-  auto [k_row, k_row_s] = alloc_row(k);
-  auto [v_row, v_row_s] = alloc_row(v);
-  auto [do_row, do_row_s] = alloc_row(dout);
-  auto [q_colT, q_col_s] = alloc_col(q);
-  auto [k_colT, k_col_s] = alloc_col(k);
-  auto [do_colT, do_col_s] = alloc_col(dout);
+  // `tile` (numerics.md section 9; the layouts of kernel_params_sm90.h for
+  // scaling == 1): Q and dO one scale per token (#3, #4) and per 128-token tile
+  // transposed (#7, #5); K per tile row-major (#3) and transposed (#6), one
+  // scale array for both; V per tile row-major (#4).
+  at::Tensor q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row, do_row_s;
+  at::Tensor q_colT, q_col_s, k_colT, k_col_s, do_colT, do_col_s;
   const at::Tensor none;
-  quantize(q, Fp8Format::kE4M3, q_row, q_row_s, q_colT, q_col_s, q_colT.size(3), stream);
-  quantize(k, Fp8Format::kE4M3, k_row, k_row_s, k_colT, k_col_s, k_colT.size(3), stream);
-  quantize(v, Fp8Format::kE4M3, v_row, v_row_s, none, none, 0, stream);
-  quantize(dout, gfmt, do_row, do_row_s, do_colT, do_col_s, do_colT.size(3), stream);
+  if (recipe == Scaling::kTile) {
+    q_row = alloc_codes(q);
+    q_row_s = alloc_token_scales(q);
+    q_colT = alloc_codesT(q);
+    q_col_s = alloc_tile_scales(q);
+    k_row = alloc_codes(k);
+    k_colT = alloc_codesT(k);
+    k_row_s = alloc_tile_scales(k);
+    k_col_s = k_row_s;  // one K_hat: the same codes and scales for #3 and #6
+    v_row = alloc_codes(v);
+    v_row_s = alloc_tile_scales(v);
+    do_row = alloc_codes(dout);
+    do_row_s = alloc_token_scales(dout);
+    do_colT = alloc_codesT(dout);
+    do_col_s = alloc_tile_scales(dout);
+    quantize_tile(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s, stream);
+    quantize_tile(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s, stream);
+    quantize_tile(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s, stream);
+    quantize_tile(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s, stream);
+  } else {
+    std::tie(q_row, q_row_s) = alloc_row(q);
+    std::tie(k_row, k_row_s) = alloc_row(k);
+    std::tie(v_row, v_row_s) = alloc_row(v);
+    std::tie(do_row, do_row_s) = alloc_row(dout);
+    std::tie(q_colT, q_col_s) = alloc_col(q);
+    std::tie(k_colT, k_col_s) = alloc_col(k);
+    std::tie(do_colT, do_col_s) = alloc_col(dout);
+    quantize(q, Fp8Format::kE4M3, q_row, q_row_s, q_colT, q_col_s, q_colT.size(3), stream);
+    quantize(k, Fp8Format::kE4M3, k_row, k_row_s, k_colT, k_col_s, k_colT.size(3), stream);
+    quantize(v, Fp8Format::kE4M3, v_row, v_row_s, none, none, 0, stream);
+    quantize(dout, gfmt, do_row, do_row_s, do_colT, do_col_s, do_colT.size(3), stream);
+  }
 
   // Workspace.
   at::Tensor delta = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
@@ -497,6 +547,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   set_sizes(kp, pr, softmax_scale, causal);
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
+  kp.scaling = static_cast<int>(recipe);
   set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
   set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
   set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
