@@ -151,30 +151,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   }
   cp_wait<0>();
 
-  // Sum over the 8 lanes g of a warp (its 16 keys), then over the 8 warps.
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
-  float* sRed = sf + L::kRed;
-  if (g == 0) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sRed[warp * kPreQ + 8 * j + 2 * t] = cs[2 * j];
-      sRed[warp * kPreQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kPreQ; i += kPreThreads) {
-    const int q = m0 + q_of_col(i);
-    if (q >= Sq) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sRed[w * kPreQ + i];
-    const int64_t row = bhq * Sq + q;
-    p.delta_dm[row] = s;
-    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
-  }
+  prepass_store_delta<kPreQ, kPreThreads>(cs, sf + L::kRed, warp, lane, m0, Sq, bhq, p);
 }
 
 }  // namespace

@@ -184,7 +184,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         ++hq;
       }
     }
-    cp_wait<0>();
+    // NOTE: wait_all (commit + wait): the copies above were never committed to a
+    // group, so wait_group alone would not cover them; no thread leaves with
+    // copies in flight.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
 

@@ -333,6 +333,44 @@ __device__ __forceinline__ void diag_pre(const float (&x)[NQ / 8][4], float* ws,
     }
 }
 
+// ---- the pre-pass tail -----------------------------------------------------------------
+
+// cs[2j + e]: this thread's sum over its keys of P dP_hat for column 8j + 2t + e
+// of the NQ = 64 query columns (column n is query m0 + q_of_col(n)). Sums over
+// the 8 lanes g of a warp (its 16 keys), then over the 8 warps (sRed: 8 x 64
+// floats of shared memory), and writes delta_dm (and delta for
+// delta_matching) of the queries < Sq. Contains a __syncthreads (NT threads).
+// NOTE: the row wgmma pre-pass has the same tail inline; calling this from it
+// changed its SASS (more spills at d >= 192 under nvcc 13.0), so it keeps its copy.
+template <int NQ, int NT>
+__device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float* sRed, int warp, int lane, int m0, int Sq,
+                                                    int64_t bhq, const KernelParams& p) {
+  static_assert(NQ == 64, "16 sums per thread: 8 n8 tiles of 64 columns");
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sRed[warp * NQ + 8 * j + 2 * t] = cs[2 * j];
+      sRed[warp * NQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NQ; i += NT) {
+    const int q = m0 + q_of_col(i);
+    if (q >= Sq) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += sRed[w * NQ + i];
+    const int64_t row = bhq * Sq + q;
+    p.delta_dm[row] = s;
+    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+  }
+}
+
 }  // namespace ts
 }  // namespace bwd
 }  // namespace sm90
