@@ -90,6 +90,62 @@ struct MainLayout {
   static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
+// What one main-kernel CTA works on (from blockIdx; the kernel's top note).
+// NOTE: the producer computes its own copy after its setmaxnreg (values
+// computed before the split and live in both branches were spilled: the
+// producer holds 24 registers); the consumers' copy is computed before it.
+struct CtaWork {
+  int n_tile, hk, b, slice, cb, wk, wv, Sq, Sk, group, nblk_q, nblk_k, n0, causal_off, m_first, n_iters;
+  int64_t Sq64, Sk64, bhk;
+};
+// blockIdx through a volatile read (kOpaque: the producer's copy, so the
+// compiler cannot merge it with the consumers' and keep it live in both branches).
+template <bool kOpaque>
+__device__ __forceinline__ uint32_t ctaid(int dim) {
+  if constexpr (!kOpaque) return dim == 0 ? blockIdx.x : dim == 1 ? blockIdx.y : blockIdx.z;
+  uint32_t r;
+  if (dim == 0)
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
+  else if (dim == 1)
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(r));
+  else
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(r));
+  return r;
+}
+template <class L, int DQK, int DV, bool kOpaque = false>
+__device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
+  CtaWork w;
+  const uint32_t y = ctaid<kOpaque>(1);
+  w.n_tile = ctaid<kOpaque>(0);
+  w.hk = y / L::kSlices;
+  w.b = ctaid<kOpaque>(2);
+  w.slice = static_cast<int>(y % L::kSlices);
+  w.cb = bwdts::kSliceCols * w.slice;  // output columns: dK / dQ [cb, cb + wk), dV [cb, cb + wv)
+  w.wk = L::kSliced ? max(0, min(L::kWk, DQK - w.cb)) : DQK;
+  w.wv = L::kSliced ? max(0, min(L::kWv, DV - w.cb)) : DV;
+  const SeqLens sl = seq_lens(p, w.b);
+  w.Sq = sl.q;
+  w.Sk = sl.k;
+  // NOTE: zero-extended copies for the 64-bit offsets (both >= 0): a sign
+  // extension's high word was a value live across the loop (spilled).
+  w.Sq64 = static_cast<uint32_t>(w.Sq);
+  w.Sk64 = static_cast<uint32_t>(w.Sk);
+  w.group = p.num_heads_q / p.num_heads_kv;
+  w.nblk_q = (w.Sq + kTile - 1) / kTile;
+  w.nblk_k = (w.Sk + kTile - 1) / kTile;
+  w.n0 = w.n_tile * kTile;
+  w.bhk = static_cast<int64_t>(static_cast<uint32_t>(w.b * p.num_heads_kv + w.hk));
+  // Query tiles that see this key tile: [m_first, nblk_q) of every head of the group.
+  w.causal_off = w.Sk - w.Sq;
+  w.m_first = 0;
+  if (p.causal) {
+    const int q_min = max(0, w.n0 - w.causal_off);  // first query that sees key n0
+    w.m_first = q_min >= w.Sq ? w.nblk_q : q_min / kTile;
+  }
+  w.n_iters = w.group * (w.nblk_q - w.m_first);
+  return w;
+}
+
 template <int DQK, int DV, int FMT>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
   using L = MainLayout<DQK, DV>;
@@ -102,26 +158,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   auto bar_empty = [&](int s) { return bar0 + 8 * (kStages + s); };
   const uint32_t bar_kv = bar0 + 8 * (2 * kStages);
 
-  const int n_tile = blockIdx.x, hk = blockIdx.y / L::kSlices, b = blockIdx.z;
-  const int slice = static_cast<int>(blockIdx.y) % L::kSlices;
-  const int cb = bwdts::kSliceCols * slice;  // this CTA's output columns: dK / dQ [cb, cb + wk), dV [cb, cb + wv)
-  const int wk = L::kSliced ? max(0, min(L::kWk, DQK - cb)) : DQK;
-  const int wv = L::kSliced ? max(0, min(L::kWv, DV - cb)) : DV;
-  const SeqLens sl = seq_lens(p, b);
-  const int Sq = sl.q, Sk = sl.k;
-  const int group = p.num_heads_q / p.num_heads_kv;
-  const int nblk_q = (Sq + kTile - 1) / kTile, nblk_k = (Sk + kTile - 1) / kTile;
-  const int n0 = n_tile * kTile;
-  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
-  // Query tiles that see this key tile: [m_first, nblk_q) of every head of the group.
-  int m_first = 0;
-  const int causal_off = Sk - Sq;
-  if (p.causal) {
-    const int q_min = max(0, n0 - causal_off);  // first query that sees key n0
-    m_first = q_min >= Sq ? nblk_q : q_min / kTile;
-  }
-  const int n_iters = group * (nblk_q - m_first);
-
+  const CtaWork wc = cta_work<L, DQK, DV>(p);  // the consumers' (NOTE at CtaWork)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -136,12 +173,18 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   // ---- producer warpgroup ----------------------------------------------------------
   if (threadIdx.x >= kConsumerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(bwdts::kProducerRegs));
+    const CtaWork w = cta_work<L, DQK, DV, true>(p);
+    const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
+    const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
+    const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+    const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
+    (void)n_tile, (void)slice, (void)nblk_k, (void)causal_off;
     if (n_iters == 0) return;
     constexpr int NT = kProducerThreads;
     const int tid = threadIdx.x - kConsumerThreads;
     // Key side, once.
-    cp_rows<DQK, false, kTile, NT>(smem + L::kK, p.k_row + bhk * Sk * DQK, n0, Sk, tid);
-    cp_rows<DV, false, kTile, NT>(smem + L::kV, p.v_row + bhk * Sk * DV, n0, Sk, tid);
+    cp_rows<DQK, false, kTile, NT>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, tid);
+    cp_rows<DV, false, kTile, NT>(smem + L::kV, p.v_row + bhk * Sk64 * DV, n0, Sk, tid);
 #pragma unroll
     for (int h = 0; h < L::kWk / 64; ++h)
       if (64 * h < wk)
@@ -153,11 +196,11 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       const int st = it % kStages;
       if (it >= kStages) mbar_wait(bar_empty(st), (it / kStages - 1) & 1);
       const int m0 = m_tile * kTile;
-      const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+      const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
       uint8_t* S = smem + L::kStage0 + st * L::kStageBytes;
       float* F = sf + L::kFStage + st * L::kFStageFloats;
-      cp_rows<DQK, true, kTile, NT>(S + L::kSQ, p.q_row + bhq * Sq * DQK, m0, Sq, tid);
-      cp_rows<DV, true, kTile, NT>(S + L::kSDO, p.do_row + bhq * Sq * DV, m0, Sq, tid);
+      cp_rows<DQK, true, kTile, NT>(S + L::kSQ, p.q_row + bhq * Sq64 * DQK, m0, Sq, tid);
+      cp_rows<DV, true, kTile, NT>(S + L::kSDO, p.do_row + bhq * Sq64 * DV, m0, Sq, tid);
 #pragma unroll
       for (int h = 0; h < L::kWk / 64; ++h)
         if (64 * h < wk)
@@ -172,7 +215,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         static_assert(NT == kTile, "one column per producer thread");
         const int r = m0 + q_of_col(tid);
         const bool ok = r < Sq;
-        const int64_t row = bhq * Sq + (ok ? r : 0);
+        const int64_t row = bhq * Sq64 + (ok ? r : 0);
         cp_async4(F + L::kSQs + tid, p.q_row_s + row, ok);
         cp_async4(F + L::kSDOs + tid, p.do_row_s + row, ok);
         cp_async4(F + L::kSLse + tid, p.lse + row, ok);
@@ -193,11 +236,17 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 
   // ---- consumer warpgroups -----------------------------------------------------------
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(bwdts::kConsumerRegs));
+  const CtaWork& w = wc;
+  const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
+  const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
+  const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+  const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
+  (void)hk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wg = warpgroup_uniform();
   const uint32_t d_base = desc_lo(smem);
   const bool diag = p.diag != nullptr && slice == 0;  // the row sums are over keys: one slice adds them
-  const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * Sq;
+  const int64_t n_rows = static_cast<int64_t>(static_cast<uint32_t>(p.batch * p.num_heads_q)) * Sq64;
   uint8_t* sDS = smem + L::kDS;
   float* sAmax = sf + L::kAmax;
   float* sBlk = sf + L::kBlk;
@@ -240,7 +289,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   for (int it = 0; it < n_iters; ++it) {
     const int st = it % kStages;
     const int m0 = m_tile * kTile;
-    const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+    const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
     mbar_wait(bar_full(st), (it / kStages) & 1);
     fence_async_smem();
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
@@ -312,7 +361,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       ds_from_dp(pt, dp, s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
     }
     if (!interior) mask_tile<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
-    if (diag) diag_pre<kTile>(pt, p.rowsum_ws, n_rows, bhq * Sq, m0, Sq, lane);
+    if (diag) diag_pre<kTile>(pt, p.rowsum_ws, n_rows, bhq * Sq64, m0, Sq, lane);
 
     // ---- dS scales: per query over the tile's 128 keys (#6, across both
     // warpgroups) and per 128 x 128 block (#7).
@@ -410,7 +459,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       for (int pass = 0; pass < 2; ++pass) {
         const float mine = acc[pass] * s;
         const float r = mine + __shfl_xor_sync(0xffffffffu, mine, 1);
-        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq + m0 + ql, r);
+        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0 + ql, r);
       }
     }
 
@@ -442,7 +491,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     {
       const int q0 = warp * 16 + g;  // accumulator rows q0, q0 + 8: queries of this warpgroup's 64
       const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
-      float* dq_t = p.dq_accum + (bhq * Sq + m0 + q0) * DQK + cb + 2 * t;
+      float* dq_t = p.dq_accum + (bhq * Sq64 + m0 + q0) * DQK + cb + 2 * t;
 #pragma unroll
       for (int h = 0; h < L::kWk / 64; ++h) {
         if (64 * h >= wk) continue;
@@ -491,7 +540,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         const int c = cb + 64 * h + 8 * jj + 2 * t;
         const float x = __fmul_rn(dk_acc[h][jj][2 * hh], p.softmax_scale);
         const float y = __fmul_rn(dk_acc[h][jj][2 * hh + 1], p.softmax_scale);
-        *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk + key) * DQK + c) = __floats2bfloat162_rn(x, y);
+        *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk64 + key) * DQK + c) = __floats2bfloat162_rn(x, y);
       }
     }
 #pragma unroll
@@ -500,7 +549,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int c = cb + 64 * h + 8 * jj + 2 * t;
-        *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk + key) * DV + c) =
+        *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk64 + key) * DV + c) =
             __floats2bfloat162_rn(dv_acc[h][jj][2 * hh], dv_acc[h][jj][2 * hh + 1]);
       }
     }
