@@ -180,16 +180,16 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
     (void)n_tile, (void)slice, (void)nblk_k, (void)causal_off;
     if (n_iters == 0) return;
-    constexpr int NT = kProducerThreads;
-    const int tid = threadIdx.x - kConsumerThreads;
+    // Warp roles (NOTE at fill_rows): warp 0 K / Q rows, warp 1 V / dO rows,
+    // warp 2 K^T / Q^T columns, warp 3 dO^T columns and the per-query floats.
+    const int tid = threadIdx.x - kConsumerThreads, pw = tid >> 5, pl = tid & 31;
     // Key side, once.
-    cp_rows<DQK, false, kTile, NT>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, tid);
-    cp_rows<DV, false, kTile, NT>(smem + L::kV, p.v_row + bhk * Sk64 * DV, n0, Sk, tid);
-#pragma unroll
-    for (int h = 0; h < L::kWk / 64; ++h)
-      if (64 * h < wk)
-        cp_cols<64, NT>(smem + L::kKc + h * 64 * 128, p.k_colT + (bhk * DQK + cb + 64 * h) * p.seqlen_k_pad,
-                        p.seqlen_k_pad, n0, Sk, tid);
+    if (pw == 0)
+      fill_rows<DQK, false, 32>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, pl);
+    else if (pw == 1)
+      fill_rows<DV, false, 32>(smem + L::kV, p.v_row + bhk * Sk64 * DV, n0, Sk, pl);
+    else if (pw == 2)
+      fill_cols<32>(smem + L::kKc, p.k_colT + (bhk * DQK + cb) * p.seqlen_k_pad, p.seqlen_k_pad, wk, n0, Sk, pl);
     cp_async_mbar_arrive(bar_kv);
     int hq = hk * group, m_tile = m_first;
     for (int it = 0; it < n_iters; ++it) {
@@ -198,28 +198,26 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       const int m0 = m_tile * kTile;
       const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
       uint8_t* S = smem + L::kStage0 + st * L::kStageBytes;
-      float* F = sf + L::kFStage + st * L::kFStageFloats;
-      cp_rows<DQK, true, kTile, NT>(S + L::kSQ, p.q_row + bhq * Sq64 * DQK, m0, Sq, tid);
-      cp_rows<DV, true, kTile, NT>(S + L::kSDO, p.do_row + bhq * Sq64 * DV, m0, Sq, tid);
-#pragma unroll
-      for (int h = 0; h < L::kWk / 64; ++h)
-        if (64 * h < wk)
-          cp_cols<64, NT>(S + L::kSQc + h * 64 * 128, p.q_colT + (bhq * DQK + cb + 64 * h) * p.seqlen_q_pad,
-                          p.seqlen_q_pad, m0, Sq, tid);
-#pragma unroll
-      for (int h = 0; h < L::kWv / 64; ++h)
-        if (64 * h < wv)
-          cp_cols<64, NT>(S + L::kSDOc + h * 64 * 128, p.do_colT + (bhq * DV + cb + 64 * h) * p.seqlen_q_pad,
-                          p.seqlen_q_pad, m0, Sq, tid);
-      {  // per-column floats: column tid is query m0 + q_of_col(tid) (zero past Sq)
-        static_assert(NT == kTile, "one column per producer thread");
-        const int r = m0 + q_of_col(tid);
-        const bool ok = r < Sq;
-        const int64_t row = bhq * Sq64 + (ok ? r : 0);
-        cp_async4(F + L::kSQs + tid, p.q_row_s + row, ok);
-        cp_async4(F + L::kSDOs + tid, p.do_row_s + row, ok);
-        cp_async4(F + L::kSLse + tid, p.lse + row, ok);
-        cp_async4(F + L::kSDelta + tid, p.delta + row, ok);
+      if (pw == 0) {
+        fill_rows<DQK, true, 32>(S + L::kSQ, p.q_row + bhq * Sq64 * DQK, m0, Sq, pl);
+      } else if (pw == 1) {
+        fill_rows<DV, true, 32>(S + L::kSDO, p.do_row + bhq * Sq64 * DV, m0, Sq, pl);
+      } else if (pw == 2) {
+        fill_cols<32>(S + L::kSQc, p.q_colT + (bhq * DQK + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wk, m0, Sq, pl);
+      } else {
+        fill_cols<32>(S + L::kSDOc, p.do_colT + (bhq * DV + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wv, m0, Sq, pl);
+        // Per-column floats: column n is query m0 + q_of_col(n) (zero past Sq).
+        float* F = sf + L::kFStage + st * L::kFStageFloats;
+#pragma unroll 1
+        for (int n = pl; n < kTile; n += 32) {
+          const int r = m0 + q_of_col(n);
+          const bool ok = r < Sq;
+          const int64_t row = bhq * Sq64 + (ok ? r : 0);
+          cp_async4(F + L::kSQs + n, p.q_row_s + row, ok);
+          cp_async4(F + L::kSDOs + n, p.do_row_s + row, ok);
+          cp_async4(F + L::kSLse + n, p.lse + row, ok);
+          cp_async4(F + L::kSDelta + n, p.delta + row, ok);
+        }
       }
       cp_async_mbar_arrive(bar_full(st));
       if (++m_tile == nblk_q) {

@@ -333,6 +333,49 @@ __device__ __forceinline__ void diag_pre(const float (&x)[NQ / 8][4], float* ws,
     }
 }
 
+// ---- producer fills (main kernel; one producer warp per operand) ----------------------
+//
+// NOTE: rolled loops with the row permutation computed per row (the row
+// kernels' fills step rows by multiples of 16 to keep it: not possible with
+// 32 threads), so a producer thread holds one operand's addresses at a time
+// (setmaxnreg leaves it 24 registers).
+
+// Columns [C0, C0 + W) (one head-dim block) of rows [s0, s0 + 128) of a [S][LD]
+// FP8 matrix into a [128][128 B] swizzled tile, row n <- s0 + perm(n)
+// (q_of_col or k_of_row); rows >= S zero-filled. NT threads, tid in [0, NT).
+template <int LD, int C0, int W, bool kQueryOrder, int NT>
+__device__ __forceinline__ void fill_rows_blk(uint8_t* dst, const uint8_t* src, int s0, int S, int tid) {
+  constexpr int kChunks = W / 16;
+  static_assert(kChunks == 4 || kChunks == 8, "64- or 128-channel blocks");
+#pragma unroll 1
+  for (int i = tid; i < kTile * kChunks; i += NT) {
+    const int n = i / kChunks, c = i % kChunks;
+    const int r = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
+    const bool ok = r < S;
+    cp_async16(dst + sw128(n, c), src + C0 + 16 * c + static_cast<int64_t>(ok ? r : 0) * LD, ok);
+  }
+}
+// Every head-dim block of rows [s0, s0 + 128) of a [S][D] FP8 matrix (block b
+// at dst + b * kTileBytes, as cp_rows lays them out).
+template <int D, bool kQueryOrder, int NT>
+__device__ __forceinline__ void fill_rows(uint8_t* dst, const uint8_t* src, int s0, int S, int tid) {
+  fill_rows_blk<D, 0, bw_of<D, 0>(), kQueryOrder, NT>(dst, src, s0, S, tid);
+  if constexpr (nb_of<D>() > 1) fill_rows_blk<D, 128, bw_of<D, 1>(), kQueryOrder, NT>(dst + kTileBytes, src, s0, S, tid);
+}
+// Positions [s0, s0 + 128) of `rows` sequence-contiguous rows (stride ld) into
+// a swizzled tile (tile row = channel). Chunks past S are zero-filled; a
+// partial chunk reads the padding codes (0, kernel_params_sm90.h), as cp_cols.
+template <int NT>
+__device__ __forceinline__ void fill_cols(uint8_t* dst, const uint8_t* src, int64_t ld, int rows, int s0, int S,
+                                          int tid) {
+#pragma unroll 1
+  for (int i = tid; i < rows * 8; i += NT) {
+    const int r = i >> 3, c = i & 7;
+    const bool ok = s0 + 16 * c < S;
+    cp_async16(dst + sw128(r, c), src + r * ld + (ok ? s0 + 16 * c : 0), ok);
+  }
+}
+
 // ---- the pre-pass tail -----------------------------------------------------------------
 
 // cs[2j + e]: this thread's sum over its keys of P dP_hat for column 8j + 2t + e
