@@ -121,8 +121,14 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   w.b = ctaid<kOpaque>(2);
   w.slice = static_cast<int>(y % L::kSlices);
   w.cb = bwdts::kSliceCols * w.slice;  // output columns: dK / dQ [cb, cb + wk), dV [cb, cb + wv)
-  w.wk = L::kSliced ? max(0, min(L::kWk, DQK - w.cb)) : DQK;
-  w.wv = L::kSliced ? max(0, min(L::kWv, DV - w.cb)) : DV;
+  // NOTE: compile-time where every slice is full (d = 256: both 128 wide), so
+  // the sliced kernel's chunk conditions fold away.
+  w.wk = !L::kSliced ? DQK : DQK % bwdts::kSliceCols == 0 && DQK == L::kSlices * bwdts::kSliceCols
+                                 ? L::kWk
+                                 : max(0, min(L::kWk, DQK - w.cb));
+  w.wv = !L::kSliced ? DV : DV % bwdts::kSliceCols == 0 && DV == L::kSlices * bwdts::kSliceCols
+                                ? L::kWv
+                                : max(0, min(L::kWv, DV - w.cb));
   const SeqLens sl = seq_lens(p, w.b);
   w.Sq = sl.q;
   w.Sk = sl.k;
