@@ -32,8 +32,17 @@ namespace {
 using namespace quantdev;
 
 constexpr int kWarps = kQuantThreads / 32;
-constexpr int kLdT = kSeqBlock + 16;  // bytes per channel row of the transposed codes (16-byte aligned rows)
-static_assert(kQuantThreads % 32 == 0 && kLdT % 16 == 0, "whole warps; 16-byte aligned shared rows");
+constexpr int kLdT = kSeqBlock;  // bytes per channel row of the transposed codes
+static_assert(kQuantThreads % 32 == 0 && kLdT == 8 * 16, "whole warps; a channel row = 8 chunks of 16 tokens");
+
+// Byte offset of (channel c, token r) in the shared [channel][token] copy of the
+// tile codes: the 16-token chunks of channel row c are XOR-swizzled by (c / 8) % 8.
+// NOTE: the lanes of a warp write the same token of channels 8 apart; unswizzled
+// (rows of 128 or 144 bytes) those bytes share one bank (16- to 32-way conflicts);
+// swizzled they spread over 8 bank groups (1-, 2-, 4-way at head_dim 64, 128, 256).
+__device__ __forceinline__ int t_offset(int c, int r) {
+  return c * kLdT + ((((r >> 4) ^ (c >> 3)) & 7) << 4) + (r & 15);
+}
 static_assert(kSeqBlock % 16 == 0, "transposed stores are 16-token chunks");
 
 constexpr int pow2_at_least(int x) { return x <= 8 ? 8 : (x <= 16 ? 16 : 32); }
@@ -126,8 +135,8 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
     if (j.tileT != nullptr) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        sT[(v * kQuantVec + e) * kLdT + r] = static_cast<uint8_t>(lo >> (8 * e));
-        sT[(v * kQuantVec + 4 + e) * kLdT + r] = static_cast<uint8_t>(hi >> (8 * e));
+        sT[t_offset(v * kQuantVec + e, r)] = static_cast<uint8_t>(lo >> (8 * e));
+        sT[t_offset(v * kQuantVec + 4 + e, r)] = static_cast<uint8_t>(hi >> (8 * e));
       }
     }
   }
@@ -139,7 +148,7 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
     const int c = idx / kChunks, k16 = idx % kChunks;
     const int tt = t0 + k16 * 16;
     if (tt >= j.seqlen_pad) continue;
-    uint4 word = *reinterpret_cast<const uint4*>(sT + c * kLdT + k16 * 16);
+    uint4 word = *reinterpret_cast<const uint4*>(sT + t_offset(c, k16 * 16));  // 16 tokens of channel c
     if (tt + 16 > j.seqlen) {
       // NOTE: padding tokens get code 0 explicitly (a NaN scale would turn the
       // zero-filled registers into NaN codes).
@@ -154,7 +163,7 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
 }
 
 __global__ void __launch_bounds__(kQuantThreads) quant_tilescale_kernel(const TileQuantJob j, int nblk) {
-  __shared__ __align__(16) uint8_t sT[kMaxHeadDim * kLdT];  // tile codes, [channel][token]
+  __shared__ __align__(16) uint8_t sT[kMaxHeadDim * kLdT];  // tile codes, [channel][token] (t_offset)
   __shared__ uint32_t red[kWarps];
   switch (j.dim) {
     case 64: quant_tile_ts<64>(j, nblk, blockIdx.x, blockIdx.y, sT, red); break;
