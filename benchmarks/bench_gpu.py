@@ -11,6 +11,13 @@ What is measured, per (shape, causal):
     4 * B * H * S * S * d FLOPs, halved for causal; backward 2.5x the forward;
     divided by the median time.
   * fp8attn: the op as called, its FP8 quantization kernels included.
+  * --scaling row,tile adds the `tile` recipe's forward (numerics.md section 9):
+    the op as called (quantization included) and its attention kernel alone (the
+    CUDA time of the fwd_tilescale kernels per call, torch.profiler: compare
+    with cuDNN FP8's graph time, which excludes its quantization too);
+    tile_pingpong in the list also times the pingpong order
+    (FP8ATTN_TILE_PINGPONG=1); a table of its own, ratios to cuDNN BF16 in the
+    same run.
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
     excluded), after a self-check against SDPA BF16: "bad" when the relative
     Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
@@ -131,6 +138,20 @@ def prepass_share(fn, reps=3):
     return pre / total if total > 0 and pre > 0 else None  # NOTE: no pre-pass kernel found: n/a, not 0%
 
 
+def kernel_ms(fn, name, reps=5):
+    """CUDA time (ms) per call of fn spent in kernels whose name contains `name`
+    (torch.profiler over `reps` calls after one warm-up call); None if none ran."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and name in e.key)
+    return us / 1e3 / reps if us > 0 else None
+
+
 def memory_mb(attn, q, k, v, dout):
     """(MiB autograd saves for the backward, peak MiB of one forward + backward above what was
     allocated before) for out = attn(q, k, v) with q, k, v requiring grad. Saved bytes count
@@ -240,6 +261,19 @@ def markdown(rows, info):
                          f"{'n/a' if share is None else f'{100 * share:.0f}%'} | "
                          f"{fmt_t(r.get('fp8_saved_mb'))} | {fmt_t(r.get('sdpa_saved_mb'))} | "
                          f"{fmt_t(r.get('fp8_peak_mb'))} | {fmt_t(r.get('sdpa_peak_mb'))} |")
+    if any(r.get("tile_fwd") is not None for r in rows):
+        lines += ["", "scaling=\"tile\" forward (numerics.md section 9), TFLOP/s (x = ratio to cuDNN BF16 above): "
+                  "op = the op as called (quantization included); kernel = the fwd_tilescale kernel's CUDA "
+                  "time alone (torch.profiler); pingpong = FP8ATTN_TILE_PINGPONG=1 (op as called); O err = "
+                  "||O - O_SDPA|| / ||O_SDPA|| (n/a with --no-accuracy).", "",
+                  TILE_HEAD, "|" + "---|" * (TILE_HEAD.count("|") - 1)]
+        for r in rows:
+            cf = r.get("cudnn_fwd")
+            lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
+                         f"{fmt_t(r.get('fp8_fwd'))}{fmt_r(r.get('fp8_fwd'), cf)} | "
+                         + " | ".join(f"{fmt_t(r.get(n))}{fmt_r(r.get(n), cf)}"
+                                      for n in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong"))
+                         + f" | {fmt_e(r.get('tile_fwd_err'))} |")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -257,6 +291,9 @@ def markdown(rows, info):
                          + " |")
     return "\n".join(lines)
 
+
+TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (op) | tile fwd kernel only | "
+             "tile fwd pingpong (op) | tile O err vs SDPA |")
 
 REPORT_HEAD = ("| B x H x S, d | causal | fp8 fwd / FP8 GEMM ceiling | DM pre-pass share | saved MiB fp8attn | "
                "saved MiB SDPA | peak MiB fp8attn | peak MiB SDPA |")
@@ -284,6 +321,14 @@ def _shapes_arg(text: str) -> list:
     return out
 
 
+def _scalings_arg(text: str) -> tuple:
+    """'row,tile' -> ('row', 'tile') (argparse type)."""
+    out = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not out or any(x not in ("row", "tile", "tile_pingpong") for x in out):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of row,tile,tile_pingpong, got {text!r}")
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench_gpu.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,6 +350,9 @@ def parser() -> argparse.ArgumentParser:
                     help="skip the accuracy table (fp8attn and cuDNN FP8 against SDPA BF16)")
     ap.add_argument("--shapes", default=None, type=_shapes_arg,
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
+    ap.add_argument("--scaling", default="row", type=_scalings_arg,
+                    help="comma-separated recipes: row (always), tile (adds the tile forward table), "
+                         "tile_pingpong (also its pingpong order)")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     return ap
@@ -318,6 +366,8 @@ def new_row(b, h, s, d, causal) -> dict:
     r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
     r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
     r["fp8_fwd"] = r["fp8_fwd_ms"] = r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
+    for name in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong"):
+        r[name] = r[f"{name}_ms"] = None
     for mode in MODES:
         r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
     r["prepass_share"] = r["fp8_saved_mb"] = r["fp8_peak_mb"] = r["sdpa_saved_mb"] = r["sdpa_peak_mb"] = None
@@ -358,6 +408,26 @@ def bench_shape(r, args) -> None:
         finally:
             del os.environ["FP8ATTN_FWD_KERNEL"]
         r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
+    scalings = getattr(args, "scaling", ("row",))
+    if "tile" in scalings or "tile_pingpong" in scalings:
+        # NOTE: FP8ATTN_TILE_FWD=1 enables the CUDA tile forward (docs/architecture.md)
+        os.environ["FP8ATTN_TILE_FWD"] = os.environ.get("FP8ATTN_TILE_FWD") or "1"
+
+        def tile_fwd():
+            return OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
+        t_ms = time_ms(tile_fwd, args.warmup, args.iters)
+        r["tile_fwd"], r["tile_fwd_ms"] = tflops(fwd_flops, t_ms), t_ms
+        k_ms = kernel_ms(tile_fwd, "fwd_tilescale")
+        r["tile_fwd_kernel"], r["tile_fwd_kernel_ms"] = tflops(fwd_flops, k_ms), k_ms
+        if "tile_pingpong" in scalings:
+            os.environ["FP8ATTN_TILE_PINGPONG"] = "1"  # read by run_fwd_tile on every call
+            try:
+                p_ms = time_ms(tile_fwd, args.warmup, args.iters)
+            finally:
+                del os.environ["FP8ATTN_TILE_PINGPONG"]
+            r["tile_fwd_pingpong"], r["tile_fwd_pingpong_ms"] = tflops(fwd_flops, p_ms), p_ms
+        if ref is not None:
+            r["tile_fwd_err"] = cudnn_fp8.rel_fro(tile_fwd()[0], ref.o)
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
     for mode in MODES:
         if args.no_bwd:

@@ -44,7 +44,7 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="${DEVICE_TESTS:-tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_wgmma_accum.py tests/python/test_tile.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same}"
+tests="${DEVICE_TESTS:-tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_wgmma_accum.py tests/python/test_tile.py tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same}"
 # DEVICE_SLOW=1: also the launch / size limit tests (batch x heads >= 65536, 1M tokens,
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"
@@ -86,6 +86,30 @@ for sched, b, sq in (("", 2, 1100), ("wgmma_pingpong", 1, 500), ("wgmma_serial3"
             v = torch.randn(b, 2, 1000, d, device="cuda", dtype=torch.bfloat16)
             ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128)
 os.environ["FP8ATTN_FWD_KERNEL"] = ""
+# The `tile` forward (quantization + fwd_tilescale kernels): every head_dim, both masks,
+# GQA, ragged, more key tiles than stages; both consumer orders at dv <= 128.
+os.environ["FP8ATTN_TILE_FWD"] = "1"
+for pp in ("0", "1"):
+    os.environ["FP8ATTN_TILE_PINGPONG"] = pp
+    for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
+        for causal in (False, True):
+            q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 2, 650, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(1, 2, 650, dv, device="cuda", dtype=torch.bfloat16)
+            ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
+os.environ.pop("FP8ATTN_TILE_PINGPONG")
+# The `tile` backward (pre-pass + main kernel, FP8ATTN_TILE_BWD=1): every head_dim, both
+# masks, GQA, ragged, more query tiles than ring stages, diagnostics; every delta mode at 128.
+os.environ["FP8ATTN_TILE_BWD"] = "1"
+for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
+    for causal in (False, True):
+        q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 270, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, 2, 270, dv, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(1, 4, 300, dv, device="cuda", dtype=torch.bfloat16)
+        o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
+        for mode in ("stale", "matched_do", "delta_matching") if d == 128 else ("delta_matching",):
+            ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", mode, 128, "e4m3", True, "tile")
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF

@@ -24,6 +24,7 @@
 
 #include "common/env_choice.h"
 #include "hopper/bwd_tile_sm90.cuh"
+#include "hopper/bwd_tilescale_sm90.h"
 #include "hopper/launch_sm90.h"
 
 namespace fp8attn {
@@ -458,7 +459,9 @@ __global__ void bwd_delta_kernel(const KernelParams p) {
   for (int c = lane; c < dv; c += 32) {
     float x;
     if constexpr (kMatched) {
-      x = fp8_decode(p.do_row[row * dv + c], fmt) * p.do_row_s[row * nb + c / dim_block(dv)];
+      // `tile` (numerics.md section 9): one dO scale per row over all of dv.
+      const int64_t si = p.scaling == static_cast<int>(Scaling::kTile) ? row : row * nb + c / dim_block(dv);
+      x = fp8_decode(p.do_row[row * dv + c], fmt) * p.do_row_s[si];
     } else {
       x = __bfloat162float(d[c]);
     }
@@ -562,14 +565,20 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   if (p.seqlen_k == 0)
     throw std::runtime_error("fp8attn: argument 'seqlen_k': the CUDA backward needs seqlen_k >= 1");
 
+  if (p.scaling != static_cast<int>(Scaling::kRow) && p.scaling != static_cast<int>(Scaling::kTile))
+    throw std::runtime_error("fp8attn: argument 'scaling': expected Scaling::kRow (0) or kTile (1), got " +
+                             std::to_string(p.scaling));
   const bool dm = p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching);
+  const bool tile = p.scaling == static_cast<int>(Scaling::kTile);
   const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q;
 
   // 1. delta: Delta-Matching pre-pass (also for eps diagnostics) and/or the row delta.
-  // NOTE: the pre-pass and the main kernel must be the same family (wgmma or
-  // mma.sync): Delta-Matching needs their dP_hat bitwise equal.
-  const bool wg = want_wgmma() && wgmma_supported(p);
-  if (dm || p.diag != nullptr) (wg ? launch_wgmma_prepass : launch_prepass)(p, stream);
+  // NOTE: the pre-pass and the main kernel must be the same family (`tile`
+  // kernels, wgmma or mma.sync): Delta-Matching needs their dP_hat bitwise equal.
+  // `tile` (numerics.md section 9) has its own pair (bwd_tilescale_sm90.h);
+  // FP8ATTN_BWD_KERNEL selects among the `row` kernels only.
+  const bool wg = !tile && want_wgmma() && wgmma_supported(p);
+  if (dm || p.diag != nullptr) (tile ? ts::launch_tilescale_prepass : wg ? launch_wgmma_prepass : launch_prepass)(p, stream);
   if (!dm) {
     const int rows_per_block = 8;
     const dim3 grid(static_cast<unsigned>((n_rows + rows_per_block - 1) / rows_per_block));
@@ -580,7 +589,7 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
     check_launch("bwd delta kernel");
   }
   // 2. main backward: dK, dV, dq_accum (+ row-sum workspace).
-  (wg ? launch_wgmma_main : launch_main)(p, stream);
+  (tile ? ts::launch_tilescale_main : wg ? launch_wgmma_main : launch_main)(p, stream);
   // 3. dQ to BF16.
   const int64_t n_dq = n_rows * p.head_dim_qk;
   bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(

@@ -104,8 +104,8 @@ constexpr int kBlockN = kSeqBlock;                   // keys per tile = one sequ
 constexpr int kThreads = 128 * (1 + kConsumerWGs);
 constexpr int kStages = 2;                           // K/V pipeline depth
 // setmaxnreg budgets (the register file is 64K 32-bit registers per SM; one CTA per SM).
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
 // Head dims the wgmma kernel instantiates (every supported_head_dims pair).
 // NOTE: d_qk >= 192 (two head_dim blocks) runs its own kernel,
 // fwd_wgmma_d2_kernel: O is up to 64x256 FP32 per warpgroup (128 registers),
@@ -152,6 +152,54 @@ static_assert(kBlockN % kD2S1ChunkN == 0 && kD2S1ChunkN % 8 == 0, "S chunks: who
 static_assert(kD2PvN == 64 || kD2PvN == 128, "P V chains: m64n64 or m64n128");
 
 }  // namespace fwdw
+
+// ---- `tile`-recipe forward (fwd_tilescale_e4m3_sm90.cu, mainloop_fwd_tilescale_sm90.cuh) ----
+namespace fwdt {
+
+// One producer warpgroup (warp 0: TMA of Q, K, V^T; warps 1-3: the V^T key
+// permutation of the P fragment, mainloop_fwd_tilescale_sm90.cuh) and
+// kConsumerWGs consumer warpgroups of 64 query rows each.
+constexpr int kConsumerWGs = 2;
+constexpr int kBlockM = 64 * kConsumerWGs;  // query rows per CTA
+constexpr int kBlockN = kSeqBlock;          // keys per tile = the recipe's tile T
+constexpr int kThreads = 128 * (1 + kConsumerWGs);
+constexpr int kStages = 2;                  // K / V^T pipeline depth
+// setmaxnreg budgets (FA3's split at 384 threads): 24 + 2 * 240 = 3 * 168.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+// Q / K rows are stored in chunks of kQKChunk channels (one 128-byte swizzle
+// span); the last chunk of head_dim 192 is 64 channels (64-byte swizzle).
+constexpr int kQKChunk = 128;
+constexpr int qk_chunks(int d) { return (d + kQKChunk - 1) / kQKChunk; }
+constexpr int qk_chunk_width(int d, int c) { return d - c * kQKChunk < kQKChunk ? d - c * kQKChunk : kQKChunk; }
+// The in-warpgroup overlap (QK^T (t + 1) issued before the softmax of t, P V (t)
+// after it) needs O + S (t + 1) + two P fragments in registers: at dv = 256
+// (O = 128 registers) it does not fit 240, so dv = 256 runs the serial order.
+constexpr bool overlap_fits(int dv) { return dv <= 128; }
+// NOTE: a row whose P tile has a block scale below kPFlushScale (its largest
+// P is < 2^-56 of the running max's) adds exactly nothing: its codes are
+// flushed to 0 and O keeps its unit (numerics.md section 9, "Implementations":
+// O is accumulated in units of s_P s_V, and such a unit would overflow FP32).
+constexpr float kPFlushScale = 5.421010862427522e-20f;  // 2^-64
+// Named barrier ids of the pingpong between the two consumer warpgroups.
+constexpr int kBarPingpong = 1;  // ids kBarPingpong + 0 / + 1
+// Default order at dv <= 128 (FP8ATTN_TILE_PINGPONG overrides): the
+// in-warpgroup overlap alone until the pingpong is measured on the device
+// (docs/kernels/fwd_tilescale_e4m3_sm90.md).
+constexpr bool kTilePingpongDefault = false;
+
+static_assert(kBlockN == 128, "P fragment permutation covers 16-key groups of a 128-key tile; V^T rows 128 bytes");
+static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch");
+static_assert(kStages >= 2, "double buffering at least");
+static_assert(kQKChunk == 128 && qk_chunks(192) == 2 && qk_chunk_width(192, 1) == 64 && qk_chunk_width(64, 0) == 64,
+              "Q / K chunks: one 128B (or 64B) swizzle span per row");
+static_assert(kConsumerWGs == 2 && kBarPingpong > 0 && kBarPingpong + 1 < 16, "pingpong pairs two warpgroups");
+
+}  // namespace fwdt
 
 // ---- backward (bwd_*_sm90.cu, bwd_tile_sm90.cuh) -------------------------------
 namespace bwd {
@@ -230,6 +278,51 @@ static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlock
               "dS blocks of #6: whole warps (16 keys) and whole k16 steps, tiling the key tile");
 
 }  // namespace bwd
+
+// ---- `tile`-recipe backward (bwd_*tilescale*_sm90.cu, mainloop_bwd_tilescale_sm90.cuh) ----
+// numerics.md section 9; design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
+namespace bwdts {
+
+constexpr int kTile = kSeqBlock;  // key tile = query tile = the recipe's T (one scale per tile)
+// Main kernel: two consumer warpgroups (warp w of 0..7 owns key rows [16w, 16w + 16)
+// of the key tile, the row kernels' map) and one producer warpgroup (cp.async
+// fills into an mbarrier ring), kThreads in all.
+constexpr int kConsumerWGs = 2;
+constexpr int kConsumerThreads = 128 * kConsumerWGs;
+constexpr int kProducerThreads = 128;
+constexpr int kThreads = kConsumerThreads + kProducerThreads;
+// setmaxnreg budgets: 384 threads launch with 168 registers each (65536 / 384
+// rounded down to 8); the producer gives back all but 24, the consumers take 240.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+// Query-side stages of the ring: 2 at head_dim <= 128, 1 above (shared memory).
+constexpr int stages(int d_qk, int d_v) { return d_qk > 128 || d_v > 128 ? 1 : 2; }
+// Output columns of dK / dQ (and dV) per main-kernel CTA: head_dim > 128 runs in
+// 128-column slices, each recomputing S, P, dP, dS (accumulators stay 64 + 64
+// registers per thread).
+constexpr int kSliceCols = 128;
+constexpr int slices(int d_qk, int d_v) {
+  return d_qk > kSliceCols || d_v > kSliceCols ? ((d_qk > d_v ? d_qk : d_v) + kSliceCols - 1) / kSliceCols : 1;
+}
+// Named barrier of the consumer warpgroups (0 is __syncthreads; the row kernels'
+// ids are private to them).
+constexpr int kBarConsumers = 1;
+// Pre-pass: queries per CTA (both warpgroups see them, each 64 keys of a key tile).
+constexpr int kPreQ = 64;
+constexpr int kPreThreads = 256;
+
+static_assert(kTile == 128, "fragment maps: 8 warps x 16 key rows, one 128-byte swizzle row per 128 codes");
+static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+              "setmaxnreg takes multiples of 8 in [24, 256]");
+static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
+              "setmaxnreg pool: the registers allocated at launch");
+static_assert(kConsumerThreads == 2 * kTile, "one query column per consumer thread in the per-column passes");
+static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
+static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
+              "slices of the instantiated head dims");
+static_assert(kBarConsumers > 0 && kBarConsumers < 16, "hardware named barriers 1..15");
+
+}  // namespace bwdts
 
 }  // namespace sm90
 }  // namespace fp8attn

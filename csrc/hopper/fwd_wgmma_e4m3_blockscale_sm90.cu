@@ -62,81 +62,16 @@
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_softmax_sm90.cuh"
 #include "hopper/launch_sm90.h"
+#include "hopper/pipeline_sm90.cuh"
+#include "hopper/tma_map_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
 namespace {
 
-namespace gmma = cute::SM90::GMMA;
-
-// ---- PTX wrappers -------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "LAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\n"
-      "bra LAB_WAIT;\n"
-      "DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// 3-D TMA tile load global -> shared, completion counted on `bar` (bytes).
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                            int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-
-// 32-bit shared-memory accesses (the d >= 192 producer, which runs at 24
-// registers: no 64-bit generic pointers).
-__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-  uint4 x;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-               : "r"(addr)
-               : "memory");
-  return x;
-}
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 x) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w)
-               : "memory");
-}
-
-// Shared-memory matrix descriptor of a K-major tile whose rows are
-// kRowBytes (= the swizzle span: 128 or 64) long, 8-row groups kRowBytes * 8
-// apart; `addr` may be advanced by 32 bytes per k32 step inside the row.
-template <int kRowBytes>
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr) {
-  static_assert(kRowBytes == 128 || kRowBytes == 64, "128B or 64B swizzle");
-  constexpr uint64_t kLayout = kRowBytes == 128 ? 1 : 2;  // B128 / B64
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32) | (kLayout << 62);
-}
+// NOTE: the PTX wrappers, wgmma descriptors and E4M3 atoms are the `tile`
+// kernels' (pipeline_sm90.cuh), shared.
+using namespace pipe;
 
 // Consumer schedules (template kVariant; FP8ATTN_FWD_KERNEL picks one, see run_fwd_wgmma).
 constexpr int kSerial = 1;    // v1: QK^T, softmax, P V in sequence per warpgroup
@@ -145,40 +80,6 @@ constexpr int kPingpong = 3;  // v3: warpgroups alternate their wgmma phases
 constexpr int kSerial3 = 4;   // v11: v1 with three consumer warpgroups (kBlockM 192)
 // Consumer warpgroups of a schedule.
 constexpr int consumer_wgs(int variant) { return variant == kSerial3 ? fwdw::k3ConsumerWGs : fwdw::kConsumerWGs; }
-
-template <int N>
-struct GmmaAtom;
-template <>
-struct GmmaAtom<32> {  // head_dim block 1 of S at d >= 192 (fwd_wgmma_d2_kernel)
-  using SS = gmma::MMA_64x32x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct GmmaAtom<64> {
-  using SS = gmma::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
-  using RS = gmma::MMA_64x64x32_F32E4M3E4M3_RS_TN<>;
-};
-template <>
-struct GmmaAtom<128> {
-  using SS = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-  using RS = gmma::MMA_64x128x32_F32E4M3E4M3_RS_TN<>;
-};
-
-// d (+)= A * B over one k32 step, m64 x N, FP32 accumulators d[N / 2].
-template <int N, size_t... I>
-__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[N / 2], bool acc,
-                                        std::index_sequence<I...>) {
-  GmmaAtom<N>::SS::fma(da, db, d[I]..., acc ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
-}
-template <int N, size_t... I>
-__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&d)[N / 2], bool acc,
-                                        std::index_sequence<I...>) {
-  GmmaAtom<N>::RS::fma(a[0], a[1], a[2], a[3], db, d[I]..., acc ? gmma::ScaleOut::One : gmma::ScaleOut::Zero);
-}
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
-}
 
 // ---- shapes ------------------------------------------------------------------------
 
@@ -983,42 +884,14 @@ __global__ void __launch_bounds__(fwdw::kThreads, 1)
 
 // ---- host: tensor maps, launch ------------------------------------------------------
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
 [[noreturn]] void fail(const std::string& what) {
   throw std::runtime_error("fp8attn: run_fwd_wgmma: " + what);
 }
 
-EncodeTiledFn encode_tiled() {
-  // NOTE: through the runtime's driver entry point, so the extension does not
-  // link libcuda itself.
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || f == nullptr)
-      fail("cuTensorMapEncodeTiled is not available from the driver");
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
-// 3-D uint8 tensor [d2][d1][d0] (contiguous), box [1][b1][b0]; out-of-range
-// elements of a box read as zero.
+// 3-D uint8 tensor [d2][d1][d0] (contiguous), box [1][b1][b0] (tma_map_sm90.h).
 CUtensorMap make_map(const void* base, uint64_t d0, uint64_t d1, uint64_t d2, uint32_t b0, uint32_t b1,
                      CUtensorMapSwizzle swizzle, const char* what) {
-  CUtensorMap m;
-  const cuuint64_t dims[3] = {d0, d1, d2};
-  const cuuint64_t strides[2] = {d0, d0 * d1};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {b0, b1, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUresult r = encode_tiled()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
-                                    elem, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail(std::string("cuTensorMapEncodeTiled failed for ") + what + " (" + std::to_string(r) + ")");
-  return m;
+  return tma::make_map_u8(base, d0, d1, d2, b0, b1, swizzle, what);
 }
 
 // (b, h) rows of the query and kv side from a chunk's first row to the end:

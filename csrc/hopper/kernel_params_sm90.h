@@ -21,6 +21,12 @@
 // at token 0 of each (batch, head); nblk_k = ceil(Sk / block_size). *_pad is the
 // sequence length rounded up to a multiple of 16 (16-byte rows); padding codes
 // are 0 and are never used. Everything is contiguous in the order written.
+//
+// scaling == 1 (`tile` recipe, numerics.md section 9): the same code arrays,
+// scales one per row or per 128-token tile over all of head_dim:
+//   q_row_s, do_row_s [B, Hq, Sq]; k_row_s, v_row_s, k_col_s, v_col_s
+//   [B, Hkv, nblk_k]; q_col_s, do_col_s [B, Hq, nblk_q] (k_colT / v_colT hold
+//   the same codes as k_row / v_row, transposed; quant_tilescale_e4m3_sm90.h).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +42,7 @@ struct KernelParams {
   bool causal;
   int delta_mode;          // DeltaMode
   int grad_format;         // Fp8Format of dO and dS
+  int scaling;             // Scaling: 0 = `row`, 1 = `tile` (the scale layouts above)
 
   // BF16 inputs/outputs at the op boundary, strided [b, s, h, d] (unit d stride).
   const void *q, *k, *v, *o, *dout;

@@ -121,8 +121,8 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // kernels index (b, h) rows as b * num_heads + h with chunk-local b, h, so the
 // head counts stay the full ones (they are the strides), and p.batch stays
 // the full batch (the [4, B, Hq, Sq] diagnostics planes are B * Hq * Sq
-// apart). Layouts: kernel_params_sm90.h; head_dim_qk / head_dim_v are the
-// kernel's.
+// apart). Layouts: kernel_params_sm90.h (p.scaling picks the scale layouts of
+// the `row` or `tile` recipe); head_dim_qk / head_dim_v are the kernel's.
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;
   KernelParams r = p;
@@ -151,24 +151,27 @@ inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   adv(r.diag, rq * Sq);
   adv(r.rowsum_ws, rq * Sq);
   adv(r.dq_accum, rq * Sq * Dqk);
-  // Row-blocked codes [B, H, S, D] and scales [B, H, S, nblk(D)].
+  // Row-blocked codes [B, H, S, D] and scales [B, H, S, nblk(D)] (`tile`: [B, H, S] per
+  // token for Q / dO, [B, H, nblk_k] per tile for K / V).
+  const bool tile = p.scaling == 1;
   adv(r.q_row, rq * Sq * Dqk);
-  adv(r.q_row_s, rq * Sq * nbd_qk);
+  adv(r.q_row_s, tile ? rq * Sq : rq * Sq * nbd_qk);
   adv(r.do_row, rq * Sq * Dv);
-  adv(r.do_row_s, rq * Sq * nbd_v);
+  adv(r.do_row_s, tile ? rq * Sq : rq * Sq * nbd_v);
   adv(r.k_row, rk * Sk * Dqk);
-  adv(r.k_row_s, rk * Sk * nbd_qk);
+  adv(r.k_row_s, tile ? rk * nbk : rk * Sk * nbd_qk);
   adv(r.v_row, rk * Sk * Dv);
-  adv(r.v_row_s, rk * Sk * nbd_v);
-  // Column-blocked transposed codes [B, H, D, S_pad] and scales [B, H, D, nblk_s].
+  adv(r.v_row_s, tile ? rk * nbk : rk * Sk * nbd_v);
+  // Column-blocked transposed codes [B, H, D, S_pad] and scales [B, H, D, nblk_s]
+  // (`tile`: [B, H, nblk_s], one per tile).
   adv(r.q_colT, rq * Dqk * p.seqlen_q_pad);
-  adv(r.q_col_s, rq * Dqk * nbq);
+  adv(r.q_col_s, tile ? rq * nbq : rq * Dqk * nbq);
   adv(r.do_colT, rq * Dv * p.seqlen_q_pad);
-  adv(r.do_col_s, rq * Dv * nbq);
+  adv(r.do_col_s, tile ? rq * nbq : rq * Dv * nbq);
   adv(r.k_colT, rk * Dqk * p.seqlen_k_pad);
-  adv(r.k_col_s, rk * Dqk * nbk);
+  adv(r.k_col_s, tile ? rk * nbk : rk * Dqk * nbk);
   adv(r.v_colT, rk * Dv * p.seqlen_k_pad);
-  adv(r.v_col_s, rk * Dv * nbk);
+  adv(r.v_col_s, tile ? rk * nbk : rk * Dv * nbk);
   return r;
 }
 

@@ -25,6 +25,11 @@ TORCH_LIBRARY(fp8attn, m) {
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");
   m.def("dequantize_blockwise(Tensor codes, Tensor scales, int dim, int block_size, str fmt) -> Tensor");
+  // The `tile` recipe's operand blockings (numerics.md section 9): dim 3 = one
+  // block per token over all of head_dim, dim 2 = one block per block_size
+  // tokens over all of head_dim; `transposed` selects the CUDA kernel's
+  // sequence-contiguous copy of the dim-2 codes (same values).
+  m.def("quantize_tilescale(Tensor x, int dim, int block_size, str fmt, bool transposed=False) -> (Tensor codes, Tensor scales)");
   // Whether this library holds the sm_90a kernels (fp8attn._lib.HAS_CUDA_KERNELS).
   // NOTE: a CPU-only build also registers CUDA-key kernels (errors, below), so
   // the dispatch table cannot tell the builds apart.
@@ -35,7 +40,8 @@ TORCH_LIBRARY(fp8attn, m) {
 // A CUDA tensor in a CPU-only build: a ValueError saying so and how to rebuild
 // (op_stubs.h), not torch's "Could not run ... 'CUDA' backend".
 TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
-  for (const char* name : {"fwd", "bwd", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"})
+  for (const char* name : {"fwd", "bwd", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
+                           "quantize_tilescale"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_not_built>());
 }
 #endif

@@ -38,7 +38,12 @@
 //
 // Work per call (stream = the current torch CUDA stream of q's device):
 //   fwd: [pad / convert Q, K, V] -> quantize Q (row), K (row), V (column) ->
-//        run_fwd -> [slice / convert O].
+//        run_fwd -> [slice / convert O]. scaling="tile": quantize Q (per row),
+//        K (per tile), V (per tile, transposed) -> run_fwd_tile (numerics.md s.9).
+//        The CUDA backward of "tile" (same quantizations plus Q, dO per tile
+//        transposed, K transposed, V per tile -> run_bwd with scaling = tile)
+//        runs only with FP8ATTN_TILE_BWD=1 (experimental, unvalidated), else
+//        NotImplementedError naming `scaling`.
 //   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
 //        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
 //        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
@@ -52,15 +57,19 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
+#include "common/env_choice.h"
 #include "common/params.h"
 #include "device_check.h"
 #include "op_args.h"
 #include "op_stubs.h"
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
+#include "hopper/fwd_tilescale_e4m3_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/quant_e4m3_blockscale_sm90.h"
+#include "hopper/quant_tilescale_e4m3_sm90.h"
 #if __has_include("hopper/bwd_sm90.h")
 #include "hopper/bwd_sm90.h"
 #endif
@@ -115,11 +124,23 @@ void check_precision(c10::string_view precision) {
                     std::string(precision), "\"");
 }
 
-// numerics.md section 9: only the `row` recipe has CUDA kernels so far; a
-// `tile` call is refused, never served by the row kernels.
-void check_scaling(c10::string_view scaling) {
-  TORCH_CHECK_NOT_IMPLEMENTED(parse_scaling(scaling) == Scaling::kRow,
-                              "fp8attn: argument 'scaling': scaling='tile' has no CUDA kernel yet; use scaling='row'");
+// numerics.md section 9: the `tile` recipe's CUDA kernels are gated until their
+// GPU tests pass (FP8ATTN_TILE_FWD here, FP8ATTN_TILE_BWD below; a refused
+// `tile` backward fails at backward time: autograd's forward runs the tile
+// forward, its backward calls bwd); `tile` is never served by the row kernels.
+// NOTE: FP8ATTN_TILE_FWD (docs/architecture.md, "Environment variables"): the
+// `tile` forward kernels compile and ran the benchmark shapes on the H200
+// (2026-12-02, O within FP8 error of SDPA BF16) but have not passed the GPU
+// test suite yet (tests/python/test_tile_cuda.py), so a `tile` call on CUDA
+// runs them only with FP8ATTN_TILE_FWD=1 and is refused otherwise.
+bool tile_fwd_enabled() {
+  int v = -1;
+  try {
+    v = env_choice("FP8ATTN_TILE_FWD", {"0", "1"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return v == 1;
 }
 
 // numerics.md section 10: the kernels have no fused rotation / smoothing. The
@@ -134,6 +155,30 @@ void check_qk_transform(c10::string_view qk_rotation, bool smooth_k) {
                               "fp8attn.attention (it smooths around the kernels), or pass smooth_k=False");
 }
 
+// NOTE: FP8ATTN_TILE_BWD (docs/architecture.md, "Environment variables"): the
+// `tile` backward kernels (hopper/bwd_tilescale_sm90.h) compile for sm_90a but
+// have NOT run on a GPU yet (tests/python/test_tile_cuda_bwd.py awaits its
+// first device run), so a `tile` backward on CUDA runs them only with
+// FP8ATTN_TILE_BWD=1 and is refused otherwise (never served by the row kernels).
+bool tile_bwd_enabled() {
+  int v = -1;
+  try {
+    v = env_choice("FP8ATTN_TILE_BWD", {"0", "1"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return v == 1;
+}
+
+// The recipe of a backward call: `row`, or `tile` when FP8ATTN_TILE_BWD=1.
+Scaling check_bwd_scaling(c10::string_view scaling) {
+  const Scaling recipe = parse_scaling(scaling);
+  TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kRow || tile_bwd_enabled(),
+                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is experimental and "
+                              "not yet validated on a GPU; set FP8ATTN_TILE_BWD=1 to run it (tests, benchmarks), "
+                              "or use scaling='row' to train on CUDA, or CPU tensors");
+  return recipe;
+}
 
 // Problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv], checked;
 // kqk, kv: the head dims of the kernel that runs it (kernel_head_dims: D, Dv
@@ -246,6 +291,50 @@ void quantize(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const a
   launch([&] { quantize_bf16_sm90(j, stream); });
 }
 
+// `tile` recipe (numerics.md section 9): quantizes x [B, H, S, D] (BF16,
+// aligned) on `stream` into the TileQuantJob outputs (quant_tilescale_e4m3_sm90.h):
+// per-token codes + scales [B, H, S]; per-128-token-tile codes row-major and /
+// or transposed [B, H, D, S_pad] + scales [B, H, nblk]. Undefined tensors are
+// not produced.
+void quantize_tile(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
+                   const at::Tensor& tile, const at::Tensor& tileT, const at::Tensor& tile_s, cudaStream_t stream) {
+  TileQuantJob j;
+  j.x = x.data_ptr();
+  j.stride_batch = eff_stride(x, 0);
+  j.stride_head = eff_stride(x, 1);
+  j.stride_seq = eff_stride(x, 2);
+  j.batch = static_cast<int>(x.size(0));
+  j.heads = static_cast<int>(x.size(1));
+  j.seqlen = static_cast<int>(x.size(2));
+  j.dim = static_cast<int>(x.size(3));
+  j.fmt = fmt;
+  j.recipe = Scaling::kTile;
+  if (row.defined()) {
+    j.row = row.data_ptr<uint8_t>();
+    j.row_s = row_s.data_ptr<float>();
+  }
+  if (tile.defined()) j.tile = tile.data_ptr<uint8_t>();
+  if (tileT.defined()) {
+    j.tileT = tileT.data_ptr<uint8_t>();
+    j.seqlen_pad = static_cast<int>(tileT.size(3));
+  }
+  if (tile_s.defined()) j.tile_s = tile_s.data_ptr<float>();
+  launch([&] { quantize_tilescale_bf16_sm90(j, stream); });
+}
+
+// `tile` recipe buffers: codes [B,H,S,D]; per-token scales [B,H,S]; transposed
+// codes [B,H,D,S_pad]; per-tile scales [B,H,ceil(S/128)].
+at::Tensor alloc_codes(const at::Tensor& x) { return at::empty(x.sizes(), x.options().dtype(at::kByte)); }
+at::Tensor alloc_token_scales(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), x.size(2)}, x.options().dtype(at::kFloat));
+}
+at::Tensor alloc_codesT(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), x.size(3), round_up(x.size(2), kSeqPad)}, x.options().dtype(at::kByte));
+}
+at::Tensor alloc_tile_scales(const at::Tensor& x) {
+  return at::empty({x.size(0), x.size(1), ceil_div(x.size(2), kSeqBlock)}, x.options().dtype(at::kFloat));
+}
+
 // Row-blocked codes [B,H,S,D] + scales [B,H,S,nblk(D)].
 std::pair<at::Tensor, at::Tensor> alloc_row(const at::Tensor& x) {
   const auto o = x.options();
@@ -293,9 +382,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             double softmax_scale, bool causal, c10::string_view precision,
                                             int64_t block_size, c10::string_view scaling,
                                             c10::string_view qk_rotation, bool smooth_k) {
-  check_scaling(scaling);
+  const Scaling recipe = parse_scaling(scaling);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
+  TORCH_CHECK_NOT_IMPLEMENTED(recipe != Scaling::kTile || tile_fwd_enabled(),
+                              "fp8attn: argument 'scaling': the CUDA forward of scaling='tile' awaits its GPU "
+                              "validation; set FP8ATTN_TILE_FWD=1 to run it (tests, benchmarks), or use scaling='row' "
+                              "or CPU tensors");
   const c10::cuda::CUDAGuard guard(q_in.device());
   at::Tensor lse = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
   if (pr.empty() || pr.seqlen_k == 0) {  // nothing to compute, or no key at all: every row sees no key
@@ -307,6 +400,34 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   // The kernel's O (BF16, the kernel's head_dim_v); the op's out is it unless
   // the head dims are padded or q is float32 (op_output).
   at::Tensor out_k = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kv}, q.options());
+
+  if (recipe == Scaling::kTile) {
+    // numerics.md section 9: Q one scale per row, K and V one per 128-key tile
+    // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h).
+    const at::Tensor none;
+    at::Tensor q_codes = alloc_codes(q), q_s = alloc_token_scales(q);
+    at::Tensor k_codes = alloc_codes(k), k_s = alloc_tile_scales(k);
+    at::Tensor v_codesT = alloc_codesT(v), v_s = alloc_tile_scales(v);
+    quantize_tile(q, Fp8Format::kE4M3, q_codes, q_s, none, none, none, stream);
+    quantize_tile(k, Fp8Format::kE4M3, none, none, k_codes, none, k_s, stream);
+    quantize_tile(v, Fp8Format::kE4M3, none, none, none, v_codesT, v_s, stream);
+    KernelParams kp{};
+    set_sizes(kp, pr, softmax_scale, causal);
+    kp.scaling = static_cast<int>(Scaling::kTile);
+    set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+    set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+    set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+    kp.out = out_k.data_ptr();
+    kp.lse = lse.data_ptr<float>();
+    kp.q_row = q_codes.data_ptr<uint8_t>();
+    kp.q_row_s = q_s.data_ptr<float>();
+    kp.k_row = k_codes.data_ptr<uint8_t>();
+    kp.k_row_s = k_s.data_ptr<float>();
+    kp.v_colT = v_codesT.data_ptr<uint8_t>();
+    kp.v_col_s = v_s.data_ptr<float>();
+    launch([&] { run_fwd_tile(kp, stream); });
+    return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
+  }
 
   auto [q_row, q_row_s] = alloc_row(q);
   auto [k_row, k_row_s] = alloc_row(k);
@@ -341,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k) {
-  check_scaling(scaling);
+  const Scaling recipe = check_bwd_scaling(scaling);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
@@ -391,18 +512,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
   // Quantized operands (kernel_params_sm90.h). V's column blocking feeds only
   // the forward's matmul #2, so the backward does not build it.
-  auto [q_row, q_row_s] = alloc_row(q);
-  auto [k_row, k_row_s] = alloc_row(k);
-  auto [v_row, v_row_s] = alloc_row(v);
-  auto [do_row, do_row_s] = alloc_row(dout);
-  auto [q_colT, q_col_s] = alloc_col(q);
-  auto [k_colT, k_col_s] = alloc_col(k);
-  auto [do_colT, do_col_s] = alloc_col(dout);
+  // `tile` (numerics.md section 9; the layouts of kernel_params_sm90.h for
+  // scaling == 1): Q and dO one scale per token (#3, #4) and per 128-token tile
+  // transposed (#7, #5); K per tile row-major (#3) and transposed (#6), one
+  // scale array for both; V per tile row-major (#4).
+  at::Tensor q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row, do_row_s;
+  at::Tensor q_colT, q_col_s, k_colT, k_col_s, do_colT, do_col_s;
   const at::Tensor none;
-  quantize(q, Fp8Format::kE4M3, q_row, q_row_s, q_colT, q_col_s, q_colT.size(3), stream);
-  quantize(k, Fp8Format::kE4M3, k_row, k_row_s, k_colT, k_col_s, k_colT.size(3), stream);
-  quantize(v, Fp8Format::kE4M3, v_row, v_row_s, none, none, 0, stream);
-  quantize(dout, gfmt, do_row, do_row_s, do_colT, do_col_s, do_colT.size(3), stream);
+  if (recipe == Scaling::kTile) {
+    q_row = alloc_codes(q);
+    q_row_s = alloc_token_scales(q);
+    q_colT = alloc_codesT(q);
+    q_col_s = alloc_tile_scales(q);
+    k_row = alloc_codes(k);
+    k_colT = alloc_codesT(k);
+    k_row_s = alloc_tile_scales(k);
+    k_col_s = k_row_s;  // one K_hat: the same codes and scales for #3 and #6
+    v_row = alloc_codes(v);
+    v_row_s = alloc_tile_scales(v);
+    do_row = alloc_codes(dout);
+    do_row_s = alloc_token_scales(dout);
+    do_colT = alloc_codesT(dout);
+    do_col_s = alloc_tile_scales(dout);
+    quantize_tile(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s, stream);
+    quantize_tile(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s, stream);
+    quantize_tile(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s, stream);
+    quantize_tile(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s, stream);
+  } else {
+    std::tie(q_row, q_row_s) = alloc_row(q);
+    std::tie(k_row, k_row_s) = alloc_row(k);
+    std::tie(v_row, v_row_s) = alloc_row(v);
+    std::tie(do_row, do_row_s) = alloc_row(dout);
+    std::tie(q_colT, q_col_s) = alloc_col(q);
+    std::tie(k_colT, k_col_s) = alloc_col(k);
+    std::tie(do_colT, do_col_s) = alloc_col(dout);
+    quantize(q, Fp8Format::kE4M3, q_row, q_row_s, q_colT, q_col_s, q_colT.size(3), stream);
+    quantize(k, Fp8Format::kE4M3, k_row, k_row_s, k_colT, k_col_s, k_colT.size(3), stream);
+    quantize(v, Fp8Format::kE4M3, v_row, v_row_s, none, none, 0, stream);
+    quantize(dout, gfmt, do_row, do_row_s, do_colT, do_col_s, do_colT.size(3), stream);
+  }
 
   // Workspace.
   at::Tensor delta = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
@@ -414,6 +562,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   set_sizes(kp, pr, softmax_scale, causal);
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
+  kp.scaling = static_cast<int>(recipe);
   set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
   set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
   set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
@@ -490,6 +639,54 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
   return {colT.narrow(3, 0, x.size(2)).transpose(2, 3), col_s.transpose(2, 3)};
 }
 
+// quantize_tilescale on CUDA (checks the `tile` quantization kernel bit for bit
+// against the CPU op): x bfloat16 [B, H, S, D] on CUDA, D in {64, 128, 192,
+// 256}, block_size 128; dim 3 / -1: per-token codes and scales [B, H, S];
+// dim 2 / -2: per-tile codes (row-major, or with `transposed` a transposed
+// view of the kernel's [B, H, D, S_pad] layout) and scales [B, H, nblk]. Same
+// values as the CPU op.
+std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cuda(const at::Tensor& x_in, int64_t dim, int64_t block_size,
+                                                           c10::string_view fmt_s, bool transposed) {
+  TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
+  check_cuda_device(x_in.device());
+  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
+                   "fp8attn: argument 'x': the CUDA quantize_tilescale takes bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': quantize_tilescale takes a rank-4 tensor, got rank ",
+                    x_in.dim());
+  const int64_t d = dim < 0 ? dim + 4 : dim;
+  TORCH_CHECK_VALUE(d == 2 || d == 3, "fp8attn: argument 'dim': quantize_tilescale blocks dim 2 (tiles of tokens) or 3 "
+                    "(per token), or -2 / -1, got ", dim);
+  TORCH_CHECK_VALUE(block_size == kSeqBlock,
+                    "fp8attn: argument 'block_size': the CUDA quantize_tilescale supports 128 only, got ", block_size);
+  const int64_t D = x_in.size(3);
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
+                    "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
+  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) < (int64_t{1} << 31) && x_in.size(2) < (int64_t{1} << 30),
+                    "fp8attn: argument 'x': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ",
+                    x_in.sizes());
+  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(fmt_s), "\"");
+  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = aligned_bf16(x_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const at::Tensor none;
+  if (d == 3) {
+    at::Tensor row = alloc_codes(x), row_s = alloc_token_scales(x);
+    quantize_tile(x, fmt, row, row_s, none, none, none, stream);
+    return {row, row_s};
+  }
+  at::Tensor tile_s = alloc_tile_scales(x);
+  if (!transposed) {
+    at::Tensor tile = alloc_codes(x);
+    quantize_tile(x, fmt, none, none, tile, none, tile_s, stream);
+    return {tile, tile_s};
+  }
+  at::Tensor tileT = alloc_codesT(x);
+  quantize_tile(x, fmt, none, none, none, tileT, tile_s, stream);
+  return {tileT.narrow(3, 0, x.size(2)).transpose(2, 3), tile_s};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -497,6 +694,7 @@ TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("fwd", &fp8attn::fwd_cuda);
   m.impl("bwd", &fp8attn::bwd_cuda);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
+  m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cuda);
   // CPU-only ops: a ValueError naming the argument (op_stubs.h), not torch's "Could not run".
   for (const char* name : {"fp8_encode", "fp8_decode", "dequantize_blockwise"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cpu_only_op>());

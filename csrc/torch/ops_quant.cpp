@@ -4,11 +4,14 @@
 //   fp8_decode(codes, fmt)                               uint8 -> float32
 //   quantize_blockwise(x, dim, block_size, fmt)          -> (codes, scales)
 //   dequantize_blockwise(codes, scales, dim, block_size, fmt) -> float32
+//   quantize_tilescale(x, dim, block_size, fmt, transposed) -> (codes, scales)
+//        the `tile` recipe's blockings (numerics.md section 9)
 // Bad arguments raise ValueError (TORCH_CHECK_VALUE) naming the argument.
 // Inputs of any strides are accepted (made contiguous); outputs are contiguous.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common/error.h"
@@ -142,6 +145,41 @@ at::Tensor dequantize_blockwise_cpu(const at::Tensor& codes_in, const at::Tensor
   return out;
 }
 
+// quantize_tilescale: x rank 4 [B, H, S, D]. dim 3 (-1): one block per token
+// over all of D, scales [B, H, S]; dim 2 (-2): one block per block_size tokens
+// (from token 0, the last one shorter) over all of D, scales [B, H,
+// ceil(S / block_size)]. Codes have x's shape. `transposed` only selects a
+// CUDA output layout (same values): ignored here. Each block is
+// quantize_block (numerics.md section 2) on its values, which is what the CPU
+// reference's `tile` path does on whole blocks.
+std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cpu(const at::Tensor& x_in, int64_t dim, int64_t block_size,
+                                                          c10::string_view fmt_s, bool /*transposed*/) {
+  const Fp8Format fmt = parse_fmt(std::string(fmt_s));
+  const at::Tensor x = float_input(x_in, "x");
+  TORCH_CHECK_VALUE(x.dim() == 4, "fp8attn: argument 'x': quantize_tilescale takes a rank-4 tensor [batch, heads, "
+                    "seqlen, head_dim], got rank ", x.dim());
+  TORCH_CHECK_VALUE(dim == 2 || dim == 3 || dim == -1 || dim == -2,
+                    "fp8attn: argument 'dim': quantize_tilescale blocks dim 2 (tiles of tokens) or 3 (per token), "
+                    "or -2 / -1, got ", dim);
+  TORCH_CHECK_VALUE(block_size == 32 || block_size == 64 || block_size == 128,
+                    "fp8attn: argument 'block_size': expected 32, 64 or 128, got ", block_size);
+  const int64_t d = dim < 0 ? dim + 4 : dim;
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
+  const int64_t rows = d == 3 ? S : num_blocks(S, block_size);  // blocks per (b, h)
+  const int64_t span = d == 3 ? 1 : block_size;                 // tokens per block
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({B, H, rows}, x.options().dtype(at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scales.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t0 = r * span, n = std::min(span, S - t0) * D, off = (bh * S + t0) * D;
+      sp[bh * rows + r] = quantize_block(xp + off, n, 1, fmt, cp + off, nullptr);
+    }
+  return {codes, scales};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -150,4 +188,5 @@ TORCH_LIBRARY_IMPL(fp8attn, CPU, m) {
   m.impl("fp8_decode", &fp8attn::fp8_decode_cpu);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cpu);
   m.impl("dequantize_blockwise", &fp8attn::dequantize_blockwise_cpu);
+  m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cpu);
 }

@@ -9,7 +9,8 @@ Public API:
     FP8Attention                                          nn.Module
     varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, ...)  packed [total, H, D]
     diagnostics.record()                                  backward diagnostics context
-    fp8_encode, fp8_decode, quantize_blockwise, dequantize_blockwise  (fp8attn.quant)
+    fp8_encode, fp8_decode, quantize_blockwise, dequantize_blockwise,
+    quantize_tilescale                                    (fp8attn.quant)
 Math contract: docs/numerics.md.
 """
 from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
@@ -27,7 +28,7 @@ from .ops import (
 from .varlen import varlen_attention  # noqa: F401  (packed variable-length batches)
 
 # NOTE: importing quant also registers the fake kernels and autograd guards of the quantization ops.
-from .quant import dequantize_blockwise, fp8_decode, fp8_encode, quantize_blockwise
+from .quant import dequantize_blockwise, fp8_decode, fp8_encode, quantize_blockwise, quantize_tilescale
 
 __version__ = "0.1.0"
 
@@ -46,4 +47,5 @@ __all__ = [
     "fp8_decode",
     "quantize_blockwise",
     "dequantize_blockwise",
+    "quantize_tilescale",
 ]

@@ -502,8 +502,9 @@ def attention(
         scaling: the FP8 scaling recipe (numerics.md section 9): "row" (default;
             1x128 blocks along each reduction dim, sections 2-3) or "tile" (one
             scale per query row or per tile, folded into per-row coefficients;
-            the same accuracy). "tile" runs on the CPU reference only so far:
-            on CUDA tensors it raises NotImplementedError. Ignored by
+            the same accuracy). On CUDA tensors "tile" has a forward kernel
+            only so far: the forward runs, and a backward through it raises
+            NotImplementedError naming `scaling` (at backward time). Ignored by
             precision="exact".
         qk_rotation: "none" (default) or "hadamard": incoherent processing
             (numerics.md section 10). Q and K are rotated by the same fixed
@@ -539,7 +540,8 @@ def attention(
             a qk_rotation other than "none" / "hadamard"; smooth_k not a bool
             is a TypeError).
             The message names the argument.
-        NotImplementedError: scaling="tile" on CUDA tensors (no kernel yet);
+        NotImplementedError: (in backward) scaling="tile" on CUDA tensors (no
+            backward kernel yet);
             precision "exact" on CUDA tensors (the exact reference runs on CPU
             tensors).
         RuntimeError: (in backward) a backward with create_graph=True while an

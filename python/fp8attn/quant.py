@@ -31,7 +31,8 @@ import torch
 
 from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
 
-__all__ = ["FP8_FORMATS", "FP8_MAX", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["FP8_FORMATS", "FP8_MAX", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
+           "quantize_tilescale"]
 
 #: Accepted ``fmt`` strings.
 FP8_FORMATS = ("e4m3", "e5m2")
@@ -113,6 +114,41 @@ def dequantize_blockwise(
     """
     _check_args("dequantize_blockwise", codes=codes, scales=scales, dim=dim, block_size=block_size, fmt=fmt)
     return torch.ops.fp8attn.dequantize_blockwise(codes, scales, dim, block_size, fmt)
+
+
+def quantize_tilescale(
+    x: torch.Tensor, dim: int = -1, block_size: int = 128, fmt: str = "e4m3", transposed: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 quantization of an attention operand in the ``tile`` recipe's blockings
+    (numerics.md section 9; scale rule and rounding of section 2).
+
+    Args:
+        x: [batch, heads, seqlen, head_dim] float32 (bfloat16 / float16 upcast
+            exactly) on CPU; bfloat16 with head_dim in {64, 128, 192, 256} on CUDA
+            (the ``tile`` quantization kernel).
+        dim: ``-1`` / ``3``: one block per token over all of head_dim (Q and dO
+            for S and dP); ``-2`` / ``2``: one block per ``block_size`` tokens
+            (from token 0, the last one shorter) over all of head_dim (K, V; Q
+            and dO of the column products).
+        block_size: tokens per tile for ``dim=-2``: 32, 64 or 128 (128 only on CUDA).
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+        transposed: CUDA only, ``dim=-2``: return the kernel's sequence-contiguous
+            copy of the codes (as a transposed view of x's shape); same values.
+            Ignored on CPU.
+    Returns:
+        ``(codes, scales)``: ``codes`` uint8 of x's shape; ``scales`` float32
+        ``[batch, heads, seqlen]`` (``dim=-1``) or ``[batch, heads,
+        ceil(seqlen / block_size)]`` (``dim=-2``). A block holding NaN or inf
+        gets a NaN scale and NaN codes. CPU and CUDA give identical bits.
+    Raises:
+        ValueError: bad rank, ``dim``, ``block_size``, ``fmt``, device or head_dim.
+        TypeError: a non-tensor ``x`` or a wrongly typed argument.
+    """
+    _check_args("quantize_tilescale", x=x, dim=dim, block_size=block_size, fmt=fmt)
+    if not isinstance(transposed, bool):
+        raise TypeError(f"fp8attn.quantize_tilescale: argument 'transposed': must be a bool, got "
+                        f"{type(transposed).__name__}")
+    return torch.ops.fp8attn.quantize_tilescale(x, dim, block_size, fmt, transposed)
 
 
 def _check_args(fn: str, **args) -> None:
@@ -201,6 +237,22 @@ def _dequantize_blockwise_fake(codes, scales, dim, block_size, fmt):
     return codes.new_empty(codes.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("fp8attn::quantize_tilescale")
+def _quantize_tilescale_fake(x, dim, block_size, fmt, transposed=False):
+    _check_fmt(fmt)
+    if x.dtype not in _FLOAT_IN:
+        raise ValueError(f"fp8attn: argument 'x': expected dtype float32 (or bfloat16 / float16), got {x.dtype}")
+    if x.dim() != 4:
+        raise ValueError(f"fp8attn: argument 'x': quantize_tilescale takes a rank-4 tensor, got rank {x.dim()}")
+    if dim not in (2, 3, -1, -2):
+        raise ValueError(f"fp8attn: argument 'dim': quantize_tilescale blocks dim 2 or 3 (or -2, -1), got {dim}")
+    if block_size not in _BLOCK_SIZES:
+        raise ValueError(f"fp8attn: argument 'block_size': expected 32, 64 or 128, got {block_size}")
+    B, H, S, _ = x.shape
+    rows = S if dim % 4 == 3 else (S + block_size - 1) // block_size
+    return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty((B, H, rows), dtype=torch.float32)
+
+
 # NOTE: FP8 rounding has zero derivative almost everywhere. Rather than let
 # outputs look differentiable and silently produce no gradient, backward through
 # these ops raises; write a straight-through estimator explicitly if you want one.
@@ -217,5 +269,5 @@ def _no_context(ctx, inputs, output):
     pass
 
 
-for _name in ("fp8_encode", "quantize_blockwise", "dequantize_blockwise"):
+for _name in ("fp8_encode", "quantize_blockwise", "dequantize_blockwise", "quantize_tilescale"):
     torch.library.register_autograd(f"fp8attn::{_name}", _not_differentiable(_name), setup_context=_no_context)

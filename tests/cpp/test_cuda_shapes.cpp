@@ -321,6 +321,39 @@ TEST(AttnChunks, AtChunkPointsEveryOperandAtTheChunksFirstRow) {
 
 int64_t addr_of(const void* ptr) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)); }
 
+// scaling = 1 (`tile`): the scale arrays are one per row ([B, H, S]) or per
+// 128-token tile ([B, H, nblk]) over all of head_dim (kernel_params_sm90.h).
+TEST(AttnChunks, AtChunkTileScaleLayouts) {
+  for (const auto& [dqk, dv] : std::vector<std::pair<int, int>>{{64, 64}, {192, 128}, {256, 256}}) {
+    KernelParams p = problem(5, 12, 3, 300, 200, dqk, dv);
+    p.scaling = 1;
+    const int64_t Hq = 12, Hk = 3, Sq = 300, nbq = 3, nbk = 2, Skp = p.seqlen_k_pad;
+    uint64_t next = uint64_t{1} << 40;
+    auto base = [&] { return next += uint64_t{1} << 36; };
+    float** scales[] = {&p.q_row_s, &p.do_row_s, &p.k_row_s, &p.v_row_s, &p.q_col_s, &p.do_col_s, &p.k_col_s, &p.v_col_s};
+    for (float** s : scales) *s = fake<float>(base());
+    p.k_row = fake<uint8_t>(base());
+    p.v_colT = fake<uint8_t>(base());
+    const AttnChunk c{2, 3, 4, 8, 1, 2};
+    const KernelParams r = at_chunk(p, c);
+    for (int64_t b = 0; b < c.nb; ++b)
+      for (int64_t h = 0; h < c.nhq; ++h) {
+        const int64_t hk = h / 4, gb = c.b0 + b, gh = c.hq0 + h, ghk = c.hk0 + hk;
+        const int64_t lq = b * Hq + h, gq = gb * Hq + gh, lk = b * Hk + hk, gk = gb * Hk + ghk;
+        EXPECT_EQ(addr_of(r.q_row_s + lq * Sq), addr_of(p.q_row_s + gq * Sq));
+        EXPECT_EQ(addr_of(r.do_row_s + lq * Sq), addr_of(p.do_row_s + gq * Sq));
+        EXPECT_EQ(addr_of(r.q_col_s + lq * nbq), addr_of(p.q_col_s + gq * nbq));
+        EXPECT_EQ(addr_of(r.do_col_s + lq * nbq), addr_of(p.do_col_s + gq * nbq));
+        EXPECT_EQ(addr_of(r.k_row_s + lk * nbk), addr_of(p.k_row_s + gk * nbk));
+        EXPECT_EQ(addr_of(r.v_row_s + lk * nbk), addr_of(p.v_row_s + gk * nbk));
+        EXPECT_EQ(addr_of(r.k_col_s + lk * nbk), addr_of(p.k_col_s + gk * nbk));
+        EXPECT_EQ(addr_of(r.v_col_s + lk * nbk), addr_of(p.v_col_s + gk * nbk));
+        EXPECT_EQ(addr_of(r.k_row + lk * 200 * dqk), addr_of(p.k_row + gk * 200 * dqk));  // codes unchanged
+        EXPECT_EQ(addr_of(r.v_colT + lk * dv * Skp), addr_of(p.v_colT + gk * dv * Skp));
+      }
+  }
+}
+
 TEST(AttnChunks, NullPointersStayNull) {
   KernelParams p = problem(70000, 1, 1, 10, 10, 64, 64);  // e.g. the forward: no backward operands
   p.q_row = fake<uint8_t>(uint64_t{1} << 40);

@@ -201,14 +201,28 @@ def test_trainer_scaling_flag_and_config():
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_tile_naming_scaling():
+@pytest.mark.parametrize("knob", [None, "0", ""])
+def test_cuda_tile_backward_refused_naming_scaling(monkeypatch, knob):
+    # The CUDA `tile` forward runs (with FP8ATTN_TILE_FWD=1 until validated;
+    # tests/python/test_tile_cuda.py checks it); the `tile` backward kernels run
+    # only with FP8ATTN_TILE_BWD=1 until validated (tests/python/test_tile_cuda_bwd.py):
+    # unset / 0 / empty, autograd's forward succeeds and the backward raises
+    # NotImplementedError naming `scaling` and the knob, as does the raw bwd op.
     from fp8attn import _lib
     if not torch.cuda.is_available() or not _lib.HAS_CUDA_KERNELS:
         pytest.skip("needs a CUDA GPU and the CUDA kernels")
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+    if knob is None:
+        monkeypatch.delenv("FP8ATTN_TILE_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FP8ATTN_TILE_BWD", knob)
     q, k, v, do = (t.cuda() for t in _inputs(Hq=2, Hkv=2, Sq=128, Sk=128, d=64, dv=64))
-    with pytest.raises(NotImplementedError, match="argument 'scaling': scaling='tile' has no CUDA kernel yet"):
-        fp8attn.attention(q, k, v, causal=True, scaling="tile")
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = fp8attn.attention(qg, kg, vg, causal=True, scaling="tile")
+    assert torch.isfinite(out).all()
+    with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_BWD=1"):
+        out.backward(do)
     s = 1 / 8
-    o, lse = torch.ops.fp8attn.fwd(q, k, v, s, True, "fp8", 128)
+    o, lse = torch.ops.fp8attn.fwd(q, k, v, s, True, "fp8", 128, "tile")
     with pytest.raises(NotImplementedError, match="'scaling'"):
         torch.ops.fp8attn.bwd(do, q, k, v, o, lse, s, True, "fp8", "delta_matching", 128, "e4m3", False, "tile")

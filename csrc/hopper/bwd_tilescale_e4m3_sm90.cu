@@ -1,0 +1,589 @@
+// fp8attn: sm_90a main kernel of the `tile`-recipe FP8 backward (numerics.md
+// sections 3-5 and 9): dK, dV and the dQ partials of one 128-key tile. The
+// pieces of a tile pair (and where each scale is folded in) are in
+// mainloop_bwd_tilescale_sm90.cuh; the Delta-Matching delta comes from
+// bwd_prepass_tilescale_e4m3_sm90.cu; run_bwd (bwd_e4m3_blockscale_sm90.cu)
+// runs pre-pass, row delta, this kernel, the dQ convert and the diagnostics.
+// Design, floor and what is unvalidated: docs/kernels/bwd_tilescale_e4m3_sm90.md.
+//
+// One CTA per (128-key tile, kv head x output slice, batch); it walks the GQA
+// group's query heads and the query tiles that see its keys (tile pairs).
+// Warp specialization (config_sm90.h, bwdts):
+//   * producer warpgroup (threads 256..383, setmaxnreg down to 24): cp.async
+//     fills of the key side once (K, V rows, this slice's K^T columns) and of
+//     each tile pair's query side into an mbarrier ring of kStages stages
+//     (Q, dO rows in q_of_col order; this slice's Q^T, dO^T columns; the
+//     per-query Q / dO row scales, LSE, delta). full[s]: 128 cp.async
+//     arrive-ons; empty[s]: 256 consumer arrivals.
+//   * two consumer warpgroups (threads 0..255, setmaxnreg up to 240), warp w
+//     owning key rows [16w, 16w + 16), per tile pair in lockstep (named
+//     barrier kBarConsumers: the P / dS block amax and the #6 row amax span
+//     both warpgroups' keys):
+//       S^T = K Q^T, P                  (SS m64n64k32 x 2)               #3
+//       P block amax -> P^T E4M3 codes to shared memory (one scale per 128 x 128 block)
+//       dP^T = V dO^T (SS m64n16k32 x 8), dS = P (dP_hat - delta)          #4
+//       dS row amax (128 keys), dS block amax (both warpgroups)
+//       dV += P^T dO                     (SS m64n64k32, accumulator in units of 2^e) #5
+//       dS codes [q][k] in shared memory                                    #6 operand
+//       dS block amax -> dS^T codes; dK += dS^T Q (RS, units of 2^e)        #7
+//       dQ partial = dS K (SS), times s_dS(i) s_K per row -> float2 atomics  #6
+// Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
+// 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "hopper/bwd_tilescale_sm90.h"
+#include "hopper/launch_sm90.h"
+#include "hopper/mainloop_bwd_tilescale_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+namespace bwd {
+namespace ts {
+namespace {
+
+using bwdts::kBarConsumers;
+using bwdts::kConsumerThreads;
+using bwdts::kProducerThreads;
+
+template <int DQK, int DV>
+struct MainLayout {
+  static constexpr int kNbQK = nb_of<DQK>(), kNbV = nb_of<DV>();
+  static constexpr int kSlices = bwdts::slices(DQK, DV);
+  static constexpr bool kSliced = kSlices > 1;
+  static constexpr int kWk = kSliced ? bwdts::kSliceCols : DQK;  // dK / dQ columns per CTA (at most)
+  static constexpr int kWv = kSliced ? bwdts::kSliceCols : DV;   // dV columns per CTA (at most)
+  static constexpr int kStages = bwdts::stages(DQK, DV);
+  // bytes (every tile 1024-aligned)
+  static constexpr int kK = 0;                        // key rows (k_of_row order) [block][128][128 B]
+  static constexpr int kV = kK + kNbQK * kTileBytes;  // value rows
+  static constexpr int kKc = kV + kNbV * kTileBytes;  // K^T [kWk channels][128 keys] (this slice)
+  static constexpr int kDS = kKc + kWk * 128;         // dS codes (#6) [128 queries][128 keys]
+  static constexpr int kPT = kDS + kTileBytes;        // P^T codes (#5 A operand) [128 keys (tile rows)][128 queries]
+  static constexpr int kStage0 = kPT + kTileBytes;    // [kStages] query-side stages:
+  static constexpr int kSQ = 0;                       //   query rows (q_of_col order) [block][128][128 B]
+  static constexpr int kSDO = kSQ + kNbQK * kTileBytes;  // dO rows
+  static constexpr int kSQc = kSDO + kNbV * kTileBytes;  // Q^T [kWk][128 queries]
+  static constexpr int kSDOc = kSQc + kWk * 128;         // dO^T [kWv][128 queries]
+  static constexpr int kStageBytes = kSDOc + kWv * 128;
+  static constexpr int kF = kStage0 + kStages * kStageBytes;
+  // floats from kF
+  static constexpr int kBar = 0;                       // mbarriers (8 bytes): full[s], empty[s], kv_full
+  static constexpr int kNumBars = 2 * kStages + 1;
+  static constexpr int kAmax = kBar + 16;              // [8 warps][128 columns]: #6 row amax per warp
+  static constexpr int kBlk = kAmax + kWarps * kTile;  // [2][8 warps]: P, dS block amax per warp
+  static constexpr int kRowInv = kBlk + 16;            // [128 columns]: 1 / s_dS(q) (#6)
+  static constexpr int kRowSq = kRowInv + kTile;       // [128 queries, natural order]: s_dS(q)
+  static constexpr int kFStage = kRowSq + kTile;       // [kStages] per-stage floats, per column (q_of_col):
+  static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;
+  static constexpr int kFStageFloats = 4 * kTile;
+  static constexpr int kFloats = kFStage + kStages * kFStageFloats;
+  static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
+  static_assert(kNumBars * 2 <= 16, "mbarrier slots");
+  static_assert(kKc % 1024 == 0 && kDS % 1024 == 0 && kPT % 1024 == 0 && kStage0 % 1024 == 0 && kStageBytes % 1024 == 0 &&
+                    kSQc % 1024 == 0 && kSDOc % 1024 == 0,
+                "1024-byte aligned swizzled tiles");
+  static_assert(kWk % 64 == 0 && kWv % 64 == 0, "whole n64 output chunks");
+  static_assert(kBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// What one main-kernel CTA works on (from blockIdx; the kernel's top note).
+// NOTE: the producer computes its own copy after its setmaxnreg (values
+// computed before the split and live in both branches were spilled: the
+// producer holds 24 registers); the consumers' copy is computed before it.
+struct CtaWork {
+  int n_tile, hk, b, slice, cb, wk, wv, Sq, Sk, group, nblk_q, nblk_k, n0, causal_off, m_first, n_iters;
+  int64_t Sq64, Sk64, bhk;
+};
+// blockIdx through a volatile read (kOpaque: the producer's copy, so the
+// compiler cannot merge it with the consumers' and keep it live in both branches).
+template <bool kOpaque>
+__device__ __forceinline__ uint32_t ctaid(int dim) {
+  if constexpr (!kOpaque) return dim == 0 ? blockIdx.x : dim == 1 ? blockIdx.y : blockIdx.z;
+  uint32_t r;
+  if (dim == 0)
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
+  else if (dim == 1)
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(r));
+  else
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(r));
+  return r;
+}
+template <class L, int DQK, int DV, bool kOpaque = false>
+__device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
+  CtaWork w;
+  const uint32_t y = ctaid<kOpaque>(1);
+  w.n_tile = ctaid<kOpaque>(0);
+  w.hk = y / L::kSlices;
+  w.b = ctaid<kOpaque>(2);
+  w.slice = static_cast<int>(y % L::kSlices);
+  w.cb = bwdts::kSliceCols * w.slice;  // output columns: dK / dQ [cb, cb + wk), dV [cb, cb + wv)
+  // NOTE: compile-time where every slice is full (d = 256: both 128 wide), so
+  // the sliced kernel's chunk conditions fold away.
+  w.wk = !L::kSliced ? DQK : DQK % bwdts::kSliceCols == 0 && DQK == L::kSlices * bwdts::kSliceCols
+                                 ? L::kWk
+                                 : max(0, min(L::kWk, DQK - w.cb));
+  w.wv = !L::kSliced ? DV : DV % bwdts::kSliceCols == 0 && DV == L::kSlices * bwdts::kSliceCols
+                                ? L::kWv
+                                : max(0, min(L::kWv, DV - w.cb));
+  const SeqLens sl = seq_lens(p, w.b);
+  w.Sq = sl.q;
+  w.Sk = sl.k;
+  // NOTE: zero-extended copies for the 64-bit offsets (both >= 0): a sign
+  // extension's high word was a value live across the loop (spilled).
+  w.Sq64 = static_cast<uint32_t>(w.Sq);
+  w.Sk64 = static_cast<uint32_t>(w.Sk);
+  w.group = p.num_heads_q / p.num_heads_kv;
+  w.nblk_q = (w.Sq + kTile - 1) / kTile;
+  w.nblk_k = (w.Sk + kTile - 1) / kTile;
+  w.n0 = w.n_tile * kTile;
+  w.bhk = static_cast<int64_t>(static_cast<uint32_t>(w.b * p.num_heads_kv + w.hk));
+  // Query tiles that see this key tile: [m_first, nblk_q) of every head of the group.
+  w.causal_off = w.Sk - w.Sq;
+  w.m_first = 0;
+  if (p.causal) {
+    const int q_min = max(0, w.n0 - w.causal_off);  // first query that sees key n0
+    w.m_first = q_min >= w.Sq ? w.nblk_q : q_min / kTile;
+  }
+  w.n_iters = w.group * (w.nblk_q - w.m_first);
+  return w;
+}
+
+template <int DQK, int DV, int FMT>
+__global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
+  using L = MainLayout<DQK, DV>;
+  constexpr int kStages = L::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_aligned_1024(smem_raw);
+  float* sf = reinterpret_cast<float*>(smem + L::kF);
+  const uint32_t bar0 = smem_u32(sf + L::kBar);
+  auto bar_full = [&](int s) { return bar0 + 8 * s; };
+  auto bar_empty = [&](int s) { return bar0 + 8 * (kStages + s); };
+  const uint32_t bar_kv = bar0 + 8 * (2 * kStages);
+
+  const CtaWork wc = cta_work<L, DQK, DV>(p);  // the consumers' (NOTE at CtaWork)
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full(s), kProducerThreads);
+      mbar_init(bar_empty(s), kConsumerThreads);
+    }
+    mbar_init(bar_kv, kProducerThreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // ---- producer warpgroup ----------------------------------------------------------
+  if (threadIdx.x >= kConsumerThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(bwdts::kProducerRegs));
+    const CtaWork w = cta_work<L, DQK, DV, true>(p);
+    const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
+    const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
+    const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+    const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
+    (void)n_tile, (void)slice, (void)nblk_k, (void)causal_off;
+    if (n_iters == 0) return;
+    // Warp roles (NOTE at fill_rows): warp 0 K / Q rows, warp 1 V / dO rows,
+    // warp 2 K^T / Q^T columns, warp 3 dO^T columns and the per-query floats.
+    const int tid = threadIdx.x - kConsumerThreads, pw = tid >> 5, pl = tid & 31;
+    // Key side, once.
+    if (pw == 0)
+      fill_rows<DQK, false, 32>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, pl);
+    else if (pw == 1)
+      fill_rows<DV, false, 32>(smem + L::kV, p.v_row + bhk * Sk64 * DV, n0, Sk, pl);
+    else if (pw == 2)
+      fill_cols<32>(smem + L::kKc, p.k_colT + (bhk * DQK + cb) * p.seqlen_k_pad, p.seqlen_k_pad, wk, n0, Sk, pl);
+    cp_async_mbar_arrive(bar_kv);
+    int hq = hk * group, m_tile = m_first;
+    for (int it = 0; it < n_iters; ++it) {
+      const int st = it % kStages;
+      if (it >= kStages) mbar_wait(bar_empty(st), (it / kStages - 1) & 1);
+      const int m0 = m_tile * kTile;
+      const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
+      uint8_t* S = smem + L::kStage0 + st * L::kStageBytes;
+      if (pw == 0) {
+        fill_rows<DQK, true, 32>(S + L::kSQ, p.q_row + bhq * Sq64 * DQK, m0, Sq, pl);
+      } else if (pw == 1) {
+        fill_rows<DV, true, 32>(S + L::kSDO, p.do_row + bhq * Sq64 * DV, m0, Sq, pl);
+      } else if (pw == 2) {
+        fill_cols<32>(S + L::kSQc, p.q_colT + (bhq * DQK + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wk, m0, Sq, pl);
+      } else {
+        fill_cols<32>(S + L::kSDOc, p.do_colT + (bhq * DV + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wv, m0, Sq, pl);
+        // Per-column floats: column n is query m0 + q_of_col(n) (zero past Sq).
+        float* F = sf + L::kFStage + st * L::kFStageFloats;
+#pragma unroll 1
+        for (int n = pl; n < kTile; n += 32) {
+          const int r = m0 + q_of_col(n);
+          const bool ok = r < Sq;
+          const int64_t row = bhq * Sq64 + (ok ? r : 0);
+          cp_async4(F + L::kSQs + n, p.q_row_s + row, ok);
+          cp_async4(F + L::kSDOs + n, p.do_row_s + row, ok);
+          cp_async4(F + L::kSLse + n, p.lse + row, ok);
+          cp_async4(F + L::kSDelta + n, p.delta + row, ok);
+        }
+      }
+      cp_async_mbar_arrive(bar_full(st));
+      if (++m_tile == nblk_q) {
+        m_tile = m_first;
+        ++hq;
+      }
+    }
+    // NOTE: wait_all (commit + wait): the copies above were never committed to a
+    // group, so wait_group alone would not cover them; no thread leaves with
+    // copies in flight.
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // ---- consumer warpgroups -----------------------------------------------------------
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(bwdts::kConsumerRegs));
+  const CtaWork& w = wc;
+  const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
+  const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
+  const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+  const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
+  (void)hk;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int wg = warpgroup_uniform();
+  const uint32_t d_base = desc_lo(smem);
+  const bool diag = p.diag != nullptr && slice == 0;  // the row sums are over keys: one slice adds them
+  const int64_t n_rows = static_cast<int64_t>(static_cast<uint32_t>(p.batch * p.num_heads_q)) * Sq64;
+  uint8_t* sDS = smem + L::kDS;
+  float* sAmax = sf + L::kAmax;
+  float* sBlk = sf + L::kBlk;
+  float* sRowInv = sf + L::kRowInv;
+  float* sRowSq = sf + L::kRowSq;
+
+  TileGeom tg;
+  tg.n0 = n0;
+  tg.seqlen_q = Sq;
+  tg.seqlen_k = Sk;
+  tg.causal_off = causal_off;
+  tg.causal = p.causal;
+  tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
+  // K and V: one scale per key tile (#3, #4, #6).
+  const float s_k = p.k_row_s[bhk * nblk_k + n_tile], s_v = p.v_row_s[bhk * nblk_k + n_tile];
+  const float kc = __fmul_rn(s_k, tg.c2);
+
+  // dK, dV accumulators (64-column chunks), in units of 2^ek, 2^ev.
+  float dk_acc[L::kWk / 64][8][4], dv_acc[L::kWv / 64][8][4];
+#pragma unroll
+  for (int h = 0; h < L::kWk / 64; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[h][j][e] = 0.f;
+#pragma unroll
+  for (int h = 0; h < L::kWv / 64; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv_acc[h][j][e] = 0.f;
+  int ek = 0, ev = 0;
+
+  if (n_iters > 0) {
+    mbar_wait(bar_kv, 0);
+    fence_async_smem();  // NOTE (proxy order): cp.async writes -> this thread's wgmma reads, as the row kernel
+  }
+
+  int hq = hk * group, m_tile = m_first;
+  for (int it = 0; it < n_iters; ++it) {
+    const int st = it % kStages;
+    const int m0 = m_tile * kTile;
+    const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
+    mbar_wait(bar_full(st), (it / kStages) & 1);
+    fence_async_smem();
+    const float* F = sf + L::kFStage + st * L::kFStageFloats;
+    // Descriptor bases (NOTE: from an opaque copy of the shared base, made in
+    // every iteration: loop-invariant descriptors hoisted out of the loop
+    // took ~40 registers at head_dim 256 (spills)).
+    const uint32_t base = opaque_u32(d_base);
+    const uint32_t k_lo = base + L::kK / 16 + wg * kDesc64Rows;
+    const uint32_t v_lo = base + L::kV / 16 + wg * kDesc64Rows;
+    const uint32_t kc_lo = base + L::kKc / 16;
+    const uint32_t ds_lo = base + L::kDS / 16 + wg * kDesc64Rows;  // dS rows of this warpgroup's 64 queries
+    const uint32_t st_lo = base + (L::kStage0 + st * L::kStageBytes) / 16;
+    const uint32_t q_lo = st_lo + L::kSQ / 16, do_lo = st_lo + L::kSDO / 16;
+    const uint32_t qc_lo = st_lo + L::kSQc / 16, doc_lo = st_lo + L::kSDOc / 16;
+    // Q (#7) and dO (#5): one scale per query tile.
+    const float s_qc = p.q_col_s[bhq * nblk_q + m_tile], s_doc = p.do_col_s[bhq * nblk_q + m_tile];
+    tg.m0 = m0;
+    const bool interior = tg.interior();
+
+    // ---- S^T and P (#3).
+    float pt[16][4];
+    issue_s<DQK, kTile, kTile>(k_lo, q_lo, pt);
+    wg_wait<0>();
+    p_from_s<kTile>(pt, kc, F + L::kSQs, F + L::kSLse, lane);
+    if (!interior) mask_tile<kTile>(pt, tg, warp, lane);
+
+    // ---- P block scale (#5): amax over the 128 x 128 block (both warpgroups).
+    {
+      const float m = warp_amax(pt);
+      if (lane == 0) sBlk[warp] = m;
+    }
+    named_bar_sync(kBarConsumers, kConsumerThreads);
+    float m_p = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_p = max_nan(m_p, sBlk[w]);
+    const float2 sc_p = fast_scale<kFmtE4M3>(m_p);
+
+    // ---- P^T codes (#5 A operand) into shared memory: row m of the tile is
+    // this thread's accumulator row (16 warp + g, + 8), K = the 128 queries in
+    // natural order (q_of_col), k32 step c / k16 half u at chunk 2c + u, bytes
+    // 4t..4t+3. NOTE: through shared memory (SS wgmma after dS) instead of
+    // registers: P stays live for dS, and register A fragments next to P, dK
+    // and dV spilled. Read by this warpgroup's dV wgmmas after the barrier
+    // below (sc_s); rewritten next pair after its first barrier.
+    {
+      uint8_t* pT = smem + L::kPT;
+      const int r0 = warp * 16 + g;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t a[4];
+        codes_step<kFmtE4M3>(pt, sc_p.y, c, a);
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const int r = r0 + 8 * hr;
+            *reinterpret_cast<uint32_t*>(pT + r * 128 + (((2 * c + u) ^ (r & 7)) << 4) + 4 * t) = a[2 * u + hr];
+          }
+      }
+      fence_async_smem();  // st.shared (generic proxy) -> the dV wgmmas (async proxy)
+    }
+
+    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
+#pragma unroll
+    for (int qc = 0; qc < kTile / kDpN; ++qc) {
+      float dp[kDpN / 8][4];
+      issue_dp<DV, FMT, kTile>(v_lo, do_lo, qc, dp);
+      wg_wait<0>();
+      ds_from_dp(pt, dp, s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
+    }
+    if (!interior) mask_tile<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
+    if (diag) diag_pre<kTile>(pt, p.rowsum_ws, n_rows, bhq * Sq64, m0, Sq, lane);
+
+    // ---- dS scales: per query over the tile's 128 keys (#6, across both
+    // warpgroups) and per 128 x 128 block (#7).
+    {
+      float v[32], m[4];
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) v[2 * j + e] = max_nan(fabsf(pt[j][e]), fabsf(pt[j][e + 2]));
+      reduce_cols(v, m, lane, OpMaxNan());
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
+      float mb = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
+#pragma unroll
+      for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+      if (lane == 0) sBlk[kWarps + warp] = mb;
+    }
+    named_bar_sync(kBarConsumers, kConsumerThreads);
+    if (threadIdx.x < kTile) {
+      const int n = threadIdx.x;  // column n = query m0 + q_of_col(n)
+      float m = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + n]);
+      const float2 sc = fast_scale<FMT>(m);
+      sRowInv[n] = sc.y;
+      sRowSq[q_of_col(n)] = sc.x;
+    }
+    float m_s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m_s = max_nan(m_s, sBlk[kWarps + w]);
+    const float2 sc_s = fast_scale<FMT>(m_s);
+    named_bar_sync(kBarConsumers, kConsumerThreads);
+
+    // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), straight into the accumulator
+    // (SS: P^T codes from shared memory, written before the barrier above).
+    if (wv > 0) {
+      rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
+      const uint32_t pt_lo = base + L::kPT / 16 + wg * kDesc64Rows;
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
+      wg_arrive();
+#pragma unroll
+      for (int h = 0; h < L::kWv / 64; ++h)
+        if (64 * h < wv)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            gmma_ss<kFmtE4M3, FMT, 64>(desc_of(pt_lo + kDescK32 * c),
+                                       desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dv_acc[h][0][0], true);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
+    }
+
+    // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows g,
+    // g + 8 are keys 16 warp + 2g, + 1 (k_of_row): one 16-bit store per column;
+    // column 8j + 2t + e is query 16 (j >> 1) + 4t + c, c = 2 (j & 1) + e, whose
+    // swizzled chunk is warp ^ 4 (t & 1) ^ c (the row kernel's addressing).
+    {
+      uint8_t* ds_base[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) ds_base[c] = sDS + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float iv = e ? inv.y : inv.x;
+          const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
+          *reinterpret_cast<uint16_t*>(ds_base[2 * (j & 1) + e] + 2048 * (j >> 1)) = static_cast<uint16_t>(two);
+        }
+      }
+    }
+    fence_async_smem();  // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
+    named_bar_sync(kBarConsumers, kConsumerThreads);
+
+    // Diagnostics: post-cast row sums of the #6 operand (codes times s_dS(q)),
+    // two threads per query row (64 keys each).
+    if (diag) {
+      const int ql = threadIdx.x >> 1, hf = threadIdx.x & 1;
+      const float s = sRowSq[ql];
+      float acc[2] = {0.f, 0.f};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * hf + u));
+        const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+          for (int hw = 0; hw < 2; ++hw) {
+            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
+            acc[0] += d.x + d.y;
+            acc[1] += fabsf(d.x) + fabsf(d.y);
+          }
+      }
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        const float mine = acc[pass] * s;
+        const float r = mine + __shfl_xor_sync(0xffffffffu, mine, 1);
+        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0 + ql, r);
+      }
+    }
+
+    // ---- dK += s_dS s_Q(qt) dS_hat^T Q_hat (#7), straight into the accumulator.
+    {
+      uint32_t a_s[4][4];
+      codes_block<FMT>(pt, sc_s.y, a_s);
+      rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
+      fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
+      wg_arrive();
+#pragma unroll
+      for (int h = 0; h < L::kWk / 64; ++h)
+        if (64 * h < wk)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_of(qc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dk_acc[h][0][0],
+                                       true);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
+      fence_regs_u(&a_s[0][0], 16);
+    }
+    // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
+    // completed, the per-column floats read): the producer may refill it.
+    mbar_arrive(bar_empty(st));
+
+    // ---- dQ partial (#6): dS_hat K_hat over the tile's 128 keys, per query row
+    // times s_dS(q) s_K, added into dq_accum (FP32; tau at the convert).
+    {
+      const int q0 = warp * 16 + g;  // accumulator rows q0, q0 + 8: queries of this warpgroup's 64
+      const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
+      float* dq_t = p.dq_accum + (bhq * Sq64 + m0 + q0) * DQK + cb + 2 * t;
+#pragma unroll
+      for (int h = 0; h < L::kWk / 64; ++h) {
+        if (64 * h >= wk) continue;
+        float pq[8][4];
+        fence_regs<32>(&pq[0][0]);
+        wg_arrive();
+#pragma unroll
+        for (int k = 0; k < kTile / 32; ++k)
+          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + h * (64 * 128 / 16) + kDescK32 * k),
+                                     &pq[0][0], k > 0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs<32>(&pq[0][0]);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (m0 + q0 + 8 * hh >= Sq) continue;
+          const float f = hh ? f1 : f0;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const float2 v = make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
+            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + 64 * h + 8 * jj), v);
+          }
+        }
+      }
+    }
+    if (++m_tile == nblk_q) {
+      m_tile = m_first;
+      ++hq;
+    }
+  }
+
+  // ---- Epilogue: dK = tau 2^ek acc, dV = 2^ev acc (BF16), keys < seqlen_k.
+  pow2_scale<L::kWk / 2>(&dk_acc[0][0][0], ek);
+  pow2_scale<L::kWv / 2>(&dv_acc[0][0][0], ev);
+  __nv_bfloat16* dk = static_cast<__nv_bfloat16*>(p.dk);
+  __nv_bfloat16* dv = static_cast<__nv_bfloat16*>(p.dv);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = n0 + k_of_row(warp * 16 + g + 8 * hh);
+    if (key >= Sk) continue;
+#pragma unroll
+    for (int h = 0; h < L::kWk / 64; ++h) {
+      if (64 * h >= wk) continue;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = cb + 64 * h + 8 * jj + 2 * t;
+        const float x = __fmul_rn(dk_acc[h][jj][2 * hh], p.softmax_scale);
+        const float y = __fmul_rn(dk_acc[h][jj][2 * hh + 1], p.softmax_scale);
+        *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk64 + key) * DQK + c) = __floats2bfloat162_rn(x, y);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < L::kWv / 64; ++h) {
+      if (64 * h >= wv) continue;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = cb + 64 * h + 8 * jj + 2 * t;
+        *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk64 + key) * DV + c) =
+            __floats2bfloat162_rn(dv_acc[h][jj][2 * hh], dv_acc[h][jj][2 * hh + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
+  dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
+    constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
+    using L = MainLayout<DQK, DV>;
+    auto kernel = bwd_tilescale_main_kernel<DQK, DV, FMT>;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("fp8attn: bwd tile main: cudaFuncSetAttribute failed: ") +
+                               cudaGetErrorString(err));
+    // NOTE: one launch unless batch or num_heads_kv * slices exceed 65535 (launch_sm90.h).
+    launch_attn_chunks(p, (p.seqlen_k + kTile - 1) / kTile, GridHeads::kKv, L::kSlices, "bwd tile main",
+                       [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                         kernel<<<dim3(gx, gy, gz), bwdts::kThreads, L::kBytes, stream>>>(pc);
+                         const cudaError_t e = cudaGetLastError();
+                         if (e != cudaSuccess)
+                           throw std::runtime_error(std::string("fp8attn: bwd tile main launch failed: ") +
+                                                    cudaGetErrorString(e));
+                       });
+  });
+}
+
+}  // namespace ts
+}  // namespace bwd
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,29 @@
+// fp8attn: launchers of the sm_90a `tile`-recipe FP8 backward kernels
+// (numerics.md section 9), called by run_bwd (bwd_sm90.h) when p.scaling is
+// Scaling::kTile. Operand layouts: kernel_params_sm90.h (the `tile` scale
+// shapes). Preconditions: those of run_bwd (bwd_sm90.h); in particular
+// p.block_size == 128 and (head_dim_qk, head_dim_v) in {(64, 64), (128, 128),
+// (192, 128), (256, 256)}. Design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
+// EXPERIMENTAL, not yet validated on a GPU: the op runs them only with
+// FP8ATTN_TILE_BWD=1 (csrc/torch/ops_cuda.cpp).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "hopper/kernel_params_sm90.h"
+
+namespace fp8attn {
+namespace sm90 {
+namespace bwd {
+namespace ts {
+
+// Delta-Matching pre-pass: writes p.delta_dm (and p.delta for delta_matching).
+void launch_tilescale_prepass(const KernelParams& p, cudaStream_t stream);
+// Main backward: dK, dV (BF16, p.dk / p.dv), dQ partials into p.dq_accum
+// (zero-filled before; FP32, without tau), row-sum diagnostics into p.rowsum_ws.
+void launch_tilescale_main(const KernelParams& p, cudaStream_t stream);
+
+}  // namespace ts
+}  // namespace bwd
+}  // namespace sm90
+}  // namespace fp8attn

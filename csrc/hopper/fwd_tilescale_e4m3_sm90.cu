@@ -1,0 +1,140 @@
+// fp8attn: the sm_90a forward of the `tile` scaling recipe, assembled from
+// its parts (../shared/design/kernel-layout.md):
+//   pipeline_sm90.cuh                 mbarriers, TMA, named barriers, wgmma atoms
+//   scheduler_sm90.cuh                work tile of a CTA, sequence lengths
+//   mainloop_fwd_tilescale_sm90.cuh   producer (TMA, V^T permutation) and consumer loops
+//   softmax_tilescale_sm90.cuh        the online softmax with the folded per-row scales
+//   epilogue_fwd_sm90.cuh             O / l -> BF16, LSE
+// This file: the kernel (register split, producer / consumer branch), tensor
+// maps, launch, instantiations. Contract: fwd_tilescale_e4m3_sm90.h; math:
+// numerics.md section 9; notes: docs/kernels/fwd_tilescale_e4m3_sm90.md.
+#include "hopper/fwd_tilescale_e4m3_sm90.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/env_choice.h"
+#include "hopper/config_sm90.h"
+#include "hopper/launch_sm90.h"
+#include "hopper/mainloop_fwd_tilescale_sm90.cuh"
+#include "hopper/tma_map_sm90.h"
+
+namespace fp8attn {
+namespace sm90 {
+namespace {
+
+template <int kD, int kDv, bool kPingpong>
+__global__ void __launch_bounds__(fwdt::kThreads, 1)
+    fwd_tilescale_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q0,
+                         const __grid_constant__ CUtensorMap tm_q1, const __grid_constant__ CUtensorMap tm_k0,
+                         const __grid_constant__ CUtensorMap tm_k1, const __grid_constant__ CUtensorMap tm_v) {
+  using T = FwdTileTraits<kD, kDv>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (pipe::smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sbase = pipe::smem_u32(smem);
+  const uint32_t bar = sbase + T::kOffBar;
+
+  const WorkTile w = tile_of();
+  const SeqInfo si = seq_info(p, w.batch);
+  const int hk = w.head_q / (p.num_heads_q / p.num_heads_kv);
+  const int q0 = w.m_tile * T::kBlockM;
+  const int64_t bhq = static_cast<int64_t>(w.batch) * p.num_heads_q + w.head_q;
+  const int64_t bhk = static_cast<int64_t>(w.batch) * p.num_heads_kv + hk;
+  const int n_tiles = key_tiles_seen(q0, q0 + T::kBlockM, si, p.causal, T::kBlockN);
+
+  if (threadIdx.x == 0) tile_init_bars<T::kStages>(bar);
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    // ================= producer warpgroup =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdt::kProducerRegs));
+    fwd_tile_producer<T>(sbase, bar, q0, n_tiles, static_cast<int>(bhq), static_cast<int>(bhk), &tm_q0, &tm_q1,
+                         &tm_k0, &tm_k1, &tm_v);
+    return;
+  }
+  // ================= consumer warpgroups =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fwdt::kConsumerRegs));
+  fwd_tile_consumer<T, kPingpong>(p, si, sbase, bar, q0, n_tiles, bhq, bhk);
+}
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error("fp8attn: run_fwd_tile: " + what); }
+
+// (b, h) rows of the query / kv side from a chunk's first row to the end: the
+// TMA maps' outermost extent (the kernel's bhq / bhk are chunk-local).
+uint64_t rows_q(const KernelParams& p, const AttnChunk& c) {
+  return static_cast<uint64_t>(p.batch * static_cast<int64_t>(p.num_heads_q) - (c.b0 * p.num_heads_q + c.hq0));
+}
+uint64_t rows_kv(const KernelParams& p, const AttnChunk& c) {
+  return static_cast<uint64_t>(p.batch * static_cast<int64_t>(p.num_heads_kv) - (c.b0 * p.num_heads_kv + c.hk0));
+}
+
+template <int kD, int kDv, bool kPingpong>
+void launch(const KernelParams& p, cudaStream_t stream) {
+  using T = FwdTileTraits<kD, kDv>;
+  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+  if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(
+      p, (p.seqlen_q + T::kBlockM - 1) / T::kBlockM, GridHeads::kQuery, 1, "run_fwd_tile",
+      [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk& c) {
+        using tma::make_map_u8;
+        using tma::swizzle_of;
+        const uint64_t bhq = rows_q(p, c), bhk = rows_kv(p, c);
+        // NOTE: one map per head_dim chunk: a box row must be one swizzle span
+        // (128 bytes; the second chunk of d = 192 is 64). The maps of chunk 1
+        // are unused (a copy of chunk 0's) when there is one chunk.
+        const CUtensorMap tm_q0 =
+            make_map_u8(pc.q_row, kD, p.seqlen_q, bhq, T::kW0, T::kBlockM, swizzle_of(T::kW0), "q_row");
+        const CUtensorMap tm_k0 =
+            make_map_u8(pc.k_row, kD, p.seqlen_k, bhk, T::kW0, T::kBlockN, swizzle_of(T::kW0), "k_row");
+        CUtensorMap tm_q1 = tm_q0, tm_k1 = tm_k0;
+        if (T::kChunks == 2) {
+          tm_q1 = make_map_u8(pc.q_row, kD, p.seqlen_q, bhq, T::kW1, T::kBlockM, swizzle_of(T::kW1), "q_row (chunk 1)");
+          tm_k1 = make_map_u8(pc.k_row, kD, p.seqlen_k, bhk, T::kW1, T::kBlockN, swizzle_of(T::kW1), "k_row (chunk 1)");
+        }
+        const CUtensorMap tm_v =
+            make_map_u8(pc.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
+        kernel<<<dim3(gx, gy, gz), fwdt::kThreads, T::kSmemBytes, stream>>>(pc, tm_q0, tm_q1, tm_k0, tm_k1, tm_v);
+        const cudaError_t e = cudaGetLastError();
+        if (e != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(e));
+      });
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+template <int kD, int kDv>
+void launch_schedule(const KernelParams& p, cudaStream_t stream) {
+  // NOTE: FP8ATTN_TILE_PINGPONG=0|1 picks the order at dv <= 128 (default: the
+  // kernel notes' measured choice, kTilePingpongDefault; a bad value throws
+  // std::invalid_argument, ValueError in Python); dv = 256 is serial.
+  const int pp_env = env_choice("FP8ATTN_TILE_PINGPONG", {"0", "1"});
+  const bool pp = pp_env < 0 ? fwdt::kTilePingpongDefault : pp_env == 1;
+  if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
+    if (pp) return launch<kD, kDv, true>(p, stream);
+  }
+  launch<kD, kDv, false>(p, stream);
+}
+
+}  // namespace
+
+bool fwd_tile_supported(const KernelParams& p) {
+  return p.block_size == kSeqBlock && supported_head_dims(p.head_dim_qk, p.head_dim_v) && aligned16(p.q_row) &&
+         aligned16(p.k_row) && aligned16(p.v_colT) && p.seqlen_k_pad % kSeqPad == 0 && p.scaling == 1 && p.q_row_s != nullptr &&
+         p.k_row_s != nullptr && p.v_col_s != nullptr;
+}
+
+void run_fwd_tile(const KernelParams& p, cudaStream_t stream) {
+  if (!fwd_tile_supported(p)) fail("unsupported configuration (see fwd_tile_supported)");
+  if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;
+  if (p.head_dim_qk == 64) return launch_schedule<64, 64>(p, stream);
+  if (p.head_dim_qk == 128) return launch_schedule<128, 128>(p, stream);
+  if (p.head_dim_qk == 192) return launch_schedule<192, 128>(p, stream);
+  return launch_schedule<256, 256>(p, stream);
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,420 @@
+// fp8attn: the per-tile-pair pieces of the sm_90a `tile`-recipe FP8 backward
+// (numerics.md section 9), shared by its Delta-Matching pre-pass
+// (bwd_prepass_tilescale_e4m3_sm90.cu) and its main kernel
+// (bwd_tilescale_e4m3_sm90.cu). Design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
+//
+// WHERE EACH BLOCK SCALE IS FOLDED IN (the one place to read it):
+//   S   (#3)  one FP32 wgmma sum over all of head_dim; s_Q(i) s_K(kt) tau log2(e)
+//             is the per-column (query) coefficient of the exp2 argument (p_from_s).
+//   dP  (#4)  one FP32 wgmma sum over all of dv; s_dO(i) s_V(kt) is the
+//             per-column coefficient of the dS FMA (dp_scale / ds_from_dp).
+//   dV  (#5)  P^T block-quantized per (qt, kt) (one CTA-wide amax, codes_block);
+//             s_P(qt,kt) s_dO(qt) is ONE scalar per step: the accumulator is kept
+//             in units of 2^e (RunScale) and rescaled only when e changes.
+//   dK  (#7)  dS^T per (qt, kt) block, s_dS(qt,kt) s_Q(qt): as dV.
+//   dQ  (#6)  dS per (row, kt) over the 128 keys of the tile; the FP32 wgmma
+//             partial times s_dS(i,kt) s_K(kt) per row at write-out (main kernel).
+// No scale varies along a reduction dimension, so no partial product is
+// promoted element by element.
+//
+// Fragment conventions are those of the row wgmma backward (wgmma_sm90.cuh):
+// accumulator x[j][e] of this warp = (row 16 warp + g + 8 (e >> 1), column
+// 8j + 2t + (e & 1)), rows are keys via k_of_row, columns queries via q_of_col
+// (the shared-memory Q / dO rows are stored in that order), so the quantized
+// P^T / dS^T registers are the A fragments of natural query order.
+//
+// Bitwise contract with the pre-pass: S^T and dP^T are issued as one
+// m64n64k32 (S^T) / m64n16k32 (dP^T, kDpN) chain per 64 / 16 columns in both kernels (same instruction per element, same k
+// order: head-dim block 0 then 1), and P, dP_hat are formed by the same
+// functions below with explicit roundings (__fmul_rn, fmaf), so P and dP_hat
+// are bitwise equal and the Delta-Matching pre-cast row sums of dS are
+// delta (1 - sum_j P_ij) up to FP32 rounding (numerics.md sections 4, 7).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "hopper/config_sm90.h"
+#include "hopper/kernel_params_sm90.h"
+#include "hopper/wgmma_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+namespace bwd {
+
+// m64n16k32 SS chains for dP^T (the row kernels instantiate n32 / n64 / n128).
+template <>
+struct GmmaOp<kFmtE4M3, kFmtE4M3, 16, false> {
+  using T = GM::MMA_64x16x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct GmmaOp<kFmtE4M3, kFmtE5M2, 16, false> {
+  using T = GM::MMA_64x16x32_F32E4M3E5M2_SS_TN<>;
+};
+
+namespace ts {
+
+// ---- sequence bounds ---------------------------------------------------------------
+//
+// Lengths of batch entry b. NOTE: the one place the kernels learn where a
+// sequence ends; today the dense uniform case (every entry seqlen_q x
+// seqlen_k), the single-launch varlen work feeds it from cu_seqlens (and
+// then also the start offsets; the kernels index (b, h) rows densely today).
+struct SeqLens {
+  int q, k;
+};
+__device__ __forceinline__ SeqLens seq_lens(const KernelParams& p, int /*b*/) { return {p.seqlen_q, p.seqlen_k}; }
+
+// x through a volatile move: values derived from it cannot be hoisted out of
+// the loop that makes the copy (register pressure, see the main kernel).
+__device__ __forceinline__ uint32_t opaque_u32(uint32_t x) {
+  uint32_t r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// ---- S^T and dP^T (#3, #4): one FP32 sum over all of head_dim -------------------------
+
+// Issues chains of NC columns (m64nNCk32) over [col0, col0 + NCOLS) of
+// A (64 rows) x B^T (B rows = columns), every k32 step of every head-dim
+// block of D: one FP32 sum over all of head_dim per element. a_lo: descriptor
+// of the warpgroup's 64 A rows (tile blocks kTileBytes apart); b_lo: of the
+// [QROWS]-row B tile (blocks QROWS * 128 bytes apart).
+template <int D, int NC, int NCOLS, int QROWS, int FA, int FB>
+__device__ __forceinline__ void issue_rows_dot(uint32_t a_lo, uint32_t b_lo, int col0, float* acc) {
+  constexpr int W0 = bw_of<D, 0>();
+  static_assert(W0 % 32 == 0 && NCOLS % NC == 0, "whole k32 steps and chains");
+#pragma unroll
+  for (int h = 0; h < NCOLS / NC; ++h) {
+    const uint32_t b = b_lo + (col0 + NC * h) * (128 / 16);
+#pragma unroll
+    for (int k = 0; k < W0 / 32; ++k)
+      gmma_ss<FA, FB, NC>(desc_of(a_lo + kDescK32 * k), desc_of(b + kDescK32 * k), acc + (NC / 2) * h, k > 0);
+    if constexpr (nb_of<D>() > 1) {
+      constexpr int W1 = bw_of<D, 1>();
+      static_assert(W1 % 32 == 0, "whole k32 steps");
+#pragma unroll
+      for (int k = 0; k < W1 / 32; ++k)
+        gmma_ss<FA, FB, NC>(desc_of(a_lo + kTileBytes / 16 + kDescK32 * k),
+                            desc_of(b + QROWS * 128 / 16 + kDescK32 * k), acc + (NC / 2) * h, true);
+    }
+  }
+}
+// S^T = K Q^T for this warpgroup's 64 key rows x NQ query columns, one
+// m64n64k32 chain per 64 columns (one commit group).
+template <int DQK, int NQ, int QROWS>
+__device__ __forceinline__ void issue_s(uint32_t k_lo, uint32_t q_lo, float (&s)[NQ / 8][4]) {
+  fence_regs<NQ / 2>(&s[0][0]);
+  wg_arrive();
+  issue_rows_dot<DQK, 64, NQ, QROWS, kFmtE4M3, kFmtE4M3>(k_lo, q_lo, 0, &s[0][0]);
+  wg_commit();
+}
+// dP^T = V dO^T for the kDpN columns [kDpN qc, kDpN qc + kDpN) (one
+// m64n{kDpN}k32 chain, one commit group). NOTE: narrow chunks keep dP at
+// kDpN / 2 registers next to P, dK and dV (the main kernel's register peak:
+// wider chunks found no contiguous accumulator block and spilled P).
+constexpr int kDpN = 16;
+template <int DV, int FMT, int QROWS>
+__device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, int qc, float (&dp)[kDpN / 8][4]) {
+  fence_regs<kDpN / 2>(&dp[0][0]);
+  wg_arrive();
+  issue_rows_dot<DV, kDpN, kDpN, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, kDpN * qc, &dp[0][0]);
+  wg_commit();
+}
+
+// P = exp2(acc (s_Q(q) (s_K c2)) - LSE(q) log2(e)) in place (unmasked), columns
+// [0, NQ). kc = __fmul_rn(s_K(kt), c2), c2 = __fmul_rn(tau, log2(e)); sQs / sLse:
+// per column (q_of_col order). NOTE: with power-of-two scales the coefficient
+// is exact, so this is exp2 of the promoted S (numerics.md section 9) times
+// tau log2(e), rounded once by the FMA. A column with LSE = -inf (a row that
+// sees no key) gets P = 0 (its keys are also masked by mask_tile).
+template <int NQ>
+__device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const float* sQs, const float* sLse,
+                                         int lane) {
+  const int t = lane & 3;
+  fence_regs<NQ / 2>(&s[0][0]);
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
+    const float2 l = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
+    const float cx = __fmul_rn(qs.x, kc), cy = __fmul_rn(qs.y, kc);
+    // LSE = -inf (a row that sees no key): exp2(-inf) = 0 for every finite S.
+    const float lx = l.x == -INFINITY ? INFINITY : __fmul_rn(l.x, kLog2e);
+    const float ly = l.y == -INFINITY ? INFINITY : __fmul_rn(l.y, kLog2e);
+    s[j][0] = ex2(fmaf(s[j][0], cx, -lx));
+    s[j][1] = ex2(fmaf(s[j][1], cy, -ly));
+    s[j][2] = ex2(fmaf(s[j][2], cx, -lx));
+    s[j][3] = ex2(fmaf(s[j][3], cy, -ly));
+  }
+}
+
+// dP_hat in place: acc (s_dO(q) s_V(kt)) for the n8 tiles of chunk qc
+// (columns kDpN qc + ...). sDOs per column.
+__device__ __forceinline__ void dp_scale(float (&dp)[kDpN / 8][4], float sv, const float* sDOs, int qc, int lane) {
+  const int t = lane & 3;
+  fence_regs<kDpN / 2>(&dp[0][0]);
+#pragma unroll
+  for (int jj = 0; jj < kDpN / 8; ++jj) {
+    const float2 os = *reinterpret_cast<const float2*>(sDOs + kDpN * qc + 8 * jj + 2 * t);
+    const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
+    dp[jj][0] = __fmul_rn(dp[jj][0], cx);
+    dp[jj][1] = __fmul_rn(dp[jj][1], cy);
+    dp[jj][2] = __fmul_rn(dp[jj][2], cx);
+    dp[jj][3] = __fmul_rn(dp[jj][3], cy);
+  }
+}
+// dS = P (dP_hat - delta) over P in place, for chunk qc: dP_hat - delta as
+// fmaf(acc, s_dO s_V, -delta), the value __fsub_rn(dp_scale's dP_hat, delta)
+// (the coefficient is a power of two: the product is exact).
+__device__ __forceinline__ void ds_from_dp(float (&pt)[16][4], const float (&dp)[kDpN / 8][4], float sv,
+                                           const float* sDOs, const float* sDelta, int qc, int lane) {
+  const int t = lane & 3;
+  fence_regs<kDpN / 2>(const_cast<float*>(&dp[0][0]));
+#pragma unroll
+  for (int jj = 0; jj < kDpN / 8; ++jj) {
+    const int j = (kDpN / 8) * qc + jj;
+    const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
+    const float2 dl = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
+    const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
+    pt[j][0] = __fmul_rn(pt[j][0], fmaf(dp[jj][0], cx, -dl.x));
+    pt[j][1] = __fmul_rn(pt[j][1], fmaf(dp[jj][1], cy, -dl.y));
+    pt[j][2] = __fmul_rn(pt[j][2], fmaf(dp[jj][2], cx, -dl.x));
+    pt[j][3] = __fmul_rn(pt[j][3], fmaf(dp[jj][3], cy, -dl.y));
+  }
+}
+
+// ---- masks of a tile pair that is not interior (TileGeom::interior) ------------------
+//
+// The predicate of TileGeom::visible with per-thread bounds (the row kernel's
+// wg_mask_main, for any NQ and raw LSE): this thread's column 8j + 2t + e is
+// query ql = 4t + C, C = 16 (j >> 1) + 2 (j & 1) + e (q_of_col), so with
+// kl_r = k_of_row(row r), key_r = n0 + kl_r:
+//   visible <=> C < Sq - m0 - 4t && C >= lo_r,
+//   lo_r = key_r - off - m0 - 4t (causal), INT_MIN (not causal), INT_MAX (key_r >= Sk).
+// Applied to P (after p_from_s) and to dS (P = 0 there, but dP_hat may be NaN).
+// NOTE: no LSE read here: a second read of the column LSE next to p_from_s's
+// was merged with it by the compiler and kept 32 values live (spills).
+template <int NQ>
+__device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom& tg, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int qlim = tg.seqlen_q - tg.m0 - 4 * t;
+  int lo[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = tg.n0 + k_of_row(warp * 16 + g + 8 * r);
+    lo[r] = key >= tg.seqlen_k ? 0x7fffffff : (tg.causal ? key - tg.causal_off - tg.m0 - 4 * t : -0x7fffffff - 1);
+  }
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 16 * (j >> 1) + 2 * (j & 1) + e;
+      const bool col = c < qlim;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (!(col && c >= lo[r])) s[j][e + 2 * r] = 0.f;
+    }
+}
+
+// ---- block quantization of P^T (#5) and dS^T (#7): one scale per 128 x 128 block -----
+
+// max.NaN of |x| over this thread's 64 values, then over the warp.
+__device__ __forceinline__ float warp_amax(const float (&x)[16][4]) {
+  float m = 0.f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = max_nan(m, fabsf(x[j][e]));
+#pragma unroll
+  for (int o = 1; o <= 16; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+  return m;
+}
+// The FP8 codes of x * inv as the four k32 A fragments of an RS wgmma (rows g,
+// g + 8 of this warp; K = the 128 query columns in natural order, see q_of_col):
+// a[c][2u] row g, a[c][2u + 1] row g + 8, of k16 step 2c + u.
+// codes_step: the A fragment of k32 step c alone (4 registers).
+template <int F>
+__device__ __forceinline__ void codes_step(const float (&x)[16][4], float inv, int c, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int j = 2 * (2 * c + u);
+    a[2 * u] = cvt2<F>(x[j][0] * inv, x[j][1] * inv) | (cvt2<F>(x[j + 1][0] * inv, x[j + 1][1] * inv) << 16);
+    a[2 * u + 1] = cvt2<F>(x[j][2] * inv, x[j][3] * inv) | (cvt2<F>(x[j + 1][2] * inv, x[j + 1][3] * inv) << 16);
+  }
+}
+template <int F>
+__device__ __forceinline__ void codes_block(const float (&x)[16][4], float inv, uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) codes_step<F>(x, inv, c, a[c]);
+}
+
+// ---- accumulators in units of a running power of two ---------------------------------
+//
+// The true accumulator is acc * 2^e. A step whose scalar factor is 2^ef first
+// rescales acc by 2^(e - ef) (pow2_scale: exact, except at the ends of the
+// FP32 range) and sets e = ef, then adds its FP8 product straight into acc
+// (wgmma, scale-d = 1). With power-of-two factors this is the reference's
+// promoted form acc_true += partial * 2^ef in FP32 (rounding commutes with
+// power-of-two scaling), up to how the wgmma itself sums.
+// A NaN factor leaves e alone: its codes are NaN (0x7F), so acc turns NaN
+// through the wgmma and stays NaN.
+__device__ __forceinline__ int pow2_exp(float s) { return static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127; }
+// 2^n as a float, n in [-126, 127].
+__device__ __forceinline__ float pow2f(int n) { return __uint_as_float(static_cast<uint32_t>(n + 127) << 23); }
+// The factors (f0, f1, f2) with f0 f1 f2 = 2^d (each a normal power of two),
+// for any d (|d| <= 3 * 126: larger shifts saturate to 0 / inf anyway).
+struct Pow2 {
+  float f0, f1, f2;
+};
+__device__ __forceinline__ Pow2 pow2_split(int d) {
+  d = max(-378, min(378, d));
+  const int a = max(-126, min(127, d)), r = d - a;
+  const int b = max(-126, min(127, r)), c = r - b;
+  return {pow2f(a), pow2f(b), pow2f(max(-126, min(127, c)))};
+}
+// x 2^d: one FMUL when d fits one normal power of two (warp-uniform branch),
+// else three (positive d: exact or overflow; negative d: exact until the
+// value goes FP32-subnormal).
+template <int N>
+__device__ __forceinline__ void pow2_scale(float* acc, int d) {
+  const Pow2 f = pow2_split(d);
+  if (d >= -126 && d <= 127) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i] = __fmul_rn(acc[i], f.f0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i] = __fmul_rn(__fmul_rn(__fmul_rn(acc[i], f.f0), f.f1), f.f2);
+  }
+}
+// ef of a step with factor sa * sb (both block scales, powers of two in
+// [2^-126, 2^127], or NaN); false when a factor is not finite.
+__device__ __forceinline__ bool step_exp(float sa, float sb, int& ef) {
+  if (!(isfinite(sa) && isfinite(sb))) return false;
+  ef = pow2_exp(sa) + pow2_exp(sb);
+  return true;
+}
+template <int N>
+__device__ __forceinline__ void rescale_to(float* acc, int& e, float sa, float sb) {
+  int ef;
+  if (!step_exp(sa, sb, ef) || ef == e) return;  // warp-uniform (CTA-wide scales)
+  fence_regs<N>(acc);
+  pow2_scale<N>(acc, e - ef);
+  e = ef;
+}
+
+// ---- diagnostics -----------------------------------------------------------------------
+
+// Pre-cast row sums of dS over this CTA's keys for every query column (sum,
+// then sum of |.|), atomically added into rowsum_ws planes 0 and 1 (numerics.md
+// section 5). Columns c_of(n) -> query m0 + q_of_col(n).
+template <int NQ>
+__device__ __forceinline__ void diag_pre(const float (&x)[NQ / 8][4], float* ws, int64_t n_rows, int64_t row0,
+                                         int m0, int Sq, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+    for (int hf = 0; hf < NQ / 64; ++hf) {
+      float v[16], rs[2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float* y = x[8 * hf + j];
+          v[2 * j + e] = pass == 0 ? y[e] + y[e + 2] : fabsf(y[e]) + fabsf(y[e + 2]);
+        }
+      reduce_cols(v, rs, lane, OpAdd());  // N = 16: one 64-column half, out[e] = column 8g + 2t + e
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = m0 + q_of_col(64 * hf + 8 * g + 2 * t + e);
+        if (q < Sq) atomicAdd(ws + pass * n_rows + row0 + q, rs[e]);
+      }
+    }
+}
+
+// ---- producer fills (main kernel; one producer warp per operand) ----------------------
+//
+// NOTE: rolled loops with the row permutation computed per row (the row
+// kernels' fills step rows by multiples of 16 to keep it: not possible with
+// 32 threads), so a producer thread holds one operand's addresses at a time
+// (setmaxnreg leaves it 24 registers).
+
+// Columns [C0, C0 + W) (one head-dim block) of rows [s0, s0 + 128) of a [S][LD]
+// FP8 matrix into a [128][128 B] swizzled tile, row n <- s0 + perm(n)
+// (q_of_col or k_of_row); rows >= S zero-filled. NT threads, tid in [0, NT).
+template <int LD, int C0, int W, bool kQueryOrder, int NT>
+__device__ __forceinline__ void fill_rows_blk(uint8_t* dst, const uint8_t* src, int s0, int S, int tid) {
+  constexpr int kChunks = W / 16;
+  static_assert(kChunks == 4 || kChunks == 8, "64- or 128-channel blocks");
+#pragma unroll 1
+  for (int i = tid; i < kTile * kChunks; i += NT) {
+    const int n = i / kChunks, c = i % kChunks;
+    const int r = s0 + (kQueryOrder ? q_of_col(n) : k_of_row(n));
+    const bool ok = r < S;
+    cp_async16(dst + sw128(n, c), src + C0 + 16 * c + static_cast<int64_t>(ok ? r : 0) * LD, ok);
+  }
+}
+// Every head-dim block of rows [s0, s0 + 128) of a [S][D] FP8 matrix (block b
+// at dst + b * kTileBytes, as cp_rows lays them out).
+template <int D, bool kQueryOrder, int NT>
+__device__ __forceinline__ void fill_rows(uint8_t* dst, const uint8_t* src, int s0, int S, int tid) {
+  fill_rows_blk<D, 0, bw_of<D, 0>(), kQueryOrder, NT>(dst, src, s0, S, tid);
+  if constexpr (nb_of<D>() > 1) fill_rows_blk<D, 128, bw_of<D, 1>(), kQueryOrder, NT>(dst + kTileBytes, src, s0, S, tid);
+}
+// Positions [s0, s0 + 128) of `rows` sequence-contiguous rows (stride ld) into
+// a swizzled tile (tile row = channel). Chunks past S are zero-filled; a
+// partial chunk reads the padding codes (0, kernel_params_sm90.h), as cp_cols.
+template <int NT>
+__device__ __forceinline__ void fill_cols(uint8_t* dst, const uint8_t* src, int64_t ld, int rows, int s0, int S,
+                                          int tid) {
+#pragma unroll 1
+  for (int i = tid; i < rows * 8; i += NT) {
+    const int r = i >> 3, c = i & 7;
+    const bool ok = s0 + 16 * c < S;
+    cp_async16(dst + sw128(r, c), src + r * ld + (ok ? s0 + 16 * c : 0), ok);
+  }
+}
+
+// ---- the pre-pass tail -----------------------------------------------------------------
+
+// cs[2j + e]: this thread's sum over its keys of P dP_hat for column 8j + 2t + e
+// of the NQ = 64 query columns (column n is query m0 + q_of_col(n)). Sums over
+// the 8 lanes g of a warp (its 16 keys), then over the 8 warps (sRed: 8 x 64
+// floats of shared memory), and writes delta_dm (and delta for
+// delta_matching) of the queries < Sq. Contains a __syncthreads (NT threads).
+// NOTE: the row wgmma pre-pass has the same tail inline; calling this from it
+// changed its SASS (more spills at d >= 192 under nvcc 13.0), so it keeps its copy.
+template <int NQ, int NT>
+__device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float* sRed, int warp, int lane, int m0, int Sq,
+                                                    int64_t bhq, const KernelParams& p) {
+  static_assert(NQ == 64, "16 sums per thread: 8 n8 tiles of 64 columns");
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+  if (g == 0) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      sRed[warp * NQ + 8 * j + 2 * t] = cs[2 * j];
+      sRed[warp * NQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NQ; i += NT) {
+    const int q = m0 + q_of_col(i);
+    if (q >= Sq) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += sRed[w * NQ + i];
+    const int64_t row = bhq * Sq + q;
+    p.delta_dm[row] = s;
+    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+  }
+}
+
+}  // namespace ts
+}  // namespace bwd
+}  // namespace sm90
+}  // namespace fp8attn

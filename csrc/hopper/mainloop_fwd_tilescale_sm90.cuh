@@ -1,0 +1,381 @@
+// fp8attn: producer and consumer loops of the sm_90a `tile` forward
+// (numerics.md section 9, matmuls #1 and #2; the kernel that assembles them:
+// fwd_tilescale_e4m3_sm90.cu; design notes: docs/kernels/fwd_tilescale_e4m3_sm90.md).
+//
+// Shared memory (FwdTileTraits): the Q tile (kBlockM rows, head_dim in
+// chunks of 128 channels, 128B swizzle; a 64-channel chunk 64B), kStages K
+// tiles (same chunking) and kStages V^T tiles (Dv rows of 128 keys, 128B
+// swizzle), mbarriers. Barriers per stage: k_full (TMA bytes), k_empty (every
+// consumer thread), v_raw (TMA bytes), v_full (the 96 permuting threads),
+// v_empty (every consumer thread); q_full once.
+//
+// Producer warpgroup: warp 0 issues the TMA loads (Q once; per key tile K into
+// stage s after k_empty, V^T after v_empty); warps 1-3 permute each V^T tile's
+// keys in place inside every 16-key group so the P codes can stay in the
+// registers the S accumulator gave them (the "P fragment" trick of the `row`
+// kernel, fwd_wgmma_e4m3_blockscale_sm90.cu: A k index 4t + i of a k32 step =
+// key 2t + (i & 1) + 8 (i >> 1)).
+//
+// Consumer warpgroup (64 query rows), per key tile of the rows it sees:
+//   S = Q_hat K_hat^T (wgmma m64n128k32 SS over head_dim), mask, softmax_tile
+//   (softmax_tilescale_sm90.cuh: all scales folded per row), O *= factor,
+//   O += P_hat V_hat (wgmma m64n{Dv}k32 RS straight into the O accumulator).
+// Overlap order (kOverlap, dv <= 128): QK^T (t) and P V (t - 1) are issued
+// together, the softmax of t runs while P V (t - 1) is on the tensor cores,
+// and O is rescaled once P V (t - 1) is done. kPingpong adds the two
+// warpgroups taking turns to issue (named barriers), so one's softmax runs
+// under the other's GEMMs (FA3's schedule).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "hopper/config_sm90.h"
+#include "hopper/kernel_params_sm90.h"
+#include "hopper/pipeline_sm90.cuh"
+#include "hopper/epilogue_fwd_sm90.cuh"
+#include "hopper/scheduler_sm90.cuh"
+#include "hopper/softmax_tilescale_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+
+template <int kD_, int kDv_>
+struct FwdTileTraits {
+  static constexpr int kD = kD_, kDv = kDv_;
+  static constexpr int kBlockM = fwdt::kBlockM, kBlockN = fwdt::kBlockN, kStages = fwdt::kStages;
+  static constexpr int kChunks = fwdt::qk_chunks(kD);
+  static constexpr int kW0 = fwdt::qk_chunk_width(kD, 0);
+  static constexpr int kW1 = kChunks > 1 ? fwdt::qk_chunk_width(kD, 1) : 0;
+  static constexpr int kQChunkBytes = kBlockM * fwdt::kQKChunk;  // chunk c of Q at c * this
+  static constexpr int kKChunkBytes = kBlockN * fwdt::kQKChunk;
+  static constexpr int kQBytes = kBlockM * kD, kKBytes = kBlockN * kD, kVBytes = kDv * kBlockN;
+  static constexpr int kOffQ = 0;
+  static constexpr int kOffK = kOffQ + kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKBytes;
+  static constexpr int kOffBar = kOffV + kStages * kVBytes;  // uint64 [1 + 5 kStages]
+  static constexpr int kSmemBytes = kOffBar + 8 * (1 + 5 * kStages) + 1024;  // + base alignment
+  static constexpr bool kOverlap = fwdt::overlap_fits(kDv);
+
+  static_assert(kChunks <= 2 && (kW0 == 64 || kW0 == 128) && (kW1 == 0 || kW1 == 64 || kW1 == 128),
+                "Q / K rows: one or two swizzle spans");
+  static_assert(kDv == 64 || kDv == 128 || kDv == 256, "P V: m64n{64,128,256}k32");
+  static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0 && kVBytes % 1024 == 0 && kQChunkBytes % 1024 == 0,
+                "swizzled tiles start on 1024-byte boundaries");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
+};
+
+enum TileBar { kTbQFull = 0, kTbKFull = 1, kTbKEmpty = 2, kTbVRaw = 3, kTbVFull = 4, kTbVEmpty = 5 };
+template <int kStages>
+__device__ __forceinline__ uint32_t tile_bar(uint32_t bar, TileBar which, int s) {
+  return which == kTbQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
+}
+// NOTE: every consumer thread arrives on k_empty / v_empty (its own reads of
+// the stage are then ordered before the producer's next writes by one
+// arrive / wait pair, which compute-sanitizer racecheck follows).
+template <int kStages>
+__device__ __forceinline__ void tile_init_bars(uint32_t bar) {
+  using namespace pipe;
+  mbar_init(tile_bar<kStages>(bar, kTbQFull, 0), 1);
+  for (int s = 0; s < kStages; ++s) {
+    mbar_init(tile_bar<kStages>(bar, kTbKFull, s), 1);
+    mbar_init(tile_bar<kStages>(bar, kTbKEmpty, s), 128 * fwdt::kConsumerWGs);
+    mbar_init(tile_bar<kStages>(bar, kTbVRaw, s), 1);
+    mbar_init(tile_bar<kStages>(bar, kTbVFull, s), 96);
+    mbar_init(tile_bar<kStages>(bar, kTbVEmpty, s), 128 * fwdt::kConsumerWGs);
+  }
+  fence_mbar_init();
+}
+
+// ---- producer warpgroup -------------------------------------------------------------
+// Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [0, n_tiles) of head row bhk.
+template <class T>
+__device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int n_tiles, int bhq, int bhk,
+                                                  const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
+                                                  const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
+                                                  const CUtensorMap* tm_v) {
+  using namespace pipe;
+  constexpr int kStages = T::kStages, kBlockN = T::kBlockN;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
+  if (warp == 0) {
+    if (lane != 0) return;
+    const uint32_t q_full = tile_bar<kStages>(bar, kTbQFull, 0);
+    mbar_arrive_tx(q_full, T::kQBytes);
+    tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, bhq);
+    if constexpr (T::kChunks == 2) tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q0, bhq);
+    for (int kt = 0; kt < n_tiles; ++kt) {
+      const int s = kt % kStages;
+      const uint32_t ph = (kt / kStages) & 1;
+      const uint32_t sK = sbase + T::kOffK + s * T::kKBytes;
+      mbar_wait(tile_bar<kStages>(bar, kTbKEmpty, s), ph ^ 1);
+      const uint32_t k_full = tile_bar<kStages>(bar, kTbKFull, s);
+      mbar_arrive_tx(k_full, T::kKBytes);
+      tma_load_3d(sK, tm_k0, k_full, 0, kt * kBlockN, bhk);
+      if constexpr (T::kChunks == 2) tma_load_3d(sK + T::kKChunkBytes, tm_k1, k_full, fwdt::kQKChunk, kt * kBlockN, bhk);
+      mbar_wait(tile_bar<kStages>(bar, kTbVEmpty, s), ph ^ 1);
+      const uint32_t v_raw = tile_bar<kStages>(bar, kTbVRaw, s);
+      mbar_arrive_tx(v_raw, T::kVBytes);
+      tma_load_3d(sbase + T::kOffV + s * T::kVBytes, tm_v, v_raw, kt * kBlockN, 0, bhk);
+    }
+    return;
+  }
+  // warps 1-3: the V^T key permutation, in place (16-byte chunks: the TMA
+  // swizzle moves whole chunks, so it is untouched).
+  const int pt = tid - 32;
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    const int s = kt % kStages;
+    const uint32_t ph = (kt / kStages) & 1;
+    const uint32_t sV = sbase + T::kOffV + s * T::kVBytes;
+    // NOTE: v_empty first, then v_raw: the consumers' reads of the stage
+    // happen-before these stores through one release / acquire pair.
+    mbar_wait(tile_bar<kStages>(bar, kTbVEmpty, s), ph ^ 1);
+    mbar_wait(tile_bar<kStages>(bar, kTbVRaw, s), ph);
+    for (uint32_t a = sV + 16 * pt; a < sV + T::kVBytes; a += 16 * 96) {
+      const uint4 x = ld_shared_v4(a);
+      uint4 y;
+      y.x = __byte_perm(x.x, x.z, 0x5410);  // keys 0 1 8 9
+      y.y = __byte_perm(x.x, x.z, 0x7632);  // keys 2 3 10 11
+      y.z = __byte_perm(x.y, x.w, 0x5410);  // keys 4 5 12 13
+      y.w = __byte_perm(x.y, x.w, 0x7632);  // keys 6 7 14 15
+      st_shared_v4(a, y);
+    }
+    fence_proxy_async();
+    mbar_arrive(tile_bar<kStages>(bar, kTbVFull, s));
+  }
+}
+
+// ---- consumer warpgroup ---------------------------------------------------------------
+template <class T, bool kPingpong>
+__device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
+                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk) {
+  using namespace pipe;
+  constexpr int kStages = T::kStages, kBlockN = T::kBlockN, kDv = T::kDv;
+  constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
+  constexpr float kLog2e = 1.4426950408889634f;
+  static_assert(!kPingpong || T::kOverlap, "the pingpong phases follow the overlap order");
+
+  const int tid = threadIdx.x, wg = tid / 128, cw = wg - 1;
+  const int t128 = tid - 128 * wg, warp = t128 / 32, lane = t128 & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int Sq = si.seqlen_q, Sk = si.seqlen_k, diag = Sk - Sq;
+  const int nblk_k = (Sk + kBlockN - 1) / kBlockN;
+  const int wg_row0 = q0 + 64 * cw;
+  const int row_w0 = wg_row0 + 16 * warp;  // first query row of this warp
+  const int row0 = row_w0 + g;             // this thread's rows: row0, row0 + 8
+  const int n_mine = key_tiles_seen(wg_row0, wg_row0 + 64, si, p.causal, kBlockN);
+  const float* ks_g = p.k_row_s + bhk * nblk_k;  // one scale per key tile (K and V)
+  const float* vs_g = p.v_col_s + bhk * nblk_k;
+
+  TileSoftmaxState st;
+  {
+    const float scale_log2 = p.softmax_scale * kLog2e;
+    float rq[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      rq[r] = row < Sq ? p.q_row_s[bhq * Sq + row] * scale_log2 : 0.f;
+    }
+    softmax_state_init(st, rq[0], rq[1]);
+  }
+  float o[kDv / 2];
+#pragma unroll
+  for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
+
+  auto k_full = [&](int s) { return tile_bar<kStages>(bar, kTbKFull, s); };
+  auto k_empty = [&](int s) { return tile_bar<kStages>(bar, kTbKEmpty, s); };
+  auto v_full = [&](int s) { return tile_bar<kStages>(bar, kTbVFull, s); };
+  auto v_empty = [&](int s) { return tile_bar<kStages>(bar, kTbVEmpty, s); };
+  const uint32_t sQ = sbase + T::kOffQ + cw * 64 * T::kW0;  // chunk 0 rows of this warpgroup
+  const uint32_t sQ1 = sbase + T::kOffQ + T::kQChunkBytes + cw * 64 * T::kW1;
+
+  auto turn_wait = [&] {
+    if constexpr (kPingpong) named_sync(fwdt::kBarPingpong + cw, 256);
+  };
+  auto turn_pass = [&] {
+    if constexpr (kPingpong) named_arrive(fwdt::kBarPingpong + (cw ^ 1), 256);
+  };
+  if constexpr (kPingpong) {
+    if (cw == 1) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
+  }
+
+  // The wgmma batches. NOTE: every barrier wait and descriptor is done before
+  // the warpgroup fence, so no non-wgmma instruction defines a wgmma input
+  // inside an open batch (else ptxas serializes them, C7513).
+  auto qk_batch = [&](float (&acc)[kBlockN / 2], uint32_t sK) {
+#pragma unroll
+    for (int ks = 0; ks < T::kW0 / 32; ++ks)
+      gmma_ss<kBlockN>(gmma_desc<T::kW0>(sQ + 32 * ks), gmma_desc<T::kW0>(sK + 32 * ks), acc, ks > 0,
+                       std::make_index_sequence<kBlockN / 2>{});
+    if constexpr (T::kChunks == 2) {
+#pragma unroll
+      for (int ks = 0; ks < T::kW1 / 32; ++ks)
+        gmma_ss<kBlockN>(gmma_desc<T::kW1>(sQ1 + 32 * ks), gmma_desc<T::kW1>(sK + T::kKChunkBytes + 32 * ks), acc,
+                         true, std::make_index_sequence<kBlockN / 2>{});
+    }
+    wg_commit();
+  };
+  auto pv_batch = [&](const uint32_t (&pa)[kNT / 4][4], uint32_t sV) {
+#pragma unroll
+    for (int q = 0; q < kNT / 4; ++q)
+      gmma_rs<kDv>(pa[q], gmma_desc<128>(sV + 32 * q), o, true, std::make_index_sequence<kDv / 2>{});
+    wg_commit();
+  };
+  auto k_tile = [&](int kt) {  // waits for K tile kt, returns its stage address
+    const int s = kt % kStages;
+    mbar_wait(k_full(s), (kt / kStages) & 1);
+    return sbase + T::kOffK + s * T::kKBytes;
+  };
+  auto v_tile = [&](int kt) {
+    const int s = kt % kStages;
+    mbar_wait(v_full(s), (kt / kStages) & 1);
+    return sbase + T::kOffV + s * T::kVBytes;
+  };
+  // Issue S = Q_hat K_hat^T of key tile kt (asynchronous, one commit group).
+  auto qk_issue = [&](float (&acc)[kBlockN / 2], int kt) {
+    const uint32_t sK = k_tile(kt);
+    fence_acc(acc);
+    wg_arrive();
+    qk_batch(acc, sK);
+  };
+  // Issue O += P_hat V_hat of key tile kt (asynchronous).
+  auto pv_issue = [&](const uint32_t (&pa)[kNT / 4][4], int kt) {
+    const uint32_t sV = v_tile(kt);
+    fence_acc(o);
+    wg_arrive();
+    pv_batch(pa, sV);
+  };
+  // Both: QK^T (kt) then P V (kv), two commit groups.
+  auto qk_pv_issue = [&](float (&acc)[kBlockN / 2], int kt, const uint32_t (&pa)[kNT / 4][4], int kv) {
+    const uint32_t sK = k_tile(kt);
+    const uint32_t sV = v_tile(kv);
+    fence_acc(acc);
+    fence_acc(o);
+    wg_arrive();
+    qk_batch(acc, sK);
+    pv_batch(pa, sV);
+  };
+  // Masked entries (keys past seqlen_k; causal) of tile kt -> -inf.
+  auto mask = [&](float (&sacc)[kBlockN / 2], int kt) {
+    const int key0 = kt * kBlockN;
+    const bool need = key0 + kBlockN > Sk || (p.causal && key0 + kBlockN - 1 > row_w0 + diag);
+    if (!need) return;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * j + 2 * tig + (e & 1);
+        const int row = row0 + 8 * (e >> 1);
+        if (key >= Sk || (p.causal && key > row + diag)) sacc[4 * j + e] = -INFINITY;
+      }
+  };
+  // A tile none of this warpgroup's rows sees: take part in the stage hand-over only.
+  auto handover = [&](int kt) {
+    const int s = kt % kStages;
+    const uint32_t ph = (kt / kStages) & 1;
+    mbar_wait(k_full(s), ph);
+    mbar_arrive(k_empty(s));
+    mbar_wait(v_full(s), ph);
+    mbar_arrive(v_empty(s));
+  };
+
+  mbar_wait(tile_bar<kStages>(bar, kTbQFull, 0), 0);
+
+  if constexpr (T::kOverlap) {
+    // NOTE: the phases (turns of the pingpong) of every warpgroup number
+    // n_tiles + 1, whatever its n_mine: the tiles it does not see are handed
+    // over inside dummy turns, in order, so neither warpgroup waits on a
+    // stage the other still holds.
+    float sacc[kBlockN / 2];
+    uint32_t pa[kNT / 4][4];
+    if (n_mine > 0) {
+      float factor[2];
+      turn_wait();
+      qk_issue(sacc, 0);
+      turn_pass();
+      const float sk = __ldg(ks_g), sv = __ldg(vs_g);
+      wg_wait<0>();
+      fence_acc(sacc);
+      mbar_arrive(k_empty(0));
+      mask(sacc, 0);
+      softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
+      // One tile: QK^T (kt) with P V (kt - 1) from pa_prev; softmax (kt) into pa_new.
+      // NOTE: two P arrays in fixed roles (the loop is unrolled by two): a
+      // copy pa = pn lets ptxas give both the same registers, so the softmax
+      // would define the A operand of the P V still in flight (C7513).
+      auto step = [&](int kt, const uint32_t (&pa_prev)[kNT / 4][4], uint32_t (&pa_new)[kNT / 4][4]) {
+        turn_wait();
+        qk_pv_issue(sacc, kt, pa_prev, kt - 1);
+        turn_pass();
+        const float skn = __ldg(ks_g + kt), svn = __ldg(vs_g + kt);
+        wg_wait<1>();  // S (kt); P V (kt - 1) may still run
+        fence_acc(sacc);
+        mbar_arrive(k_empty(kt % kStages));
+        mask(sacc, kt);
+        softmax_tile<kNT>(sacc, skn, svn, st, pa_new, factor);
+        wg_wait<0>();
+        fence_acc(o);
+        mbar_arrive(v_empty((kt - 1) % kStages));
+        rescale_o(o, factor);
+      };
+      uint32_t pb[kNT / 4][4];
+      int kt = 1;
+      for (; kt + 1 < n_mine; kt += 2) {
+        step(kt, pa, pb);
+        step(kt + 1, pb, pa);
+      }
+      auto last_pv = [&](const uint32_t (&pa_last)[kNT / 4][4]) {
+        turn_wait();
+        pv_issue(pa_last, n_mine - 1);
+        turn_pass();
+        wg_wait<0>();
+        fence_acc(o);
+        mbar_arrive(v_empty((n_mine - 1) % kStages));
+      };
+      // NOTE: the odd tail calls the last P V on pb itself (a copy pa = pb
+      // would be coalesced, C7513 again).
+      if (kt < n_mine) {
+        step(kt, pa, pb);
+        last_pv(pb);
+      } else {
+        last_pv(pa);
+      }
+    } else {
+      turn_wait();
+      turn_pass();
+    }
+    for (int kt = n_mine; kt < n_tiles; ++kt) {
+      turn_wait();
+      turn_pass();
+      handover(kt);
+    }
+    if constexpr (kPingpong) {
+      if (cw == 0) turn_wait();  // consumes warpgroup 1's last pass (every arrive is matched)
+    }
+  } else {
+    // Serial order (dv = 256): QK^T, softmax, O *= factor, P V, per tile.
+    for (int kt = 0; kt < n_mine; ++kt) {
+      float sacc[kBlockN / 2], factor[2];
+      uint32_t pa[kNT / 4][4];
+      qk_issue(sacc, kt);
+      const float sk = __ldg(ks_g + kt), sv = __ldg(vs_g + kt);
+      wg_wait<0>();
+      fence_acc(sacc);
+      mbar_arrive(k_empty(kt % kStages));
+      mask(sacc, kt);
+      softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);
+      rescale_o(o, factor);
+      pv_issue(pa, kt);
+      wg_wait<0>();
+      fence_acc(o);
+      mbar_arrive(v_empty(kt % kStages));
+    }
+    for (int kt = n_mine; kt < n_tiles; ++kt) handover(kt);
+  }
+
+  store_o_lse<kDv>(o, st, p.out, p.lse, bhq, Sq, row0, tig);
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,62 @@
+// fp8attn: sm_90a FP8 quantization of a BF16 attention operand (Q, K, V or dO)
+// for the `tile` scaling recipe (numerics.md section 9; layouts of
+// kernel_params_sm90.h as the `tile` kernels read them, /work TILE_SPEC).
+// Math: numerics.md section 2 (scale rule, RNE, saturation, block NaN),
+// section 9 (which operand gets which block).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace fp8attn {
+namespace sm90 {
+
+// One BF16 operand X [batch, heads, seqlen, dim] (strides in elements, the
+// dim stride is 1; the data pointer and the three strides multiples of 8
+// elements, so every row starts on a 16-byte boundary) and where to put its
+// `tile`-recipe quantized forms. Any output group may be null (not produced).
+//
+//   row   [batch, heads, seqlen, dim] codes, row_s [batch, heads, seqlen]:
+//         one block per token, all of dim (Q for #1/#3, dO for #4).
+//   tile  [batch, heads, seqlen, dim] codes, tile_s [batch, heads, nblk]:
+//         one block per tile of 128 tokens (starting at token 0; the last one
+//         shorter), all of dim (K for #1/#3/#6, V for #2/#4).
+//   tileT [batch, heads, dim, seqlen_pad] codes: the same codes as `tile`,
+//         transposed (sequence contiguous), padding tokens [seqlen,
+//         seqlen_pad) code 0; its scales are tile_s (K #6, V #2, Q #7, dO #5).
+//
+// nblk = ceil(seqlen / 128). Codes and scales are bit-identical to the CPU
+// op quantize_tilescale (csrc/torch/ops_quant.cpp, quantize_block of
+// quant/block_quant.h on the block's values): scale fp8attn::block_scale of
+// the block's amax, codes fp8_encode(x * (1 / scale)); a block holding NaN or
+// +-inf gets a NaN scale and NaN codes (0x7F for a positive-NaN product).
+// The CPU reference's `tile` path quantizes the same whole tiles (it differs
+// only where causal masking makes it requantize the visible part of a
+// diagonal tile, numerics.md section 9 "Masking before quantization").
+struct TileQuantJob {
+  const void* x = nullptr;  // BF16
+  int64_t stride_batch = 0, stride_head = 0, stride_seq = 0;
+  int batch = 0, heads = 0, seqlen = 0, dim = 0;
+  Fp8Format fmt = Fp8Format::kE4M3;
+  Scaling recipe = Scaling::kTile;  // only kTile here (the `row` recipe: QuantJob)
+  uint8_t* row = nullptr;
+  float* row_s = nullptr;
+  uint8_t* tile = nullptr;
+  uint8_t* tileT = nullptr;
+  float* tile_s = nullptr;  // required when tile or tileT is set
+  int seqlen_pad = 0;       // multiple of 16, >= seqlen (only read when tileT != null)
+};
+
+// Launches the quantization on `stream`. Requirements (checked, throwing
+// std::invalid_argument naming the field): recipe == kTile, dim in {64, 128,
+// 192, 256}, 16-byte aligned x and strides, batch * heads < 2^31 (more than
+// 65535 (b, h) rows run as several launches, launch_sm90.h), seqlen < 2^30.
+// seqlen == 0 or batch * heads == 0 is a no-op. Throws std::runtime_error on
+// a CUDA launch error.
+void quantize_tilescale_bf16_sm90(const TileQuantJob& job, cudaStream_t stream);
+
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,55 @@
+// fp8attn: which (query tile, head, batch) a CTA of the sm_90a `tile`
+// forward computes, and where each sequence lies. Layout notes:
+// ../shared/design/kernel-layout.md ("how are tiles ordered").
+//
+// Today one CTA per work tile (grid = (query tiles, query heads, batch),
+// launch_sm90.h splits grids past 65535), heaviest causal tiles first: with
+// causal masking the last query tile sees the most keys, so blockIdx.x = 0
+// takes it (the block scheduler hands out low indices first and the short
+// tiles fill the tail). A persistent scheduler would replace tile_of() only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "hopper/kernel_params_sm90.h"
+
+namespace fp8attn {
+namespace sm90 {
+
+// Lengths of one batch entry's sequences. NOTE: the single place sequence
+// boundaries come from (dense: every batch entry has seqlen_q / seqlen_k);
+// the varlen work feeds it from cu_seqlens.
+struct SeqInfo {
+  int seqlen_q, seqlen_k;
+};
+__device__ __forceinline__ SeqInfo seq_info(const KernelParams& p, int /*batch*/) { return {p.seqlen_q, p.seqlen_k}; }
+
+struct WorkTile {
+  int m_tile, head_q, batch;
+};
+
+// Longest-first order of the query tiles of one (head, batch).
+__device__ __forceinline__ WorkTile tile_of() {
+  WorkTile w;
+  w.m_tile = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  w.head_q = static_cast<int>(blockIdx.y);
+  w.batch = static_cast<int>(blockIdx.z);
+  return w;
+}
+
+// Key tiles [0, n) that query rows [row_begin, row_end) see (bottom-right
+// causal alignment: query i sees key j iff j <= i + seqlen_k - seqlen_q;
+// numerics.md section 1). 0 for an empty row range.
+__device__ __forceinline__ int key_tiles_seen(int row_begin, int row_end, const SeqInfo& s, bool causal, int block_n) {
+  if (row_end > s.seqlen_q) row_end = s.seqlen_q;
+  if (row_end <= row_begin) return 0;
+  const int nblk = (s.seqlen_k + block_n - 1) / block_n;
+  if (!causal) return nblk;
+  const int last_key = row_end - 1 + (s.seqlen_k - s.seqlen_q);
+  if (last_key < 0) return 0;
+  const int n = last_key / block_n + 1;
+  return n < nblk ? n : nblk;
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

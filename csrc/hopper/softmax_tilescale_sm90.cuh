@@ -1,0 +1,116 @@
+// fp8attn: the online softmax of the `tile` recipe's forward, with every block
+// scale folded into per-row coefficients (numerics.md section 9). The one
+// file that says where each scale of the forward goes:
+//   S      = tau * s_Q(i) * s_K(kt) * (Q_hat K_hat^T): the raw wgmma sum times
+//            coef = rq(i) * s_K(kt), rq = s_Q tau log2(e) (log2 domain), in
+//            the exp2's FMA; no per-element multiply.
+//   P      per (row, key tile), dynamic: s_P = block_scale(exp2(tile max -
+//            m_new)), the codes E4M3(exp2(S - m_new - log2 s_P)): the exponent
+//            offset rides in the same FMA (softmax_row_step, fwd_softmax_sm90.cuh,
+//            shared with the `row` kernels so both round the same values).
+//   O      accumulates P_hat V_hat straight in the wgmma accumulator, kept in
+//            units of u = s_P(i, kt) s_V(kt) (a power of two per row, tracked
+//            as its exponent): before P V (kt) is added, O is multiplied by
+//            alpha * u(kt - 1) / u(kt), the online-softmax rescale with the
+//            scale ratio folded in (one FMUL per element per tile, as FA3's
+//            rescale). The epilogue multiplies by u / l.
+//   l      the FP32 sum of the unquantized exp values (l = l alpha + sum s_P).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "hopper/config_sm90.h"
+#include "hopper/fwd_softmax_sm90.cuh"
+
+namespace fp8attn {
+namespace sm90 {
+
+// 2^e for an integer e, clamped to the normal range [-126, 127].
+__device__ __forceinline__ float pow2i(int e) {
+  e = max(-126, min(127, e));
+  return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+// Exponent of a power-of-two scale (normal; NaN gives 128: its row is NaN anyway).
+__device__ __forceinline__ int pow2_exponent(float s) {
+  return static_cast<int>((__float_as_uint(s) >> 23) & 0xffu) - 127;
+}
+
+// Per-thread online-softmax state of its two rows (g and g + 8 of the warp's
+// 16): running max (log2 domain), this thread's share of l, O's unit exponent,
+// and the row coefficient rq = s_Q tau log2(e).
+struct TileSoftmaxState {
+  float m[2], l[2], rq[2];
+  int e[2];
+};
+
+__device__ __forceinline__ void softmax_state_init(TileSoftmaxState& st, float rq0, float rq1) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    st.m[r] = -INFINITY;
+    st.l[r] = 0.f;
+    st.e[r] = 0;
+  }
+  st.rq[0] = rq0;
+  st.rq[1] = rq1;
+}
+
+// One key tile: s = the raw m64n128 S accumulator of this thread (masked
+// entries already -inf), sk / sv the tile's K / V scales. Writes the P codes
+// as the A fragments of the four k32 steps of P V (pa; the key order the V^T
+// permutation of the producer matches, mainloop_fwd_tilescale_sm90.cuh) and
+// the factor that moves O from the previous tile's unit to this one's.
+template <int kNT>
+__device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, float sv, TileSoftmaxState& st,
+                                             uint32_t (&pa)[kNT / 4][4], float (&factor)[2]) {
+  const int e_sv = pow2_exponent(sv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float coef = st.rq[r] * sk;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    const SoftmaxRowStep step = softmax_row_step(mx, coef, st.m[r]);
+    // NOTE: flush (config_sm90.h, kPFlushScale): then the running max did not
+    // move (alpha = 1) and O keeps its unit. A NaN s_P is never flushed.
+    const bool flush = step.sp < fwdt::kPFlushScale;
+    const float nbias = flush ? -INFINITY : step.nbias;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        const float pv = fast_exp2(fmaf(s[4 * j + e], coef, nbias));  // P / s_P
+        s[4 * j + e] = pv;
+        sum += pv;
+      }
+    st.l[r] = st.l[r] * step.alpha + sum * step.sp;
+    const int e_new = flush ? st.e[r] : pow2_exponent(step.sp) + e_sv;
+    factor[r] = step.alpha * pow2i(st.e[r] - e_new);
+    st.e[r] = e_new;
+  }
+#pragma unroll
+  for (int q = 0; q < kNT / 4; ++q) {
+    const float* x = &s[16 * q];  // n8 tiles 4q .. 4q + 3
+    pa[q][0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+    pa[q][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+    pa[q][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+    pa[q][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+  }
+}
+
+// O (m64 x kDv accumulator of this thread) *= factor of its row.
+template <int kN>
+__device__ __forceinline__ void rescale_o(float (&o)[kN], const float (&factor)[2]) {
+#pragma unroll
+  for (int t = 0; t < kN / 4; ++t) {
+    o[4 * t + 0] *= factor[0];
+    o[4 * t + 1] *= factor[0];
+    o[4 * t + 2] *= factor[1];
+    o[4 * t + 3] *= factor[1];
+  }
+}
+
+}  // namespace sm90
+}  // namespace fp8attn

@@ -1,0 +1,347 @@
+"""GPU tests of the sm_90a `tile`-recipe FP8 backward (numerics.md section 9;
+csrc/hopper/bwd_prepass_tilescale_e4m3_sm90.cu, bwd_tilescale_e4m3_sm90.cu)
+through torch.ops.fp8attn.bwd(..., scaling="tile") on CUDA, against the CPU
+reference's `tile` path on the same fresh random inputs, every element, with the
+tolerances of numerics.md section 6 (as tests/python/test_cuda_bwd.py does for
+`row`, whose helpers this file uses):
+
+    ||cuda - exact|| <= 2 * ||cpu_tile - exact|| + 1e-3 * ||exact||
+    ||cuda - cpu_tile|| / ||cpu_tile|| < 2e-2   (also per 64-column block)
+
+for dQ, dK, dV of every delta mode (stale, matched_do, delta_matching), both
+grad formats, head dims 64, 128, 256 and 192/128, GQA, causal both ways
+(bottom-right, seqlen_q < and > seqlen_k), ragged lengths (partial tiles,
+seqlen 1), rows that see no key, long rows with tiny P block scales, NaN
+propagation, more than 65535 heads (split launches); each CUDA gradient is
+closer to its own mode's reference than to another mode's (check_mode_closest),
+dV is the same in every mode, and the Delta-Matching invariant holds from the
+CUDA diagnostics with `stale` shown to fail. Outputs are poisoned with NaN
+before each call, so an unwritten element fails.
+
+The backward inputs (out, lse) come from the CPU reference's `tile` forward, so
+these tests isolate the backward kernels; test_tile_dm_invariant_with_cuda_forward
+runs the training pairing (CUDA `tile` forward + backward).
+
+The CUDA `tile` backward runs only with FP8ATTN_TILE_BWD=1 until it has passed
+this file on the GPU (docs/architecture.md, "Environment variables"); the
+fixture below sets it (and FP8ATTN_TILE_FWD=1 for the CUDA forward).
+Skips cleanly without a GPU or without the CUDA kernels compiled in.
+Run: FP8ATTN_TILE_BWD=1 PYTHONPATH=python python3 -m pytest -q tests/python/test_tile_cuda_bwd.py
+"""
+import zlib
+
+import pytest
+import torch
+
+from test_cuda_bwd import (MODES, OPS, STALE_RESIDUAL_FLOOR, _rel, check_grads, check_mode_closest,  # noqa: F401
+                           f32_scale, needs_gpu, poison_cuda_allocator)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _tile_kernels_on(monkeypatch):
+    """FP8ATTN_TILE_BWD=1 (and FP8ATTN_TILE_FWD=1): the CUDA `tile` kernels run
+    only when asked for until validated (csrc/torch/ops_cuda.cpp)."""
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+
+
+def seed_of(*key):
+    return zlib.crc32(repr(key).encode())
+
+
+def make_inputs(b, hq, hkv, sq, sk, d, dv, causal, seed, q_gain=1.0):
+    """Fresh standard-normal BF16 Q (times q_gain), K, V, dO and the CPU reference
+    `tile` forward's O, LSE."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, sq, d, generator=gen) * q_gain).bfloat16()
+    k = torch.randn(b, hkv, sk, d, generator=gen).bfloat16()
+    v = torch.randn(b, hkv, sk, dv, generator=gen).bfloat16()
+    dout = torch.randn(b, hq, sq, dv, generator=gen).bfloat16()
+    out, lse = OPS.fwd(q, k, v, f32_scale(d), causal, "fp8", 128, "tile")
+    return q, k, v, out, lse, dout
+
+
+def run_bwd(inp, causal, mode, fmt, diagnostics=False, exact=True):
+    """(cuda, cpu_tile, exact) tuples of (dq, dk, dv, diag); exact is None when not asked for."""
+    q, k, v, out, lse, dout = inp
+    tau = f32_scale(q.shape[-1])
+    cpu = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, fmt, diagnostics, "tile")
+    ex = None
+    if exact:
+        ex = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal,
+                     "exact", mode, 128, fmt, False)
+    poison_cuda_allocator([(q.shape, torch.bfloat16), (k.shape, torch.bfloat16), (v.shape, torch.bfloat16),
+                           ((4,) + tuple(lse.shape), torch.float32)])
+    dev = [t.cuda() for t in (dout, q, k, v, out, lse)]
+    cuda = OPS.bwd(*dev, tau, causal, "fp8", mode, 128, fmt, diagnostics, "tile")
+    torch.cuda.synchronize()
+    return tuple(t.cpu() for t in cuda), cpu, ex
+
+
+def tile_refs_by_mode(inp, causal, fmt):
+    """The CPU `tile` reference backward of every delta mode: {mode: (dq, dk, dv, diag)}."""
+    q, k, v, out, lse, dout = inp
+    tau = f32_scale(q.shape[-1])
+    return {m: OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", m, 128, fmt, False, "tile") for m in MODES}
+
+
+DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
+WIDE_DIMS = [(256, 256), (192, 128)]
+
+
+# ---- the knob -----------------------------------------------------------------------
+
+
+@needs_gpu
+def test_tile_bwd_knob(monkeypatch):
+    q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 1, 130, 130, 64, 64, False, seed_of("knob")))
+    for off in ("0", ""):
+        monkeypatch.setenv("FP8ATTN_TILE_BWD", off)
+        with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_BWD=1"):
+            OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "yes")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_BWD='yes' is not one of 0, 1"):
+        OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+    # The row recipe never reads it.
+    dq, dk, dv, _ = OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
+    assert all(torch.isfinite(t.float()).all() for t in (dq, dk, dv))
+
+
+# ---- dQ, dK, dV vs the CPU `tile` reference ----------------------------------------------
+
+SHAPES = [  # (b, hq, hkv, sq, sk, d, dv)
+    (2, 4, 2, 200, 333, 64, 64),
+    (2, 4, 2, 333, 200, 128, 128),
+    (1, 4, 2, 200, 333, 256, 256),
+    (1, 4, 2, 333, 200, 192, 128),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tile_bwd_head_dims(shape, causal, fmt):
+    inp = make_inputs(*shape, causal, seed=seed_of("hd", shape, causal, fmt))
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", fmt)
+    check_grads(cuda, cpu, exact, f"tile {shape} causal={causal} {fmt}")
+
+
+def check_mode(dims, mode, fmt, causal):
+    shape = (2, 6, 2, 290, 260) + dims  # GQA 3:1, partial tiles
+    inp = make_inputs(*shape, causal, seed=seed_of("modes", dims, mode, fmt, causal))
+    cuda, cpu, exact = run_bwd(inp, causal, mode, fmt)
+    check_grads(cuda, cpu, exact, f"tile {dims} {mode} {fmt} causal={causal}")
+    # The right delta, not merely one within 2e-2: both other modes are told apart
+    # (dQ and dK against each of them: 4 pairs).
+    refs = tile_refs_by_mode(inp, causal, fmt)
+    assert torch.equal(refs[mode][0], cpu[0])
+    assert check_mode_closest(cuda, mode, refs, f"tile {dims} {mode} {fmt} causal={causal}", gates=False) == 4
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_modes_formats(mode, fmt, causal):
+    check_mode((128, 128), mode, fmt, causal)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims", [(64, 64)] + WIDE_DIMS, ids=lambda x: "%dx%d" % x)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_modes_other_head_dims(dims, mode, causal):
+    check_mode(dims, mode, "e5m2" if causal else "e4m3", causal)  # both formats, half the cases
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims", DIMS, ids=lambda x: "%dx%d" % x)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_dv_is_the_same_in_every_mode(dims, causal):
+    # dV = P^T dO uses no delta: the same kernel arithmetic in every mode (bitwise
+    # expected; 1e-6 relative allowed), and the references agree bitwise.
+    inp = make_inputs(1, 4, 2, 300, 270, *dims, causal, seed=seed_of("dv", dims, causal))
+    dvs = {}
+    for mode in MODES:
+        cuda, cpu, _ = run_bwd(inp, causal, mode, "e4m3", exact=False)
+        dvs[mode] = (cuda[2], cpu[2])
+    for mode in MODES[:2]:
+        assert torch.equal(dvs[mode][1], dvs["delta_matching"][1])
+        assert _rel(dvs[mode][0], dvs["delta_matching"][0]) <= 1e-6, (mode, "dV depends on the delta mode")
+
+
+@needs_gpu
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 1), (8, 2), (6, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_gqa(hq, hkv, causal):
+    # dK, dV summed over the query heads of each group (like the row path).
+    inp = make_inputs(2, hq, hkv, 260, 300, 128, 128, causal, seed=seed_of("gqa", hq, hkv, causal))
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(cuda, cpu, exact, f"tile gqa {hq}:{hkv} causal={causal}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("sq,sk", [(1, 77), (77, 1), (1, 1), (129, 128), (128, 257), (640, 640), (130, 500),
+                                   (500, 130)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_seqlens(sq, sk, causal):
+    inp = make_inputs(1, 2, 1, sq, sk, 128, 128, causal, seed=seed_of("sl", sq, sk, causal))
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(cuda, cpu, exact, f"tile sq={sq} sk={sk} causal={causal}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims", [(64, 64)] + WIDE_DIMS, ids=lambda x: "%dx%d" % x)
+@pytest.mark.parametrize("sq,sk", [(1, 77), (77, 1), (129, 128), (128, 257), (128, 256), (256, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_seqlens_other_head_dims(dims, sq, sk, causal):
+    # head_dim 256 and (192, 128): the main kernel's 128-column output slices
+    # (slice 1 of (192, 128): 64 dK / dQ columns, no dV), one query-side stage.
+    hq, hkv = (1, 1) if (sq, sk) in ((128, 256), (256, 128)) else (2, 1)
+    inp = make_inputs(1, hq, hkv, sq, sk, *dims, causal, seed=seed_of("slw", dims, sq, sk, causal))
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(cuda, cpu, exact, f"tile {dims} sq={sq} sk={sk} causal={causal}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_tile_fully_masked_rows_have_zero_grads(mode):
+    # causal with seqlen_q > seqlen_k: the first sq - sk queries see no key.
+    sq, sk = 300, 100
+    inp = make_inputs(1, 2, 2, sq, sk, 64, 64, True, seed=seed_of("masked", mode))
+    cuda, cpu, exact = run_bwd(inp, True, mode, "e4m3", diagnostics=True)
+    dq, diag = cuda[0], cuda[3]
+    assert torch.isfinite(diag).all()
+    assert torch.equal(dq[:, :, : sq - sk], torch.zeros_like(dq[:, :, : sq - sk]))
+    assert torch.equal(diag[:, :, :, : sq - sk], torch.zeros_like(diag[:, :, :, : sq - sk]))
+    assert dq[:, :, sq - sk:].abs().sum() > 0
+    check_grads(cuda, cpu, exact, f"tile fully masked rows {mode}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_long_rows_small_block_scales(causal):
+    # Large logits over 2048 keys: P and dS blocks of many tile pairs have tiny
+    # block scales, so the dV / dK accumulators (kept in units of a running power
+    # of two, mainloop_bwd_tilescale_sm90.cuh) are rescaled across binades often.
+    inp = make_inputs(1, 2, 1, 256, 2048, 64, 64, causal, seed=seed_of("long", causal), q_gain=6.0)
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(cuda, cpu, exact, f"tile long rows causal={causal}")
+
+
+@needs_gpu
+def test_tile_bwd_many_heads_split_launch():
+    # num_heads > 65535: several launches (launch_sm90.h at_chunk with the `tile`
+    # scale layouts); every head checked.
+    inp = make_inputs(1, 66000, 66000, 5, 3, 64, 64, False, seed=seed_of("many"))
+    cuda, cpu, _ = run_bwd(inp, False, "delta_matching", "e4m3", exact=False)
+    for name, c, r in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3]):
+        assert torch.isfinite(c.float()).all(), name
+        per_head = (c.double() - r.double()).flatten(2).norm(dim=-1) / r.double().flatten(2).norm(dim=-1).clamp_min(1e-30)
+        assert per_head.max().item() < 5e-2, (name, per_head.max().item())
+        assert _rel(c, r) < 2e-2, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("where", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_nan_never_passes(where, causal):
+    # numerics.md sections 2 and 9: a non-finite input makes the blocks it feeds
+    # NaN. Wherever the reference's gradient is NaN the kernel's must be too (the
+    # kernel may be coarser: it quantizes whole tiles, section 7).
+    q, k, v, out, lse, dout = make_inputs(1, 2, 1, 260, 260, 64, 64, causal, seed=seed_of("nan", where, causal))
+    x = {"q": q, "k": k, "v": v, "dout": dout}[where]
+    x[0, 0, 200, 7] = float("nan")
+    if where in ("q", "k", "v"):
+        out, lse = OPS.fwd(q, k, v, f32_scale(64), causal, "fp8", 128, "tile")
+    inp = (q, k, v, out, lse, dout)
+    for mode in MODES:
+        cuda, cpu, _ = run_bwd(inp, causal, mode, "e4m3", exact=False)
+        seen = False
+        for name, c, r in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3]):
+            nan_r = torch.isnan(r)
+            seen = seen or bool(nan_r.any())
+            assert torch.isnan(c)[nan_r].all(), f"{where} {mode} causal={causal} {name}: NaN was lost"
+        assert seen, f"{where} {mode}: the planted NaN did not reach the reference's gradients"
+
+
+# ---- diagnostics and the Delta-Matching invariant -----------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims", DIMS, ids=lambda x: "%dx%d" % x)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_delta_matching_invariant_and_diagnostics(dims, causal):
+    # numerics.md section 6: DM pre-cast mean row-sum residual < 1e-5 (the
+    # pre-pass forms the very P and dP_hat of the main kernel); stale and
+    # matched_do at least 10x larger on the same inputs and above the absolute
+    # floor (the bug Delta-Matching removes, shown to fail). delta / eps and the
+    # post-cast residuals agree with the reference's diagnostics.
+    inp = make_inputs(1, 4, 2, 384, 384, *dims, causal, seed=seed_of("dm", dims, causal))
+    res = {}
+    for mode in MODES:
+        cuda, cpu, _ = run_bwd(inp, causal, mode, "e4m3", diagnostics=True, exact=False)
+        dc, dr = cuda[3].double(), cpu[3].double()
+        assert dc.shape == (4, 1, 4, 384) and torch.isfinite(dc).all()
+        assert (dc[0] - dr[0]).norm() <= 1e-3 * dr[0].norm(), mode
+        if mode != "delta_matching":
+            assert (dc[1] - dr[1]).norm() <= 2e-2 * dr[1].norm() + 1e-6, mode
+        else:
+            assert torch.equal(dc[1], torch.zeros_like(dc[1]))
+        post_c, post_r = dc[3].mean().item(), dr[3].mean().item()
+        assert abs(post_c - post_r) <= 0.2 * post_r + 1e-6, (mode, post_c, post_r)
+        res[mode] = dc[2].mean().item()
+    assert res["delta_matching"] < 1e-5, res
+    assert res["stale"] >= 10 * res["delta_matching"], res
+    assert res["matched_do"] >= 10 * res["delta_matching"], res
+    assert res["stale"] > STALE_RESIDUAL_FLOOR, res
+    assert res["matched_do"] > STALE_RESIDUAL_FLOOR, res
+
+
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_dm_invariant_with_cuda_forward(d, causal):
+    # The training pairing: O and LSE from the CUDA `tile` forward, then the CUDA
+    # `tile` backward. Both form S as one FP8 wgmma sum over all of head_dim
+    # (numerics.md section 9), so P sums to 1 against that LSE to about FP32
+    # rounding: the bound of the row pairing (1e-6, test_cuda_bwd). The stale
+    # delta must stay orders of magnitude above it.
+    gen = torch.Generator().manual_seed(seed_of("fwdpair", d, causal))
+    q = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    k = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
+    dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
+    tau = f32_scale(d)
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True, "tile")
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    assert res["delta_matching"] < 1e-6, res
+    assert res["stale"] >= 100 * res["delta_matching"], res
+    assert res["stale"] > STALE_RESIDUAL_FLOOR, res
+
+
+@needs_gpu
+def test_tile_bwd_autograd_matches_raw_op():
+    # fp8attn.attention(scaling="tile") on CUDA: the autograd backward is the raw
+    # bwd op's result (same delta mode and grad format defaults), finite, and
+    # within the section 6 tolerance of the CPU path.
+    import fp8attn
+    gen = torch.Generator().manual_seed(seed_of("autograd"))
+    q, k, v, do = (torch.randn(1, 2, 200, 64, generator=gen).bfloat16() for _ in range(4))
+    grads = {}
+    for dev in ("cpu", "cuda"):
+        qg, kg, vg = (t.to(dev).clone().requires_grad_(True) for t in (q, k, v))
+        out = fp8attn.attention(qg, kg, vg, causal=True, scaling="tile")
+        out.backward(do.to(dev))
+        grads[dev] = [t.grad.cpu() for t in (qg, kg, vg)]
+    for name, c, r in zip(("dQ", "dK", "dV"), grads["cuda"], grads["cpu"]):
+        assert torch.isfinite(c.float()).all(), name
+        assert _rel(c, r) < 3e-2, (name, _rel(c, r))  # forward (O, LSE) on CUDA vs CPU too
