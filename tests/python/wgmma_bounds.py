@@ -25,25 +25,36 @@ WGMMA_K_STEP = 32
 HEAD_DIM_BLOCK = 128  # S is promoted to FP32 per 128-channel head_dim block (numerics.md section 3)
 
 
-def dequantized_codes(x: torch.Tensor) -> torch.Tensor:
-    """The E4M3 values the kernels multiply (row recipe: 128-channel blocks along head_dim,
-    numerics.md section 2), float64, exact."""
-    codes, scales = fp8attn.quantize_blockwise(x.cpu(), -1, HEAD_DIM_BLOCK, "e4m3")
-    return fp8attn.dequantize_blockwise(codes, scales, -1, HEAD_DIM_BLOCK, "e4m3").double()
+def dequantized_codes(x: torch.Tensor, scaling: str = "row", operand: str = "q") -> torch.Tensor:
+    """The E4M3 values the kernels multiply for S, float64, exact: `row` 128-channel blocks
+    along head_dim (numerics.md section 2); `tile` Q one block per row, K one per 128-key
+    tile, all of head_dim (section 9)."""
+    x = x.cpu()
+    if scaling == "row":
+        codes, scales = fp8attn.quantize_blockwise(x, -1, HEAD_DIM_BLOCK, "e4m3")
+        return fp8attn.dequantize_blockwise(codes, scales, -1, HEAD_DIM_BLOCK, "e4m3").double()
+    dim = -1 if operand == "q" else -2
+    codes, scales = fp8attn.quantize_tilescale(x.float(), dim, 128, "e4m3")
+    vals = fp8attn.fp8_decode(codes, "e4m3").double()
+    if dim == -1:
+        return vals * scales.double().unsqueeze(-1)
+    per_token = scales.double().repeat_interleave(128, dim=-1)[..., : x.shape[2]]
+    return vals * per_token.unsqueeze(-1)
 
 
-def wgmma_s_bound_entries(qh: torch.Tensor, kh: torch.Tensor, tau: float):
+def wgmma_s_bound_entries(qh: torch.Tensor, kh: torch.Tensor, tau: float, block: int = HEAD_DIM_BLOCK):
     """(bound, S): |S_cuda - S| <= bound per (query, key), with S = tau qh kh^T exact;
     qh [..., Sq, d], kh [..., Sk, d] dequantized codes (float64, same leading dims),
-    results [..., Sq, Sk]."""
+    results [..., Sq, Sk]. block: the channels of one wgmma chain (the `row` kernels
+    promote S per 128-channel block; the `tile` kernels run one chain over all of d)."""
     d = qh.shape[-1]
     total = torch.zeros(*qh.shape[:-1], kh.shape[-2], dtype=torch.float64, device=qh.device)
     s = torch.zeros_like(total)
     qa, ka = qh.abs(), kh.abs()
-    for blk in range(0, d, HEAD_DIM_BLOCK):
+    for blk in range(0, d, block):
         run = torch.zeros_like(total)  # the exact running sum of this block
-        for lo in range(blk, min(blk + HEAD_DIM_BLOCK, d), WGMMA_K_STEP):
-            hi = min(lo + WGMMA_K_STEP, blk + HEAD_DIM_BLOCK, d)
+        for lo in range(blk, min(blk + block, d), WGMMA_K_STEP):
+            hi = min(lo + WGMMA_K_STEP, blk + block, d)
             mid = min(lo + WGMMA_K_STEP // 2, hi)
             acc = run.abs()
             run = run + qh[..., lo:mid] @ kh[..., lo:mid].transpose(-1, -2)
@@ -59,15 +70,19 @@ def wgmma_s_bound_entries(qh: torch.Tensor, kh: torch.Tensor, tau: float):
     return tau * total, tau * s
 
 
-def wgmma_lse_bound(q: torch.Tensor, k: torch.Tensor, tau: float, causal: bool) -> torch.Tensor:
+def wgmma_lse_bound(q: torch.Tensor, k: torch.Tensor, tau: float, causal: bool, scaling: str = "row") -> torch.Tensor:
     """Per query row, how far the CUDA LSE may lie from the LSE of exact S over the same
     codes, [B, Hq, Sq] float64 on the CPU (0 where a row sees no key). With x_j the error
     of S_j and P the exact softmax of the row, LSE moves by log sum_j P_j exp(x_j), and
     |log sum_j P_j exp(x_j)| <= log sum_j P_j exp(b_j) for |x_j| <= b_j (Jensen both ways).
     q [B, Hq, Sq, d], k [B, Hkv, Sk, d] BF16 (query heads of a group consecutive); causal
-    is bottom-right aligned (row i sees keys j <= i + Sk - Sq), as the op."""
+    is bottom-right aligned (row i sees keys j <= i + Sk - Sq), as the op; scaling: the
+    recipe ("row": S per 128-channel block; "tile": one chain over all of head_dim,
+    padded head dims included: zero channels add nothing)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    qh, kh = dequantized_codes(q).to(dev), dequantized_codes(k).to(dev)
+    qh = dequantized_codes(q, scaling, "q").to(dev)
+    kh = dequantized_codes(k, scaling, "k").to(dev)
+    block = HEAD_DIM_BLOCK if scaling == "row" else max(q.shape[-1], 1)
     sq, sk = q.shape[2], k.shape[2]
     out = torch.zeros(q.shape[:3], dtype=torch.float64)
     grp = q.shape[1] // k.shape[1]
@@ -76,7 +91,7 @@ def wgmma_lse_bound(q: torch.Tensor, k: torch.Tensor, tau: float, causal: bool) 
         for h in range(q.shape[1]):
             kb = kh[b, h // grp]
             for lo in range(0, sq, rows):
-                bound, s = wgmma_s_bound_entries(qh[b, h, lo:lo + rows], kb, tau)
+                bound, s = wgmma_s_bound_entries(qh[b, h, lo:lo + rows], kb, tau, block)
                 if causal:
                     i = torch.arange(lo, lo + s.shape[0], device=dev).unsqueeze(-1)
                     s = s.masked_fill(torch.arange(sk, device=dev).unsqueeze(0) > i + sk - sq, -math.inf)
