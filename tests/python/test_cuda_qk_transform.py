@@ -38,7 +38,9 @@ SHAPES = [  # (b, hq, hkv, sq, sk, d, dv)
 
 
 def _run(q, k, v, do, causal, rot, sm, device, precision="fp8"):
-    qq, kk, vv = (t.to(device).requires_grad_() for t in (q, k, v))
+    # detach + clone: fresh leaves, the caller's tensors untouched (a .to() that is a no-op
+    # would set requires_grad on them, and the next call's q.double() would be no leaf).
+    qq, kk, vv = (t.detach().clone().to(device).requires_grad_() for t in (q, k, v))
     o, lse = fp8attn.attention(qq, kk, vv, causal=causal, precision=precision, qk_rotation=rot, smooth_k=sm,
                                return_lse=True)
     o.backward(do.to(device))
