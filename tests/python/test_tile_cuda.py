@@ -69,6 +69,33 @@ def test_quantize_tilescale_bitexact(d, s, fmt, dim, transposed):
     assert (scales_r == 1.0).any(), "the zero block (scale 1) was not exercised"
 
 
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(3, 3, 300, 130), (4, 2, 17, 257), (2, 1, 129, 1)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_tilescale_fwd_fused_bitexact(dqk, dv, hq, hkv, sq, sk, fmt):
+    # The forward's one fused launch for Q (per token), K (per tile) and V (per tile,
+    # transposed codes): every job of the launch (two launches at 192/128) decodes its
+    # CTAs right, same codes and scales as the CPU op; a NaN in V reaches only V's tile.
+    tag = ("tqf", dqk, dv, hq, hkv, sq, sk, fmt)
+    q = quant_input(2, hq, sq, dqk, seed_of(*tag, "q"))
+    k = quant_input(2, hkv, sk, dqk, seed_of(*tag, "k"))
+    v = quant_input(2, hkv, sk, dv, seed_of(*tag, "v"))
+    v[1, 0, sk - 1, 0] = float("nan")
+    ref = OPS.quantize_tilescale_fwd(q.float(), k.float(), v.float(), fmt)
+    got = [t.cpu() for t in OPS.quantize_tilescale_fwd(q.cuda(), k.cuda(), v.cuda(), fmt)]
+    names = ["q_codes", "q_scales", "k_codes", "k_scales", "v_codes", "v_scales"]
+    for name, r, c in zip(names, ref, got):
+        assert c.shape == r.shape, name
+        assert torch.equal(torch.isnan(c), torch.isnan(r)), name
+        assert torch.equal(c.nan_to_num(0.0) if c.is_floating_point() else c,
+                           r.nan_to_num(0.0) if r.is_floating_point() else r), f"{name} differ from the CPU op"
+    assert torch.isnan(ref[5][1, 0, -1]) and torch.isnan(ref[5]).sum() == 1
+    for i in (0, 2, 4):  # the three operands' codes equal the single-operand op's
+        x, dim = (q, 3) if i == 0 else ((k, 2) if i == 2 else (v, 2))
+        single = OPS.quantize_tilescale(x.cuda(), dim, 128, fmt, i == 4)
+        assert torch.equal(single[0].cpu(), got[i]), names[i]
+
+
 def test_quantize_tilescale_matches_definition():
     # The CPU op itself: the scale of each block is block_scale of its amax (numerics.md
     # section 2) over all of head_dim, per token (dim 3) or per 128 tokens (dim 2).
