@@ -147,7 +147,7 @@ def test_quantize_tilescale_nonfinite(bad):
 
 
 def test_quantize_tilescale_many_heads_split_launch():
-    # batch * heads > 65535: several launches (launch_sm90.h), same bits.
+    # batch * heads > 65535 (one linear grid of (tile, b, h) CTAs), same bits.
     x = quant_input(1, 70000, 2, 64, seed_of("tq-many"))
     for dim in (3, 2):
         r = OPS.quantize_tilescale(x.float(), dim, 128, "e4m3")
