@@ -249,6 +249,16 @@ def test_tile_fwd_rows_without_keys():
     assert torch.isfinite(lse[:, :, blind:]).all() and out[:, :, blind:].abs().sum() > 0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_fwd_underflowing_score_coefficient(causal):
+    # Tiny Q and K: s_Q s_K tau log2(e) underflows FP32 (softmax_tilescale_sm90.cuh NOTE);
+    # the masked keys (ragged last tile, causal) must not turn into NaN (-inf * 0).
+    q, k, v = make_qkv(1, 2, 1, 150, 200, 128, 128, seed_of("tuflow", causal))
+    q, k = (q.float() * 1e-22).bfloat16(), (k.float() * 1e-22).bfloat16()
+    out, lse = check_tile_fwd((1, 2, 1, 150, 200, 128, 128), causal, 0, q, k, v)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
 def test_tile_fwd_float32_inputs_and_attention_api():
     q, k, v = make_qkv(1, 4, 2, 190, 270, 128, 128, seed_of("tf32"))
     qf, kf, vf = (t.float() for t in (q, k, v))
