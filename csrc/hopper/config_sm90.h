@@ -187,6 +187,10 @@ constexpr int kBarPingpong = 1;  // ids kBarPingpong + 0 / + 1
 // in-warpgroup overlap alone until the pingpong is measured on the device
 // (docs/kernels/fwd_tilescale_e4m3_sm90.md).
 constexpr bool kTilePingpongDefault = false;
+// Default scheduler (FP8ATTN_TILE_PERSISTENT overrides): one CTA per work
+// tile; the persistent longest-first one (scheduler_sm90.cuh) is off until
+// it has passed the GPU tests and been measured.
+constexpr bool kTilePersistentDefault = false;
 
 static_assert(kBlockN == 128, "P fragment permutation covers 16-key groups of a 128-key tile; V^T rows 128 bytes");
 static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");

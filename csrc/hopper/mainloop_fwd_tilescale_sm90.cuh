@@ -55,8 +55,8 @@ struct FwdTileTraits {
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kOffBar = kOffV + kStages * kVBytes;  // uint64 [1 + 5 kStages]
-  static constexpr int kSmemBytes = kOffBar + 8 * (1 + 5 * kStages) + 1024;  // + base alignment
+  static constexpr int kOffBar = kOffV + kStages * kVBytes;  // uint64 [2 + 5 kStages]
+  static constexpr int kSmemBytes = kOffBar + 8 * (2 + 5 * kStages) + 1024;  // + base alignment
   static constexpr bool kOverlap = fwdt::overlap_fits(kDv);
 
   static_assert(kChunks <= 2 && (kW0 == 64 || kW0 == 128) && (kW1 == 0 || kW1 == 64 || kW1 == 128),
@@ -67,10 +67,12 @@ struct FwdTileTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
 };
 
-enum TileBar { kTbQFull = 0, kTbKFull = 1, kTbKEmpty = 2, kTbVRaw = 3, kTbVFull = 4, kTbVEmpty = 5 };
+enum TileBar { kTbQFull = 0, kTbKFull = 1, kTbKEmpty = 2, kTbVRaw = 3, kTbVFull = 4, kTbVEmpty = 5, kTbQEmpty = 6 };
 template <int kStages>
 __device__ __forceinline__ uint32_t tile_bar(uint32_t bar, TileBar which, int s) {
-  return which == kTbQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
+  if (which == kTbQFull) return bar;
+  if (which == kTbQEmpty) return bar + 8u * (1 + 5 * kStages);
+  return bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
 }
 // NOTE: every consumer thread arrives on k_empty / v_empty (its own reads of
 // the stage are then ordered before the producer's next writes by one
@@ -79,6 +81,7 @@ template <int kStages>
 __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
   using namespace pipe;
   mbar_init(tile_bar<kStages>(bar, kTbQFull, 0), 1);
+  mbar_init(tile_bar<kStages>(bar, kTbQEmpty, 0), 128 * fwdt::kConsumerWGs);
   for (int s = 0; s < kStages; ++s) {
     mbar_init(tile_bar<kStages>(bar, kTbKFull, s), 1);
     mbar_init(tile_bar<kStages>(bar, kTbKEmpty, s), 128 * fwdt::kConsumerWGs);
@@ -91,23 +94,29 @@ __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
 
 // ---- producer warpgroup -------------------------------------------------------------
 // Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [0, n_tiles) of head row bhk.
+// it: the CTA's work tile count so far (persistent scheduler; 0 otherwise), kb
+// the key tiles it streamed before this work tile (stage / phase of key tile
+// kt: kb + kt).
 template <class T>
 __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int n_tiles, int bhq, int bhk,
                                                   const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
                                                   const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
-                                                  const CUtensorMap* tm_v) {
+                                                  const CUtensorMap* tm_v, int kb, int it) {
   using namespace pipe;
   constexpr int kStages = T::kStages, kBlockN = T::kBlockN;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
   if (warp == 0) {
     if (lane != 0) return;
     const uint32_t q_full = tile_bar<kStages>(bar, kTbQFull, 0);
+    // NOTE: the previous work tile's Q is free once every consumer thread has
+    // arrived on q_empty (after its last QK^T).
+    if (it > 0) mbar_wait(tile_bar<kStages>(bar, kTbQEmpty, 0), (it - 1) & 1);
     mbar_arrive_tx(q_full, T::kQBytes);
     tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, bhq);
     if constexpr (T::kChunks == 2) tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q0, bhq);
     for (int kt = 0; kt < n_tiles; ++kt) {
-      const int s = kt % kStages;
-      const uint32_t ph = (kt / kStages) & 1;
+      const int s = (kb + kt) % kStages;
+      const uint32_t ph = ((kb + kt) / kStages) & 1;
       const uint32_t sK = sbase + T::kOffK + s * T::kKBytes;
       mbar_wait(tile_bar<kStages>(bar, kTbKEmpty, s), ph ^ 1);
       const uint32_t k_full = tile_bar<kStages>(bar, kTbKFull, s);
@@ -125,8 +134,8 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
   // swizzle moves whole chunks, so it is untouched).
   const int pt = tid - 32;
   for (int kt = 0; kt < n_tiles; ++kt) {
-    const int s = kt % kStages;
-    const uint32_t ph = (kt / kStages) & 1;
+    const int s = (kb + kt) % kStages;
+    const uint32_t ph = ((kb + kt) / kStages) & 1;
     const uint32_t sV = sbase + T::kOffV + s * T::kVBytes;
     // NOTE: v_empty first, then v_raw: the consumers' reads of the stage
     // happen-before these stores through one release / acquire pair.
@@ -147,9 +156,12 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
 }
 
 // ---- consumer warpgroup ---------------------------------------------------------------
+// kb, it: as the producer's; first / last: the CTA's first / last work tile
+// (the pingpong turns continue from one work tile to the next).
 template <class T, bool kPingpong>
 __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
-                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk) {
+                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk, int kb, int it,
+                                                  bool first, bool last) {
   using namespace pipe;
   constexpr int kStages = T::kStages, kBlockN = T::kBlockN, kDv = T::kDv;
   constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
@@ -197,8 +209,10 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     if constexpr (kPingpong) named_arrive(fwdt::kBarPingpong + (cw ^ 1), 256);
   };
   if constexpr (kPingpong) {
-    if (cw == 1) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
+    if (cw == 1 && first) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
   }
+  auto stage = [&](int kt) { return (kb + kt) % kStages; };
+  auto phase = [&](int kt) { return static_cast<uint32_t>(((kb + kt) / kStages) & 1); };
 
   // The wgmma batches. NOTE: every barrier wait and descriptor is done before
   // the warpgroup fence, so no non-wgmma instruction defines a wgmma input
@@ -223,13 +237,13 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     wg_commit();
   };
   auto k_tile = [&](int kt) {  // waits for K tile kt, returns its stage address
-    const int s = kt % kStages;
-    mbar_wait(k_full(s), (kt / kStages) & 1);
+    const int s = stage(kt);
+    mbar_wait(k_full(s), phase(kt));
     return sbase + T::kOffK + s * T::kKBytes;
   };
   auto v_tile = [&](int kt) {
-    const int s = kt % kStages;
-    mbar_wait(v_full(s), (kt / kStages) & 1);
+    const int s = stage(kt);
+    mbar_wait(v_full(s), phase(kt));
     return sbase + T::kOffV + s * T::kVBytes;
   };
   // Issue S = Q_hat K_hat^T of key tile kt (asynchronous, one commit group).
@@ -272,15 +286,15 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   };
   // A tile none of this warpgroup's rows sees: take part in the stage hand-over only.
   auto handover = [&](int kt) {
-    const int s = kt % kStages;
-    const uint32_t ph = (kt / kStages) & 1;
+    const int s = stage(kt);
+    const uint32_t ph = phase(kt);
     mbar_wait(k_full(s), ph);
     mbar_arrive(k_empty(s));
     mbar_wait(v_full(s), ph);
     mbar_arrive(v_empty(s));
   };
 
-  mbar_wait(tile_bar<kStages>(bar, kTbQFull, 0), 0);
+  mbar_wait(tile_bar<kStages>(bar, kTbQFull, 0), it & 1);
 
   if constexpr (T::kOverlap) {
     // NOTE: the phases (turns of the pingpong) of every warpgroup number
@@ -297,7 +311,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       const float sk = __ldg(ks_g), sv = __ldg(vs_g);
       wg_wait<0>();
       fence_acc(sacc);
-      mbar_arrive(k_empty(0));
+      mbar_arrive(k_empty(stage(0)));
       mask(sacc, 0);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
       // One tile: QK^T (kt) with P V (kt - 1) from pa_prev; softmax (kt) into pa_new.
@@ -311,12 +325,12 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         const float skn = __ldg(ks_g + kt), svn = __ldg(vs_g + kt);
         wg_wait<1>();  // S (kt); P V (kt - 1) may still run
         fence_acc(sacc);
-        mbar_arrive(k_empty(kt % kStages));
+        mbar_arrive(k_empty(stage(kt)));
         mask(sacc, kt);
         softmax_tile<kNT>(sacc, skn, svn, st, pa_new, factor);
         wg_wait<0>();
         fence_acc(o);
-        mbar_arrive(v_empty((kt - 1) % kStages));
+        mbar_arrive(v_empty(stage(kt - 1)));
         rescale_o(o, factor);
       };
       uint32_t pb[kNT / 4][4];
@@ -331,7 +345,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         turn_pass();
         wg_wait<0>();
         fence_acc(o);
-        mbar_arrive(v_empty((n_mine - 1) % kStages));
+        mbar_arrive(v_empty(stage(n_mine - 1)));
       };
       // NOTE: the odd tail calls the last P V on pb itself (a copy pa = pb
       // would be coalesced, C7513 again).
@@ -351,7 +365,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       handover(kt);
     }
     if constexpr (kPingpong) {
-      if (cw == 0) turn_wait();  // consumes warpgroup 1's last pass (every arrive is matched)
+      // Consumes warpgroup 1's last pass (every arrive is matched); before
+      // the CTA's next work tile warpgroup 0's first turn_wait does it.
+      if (cw == 0 && last) turn_wait();
     }
   } else {
     // Serial order (dv = 256): QK^T, softmax, O *= factor, P V, per tile.
@@ -362,17 +378,18 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       const float sk = __ldg(ks_g + kt), sv = __ldg(vs_g + kt);
       wg_wait<0>();
       fence_acc(sacc);
-      mbar_arrive(k_empty(kt % kStages));
+      mbar_arrive(k_empty(stage(kt)));
       mask(sacc, kt);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);
       rescale_o(o, factor);
       pv_issue(pa, kt);
       wg_wait<0>();
       fence_acc(o);
-      mbar_arrive(v_empty(kt % kStages));
+      mbar_arrive(v_empty(stage(kt)));
     }
     for (int kt = n_mine; kt < n_tiles; ++kt) handover(kt);
   }
+  mbar_arrive(tile_bar<kStages>(bar, kTbQEmpty, 0));  // this thread's reads of Q are done
 
   store_o_lse<kDv>(o, st, p.out, p.lse, bhq, Sq, row0, tig);
 }

@@ -48,7 +48,11 @@ def test_tile_fwd_knob(monkeypatch):
     with pytest.raises(ValueError, match="FP8ATTN_TILE_PINGPONG='on' is not one of 0, 1"):
         OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
     monkeypatch.delenv("FP8ATTN_TILE_PINGPONG")
+    monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "2")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_PERSISTENT='2' is not one of 0, 1"):
+        OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
     OPS.fwd(q, k, v, 0.125, False, "fp8", 128)  # the row recipe never reads them
+    monkeypatch.delenv("FP8ATTN_TILE_PERSISTENT")
 
 
 # ---- quantization: bit-exact against the CPU op -----------------------------------------
@@ -357,3 +361,30 @@ def test_tile_fwd_pingpong(shape, causal, monkeypatch):
     monkeypatch.setenv("FP8ATTN_TILE_PINGPONG", "1")
     o1, l1 = check_tile_fwd(shape, causal, seed, q, k, v)
     assert torch.equal(o0, o1) and torch.equal(l0, l1), "the two consumer orders differ"
+
+
+# ---- the persistent scheduler (FP8ATTN_TILE_PERSISTENT=1; after the pingpong) -------------
+# More work tiles than the H200's 132 SMs, so CTAs run several (the barrier phases, the
+# pipeline stages and the pingpong turns carry over between them); work tiles without
+# keys (causal, seqlen_q > seqlen_k) among them. Bitwise equal to one CTA per work tile.
+
+PERSISTENT_SHAPES = [(4, 40, 8, 300, 500, 128, 128), (3, 24, 8, 400, 150, 64, 64),
+                     (2, 30, 10, 260, 390, 192, 128), (2, 40, 40, 257, 300, 256, 256)]
+
+
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_fwd_persistent(shape, causal, monkeypatch):
+    seed = seed_of("tps", shape, causal)
+    b, hq, hkv, sq, sk, d, dv = shape
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dv, seed)
+    for pp in (("0", "1") if dv <= 128 else ("0",)):
+        monkeypatch.setenv("FP8ATTN_TILE_PINGPONG", pp)
+        monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "0")
+        o0, l0 = tile_cuda_fwd(q, k, v, causal, f32_scale(d))
+        monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "1")
+        if pp == "0":
+            o1, l1 = check_tile_fwd(shape, causal, seed, q, k, v)
+        else:
+            o1, l1 = tile_cuda_fwd(q, k, v, causal, f32_scale(d))
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), f"persistent != one CTA per tile (pingpong={pp})"
