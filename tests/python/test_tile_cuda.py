@@ -368,7 +368,7 @@ def test_tile_fwd_pingpong(shape, causal, monkeypatch):
 # pipeline stages and the pingpong turns carry over between them); work tiles without
 # keys (causal, seqlen_q > seqlen_k) among them. Bitwise equal to one CTA per work tile.
 
-PERSISTENT_SHAPES = [(4, 40, 8, 300, 500, 128, 128), (3, 24, 8, 400, 150, 64, 64),
+PERSISTENT_SHAPES = [(4, 40, 8, 130, 200, 128, 128), (3, 24, 8, 400, 150, 64, 64),
                      (2, 30, 10, 260, 390, 192, 128), (2, 40, 40, 257, 300, 256, 256)]
 
 
