@@ -131,7 +131,9 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
     return;
   }
   // warps 1-3: the V^T key permutation, in place (16-byte chunks: the TMA
-  // swizzle moves whole chunks, so it is untouched).
+  // swizzle moves whole chunks, so it is untouched); nothing to do when the
+  // quantization wrote V^T permuted (the consumers then wait for v_raw).
+  if constexpr (fwdt::kVPermutedInQuant) return;
   const int pt = tid - 32;
   for (int kt = 0; kt < n_tiles; ++kt) {
     const int s = (kb + kt) % kStages;
@@ -197,7 +199,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
 
   auto k_full = [&](int s) { return tile_bar<kStages>(bar, kTbKFull, s); };
   auto k_empty = [&](int s) { return tile_bar<kStages>(bar, kTbKEmpty, s); };
-  auto v_full = [&](int s) { return tile_bar<kStages>(bar, kTbVFull, s); };
+  // NOTE: V^T permuted by the quantization (fwdt::kVPermutedInQuant): the
+  // TMA's own barrier says the tile is ready.
+  auto v_full = [&](int s) { return tile_bar<kStages>(bar, fwdt::kVPermutedInQuant ? kTbVRaw : kTbVFull, s); };
   auto v_empty = [&](int s) { return tile_bar<kStages>(bar, kTbVEmpty, s); };
   const uint32_t sQ = sbase + T::kOffQ + cw * 64 * T::kW0;  // chunk 0 rows of this warpgroup
   const uint32_t sQ1 = sbase + T::kOffQ + T::kQChunkBytes + cw * 64 * T::kW1;

@@ -176,9 +176,13 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
       o[3][q] = __byte_perm(p1, p3, 0x7632);
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      *reinterpret_cast<uint4*>(j.tileT + (bh * kDim + 4 * g + c) * j.seqlen_pad + tt) =
-          make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+    for (int c = 0; c < 4; ++c) {
+      uint4 out = make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+      if (j.tileT_perm16)  // tokens 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15
+        out = make_uint4(__byte_perm(o[c][0], o[c][2], 0x5410), __byte_perm(o[c][0], o[c][2], 0x7632),
+                         __byte_perm(o[c][1], o[c][3], 0x5410), __byte_perm(o[c][1], o[c][3], 0x7632));
+      *reinterpret_cast<uint4*>(j.tileT + (bh * kDim + 4 * g + c) * j.seqlen_pad + tt) = out;
+    }
   }
 }
 

@@ -48,6 +48,10 @@ struct TileQuantJob {
   uint8_t* tileT = nullptr;
   float* tile_s = nullptr;  // required when tile or tileT is set
   int seqlen_pad = 0;       // multiple of 16, >= seqlen (only read when tileT != null)
+  // tileT's 16-token groups in the order 0 1 8 9 2 3 10 11 4 5 12 13 6 7 14 15
+  // (byte j of a group holds token order[j]): the forward's P V operand, whose
+  // A fragments are the S accumulator's registers (fwdt::kVPermutedInQuant).
+  bool tileT_perm16 = false;
 };
 
 // Launches the quantization on `stream`. Requirements (checked, throwing

@@ -334,9 +334,10 @@ TileFwdCodes quantize_tile_fwd(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor none;
   TileFwdCodes c{alloc_codes(q), alloc_token_scales(q), alloc_codes(k), alloc_tile_scales(k), alloc_codesT(v),
                  alloc_tile_scales(v)};
-  const TileQuantJob jobs[3] = {tile_job(q, fmt, c.q, c.q_s, none, none, none),
+  TileQuantJob jobs[3] = {tile_job(q, fmt, c.q, c.q_s, none, none, none),
                                 tile_job(k, fmt, none, none, c.k, none, c.k_s),
                                 tile_job(v, fmt, none, none, none, c.vT, c.v_s)};
+  jobs[2].tileT_perm16 = fwdt::kVPermutedInQuant;  // the order the forward's P V reads
   launch([&] { quantize_tilescale_bf16_sm90(jobs, 3, stream); });
   return c;
 }
@@ -670,7 +671,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const TileFwdCodes c = quantize_tile_fwd(q, k, v, fmt, stream);
-  return {c.q, c.q_s, c.k, c.k_s, c.vT.narrow(3, 0, v.size(2)).transpose(2, 3), c.v_s};
+  at::Tensor vT = c.vT;
+  if (fwdt::kVPermutedInQuant) {
+    // Undo the 16-token group order (TileQuantJob::tileT_perm16) with a gather, so
+    // the test compares plain codes: key t of a group sits at byte kPos[t].
+    static constexpr int64_t kPos[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+    const at::Tensor pos = at::tensor(c10::ArrayRef<int64_t>(kPos, 16), vT.options().dtype(at::kLong));
+    const auto sz = vT.sizes();
+    vT = vT.view({sz[0], sz[1], sz[2], sz[3] / 16, 16}).index_select(4, pos).reshape(sz);
+  }
+  return {c.q, c.q_s, c.k, c.k_s, vT.narrow(3, 0, v.size(2)).transpose(2, 3), c.v_s};
 }
 
 }  // namespace
