@@ -7,14 +7,16 @@
 // tiles (same chunking) and kStages V^T tiles (Dv rows of 128 keys, 128B
 // swizzle), mbarriers. Barriers per stage: k_full (TMA bytes), k_empty (every
 // consumer thread), v_raw (TMA bytes), v_full (the 96 permuting threads),
-// v_empty (every consumer thread); q_full once.
+// v_empty (every consumer thread); q_full / q_empty once per work tile.
 //
-// Producer warpgroup: warp 0 issues the TMA loads (Q once; per key tile K into
-// stage s after k_empty, V^T after v_empty); warps 1-3 permute each V^T tile's
-// keys in place inside every 16-key group so the P codes can stay in the
-// registers the S accumulator gave them (the "P fragment" trick of the `row`
-// kernel, fwd_wgmma_e4m3_blockscale_sm90.cu: A k index 4t + i of a k32 step =
-// key 2t + (i & 1) + 8 (i >> 1)).
+// Producer warpgroup: warp 0 issues the TMA loads (Q per work tile after
+// q_empty; per key tile K into stage s after k_empty, V^T after v_empty). The
+// keys of every 16-key group of V^T are in the order the P codes need to stay
+// in the registers the S accumulator gave them (the "P fragment" trick of the
+// `row` kernel, fwd_wgmma_e4m3_blockscale_sm90.cu: A k index 4t + i of a k32
+// step = key 2t + (i & 1) + 8 (i >> 1)): written so by the quantization
+// (fwdt::kVPermutedInQuant; the consumers wait on v_raw, v_full is unused),
+// else permuted in place by warps 1-3 (v_raw -> v_full).
 //
 // Consumer warpgroup (64 query rows), per key tile of the rows it sees:
 //   S = Q_hat K_hat^T (wgmma m64n128k32 SS over head_dim), mask, softmax_tile
