@@ -16,8 +16,9 @@ What is measured, per (shape, causal):
     CUDA time of the fwd_tilescale kernels per call, torch.profiler: compare
     with cuDNN FP8's graph time, which excludes its quantization too);
     tile_pingpong in the list also times the pingpong order
-    (FP8ATTN_TILE_PINGPONG=1); a table of its own, ratios to cuDNN BF16 in the
-    same run.
+    (FP8ATTN_TILE_PINGPONG=1), tile_persistent the persistent scheduler
+    (FP8ATTN_TILE_PERSISTENT=1); the quantization kernels' time and bandwidth;
+    a table of its own, ratios to cuDNN BF16 in the same run.
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
     excluded), after a self-check against SDPA BF16: "bad" when the relative
     Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
@@ -264,7 +265,9 @@ def markdown(rows, info):
     if any(r.get("tile_fwd") is not None for r in rows):
         lines += ["", "scaling=\"tile\" forward (numerics.md section 9), TFLOP/s (x = ratio to cuDNN BF16 above): "
                   "op = the op as called (quantization included); kernel = the fwd_tilescale kernel's CUDA "
-                  "time alone (torch.profiler); pingpong = FP8ATTN_TILE_PINGPONG=1 (op as called); O err = "
+                  "time alone (torch.profiler); pingpong = FP8ATTN_TILE_PINGPONG=1, persistent = "
+                  "FP8ATTN_TILE_PERSISTENT=1 (op as called); quant = the quant_tilescale kernels' CUDA time per "
+                  "call (torch.profiler) and bytes moved / that time; O err = "
                   "||O - O_SDPA|| / ||O_SDPA|| (n/a with --no-accuracy).", "",
                   TILE_HEAD, "|" + "---|" * (TILE_HEAD.count("|") - 1)]
         for r in rows:
@@ -272,8 +275,9 @@ def markdown(rows, info):
             lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
                          f"{fmt_t(r.get('fp8_fwd'))}{fmt_r(r.get('fp8_fwd'), cf)} | "
                          + " | ".join(f"{fmt_t(r.get(n))}{fmt_r(r.get(n), cf)}"
-                                      for n in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong"))
-                         + f" | {fmt_e(r.get('tile_fwd_err'))} |")
+                                      for n in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong",
+                                                "tile_fwd_persistent"))
+                         + f" | {_fmt_quant(r)} | {fmt_e(r.get('tile_fwd_err'))} |")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -293,7 +297,12 @@ def markdown(rows, info):
 
 
 TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (op) | tile fwd kernel only | "
-             "tile fwd pingpong (op) | tile O err vs SDPA |")
+             "tile fwd pingpong (op) | tile fwd persistent (op) | tile quant us (TB/s) | tile O err vs SDPA |")
+
+
+def _fmt_quant(r):
+    ms, tbs = r.get("tile_quant_ms"), r.get("tile_quant_tbs")
+    return "n/a" if ms is None else f"{1e3 * ms:.0f} ({tbs:.2f})"
 
 REPORT_HEAD = ("| B x H x S, d | causal | fp8 fwd / FP8 GEMM ceiling | DM pre-pass share | saved MiB fp8attn | "
                "saved MiB SDPA | peak MiB fp8attn | peak MiB SDPA |")
@@ -324,8 +333,9 @@ def _shapes_arg(text: str) -> list:
 def _scalings_arg(text: str) -> tuple:
     """'row,tile' -> ('row', 'tile') (argparse type)."""
     out = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not out or any(x not in ("row", "tile", "tile_pingpong") for x in out):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of row,tile,tile_pingpong, got {text!r}")
+    if not out or any(x not in ("row", "tile", "tile_pingpong", "tile_persistent") for x in out):
+        raise argparse.ArgumentTypeError("expected a comma-separated subset of row,tile,tile_pingpong,tile_persistent, "
+                                         f"got {text!r}")
     return out
 
 
@@ -352,7 +362,7 @@ def parser() -> argparse.ArgumentParser:
                     help="comma-separated BxHxSxd shapes instead of the built-in lists, e.g. 1x16x16384x128")
     ap.add_argument("--scaling", default="row", type=_scalings_arg,
                     help="comma-separated recipes: row (always), tile (adds the tile forward table), "
-                         "tile_pingpong (also its pingpong order)")
+                         "tile_pingpong (also its pingpong order), tile_persistent (also its persistent scheduler)")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     return ap
@@ -409,7 +419,7 @@ def bench_shape(r, args) -> None:
             del os.environ["FP8ATTN_FWD_KERNEL"]
         r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
     scalings = getattr(args, "scaling", ("row",))
-    if "tile" in scalings or "tile_pingpong" in scalings:
+    if any(x.startswith("tile") for x in scalings):
         # NOTE: FP8ATTN_TILE_FWD=1 enables the CUDA tile forward (docs/architecture.md)
         os.environ["FP8ATTN_TILE_FWD"] = os.environ.get("FP8ATTN_TILE_FWD") or "1"
 
@@ -419,6 +429,20 @@ def bench_shape(r, args) -> None:
         r["tile_fwd"], r["tile_fwd_ms"] = tflops(fwd_flops, t_ms), t_ms
         k_ms = kernel_ms(tile_fwd, "fwd_tilescale")
         r["tile_fwd_kernel"], r["tile_fwd_kernel_ms"] = tflops(fwd_flops, k_ms), k_ms
+        # The Q / K / V quantization launch(es) alone, and their bandwidth: BF16 read once,
+        # one code byte per element written, FP32 scales (Q per token, K / V per 128-key tile).
+        q_ms = kernel_ms(tile_fwd, "quant_tilescale")
+        q_bytes = (3 * (q.numel() + k.numel() + v.numel()) + 4 * q.numel() // q.shape[-1]
+                   + 8 * (k.numel() // k.shape[-1] + 127) // 128)
+        r["tile_quant_ms"] = q_ms
+        r["tile_quant_tbs"] = None if q_ms is None else q_bytes / (q_ms * 1e-3) / 1e12
+        if "tile_persistent" in scalings:
+            os.environ["FP8ATTN_TILE_PERSISTENT"] = "1"  # read by run_fwd_tile on every call
+            try:
+                s_ms = time_ms(tile_fwd, args.warmup, args.iters)
+            finally:
+                del os.environ["FP8ATTN_TILE_PERSISTENT"]
+            r["tile_fwd_persistent"], r["tile_fwd_persistent_ms"] = tflops(fwd_flops, s_ms), s_ms
         if "tile_pingpong" in scalings:
             os.environ["FP8ATTN_TILE_PINGPONG"] = "1"  # read by run_fwd_tile on every call
             try:

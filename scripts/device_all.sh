@@ -89,15 +89,24 @@ os.environ["FP8ATTN_FWD_KERNEL"] = ""
 # The `tile` forward (quantization + fwd_tilescale kernels): every head_dim, both masks,
 # GQA, ragged, more key tiles than stages; both consumer orders at dv <= 128.
 os.environ["FP8ATTN_TILE_FWD"] = "1"
-for pp in ("0", "1"):
-    os.environ["FP8ATTN_TILE_PINGPONG"] = pp
-    for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
-        for causal in (False, True):
-            q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(1, 2, 650, d, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(1, 2, 650, dv, device="cuda", dtype=torch.bfloat16)
-            ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
+# Both schedulers (FP8ATTN_TILE_PERSISTENT); the persistent one also on 144 work tiles
+# (> 132 SMs: CTAs that run several).
+for ps in ("0", "1"):
+    os.environ["FP8ATTN_TILE_PERSISTENT"] = ps
+    for pp in ("0", "1"):
+        os.environ["FP8ATTN_TILE_PINGPONG"] = pp
+        for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
+            for causal in (False, True):
+                q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, 2, 650, d, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(1, 2, 650, dv, device="cuda", dtype=torch.bfloat16)
+                ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
+        if ps == "1":
+            q = torch.randn(1, 48, 260, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+            ops.fwd(q, k, k, 128 ** -0.5, True, "fp8", 128, "tile")
 os.environ.pop("FP8ATTN_TILE_PINGPONG")
+os.environ.pop("FP8ATTN_TILE_PERSISTENT")
 # The `tile` backward (pre-pass + main kernel, FP8ATTN_TILE_BWD=1): every head_dim, both
 # masks, GQA, ragged, more query tiles than ring stages, diagnostics; every delta mode at 128.
 os.environ["FP8ATTN_TILE_BWD"] = "1"

@@ -187,6 +187,16 @@ constexpr int kBarPingpong = 1;  // ids kBarPingpong + 0 / + 1
 // in-warpgroup overlap alone until the pingpong is measured on the device
 // (docs/kernels/fwd_tilescale_e4m3_sm90.md).
 constexpr bool kTilePingpongDefault = false;
+// Default scheduler (FP8ATTN_TILE_PERSISTENT overrides): one CTA per work
+// tile; the persistent longest-first one (scheduler_sm90.cuh) is off until
+// it has passed the GPU tests and been measured.
+constexpr bool kTilePersistentDefault = false;
+// The quantization writes V^T with the keys of every 16-key group in the
+// order the P fragments of the S accumulator need (0 1 8 9 2 3 10 11 4 5 12
+// 13 6 7 14 15; TileQuantJob::tileT_perm16), so the consumers read V^T as TMA
+// left it. false: the producer's warps 1-3 permute every V^T tile in shared
+// memory (v_raw -> v_full), as in v1.
+constexpr bool kVPermutedInQuant = true;
 
 static_assert(kBlockN == 128, "P fragment permutation covers 16-key groups of a 128-key tile; V^T rows 128 bytes");
 static_assert(kBlockM <= 256 && kBlockN <= 256, "TMA box dims are at most 256");

@@ -13,6 +13,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -26,38 +27,66 @@ namespace fp8attn {
 namespace sm90 {
 namespace {
 
-template <int kD, int kDv, bool kPingpong>
+// kPersistent: the CTA computes the work tiles blockIdx.x, + gridDim.x, ... of
+// the n_m x n_h x n_b tiles of its launch (scheduler_sm90.cuh); otherwise one
+// work tile per CTA from blockIdx (n_m, n_h, n_b unused).
+template <int kD, int kDv, bool kPingpong, bool kPersistent>
 __global__ void __launch_bounds__(fwdt::kThreads, 1)
     fwd_tilescale_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q0,
                          const __grid_constant__ CUtensorMap tm_q1, const __grid_constant__ CUtensorMap tm_k0,
-                         const __grid_constant__ CUtensorMap tm_k1, const __grid_constant__ CUtensorMap tm_v) {
+                         const __grid_constant__ CUtensorMap tm_k1, const __grid_constant__ CUtensorMap tm_v, int n_m,
+                         int n_h, int n_b) {
   using T = FwdTileTraits<kD, kDv>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (pipe::smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t sbase = pipe::smem_u32(smem);
   const uint32_t bar = sbase + T::kOffBar;
 
-  const WorkTile w = tile_of();
-  const SeqInfo si = seq_info(p, w.batch);
-  const int hk = w.head_q / (p.num_heads_q / p.num_heads_kv);
-  const int q0 = w.m_tile * T::kBlockM;
-  const int64_t bhq = static_cast<int64_t>(w.batch) * p.num_heads_q + w.head_q;
-  const int64_t bhk = static_cast<int64_t>(w.batch) * p.num_heads_kv + hk;
-  const int n_tiles = key_tiles_seen(q0, q0 + T::kBlockM, si, p.causal, T::kBlockN);
-
   if (threadIdx.x == 0) tile_init_bars<T::kStages>(bar);
   __syncthreads();
+
+  const int64_t n_work = kPersistent ? static_cast<int64_t>(n_m) * n_h * n_b : 1;
+  const int64_t step = kPersistent ? gridDim.x : 1;
+  // One work tile: where its rows and keys are, how many key tiles it streams.
+  struct Work {
+    SeqInfo si;
+    int q0, n_tiles;
+    int64_t bhq, bhk;
+  };
+  auto work_at = [&](int64_t L) {
+    const WorkTile w = kPersistent ? work_tile_at(L, n_m, n_h, n_b) : tile_of();
+    Work r;
+    r.si = seq_info(p, w.batch);
+    const int hk = w.head_q / (p.num_heads_q / p.num_heads_kv);
+    r.q0 = w.m_tile * T::kBlockM;
+    r.bhq = static_cast<int64_t>(w.batch) * p.num_heads_q + w.head_q;
+    r.bhk = static_cast<int64_t>(w.batch) * p.num_heads_kv + hk;
+    r.n_tiles = key_tiles_seen(r.q0, r.q0 + T::kBlockM, r.si, p.causal, T::kBlockN);
+    return r;
+  };
+  const int64_t L0 = kPersistent ? blockIdx.x : 0;
 
   if (threadIdx.x < 128) {
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(fwdt::kProducerRegs));
-    fwd_tile_producer<T>(sbase, bar, q0, n_tiles, static_cast<int>(bhq), static_cast<int>(bhk), &tm_q0, &tm_q1,
-                         &tm_k0, &tm_k1, &tm_v);
+    int kb = 0, it = 0;
+    for (int64_t L = L0; L < n_work; L += step, ++it) {
+      const Work wk = work_at(L);
+      fwd_tile_producer<T>(sbase, bar, wk.q0, wk.n_tiles, static_cast<int>(wk.bhq), static_cast<int>(wk.bhk), &tm_q0,
+                           &tm_q1, &tm_k0, &tm_k1, &tm_v, kb, it);
+      kb += wk.n_tiles;
+    }
     return;
   }
   // ================= consumer warpgroups =================
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fwdt::kConsumerRegs));
-  fwd_tile_consumer<T, kPingpong>(p, si, sbase, bar, q0, n_tiles, bhq, bhk);
+  int kb = 0, it = 0;
+  for (int64_t L = L0; L < n_work; L += step, ++it) {
+    const Work wk = work_at(L);
+    fwd_tile_consumer<T, kPingpong>(p, wk.si, sbase, bar, wk.q0, wk.n_tiles, wk.bhq, wk.bhk, kb, it, it == 0,
+                                    L + step >= n_work);
+    kb += wk.n_tiles;
+  }
 }
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error("fp8attn: run_fwd_tile: " + what); }
@@ -71,10 +100,19 @@ uint64_t rows_kv(const KernelParams& p, const AttnChunk& c) {
   return static_cast<uint64_t>(p.batch * static_cast<int64_t>(p.num_heads_kv) - (c.b0 * p.num_heads_kv + c.hk0));
 }
 
-template <int kD, int kDv, bool kPingpong>
+// SMs of the current device (the persistent grid).
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    fail("cannot read the device's multiprocessor count");
+  return n;
+}
+
+template <int kD, int kDv, bool kPingpong, bool kPersistent>
 void launch(const KernelParams& p, cudaStream_t stream) {
   using T = FwdTileTraits<kD, kDv>;
-  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong>;
+  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong, kPersistent>;
+  const int64_t sms = kPersistent ? sm_count() : 0;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
   // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
@@ -98,7 +136,14 @@ void launch(const KernelParams& p, cudaStream_t stream) {
         }
         const CUtensorMap tm_v =
             make_map_u8(pc.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
-        kernel<<<dim3(gx, gy, gz), fwdt::kThreads, T::kSmemBytes, stream>>>(pc, tm_q0, tm_q1, tm_k0, tm_k1, tm_v);
+        // NOTE: persistent: one CTA per SM (the register split allows one),
+        // fewer when the launch has fewer work tiles.
+        const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(std::min<int64_t>(
+                                                 sms, static_cast<int64_t>(gx) * gy * gz)))
+                                      : dim3(gx, gy, gz);
+        kernel<<<grid, fwdt::kThreads, T::kSmemBytes, stream>>>(pc, tm_q0, tm_q1, tm_k0, tm_k1, tm_v,
+                                                                static_cast<int>(gx), static_cast<int>(gy),
+                                                                static_cast<int>(gz));
         const cudaError_t e = cudaGetLastError();
         if (e != cudaSuccess) fail(std::string("launch failed: ") + cudaGetErrorString(e));
       });
@@ -111,12 +156,16 @@ void launch_schedule(const KernelParams& p, cudaStream_t stream) {
   // NOTE: FP8ATTN_TILE_PINGPONG=0|1 picks the order at dv <= 128 (default: the
   // kernel notes' measured choice, kTilePingpongDefault; a bad value throws
   // std::invalid_argument, ValueError in Python); dv = 256 is serial.
+  // FP8ATTN_TILE_PERSISTENT=0|1 likewise picks the scheduler (default
+  // fwdt::kTilePersistentDefault, off until measured; scheduler_sm90.cuh).
   const int pp_env = env_choice("FP8ATTN_TILE_PINGPONG", {"0", "1"});
+  const int ps_env = env_choice("FP8ATTN_TILE_PERSISTENT", {"0", "1"});
   const bool pp = pp_env < 0 ? fwdt::kTilePingpongDefault : pp_env == 1;
+  const bool ps = ps_env < 0 ? fwdt::kTilePersistentDefault : ps_env == 1;
   if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
-    if (pp) return launch<kD, kDv, true>(p, stream);
+    if (pp) return ps ? launch<kD, kDv, true, true>(p, stream) : launch<kD, kDv, true, false>(p, stream);
   }
-  launch<kD, kDv, false>(p, stream);
+  return ps ? launch<kD, kDv, false, true>(p, stream) : launch<kD, kDv, false, false>(p, stream);
 }
 
 }  // namespace

@@ -7,14 +7,16 @@
 // tiles (same chunking) and kStages V^T tiles (Dv rows of 128 keys, 128B
 // swizzle), mbarriers. Barriers per stage: k_full (TMA bytes), k_empty (every
 // consumer thread), v_raw (TMA bytes), v_full (the 96 permuting threads),
-// v_empty (every consumer thread); q_full once.
+// v_empty (every consumer thread); q_full / q_empty once per work tile.
 //
-// Producer warpgroup: warp 0 issues the TMA loads (Q once; per key tile K into
-// stage s after k_empty, V^T after v_empty); warps 1-3 permute each V^T tile's
-// keys in place inside every 16-key group so the P codes can stay in the
-// registers the S accumulator gave them (the "P fragment" trick of the `row`
-// kernel, fwd_wgmma_e4m3_blockscale_sm90.cu: A k index 4t + i of a k32 step =
-// key 2t + (i & 1) + 8 (i >> 1)).
+// Producer warpgroup: warp 0 issues the TMA loads (Q per work tile after
+// q_empty; per key tile K into stage s after k_empty, V^T after v_empty). The
+// keys of every 16-key group of V^T are in the order the P codes need to stay
+// in the registers the S accumulator gave them (the "P fragment" trick of the
+// `row` kernel, fwd_wgmma_e4m3_blockscale_sm90.cu: A k index 4t + i of a k32
+// step = key 2t + (i & 1) + 8 (i >> 1)): written so by the quantization
+// (fwdt::kVPermutedInQuant; the consumers wait on v_raw, v_full is unused),
+// else permuted in place by warps 1-3 (v_raw -> v_full).
 //
 // Consumer warpgroup (64 query rows), per key tile of the rows it sees:
 //   S = Q_hat K_hat^T (wgmma m64n128k32 SS over head_dim), mask, softmax_tile
@@ -55,8 +57,8 @@ struct FwdTileTraits {
   static constexpr int kOffQ = 0;
   static constexpr int kOffK = kOffQ + kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKBytes;
-  static constexpr int kOffBar = kOffV + kStages * kVBytes;  // uint64 [1 + 5 kStages]
-  static constexpr int kSmemBytes = kOffBar + 8 * (1 + 5 * kStages) + 1024;  // + base alignment
+  static constexpr int kOffBar = kOffV + kStages * kVBytes;  // uint64 [2 + 5 kStages]
+  static constexpr int kSmemBytes = kOffBar + 8 * (2 + 5 * kStages) + 1024;  // + base alignment
   static constexpr bool kOverlap = fwdt::overlap_fits(kDv);
 
   static_assert(kChunks <= 2 && (kW0 == 64 || kW0 == 128) && (kW1 == 0 || kW1 == 64 || kW1 == 128),
@@ -67,10 +69,12 @@ struct FwdTileTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one SM");
 };
 
-enum TileBar { kTbQFull = 0, kTbKFull = 1, kTbKEmpty = 2, kTbVRaw = 3, kTbVFull = 4, kTbVEmpty = 5 };
+enum TileBar { kTbQFull = 0, kTbKFull = 1, kTbKEmpty = 2, kTbVRaw = 3, kTbVFull = 4, kTbVEmpty = 5, kTbQEmpty = 6 };
 template <int kStages>
 __device__ __forceinline__ uint32_t tile_bar(uint32_t bar, TileBar which, int s) {
-  return which == kTbQFull ? bar : bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
+  if (which == kTbQFull) return bar;
+  if (which == kTbQEmpty) return bar + 8u * (1 + 5 * kStages);
+  return bar + 8u * (1 + (static_cast<int>(which) - 1) * kStages + s);
 }
 // NOTE: every consumer thread arrives on k_empty / v_empty (its own reads of
 // the stage are then ordered before the producer's next writes by one
@@ -79,6 +83,7 @@ template <int kStages>
 __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
   using namespace pipe;
   mbar_init(tile_bar<kStages>(bar, kTbQFull, 0), 1);
+  mbar_init(tile_bar<kStages>(bar, kTbQEmpty, 0), 128 * fwdt::kConsumerWGs);
   for (int s = 0; s < kStages; ++s) {
     mbar_init(tile_bar<kStages>(bar, kTbKFull, s), 1);
     mbar_init(tile_bar<kStages>(bar, kTbKEmpty, s), 128 * fwdt::kConsumerWGs);
@@ -91,23 +96,29 @@ __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
 
 // ---- producer warpgroup -------------------------------------------------------------
 // Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [0, n_tiles) of head row bhk.
+// it: the CTA's work tile count so far (persistent scheduler; 0 otherwise), kb
+// the key tiles it streamed before this work tile (stage / phase of key tile
+// kt: kb + kt).
 template <class T>
 __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int n_tiles, int bhq, int bhk,
                                                   const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
                                                   const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
-                                                  const CUtensorMap* tm_v) {
+                                                  const CUtensorMap* tm_v, int kb, int it) {
   using namespace pipe;
   constexpr int kStages = T::kStages, kBlockN = T::kBlockN;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
   if (warp == 0) {
     if (lane != 0) return;
     const uint32_t q_full = tile_bar<kStages>(bar, kTbQFull, 0);
+    // NOTE: the previous work tile's Q is free once every consumer thread has
+    // arrived on q_empty (after its last QK^T).
+    if (it > 0) mbar_wait(tile_bar<kStages>(bar, kTbQEmpty, 0), (it - 1) & 1);
     mbar_arrive_tx(q_full, T::kQBytes);
     tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, bhq);
     if constexpr (T::kChunks == 2) tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q0, bhq);
     for (int kt = 0; kt < n_tiles; ++kt) {
-      const int s = kt % kStages;
-      const uint32_t ph = (kt / kStages) & 1;
+      const int s = (kb + kt) % kStages;
+      const uint32_t ph = ((kb + kt) / kStages) & 1;
       const uint32_t sK = sbase + T::kOffK + s * T::kKBytes;
       mbar_wait(tile_bar<kStages>(bar, kTbKEmpty, s), ph ^ 1);
       const uint32_t k_full = tile_bar<kStages>(bar, kTbKFull, s);
@@ -122,11 +133,13 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
     return;
   }
   // warps 1-3: the V^T key permutation, in place (16-byte chunks: the TMA
-  // swizzle moves whole chunks, so it is untouched).
+  // swizzle moves whole chunks, so it is untouched); nothing to do when the
+  // quantization wrote V^T permuted (the consumers then wait for v_raw).
+  if constexpr (fwdt::kVPermutedInQuant) return;
   const int pt = tid - 32;
   for (int kt = 0; kt < n_tiles; ++kt) {
-    const int s = kt % kStages;
-    const uint32_t ph = (kt / kStages) & 1;
+    const int s = (kb + kt) % kStages;
+    const uint32_t ph = ((kb + kt) / kStages) & 1;
     const uint32_t sV = sbase + T::kOffV + s * T::kVBytes;
     // NOTE: v_empty first, then v_raw: the consumers' reads of the stage
     // happen-before these stores through one release / acquire pair.
@@ -147,9 +160,12 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
 }
 
 // ---- consumer warpgroup ---------------------------------------------------------------
+// kb, it: as the producer's; first / last: the CTA's first / last work tile
+// (the pingpong turns continue from one work tile to the next).
 template <class T, bool kPingpong>
 __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
-                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk) {
+                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk, int kb, int it,
+                                                  bool first, bool last) {
   using namespace pipe;
   constexpr int kStages = T::kStages, kBlockN = T::kBlockN, kDv = T::kDv;
   constexpr int kNT = kBlockN / 8;  // n8 tiles of S (16)
@@ -185,7 +201,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
 
   auto k_full = [&](int s) { return tile_bar<kStages>(bar, kTbKFull, s); };
   auto k_empty = [&](int s) { return tile_bar<kStages>(bar, kTbKEmpty, s); };
-  auto v_full = [&](int s) { return tile_bar<kStages>(bar, kTbVFull, s); };
+  // NOTE: V^T permuted by the quantization (fwdt::kVPermutedInQuant): the
+  // TMA's own barrier says the tile is ready.
+  auto v_full = [&](int s) { return tile_bar<kStages>(bar, fwdt::kVPermutedInQuant ? kTbVRaw : kTbVFull, s); };
   auto v_empty = [&](int s) { return tile_bar<kStages>(bar, kTbVEmpty, s); };
   const uint32_t sQ = sbase + T::kOffQ + cw * 64 * T::kW0;  // chunk 0 rows of this warpgroup
   const uint32_t sQ1 = sbase + T::kOffQ + T::kQChunkBytes + cw * 64 * T::kW1;
@@ -197,8 +215,10 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     if constexpr (kPingpong) named_arrive(fwdt::kBarPingpong + (cw ^ 1), 256);
   };
   if constexpr (kPingpong) {
-    if (cw == 1) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
+    if (cw == 1 && first) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
   }
+  auto stage = [&](int kt) { return (kb + kt) % kStages; };
+  auto phase = [&](int kt) { return static_cast<uint32_t>(((kb + kt) / kStages) & 1); };
 
   // The wgmma batches. NOTE: every barrier wait and descriptor is done before
   // the warpgroup fence, so no non-wgmma instruction defines a wgmma input
@@ -223,13 +243,13 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     wg_commit();
   };
   auto k_tile = [&](int kt) {  // waits for K tile kt, returns its stage address
-    const int s = kt % kStages;
-    mbar_wait(k_full(s), (kt / kStages) & 1);
+    const int s = stage(kt);
+    mbar_wait(k_full(s), phase(kt));
     return sbase + T::kOffK + s * T::kKBytes;
   };
   auto v_tile = [&](int kt) {
-    const int s = kt % kStages;
-    mbar_wait(v_full(s), (kt / kStages) & 1);
+    const int s = stage(kt);
+    mbar_wait(v_full(s), phase(kt));
     return sbase + T::kOffV + s * T::kVBytes;
   };
   // Issue S = Q_hat K_hat^T of key tile kt (asynchronous, one commit group).
@@ -272,15 +292,15 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   };
   // A tile none of this warpgroup's rows sees: take part in the stage hand-over only.
   auto handover = [&](int kt) {
-    const int s = kt % kStages;
-    const uint32_t ph = (kt / kStages) & 1;
+    const int s = stage(kt);
+    const uint32_t ph = phase(kt);
     mbar_wait(k_full(s), ph);
     mbar_arrive(k_empty(s));
     mbar_wait(v_full(s), ph);
     mbar_arrive(v_empty(s));
   };
 
-  mbar_wait(tile_bar<kStages>(bar, kTbQFull, 0), 0);
+  mbar_wait(tile_bar<kStages>(bar, kTbQFull, 0), it & 1);
 
   if constexpr (T::kOverlap) {
     // NOTE: the phases (turns of the pingpong) of every warpgroup number
@@ -297,7 +317,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       const float sk = __ldg(ks_g), sv = __ldg(vs_g);
       wg_wait<0>();
       fence_acc(sacc);
-      mbar_arrive(k_empty(0));
+      mbar_arrive(k_empty(stage(0)));
       mask(sacc, 0);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
       // One tile: QK^T (kt) with P V (kt - 1) from pa_prev; softmax (kt) into pa_new.
@@ -311,12 +331,12 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         const float skn = __ldg(ks_g + kt), svn = __ldg(vs_g + kt);
         wg_wait<1>();  // S (kt); P V (kt - 1) may still run
         fence_acc(sacc);
-        mbar_arrive(k_empty(kt % kStages));
+        mbar_arrive(k_empty(stage(kt)));
         mask(sacc, kt);
         softmax_tile<kNT>(sacc, skn, svn, st, pa_new, factor);
         wg_wait<0>();
         fence_acc(o);
-        mbar_arrive(v_empty((kt - 1) % kStages));
+        mbar_arrive(v_empty(stage(kt - 1)));
         rescale_o(o, factor);
       };
       uint32_t pb[kNT / 4][4];
@@ -331,7 +351,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         turn_pass();
         wg_wait<0>();
         fence_acc(o);
-        mbar_arrive(v_empty((n_mine - 1) % kStages));
+        mbar_arrive(v_empty(stage(n_mine - 1)));
       };
       // NOTE: the odd tail calls the last P V on pb itself (a copy pa = pb
       // would be coalesced, C7513 again).
@@ -351,7 +371,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       handover(kt);
     }
     if constexpr (kPingpong) {
-      if (cw == 0) turn_wait();  // consumes warpgroup 1's last pass (every arrive is matched)
+      // Consumes warpgroup 1's last pass (every arrive is matched); before
+      // the CTA's next work tile warpgroup 0's first turn_wait does it.
+      if (cw == 0 && last) turn_wait();
     }
   } else {
     // Serial order (dv = 256): QK^T, softmax, O *= factor, P V, per tile.
@@ -362,17 +384,18 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       const float sk = __ldg(ks_g + kt), sv = __ldg(vs_g + kt);
       wg_wait<0>();
       fence_acc(sacc);
-      mbar_arrive(k_empty(kt % kStages));
+      mbar_arrive(k_empty(stage(kt)));
       mask(sacc, kt);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);
       rescale_o(o, factor);
       pv_issue(pa, kt);
       wg_wait<0>();
       fence_acc(o);
-      mbar_arrive(v_empty(kt % kStages));
+      mbar_arrive(v_empty(stage(kt)));
     }
     for (int kt = n_mine; kt < n_tiles; ++kt) handover(kt);
   }
+  mbar_arrive(tile_bar<kStages>(bar, kTbQEmpty, 0));  // this thread's reads of Q are done
 
   store_o_lse<kDv>(o, st, p.out, p.lse, bhq, Sq, row0, tig);
 }

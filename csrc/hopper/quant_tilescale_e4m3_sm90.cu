@@ -1,15 +1,21 @@
 // fp8attn: sm_90a FP8 quantization of BF16 Q / K / V / dO for the `tile`
 // scaling recipe (numerics.md section 9). Contract:
-// quant_tilescale_e4m3_sm90.h; math: numerics.md section 2.
+// quant_tilescale_e4m3_sm90.h; math: numerics.md section 2; design, floor and
+// predictions: docs/kernels/fwd_tilescale_e4m3_sm90.md ("Quantization").
 //
-// One CTA (kQuantThreads threads) reads one tile of kSeqBlock tokens x all of
-// head_dim of one (batch, head) once, with 16-byte loads held in registers
-// (head_dim 256: 16 vectors per thread), and produces
+// One launch serves several operands (TileQuantJob each, e.g. the forward's
+// Q, K, V): one CTA (kQuantThreads threads) per (128-token tile, batch, head)
+// of every job, on one linear grid. The CTA reads its tile of 128 tokens x all
+// of head_dim once (32-byte loads per lane, every load in flight at once, held
+// in registers: head_dim 256 is 16 vectors per thread) and produces
 //   - row pass: per token, one block over all of head_dim (kLanes lanes hold a
-//     token row; the row amax is a shuffle reduction), codes written at once;
+//     token row; the row amax is a shuffle reduction), 16-byte code stores;
 //   - tile pass: one block over the whole tile (CTA reduction of the same
-//     amax bits), codes written row-major and/or, through a shared-memory
-//     [channel][token] copy of the codes, transposed with 16-byte stores.
+//     amax bits), 16-byte code stores row-major and / or into a shared
+//     [token][channel] copy (16-byte units XOR-swizzled by the token's 16-row
+//     chunk), read back as 4-byte words of 16 tokens, transposed 4 x 4 in
+//     registers (byte permutes) and written as 16-byte chunks of 16 tokens per
+//     channel (8 lanes write one 128-byte run of a channel row).
 // Scales equal fp8attn::block_scale (block_scale_fast on the amax found by an
 // integer max of the BF16 bits, quant_codec_sm90.cuh), codes the hardware RNE
 // conversion (finite blocks) or fp8attn::fp8_encode (blocks holding NaN / inf),
@@ -18,11 +24,11 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
 #include "hopper/config_sm90.h"
-#include "hopper/launch_sm90.h"
 #include "hopper/quant_codec_sm90.cuh"
 
 namespace fp8attn {
@@ -32,75 +38,87 @@ namespace {
 using namespace quantdev;
 
 constexpr int kWarps = kQuantThreads / 32;
-constexpr int kLdT = kSeqBlock;  // bytes per channel row of the transposed codes
-static_assert(kQuantThreads % 32 == 0 && kLdT == 8 * 16, "whole warps; a channel row = 8 chunks of 16 tokens");
+static_assert(kQuantThreads == 256 && kSeqBlock == 128, "lane maps below: 8 warps, 128-token tiles");
 
-// Byte offset of (channel c, token r) in the shared [channel][token] copy of the
-// tile codes: the 16-token chunks of channel row c are XOR-swizzled by (c / 8) % 8.
-// NOTE: the lanes of a warp write the same token of channels 8 apart; unswizzled
-// (rows of 128 or 144 bytes) those bytes share one bank (16- to 32-way conflicts);
-// swizzled they spread over 8 bank groups (1-, 2-, 4-way at head_dim 64, 128, 256).
-__device__ __forceinline__ int t_offset(int c, int r) {
-  return c * kLdT + ((((r >> 4) ^ (c >> 3)) & 7) << 4) + (r & 15);
+// Lane map of a token row: a lane holds kUnit = 16 channels (32 bytes in,
+// 16 bytes of codes out); kLanes lanes (a power of two) per row.
+template <int kDim>
+struct TileGeom {
+  static constexpr int kUnit = 16;
+  static constexpr int kUnits = kDim / kUnit;  // 4, 8, 12, 16
+  static constexpr int kLanes = kUnits <= 4 ? 4 : (kUnits <= 8 ? 8 : 16);  // 12 -> 16, 4 idle
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static constexpr int kRowsPerPass = kWarps * kRowsPerWarp;
+  static constexpr int kPasses = kSeqBlock / kRowsPerPass;  // 2, 4, 8, 8
+  // Shared [token][channel] codes: 16-byte unit u of token row r sits at unit
+  // u ^ ((r / 16) & kSwz) (stays inside u's aligned group of kSwz + 1 units).
+  // NOTE: the transposed read has the 8 lanes of one channel word read the
+  // same word of the 8 16-token chunks; unswizzled that is one bank (8-way
+  // conflicts at head_dim 128 / 256); swizzled: conflict-free at 128 / 256,
+  // 2-way at 64 / 192 (rows of 64 / 192 bytes put two chunks on one bank half).
+  static constexpr int kSwz = (kDim == 128 || kDim == 256) ? 7 : 3;
+  static_assert(kDim % kUnit == 0 && kUnits % (kSwz + 1) == 0, "swizzle stays inside the row");
+  static_assert(kSeqBlock % kRowsPerPass == 0, "whole token rows per pass");
+};
+
+__device__ __forceinline__ uint32_t enc_words(uint32_t w0, uint32_t w1, float inv_s, bool finite, Fp8Format fmt) {
+  return encode4(bf16_bits_to_float(w0 & 0xffffu), bf16_bits_to_float(w0 >> 16), bf16_bits_to_float(w1 & 0xffffu),
+                 bf16_bits_to_float(w1 >> 16), inv_s, finite, fmt);
 }
-static_assert(kSeqBlock % 16 == 0, "transposed stores are 16-token chunks");
-
-constexpr int pow2_at_least(int x) { return x <= 8 ? 8 : (x <= 16 ? 16 : 32); }
+// Codes of 16 BF16 (a in channels 0-7, b in 8-15), channel 0 in the low byte.
+__device__ __forceinline__ uint4 enc16(const uint4& a, const uint4& b, float inv_s, bool finite, Fp8Format fmt) {
+  return make_uint4(enc_words(a.x, a.y, inv_s, finite, fmt), enc_words(a.z, a.w, inv_s, finite, fmt),
+                    enc_words(b.x, b.y, inv_s, finite, fmt), enc_words(b.z, b.w, inv_s, finite, fmt));
+}
+__device__ __forceinline__ uint32_t amax16(const uint4& a, const uint4& b) {
+  const uint32_t m0 = vmax_u16x2(vmax_u16x2(a.x & kAbsBf16x2, a.y & kAbsBf16x2), vmax_u16x2(a.z & kAbsBf16x2, a.w & kAbsBf16x2));
+  const uint32_t m1 = vmax_u16x2(vmax_u16x2(b.x & kAbsBf16x2, b.y & kAbsBf16x2), vmax_u16x2(b.z & kAbsBf16x2, b.w & kAbsBf16x2));
+  return vmax_u16x2(m0, m1);
+}
 
 template <int kDim>
-__device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, int sblk, int bh, uint8_t* sT,
+__device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, int sblk, int64_t bh, uint8_t* sT,
                                               uint32_t* red) {
-  constexpr int kVecs = kDim / kQuantVec;          // 16-byte vectors per token row: 8, 16, 24, 32
-  constexpr int kLanes = pow2_at_least(kVecs);      // lanes per token row (24 -> 32, 8 idle)
-  constexpr int kRowsPerWarp = 32 / kLanes;
-  constexpr int kRowsPerPass = kWarps * kRowsPerWarp;
-  constexpr int kPasses = kSeqBlock / kRowsPerPass;  // 4, 8 or 16
-  static_assert(kVecs <= 32 && kSeqBlock % kRowsPerPass == 0, "whole token rows per pass");
-
-  const int b = bh / j.heads, h = bh - b * j.heads;
+  using G = TileGeom<kDim>;
+  const int64_t b = bh / j.heads, h = bh - b * j.heads;
   const int t0 = sblk * kSeqBlock;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int v = lane % kLanes, rsub = lane / kLanes;
-  const bool active = v < kVecs;
+  const int u = lane % G::kLanes, rsub = lane / G::kLanes;
+  const bool active = u < G::kUnits;
   const uint16_t* xb = static_cast<const uint16_t*>(j.x) + b * j.stride_batch + h * j.stride_head;
 
   // ---- loads: all of this thread's vectors in flight at once ----
-  uint4 raw[kPasses];
+  uint4 raw[G::kPasses][2];
   uint32_t tile_m2 = 0u;
 #pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    const int t = t0 + k * kRowsPerPass + warp * kRowsPerWarp + rsub;
-    raw[k] = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
-    if (active && t < j.seqlen)
-      raw[k] = *reinterpret_cast<const uint4*>(xb + static_cast<int64_t>(t) * j.stride_seq + v * kQuantVec);
+  for (int k = 0; k < G::kPasses; ++k) {
+    const int t = t0 + k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
+    raw[k][0] = raw[k][1] = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
+    if (active && t < j.seqlen) {
+      const uint4* src = reinterpret_cast<const uint4*>(xb + static_cast<int64_t>(t) * j.stride_seq + u * G::kUnit);
+      raw[k][0] = src[0];
+      raw[k][1] = src[1];
+    }
   }
 
   // ---- row pass: per token, one block over all of head_dim ----
 #pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    const uint32_t m2 = vmax_u16x2(vmax_u16x2(raw[k].x & kAbsBf16x2, raw[k].y & kAbsBf16x2),
-                                   vmax_u16x2(raw[k].z & kAbsBf16x2, raw[k].w & kAbsBf16x2));
+  for (int k = 0; k < G::kPasses; ++k) {
+    const uint32_t m2 = amax16(raw[k][0], raw[k][1]);
     tile_m2 = vmax_u16x2(tile_m2, m2);
     if (j.row == nullptr) continue;
     uint32_t r2 = m2;
     // NOTE: every lane runs every pass (compile-time bounds): full-warp shuffles.
 #pragma unroll
-    for (int off = kLanes / 2; off > 0; off >>= 1) r2 = vmax_u16x2(r2, __shfl_xor_sync(0xffffffffu, r2, off));
-    const int t = t0 + k * kRowsPerPass + warp * kRowsPerWarp + rsub;
+    for (int off = G::kLanes / 2; off > 0; off >>= 1) r2 = vmax_u16x2(r2, __shfl_xor_sync(0xffffffffu, r2, off));
+    const int t = t0 + k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
     if (!active || t >= j.seqlen) continue;
     const uint32_t amax_bits = max(r2 & 0xffffu, r2 >> 16);
-    const bool finite = amax_bits < kBf16InfBits;
     const BlockScale bs = scale_of_bits(amax_bits, j.fmt);
-    const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-    const uint32_t lo = encode4(bf16_bits_to_float(w[0] & 0xffffu), bf16_bits_to_float(w[0] >> 16),
-                                bf16_bits_to_float(w[1] & 0xffffu), bf16_bits_to_float(w[1] >> 16), bs.inv_s, finite,
-                                j.fmt);
-    const uint32_t hi = encode4(bf16_bits_to_float(w[2] & 0xffffu), bf16_bits_to_float(w[2] >> 16),
-                                bf16_bits_to_float(w[3] & 0xffffu), bf16_bits_to_float(w[3] >> 16), bs.inv_s, finite,
-                                j.fmt);
-    const int64_t row_idx = static_cast<int64_t>(bh) * j.seqlen + t;
-    *reinterpret_cast<uint2*>(j.row + row_idx * kDim + v * kQuantVec) = make_uint2(lo, hi);
-    if (v == 0) j.row_s[row_idx] = bs.s;
+    const int64_t row_idx = bh * j.seqlen + t;
+    *reinterpret_cast<uint4*>(j.row + row_idx * kDim + u * G::kUnit) =
+        enc16(raw[k][0], raw[k][1], bs.inv_s, amax_bits < kBf16InfBits, j.fmt);
+    if (u == 0) j.row_s[row_idx] = bs.s;
   }
   if (j.tile == nullptr && j.tileT == nullptr) return;
 
@@ -114,74 +132,94 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
   for (int w2 = 0; w2 < kWarps; ++w2) amax_bits = max(amax_bits, red[w2]);
   const bool finite = amax_bits < kBf16InfBits;
   const BlockScale bs = scale_of_bits(amax_bits, j.fmt);
-  if (tid == 0) j.tile_s[static_cast<int64_t>(bh) * nblk + sblk] = bs.s;
+  if (tid == 0) j.tile_s[bh * nblk + sblk] = bs.s;
 
-  // ---- tile pass: codes row-major and into the transposed shared copy ----
+  // ---- tile pass: codes row-major and into the shared [token][channel] copy ----
 #pragma unroll
-  for (int k = 0; k < kPasses; ++k) {
-    const int r = k * kRowsPerPass + warp * kRowsPerWarp + rsub;  // token within the tile
+  for (int k = 0; k < G::kPasses; ++k) {
+    const int r = k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;  // token within the tile
     const int t = t0 + r;
     if (!active) continue;
-    const uint32_t w[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-    const uint32_t lo = encode4(bf16_bits_to_float(w[0] & 0xffffu), bf16_bits_to_float(w[0] >> 16),
-                                bf16_bits_to_float(w[1] & 0xffffu), bf16_bits_to_float(w[1] >> 16), bs.inv_s, finite,
-                                j.fmt);
-    const uint32_t hi = encode4(bf16_bits_to_float(w[2] & 0xffffu), bf16_bits_to_float(w[2] >> 16),
-                                bf16_bits_to_float(w[3] & 0xffffu), bf16_bits_to_float(w[3] >> 16), bs.inv_s, finite,
-                                j.fmt);
+    uint4 codes = enc16(raw[k][0], raw[k][1], bs.inv_s, finite, j.fmt);
     if (j.tile != nullptr && t < j.seqlen)
-      *reinterpret_cast<uint2*>(j.tile + (static_cast<int64_t>(bh) * j.seqlen + t) * kDim + v * kQuantVec) =
-          make_uint2(lo, hi);
+      *reinterpret_cast<uint4*>(j.tile + (bh * j.seqlen + t) * kDim + u * G::kUnit) = codes;
     if (j.tileT != nullptr) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sT[t_offset(v * kQuantVec + e, r)] = static_cast<uint8_t>(lo >> (8 * e));
-        sT[t_offset(v * kQuantVec + 4 + e, r)] = static_cast<uint8_t>(hi >> (8 * e));
-      }
+      // NOTE: padding tokens get code 0 explicitly (a NaN scale would turn the
+      // zero-filled registers into NaN codes).
+      if (t >= j.seqlen) codes = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(sT + r * kDim + G::kUnit * (u ^ ((r >> 4) & G::kSwz))) = codes;
     }
   }
   if (j.tileT == nullptr) return;
   __syncthreads();
-  // 16-token chunks of every channel row: kDim * kSeqBlock / 16 stores per tile.
-  constexpr int kChunks = kSeqBlock / 16;
-  for (int idx = tid; idx < kDim * kChunks; idx += kQuantThreads) {
-    const int c = idx / kChunks, k16 = idx % kChunks;
-    const int tt = t0 + k16 * 16;
-    if (tt >= j.seqlen_pad) continue;
-    uint4 word = *reinterpret_cast<const uint4*>(sT + t_offset(c, k16 * 16));  // 16 tokens of channel c
-    if (tt + 16 > j.seqlen) {
-      // NOTE: padding tokens get code 0 explicitly (a NaN scale would turn the
-      // zero-filled registers into NaN codes).
-      uint32_t p[4] = {word.x, word.y, word.z, word.w};
+
+  // ---- transposed codes: item = (16-token chunk kc, 4-channel word g) ----
+  constexpr int kWordsRow = kDim / 4;
+  for (int idx = tid; idx < 8 * kWordsRow; idx += kQuantThreads) {
+    const int kc = idx & 7, g = idx >> 3;
+    const int tt = t0 + kc * 16;
+    if (tt >= j.seqlen_pad) continue;  // seqlen_pad is a multiple of 16: chunks are wholly in or out
+    const uint8_t* src = sT + kc * 16 * kDim + G::kUnit * ((g >> 2) ^ (kc & G::kSwz)) + 4 * (g & 3);
+    uint32_t w[16];
 #pragma unroll
-      for (int e = 0; e < 16; ++e)
-        if (tt + e >= j.seqlen) p[e / 4] &= ~(0xffu << (8 * (e % 4)));
-      word = make_uint4(p[0], p[1], p[2], p[3]);
+    for (int i = 0; i < 16; ++i) w[i] = *reinterpret_cast<const uint32_t*>(src + i * kDim);
+    // 4 x 4 byte transposes: o[c][q] = channel 4g + c of tokens 4q .. 4q + 3.
+    uint32_t o[4][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t p0 = __byte_perm(w[4 * q], w[4 * q + 1], 0x5140), p1 = __byte_perm(w[4 * q], w[4 * q + 1], 0x7362);
+      const uint32_t p2 = __byte_perm(w[4 * q + 2], w[4 * q + 3], 0x5140),
+                     p3 = __byte_perm(w[4 * q + 2], w[4 * q + 3], 0x7362);
+      o[0][q] = __byte_perm(p0, p2, 0x5410);
+      o[1][q] = __byte_perm(p0, p2, 0x7632);
+      o[2][q] = __byte_perm(p1, p3, 0x5410);
+      o[3][q] = __byte_perm(p1, p3, 0x7632);
     }
-    *reinterpret_cast<uint4*>(j.tileT + (static_cast<int64_t>(bh) * kDim + c) * j.seqlen_pad + tt) = word;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint4 out = make_uint4(o[c][0], o[c][1], o[c][2], o[c][3]);
+      if (j.tileT_perm16)  // tokens 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15
+        out = make_uint4(__byte_perm(o[c][0], o[c][2], 0x5410), __byte_perm(o[c][0], o[c][2], 0x7632),
+                         __byte_perm(o[c][1], o[c][3], 0x5410), __byte_perm(o[c][1], o[c][3], 0x7632));
+      *reinterpret_cast<uint4*>(j.tileT + (bh * kDim + 4 * g + c) * j.seqlen_pad + tt) = out;
+    }
   }
 }
 
-__global__ void __launch_bounds__(kQuantThreads) quant_tilescale_kernel(const TileQuantJob j, int nblk) {
-  __shared__ __align__(16) uint8_t sT[kMaxHeadDim * kLdT];  // tile codes, [channel][token] (t_offset)
+// The jobs of one launch (same dim): CTA cta_base + blockIdx.x is tile
+// (cta - cta_begin[job]) of its job, (b, h) major, sequence tile minor.
+struct TileQuantLaunch {
+  TileQuantJob job[kMaxTileQuantJobs];
+  int64_t cta_end[kMaxTileQuantJobs];  // exclusive prefix ends
+  int nblk[kMaxTileQuantJobs];
+  int n = 0;
+  int64_t cta_base = 0;
+};
+
+template <int kDim>
+__global__ void __launch_bounds__(kQuantThreads) quant_tilescale_kernel(const __grid_constant__ TileQuantLaunch p) {
+  extern __shared__ __align__(16) uint8_t sT[];  // kSeqBlock x kDim tile codes when a job writes tileT
   __shared__ uint32_t red[kWarps];
-  switch (j.dim) {
-    case 64: quant_tile_ts<64>(j, nblk, blockIdx.x, blockIdx.y, sT, red); break;
-    case 128: quant_tile_ts<128>(j, nblk, blockIdx.x, blockIdx.y, sT, red); break;
-    case 192: quant_tile_ts<192>(j, nblk, blockIdx.x, blockIdx.y, sT, red); break;
-    default: quant_tile_ts<256>(j, nblk, blockIdx.x, blockIdx.y, sT, red); break;
-  }
+  const int64_t cta = p.cta_base + blockIdx.x;
+  int ji = 0;
+#pragma unroll
+  for (int i = 0; i + 1 < kMaxTileQuantJobs; ++i)
+    if (i + 1 < p.n && cta >= p.cta_end[i]) ji = i + 1;
+  const int64_t local = cta - (ji == 0 ? 0 : p.cta_end[ji - 1]);
+  const int nblk = p.nblk[ji];
+  const int64_t bh = local / nblk;
+  quant_tile_ts<kDim>(p.job[ji], nblk, static_cast<int>(local - bh * nblk), bh, sT, red);
 }
 
 [[noreturn]] void bad(const char* field, const std::string& what) {
   throw std::invalid_argument(std::string("fp8attn: quantize_tilescale_bf16_sm90: '") + field + "': " + what);
 }
 
-}  // namespace
-
-void quantize_tilescale_bf16_sm90(const TileQuantJob& j, cudaStream_t stream) {
+// Checks one job; true when it has work (non-empty, some output).
+bool check_job(const TileQuantJob& j) {
   if (j.recipe != Scaling::kTile) bad("recipe", "must be Scaling::kTile (the `row` recipe: quantize_bf16_sm90)");
-  if (j.batch == 0 || j.heads == 0 || j.seqlen == 0) return;
+  if (j.batch < 0 || j.heads < 0 || j.seqlen < 0) bad("batch", "batch, heads and seqlen must be >= 0");
+  if (j.batch == 0 || j.heads == 0 || j.seqlen == 0) return false;
   if (j.dim != 64 && j.dim != 128 && j.dim != 192 && j.dim != 256)
     bad("dim", "must be 64, 128, 192 or 256, got " + std::to_string(j.dim));
   if (j.x == nullptr) bad("x", "must not be null");
@@ -196,30 +234,59 @@ void quantize_tilescale_bf16_sm90(const TileQuantJob& j, cudaStream_t stream) {
   if (j.seqlen >= (1 << 30)) bad("seqlen", "must be < 2^30, got " + std::to_string(j.seqlen));
   if (static_cast<int64_t>(j.batch) * j.heads >= (int64_t{1} << 31))
     bad("batch", "batch * heads must be < 2^31, got " + std::to_string(static_cast<int64_t>(j.batch) * j.heads));
-  if (j.row == nullptr && j.tile == nullptr && j.tileT == nullptr) return;
-  const int nblk = (j.seqlen + kSeqBlock - 1) / kSeqBlock;
-  // NOTE: (b, h) rows on gridDim.y (<= 65535): more run as several launches on
-  // jobs whose pointers start at their first row (launch_sm90.h).
-  for_each_row_chunk(j.batch, j.heads, [&](const RowChunk& c) {
-    TileQuantJob jc = j;
-    const int64_t r0 = c.b0 * j.heads + c.h0;
-    jc.x = static_cast<const uint16_t*>(j.x) + c.b0 * j.stride_batch + c.h0 * j.stride_head;
-    jc.batch = static_cast<int>(c.nb);
-    jc.heads = static_cast<int>(c.nh);
-    if (j.row != nullptr) {
-      jc.row = j.row + r0 * j.seqlen * j.dim;
-      jc.row_s = j.row_s + r0 * j.seqlen;
-    }
-    if (j.tile != nullptr) jc.tile = j.tile + r0 * j.seqlen * j.dim;
-    if (j.tileT != nullptr) jc.tileT = j.tileT + r0 * j.dim * j.seqlen_pad;
-    if (j.tile_s != nullptr) jc.tile_s = j.tile_s + r0 * nblk;
-    const dim3 grid(nblk, static_cast<unsigned>(c.nb * c.nh));
-    quant_tilescale_kernel<<<grid, kQuantThreads, 0, stream>>>(jc, nblk);
+  return j.row != nullptr || j.tile != nullptr || j.tileT != nullptr;
+}
+
+template <int kDim>
+void launch_dim(TileQuantLaunch p, cudaStream_t stream) {
+  bool transposed = false;
+  int64_t total = 0;
+  for (int i = 0; i < p.n; ++i) {
+    const TileQuantJob& j = p.job[i];
+    p.nblk[i] = (j.seqlen + kSeqBlock - 1) / kSeqBlock;
+    total += static_cast<int64_t>(j.batch) * j.heads * p.nblk[i];
+    p.cta_end[i] = total;
+    transposed = transposed || j.tileT != nullptr;
+  }
+  const size_t smem = transposed ? static_cast<size_t>(kSeqBlock) * kDim : 0;  // <= 32 KiB: no opt-in
+  // NOTE: gridDim.x <= 2^31 - 1; more CTAs (2^31 rows x 2^23 tiles allow it)
+  // run as several launches over the same linear CTA numbering.
+  constexpr int64_t kChunk = int64_t{1} << 30;
+  for (int64_t base = 0; base < total; base += kChunk) {
+    p.cta_base = base;
+    const unsigned grid = static_cast<unsigned>(std::min(kChunk, total - base));
+    quant_tilescale_kernel<kDim><<<grid, kQuantThreads, smem, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: quantize_tilescale_bf16_sm90 launch failed: ") +
                                cudaGetErrorString(err));
-  });
+  }
+}
+
+}  // namespace
+
+void quantize_tilescale_bf16_sm90(const TileQuantJob* jobs, int n_jobs, cudaStream_t stream) {
+  if (n_jobs < 0 || n_jobs > kMaxTileQuantJobs)
+    bad("n_jobs", "must be in [0, " + std::to_string(kMaxTileQuantJobs) + "], got " + std::to_string(n_jobs));
+  if (n_jobs > 0 && jobs == nullptr) bad("jobs", "must not be null");
+  bool work[kMaxTileQuantJobs] = {};
+  for (int i = 0; i < n_jobs; ++i) work[i] = check_job(jobs[i]);  // every job checked before any launch
+  for (const int dim : {64, 128, 192, 256}) {
+    TileQuantLaunch p;
+    for (int i = 0; i < n_jobs; ++i)
+      if (work[i] && jobs[i].dim == dim) p.job[p.n++] = jobs[i];
+    if (p.n == 0) continue;
+    switch (dim) {
+      case 64: launch_dim<64>(p, stream); break;
+      case 128: launch_dim<128>(p, stream); break;
+      case 192: launch_dim<192>(p, stream); break;
+      default: launch_dim<256>(p, stream); break;
+    }
+  }
+}
+
+void quantize_tilescale_bf16_sm90(const TileQuantJob& job, cudaStream_t stream) {
+  quantize_tilescale_bf16_sm90(&job, 1, stream);
 }
 
 }  // namespace sm90

@@ -48,15 +48,26 @@ struct TileQuantJob {
   uint8_t* tileT = nullptr;
   float* tile_s = nullptr;  // required when tile or tileT is set
   int seqlen_pad = 0;       // multiple of 16, >= seqlen (only read when tileT != null)
+  // tileT's 16-token groups in the order 0 1 8 9 2 3 10 11 4 5 12 13 6 7 14 15
+  // (byte j of a group holds token order[j]): the forward's P V operand, whose
+  // A fragments are the S accumulator's registers (fwdt::kVPermutedInQuant).
+  bool tileT_perm16 = false;
 };
 
 // Launches the quantization on `stream`. Requirements (checked, throwing
 // std::invalid_argument naming the field): recipe == kTile, dim in {64, 128,
-// 192, 256}, 16-byte aligned x and strides, batch * heads < 2^31 (more than
-// 65535 (b, h) rows run as several launches, launch_sm90.h), seqlen < 2^30.
-// seqlen == 0 or batch * heads == 0 is a no-op. Throws std::runtime_error on
-// a CUDA launch error.
+// 192, 256}, 16-byte aligned x and strides, batch * heads < 2^31, seqlen <
+// 2^30. seqlen == 0 or batch * heads == 0 is a no-op. Throws
+// std::runtime_error on a CUDA launch error.
 void quantize_tilescale_bf16_sm90(const TileQuantJob& job, cudaStream_t stream);
+
+// Several operands (the forward's Q, K, V; later dO) in one launch per
+// distinct dim (one launch when every job has the same dim, two for head dims
+// 192 / 128): one CTA per (128-token tile, batch, head) of every job, the
+// jobs' tiles on one linear grid (more than 2^30 CTAs: several launches).
+// Each job is checked as above; outputs bit-identical to one call per job.
+constexpr int kMaxTileQuantJobs = 4;
+void quantize_tilescale_bf16_sm90(const TileQuantJob* jobs, int n_jobs, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace fp8attn

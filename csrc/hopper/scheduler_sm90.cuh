@@ -2,11 +2,16 @@
 // forward computes, and where each sequence lies. Layout notes:
 // ../shared/design/kernel-layout.md ("how are tiles ordered").
 //
-// Today one CTA per work tile (grid = (query tiles, query heads, batch),
+// Default: one CTA per work tile (grid = (query tiles, query heads, batch),
 // launch_sm90.h splits grids past 65535), heaviest causal tiles first: with
 // causal masking the last query tile sees the most keys, so blockIdx.x = 0
 // takes it (the block scheduler hands out low indices first and the short
-// tiles fill the tail). A persistent scheduler would replace tile_of() only.
+// tiles fill the tail). Persistent (FP8ATTN_TILE_PERSISTENT=1, default off
+// until measured): gridDim.x = min(work tiles, SMs) CTAs, CTA c computes the
+// work tiles c, c + gridDim.x, ... of one linear longest-first order
+// (work_tile_at: every (head, batch)'s last query tile, then the one before,
+// ...), so the tiles of a wave have about equal length and the shortest come
+// last; the CTA's barriers and pipeline stages carry over from tile to tile.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +39,19 @@ __device__ __forceinline__ WorkTile tile_of() {
   w.m_tile = static_cast<int>(gridDim.x - 1 - blockIdx.x);
   w.head_q = static_cast<int>(blockIdx.y);
   w.batch = static_cast<int>(blockIdx.z);
+  return w;
+}
+
+// Work tile L of the persistent order over n_m query tiles x n_h query heads
+// x n_b batch entries (0 <= L < n_m n_h n_b): query tile n_m - 1 - L / (n_h
+// n_b) (longest first), then head, then batch entry.
+__device__ __forceinline__ WorkTile work_tile_at(int64_t L, int n_m, int n_h, int n_b) {
+  const int64_t hb = static_cast<int64_t>(n_h) * n_b;
+  const int64_t r = L % hb;
+  WorkTile w;
+  w.m_tile = n_m - 1 - static_cast<int>(L / hb);
+  w.batch = static_cast<int>(r / n_h);
+  w.head_q = static_cast<int>(r - static_cast<int64_t>(w.batch) * n_h);
   return w;
 }
 

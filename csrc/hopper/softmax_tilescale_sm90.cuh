@@ -67,7 +67,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, floa
   const int e_sv = pow2_exponent(sv);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float coef = st.rq[r] * sk;
+    // NOTE: s_Q s_K tau log2(e) can underflow to 0 (inputs with amax_q amax_k
+    // below ~1e-40 / tau); a masked -inf times 0 would then be NaN for a finite
+    // input. The smallest normal float instead gives the same P (every S coef
+    // is then below 2^-100: exp2 = 1, as the reference's S of ~0); a NaN
+    // coefficient stays NaN.
+    float coef = st.rq[r] * sk;
+    if (coef == 0.f) coef = 1.17549435e-38f;
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));

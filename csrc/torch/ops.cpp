@@ -30,6 +30,12 @@ TORCH_LIBRARY(fp8attn, m) {
   // tokens over all of head_dim; `transposed` selects the CUDA kernel's
   // sequence-contiguous copy of the dim-2 codes (same values).
   m.def("quantize_tilescale(Tensor x, int dim, int block_size, str fmt, bool transposed=False) -> (Tensor codes, Tensor scales)");
+  // The `tile` forward's operands in one call (on CUDA: the one fused launch the
+  // forward runs): Q per token, K per 128-token tile, V per tile as V^T codes
+  // (a transposed view on CUDA); block_size 128. Same values as three
+  // quantize_tilescale calls.
+  m.def("quantize_tilescale_fwd(Tensor q, Tensor k, Tensor v, str fmt) -> (Tensor q_codes, Tensor q_scales, "
+        "Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales)");
   // Whether this library holds the sm_90a kernels (fp8attn._lib.HAS_CUDA_KERNELS).
   // NOTE: a CPU-only build also registers CUDA-key kernels (errors, below), so
   // the dispatch table cannot tell the builds apart.
@@ -41,7 +47,7 @@ TORCH_LIBRARY(fp8attn, m) {
 // (op_stubs.h), not torch's "Could not run ... 'CUDA' backend".
 TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   for (const char* name : {"fwd", "bwd", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
-                           "quantize_tilescale"})
+                           "quantize_tilescale", "quantize_tilescale_fwd"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_not_built>());
 }
 #endif

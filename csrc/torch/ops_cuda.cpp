@@ -291,13 +291,13 @@ void quantize(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const a
   launch([&] { quantize_bf16_sm90(j, stream); });
 }
 
-// `tile` recipe (numerics.md section 9): quantizes x [B, H, S, D] (BF16,
-// aligned) on `stream` into the TileQuantJob outputs (quant_tilescale_e4m3_sm90.h):
+// `tile` recipe (numerics.md section 9): the quantization job of x [B, H, S, D]
+// (BF16, aligned) into the TileQuantJob outputs (quant_tilescale_e4m3_sm90.h):
 // per-token codes + scales [B, H, S]; per-128-token-tile codes row-major and /
 // or transposed [B, H, D, S_pad] + scales [B, H, nblk]. Undefined tensors are
-// not produced.
-void quantize_tile(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
-                   const at::Tensor& tile, const at::Tensor& tileT, const at::Tensor& tile_s, cudaStream_t stream) {
+// not produced. Run with quantize_tilescale_bf16_sm90 (several jobs: one launch).
+TileQuantJob tile_job(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
+                      const at::Tensor& tile, const at::Tensor& tileT, const at::Tensor& tile_s) {
   TileQuantJob j;
   j.x = x.data_ptr();
   j.stride_batch = eff_stride(x, 0);
@@ -319,6 +319,12 @@ void quantize_tile(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, co
     j.seqlen_pad = static_cast<int>(tileT.size(3));
   }
   if (tile_s.defined()) j.tile_s = tile_s.data_ptr<float>();
+  return j;
+}
+
+void quantize_tile(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row, const at::Tensor& row_s,
+                   const at::Tensor& tile, const at::Tensor& tileT, const at::Tensor& tile_s, cudaStream_t stream) {
+  const TileQuantJob j = tile_job(x, fmt, row, row_s, tile, tileT, tile_s);
   launch([&] { quantize_tilescale_bf16_sm90(j, stream); });
 }
 
@@ -348,6 +354,27 @@ std::pair<at::Tensor, at::Tensor> alloc_col(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
   return {at::empty({B, H, D, round_up(S, kSeqPad)}, o.dtype(at::kByte)),
           at::empty({B, H, D, ceil_div(S, kSeqBlock)}, o.dtype(at::kFloat))};
+}
+
+// The `tile` forward's quantized operands (numerics.md section 9): Q one scale
+// per row, K and V one per 128-key tile (K row-major, V transposed), all of
+// head_dim, in one launch (two when head_dim_qk != head_dim_v). Only what the
+// forward reads: the backward's copies (V row-major, Q / dO transposed) are the
+// backward's to make.
+struct TileFwdCodes {
+  at::Tensor q, q_s, k, k_s, vT, v_s;
+};
+TileFwdCodes quantize_tile_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Fp8Format fmt,
+                               cudaStream_t stream) {
+  const at::Tensor none;
+  TileFwdCodes c{alloc_codes(q), alloc_token_scales(q), alloc_codes(k), alloc_tile_scales(k), alloc_codesT(v),
+                 alloc_tile_scales(v)};
+  TileQuantJob jobs[3] = {tile_job(q, fmt, c.q, c.q_s, none, none, none),
+                                tile_job(k, fmt, none, none, c.k, none, c.k_s),
+                                tile_job(v, fmt, none, none, none, c.vT, c.v_s)};
+  jobs[2].tileT_perm16 = fwdt::kVPermutedInQuant;  // the order the forward's P V reads
+  launch([&] { quantize_tilescale_bf16_sm90(jobs, 3, stream); });
+  return c;
 }
 
 void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, bool causal) {
@@ -404,13 +431,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   if (recipe == Scaling::kTile) {
     // numerics.md section 9: Q one scale per row, K and V one per 128-key tile
     // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h).
-    const at::Tensor none;
-    at::Tensor q_codes = alloc_codes(q), q_s = alloc_token_scales(q);
-    at::Tensor k_codes = alloc_codes(k), k_s = alloc_tile_scales(k);
-    at::Tensor v_codesT = alloc_codesT(v), v_s = alloc_tile_scales(v);
-    quantize_tile(q, Fp8Format::kE4M3, q_codes, q_s, none, none, none, stream);
-    quantize_tile(k, Fp8Format::kE4M3, none, none, k_codes, none, k_s, stream);
-    quantize_tile(v, Fp8Format::kE4M3, none, none, none, v_codesT, v_s, stream);
+    const TileFwdCodes c = quantize_tile_fwd(q, k, v, Fp8Format::kE4M3, stream);
     KernelParams kp{};
     set_sizes(kp, pr, softmax_scale, causal);
     kp.scaling = static_cast<int>(Scaling::kTile);
@@ -419,12 +440,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
     kp.out = out_k.data_ptr();
     kp.lse = lse.data_ptr<float>();
-    kp.q_row = q_codes.data_ptr<uint8_t>();
-    kp.q_row_s = q_s.data_ptr<float>();
-    kp.k_row = k_codes.data_ptr<uint8_t>();
-    kp.k_row_s = k_s.data_ptr<float>();
-    kp.v_colT = v_codesT.data_ptr<uint8_t>();
-    kp.v_col_s = v_s.data_ptr<float>();
+    kp.q_row = c.q.data_ptr<uint8_t>();
+    kp.q_row_s = c.q_s.data_ptr<float>();
+    kp.k_row = c.k.data_ptr<uint8_t>();
+    kp.k_row_s = c.k_s.data_ptr<float>();
+    kp.v_colT = c.vT.data_ptr<uint8_t>();
+    kp.v_col_s = c.v_s.data_ptr<float>();
     launch([&] { run_fwd_tile(kp, stream); });
     return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
   }
@@ -687,6 +708,47 @@ std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cuda(const at::Tensor& x_i
   return {tileT.narrow(3, 0, x.size(2)).transpose(2, 3), tile_s};
 }
 
+// quantize_tilescale_fwd on CUDA: the forward's fused Q / K / V quantization
+// (quantize_tile_fwd) exposed for the bitwise test against the CPU op. q, k, v
+// bfloat16 [B, H, S, D] on one CUDA device (q: Hq, Sq, Dqk; k: Hkv, Sk, Dqk;
+// v: Hkv, Sk, Dv), D in {64, 128, 192, 256}; v_codes a transposed view of the
+// kernel's [B, Hkv, Dv, Sk_pad] buffer.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_tilescale_fwd_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, c10::string_view fmt_s) {
+  const std::pair<const char*, const at::Tensor*> args[3] = {{"q", &q_in}, {"k", &k_in}, {"v", &v_in}};
+  for (const auto& [name, t] : args) {
+    TORCH_CHECK_VALUE(t->defined() && t->is_cuda() && t->device() == q_in.device(), "fp8attn: argument '", name,
+                      "': expected a CUDA tensor on q's device");
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "fp8attn: argument '", name,
+                     "': the CUDA quantize_tilescale_fwd takes bfloat16, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->dim() == 4, "fp8attn: argument '", name, "': expected a rank-4 tensor, got rank ", t->dim());
+    const int64_t D = t->size(3);
+    TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256, "fp8attn: argument '", name,
+                      "': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
+    TORCH_CHECK_VALUE(t->size(0) * t->size(1) < (int64_t{1} << 31) && t->size(2) < (int64_t{1} << 30),
+                      "fp8attn: argument '", name, "': size(0) * size(1) must be < 2^31 and size(2) < 2^30, got shape ",
+                      t->sizes());
+  }
+  check_cuda_device(q_in.device());
+  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(fmt_s), "\"");
+  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const TileFwdCodes c = quantize_tile_fwd(q, k, v, fmt, stream);
+  at::Tensor vT = c.vT;
+  if (fwdt::kVPermutedInQuant) {
+    // Undo the 16-token group order (TileQuantJob::tileT_perm16) with a gather, so
+    // the test compares plain codes: key t of a group sits at byte kPos[t].
+    static constexpr int64_t kPos[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+    const at::Tensor pos = at::tensor(c10::ArrayRef<int64_t>(kPos, 16), vT.options().dtype(at::kLong));
+    const auto sz = vT.sizes();
+    vT = vT.view({sz[0], sz[1], sz[2], sz[3] / 16, 16}).index_select(4, pos).reshape(sz);
+  }
+  return {c.q, c.q_s, c.k, c.k_s, vT.narrow(3, 0, v.size(2)).transpose(2, 3), c.v_s};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -695,6 +757,7 @@ TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("bwd", &fp8attn::bwd_cuda);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
   m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cuda);
+  m.impl("quantize_tilescale_fwd", &fp8attn::quantize_tilescale_fwd_cuda);
   // CPU-only ops: a ValueError naming the argument (op_stubs.h), not torch's "Could not run".
   for (const char* name : {"fp8_encode", "fp8_decode", "dequantize_blockwise"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cpu_only_op>());

@@ -180,6 +180,15 @@ std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cpu(const at::Tensor& x_in
   return {codes, scales};
 }
 
+// quantize_tilescale_fwd: the `tile` forward's Q (dim 3), K and V (dim 2), block 128.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_tilescale_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view fmt) {
+  auto [qc, qs] = quantize_tilescale_cpu(q, 3, 128, fmt, false);
+  auto [kc, ks] = quantize_tilescale_cpu(k, 2, 128, fmt, false);
+  auto [vc, vs] = quantize_tilescale_cpu(v, 2, 128, fmt, false);
+  return {qc, qs, kc, ks, vc, vs};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -189,4 +198,5 @@ TORCH_LIBRARY_IMPL(fp8attn, CPU, m) {
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cpu);
   m.impl("dequantize_blockwise", &fp8attn::dequantize_blockwise_cpu);
   m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cpu);
+  m.impl("quantize_tilescale_fwd", &fp8attn::quantize_tilescale_fwd_cpu);
 }

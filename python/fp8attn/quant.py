@@ -253,6 +253,15 @@ def _quantize_tilescale_fake(x, dim, block_size, fmt, transposed=False):
     return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty((B, H, rows), dtype=torch.float32)
 
 
+@torch.library.register_fake("fp8attn::quantize_tilescale_fwd")
+def _quantize_tilescale_fwd_fake(q, k, v, fmt):
+    # The `tile` forward's Q (per token), K and V (per 128-token tile) codes and scales.
+    outs = []
+    for x, dim in ((q, 3), (k, 2), (v, 2)):
+        outs.extend(_quantize_tilescale_fake(x, dim, 128, fmt))
+    return tuple(outs)
+
+
 # NOTE: FP8 rounding has zero derivative almost everywhere. Rather than let
 # outputs look differentiable and silently produce no gradient, backward through
 # these ops raises; write a straight-through estimator explicitly if you want one.

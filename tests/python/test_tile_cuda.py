@@ -49,7 +49,11 @@ def test_tile_fwd_knob(monkeypatch):
     with pytest.raises(ValueError, match="FP8ATTN_TILE_PINGPONG='on' is not one of 0, 1"):
         OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
     monkeypatch.delenv("FP8ATTN_TILE_PINGPONG")
+    monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "2")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_PERSISTENT='2' is not one of 0, 1"):
+        OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
     OPS.fwd(q, k, v, 0.125, False, "fp8", 128)  # the row recipe never reads them
+    monkeypatch.delenv("FP8ATTN_TILE_PERSISTENT")
 
 
 # ---- quantization: bit-exact against the CPU op -----------------------------------------
@@ -68,6 +72,33 @@ def test_quantize_tilescale_bitexact(d, s, fmt, dim, transposed):
     assert torch.equal(codes_c.cpu(), codes_r), "FP8 codes differ from the CPU quantize_tilescale"
     assert torch.equal(scales_c.cpu(), scales_r), "scales differ from the CPU quantize_tilescale"
     assert (scales_r == 1.0).any(), "the zero block (scale 1) was not exercised"
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(3, 3, 300, 130), (4, 2, 17, 257), (2, 1, 129, 1)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_tilescale_fwd_fused_bitexact(dqk, dv, hq, hkv, sq, sk, fmt):
+    # The forward's one fused launch for Q (per token), K (per tile) and V (per tile,
+    # transposed codes): every job of the launch (two launches at 192/128) decodes its
+    # CTAs right, same codes and scales as the CPU op; a NaN in V reaches only V's tile.
+    tag = ("tqf", dqk, dv, hq, hkv, sq, sk, fmt)
+    q = quant_input(2, hq, sq, dqk, seed_of(*tag, "q"))
+    k = quant_input(2, hkv, sk, dqk, seed_of(*tag, "k"))
+    v = quant_input(2, hkv, sk, dv, seed_of(*tag, "v"))
+    v[1, 0, sk - 1, 0] = float("nan")
+    ref = OPS.quantize_tilescale_fwd(q.float(), k.float(), v.float(), fmt)
+    got = [t.cpu() for t in OPS.quantize_tilescale_fwd(q.cuda(), k.cuda(), v.cuda(), fmt)]
+    names = ["q_codes", "q_scales", "k_codes", "k_scales", "v_codes", "v_scales"]
+    for name, r, c in zip(names, ref, got):
+        assert c.shape == r.shape, name
+        assert torch.equal(torch.isnan(c), torch.isnan(r)), name
+        assert torch.equal(c.nan_to_num(0.0) if c.is_floating_point() else c,
+                           r.nan_to_num(0.0) if r.is_floating_point() else r), f"{name} differ from the CPU op"
+    assert torch.isnan(ref[5][1, 0, -1]) and torch.isnan(ref[5]).sum() == 1
+    for i in (0, 2, 4):  # the three operands' codes equal the single-operand op's
+        x, dim = (q, 3) if i == 0 else ((k, 2) if i == 2 else (v, 2))
+        single = OPS.quantize_tilescale(x.cuda(), dim, 128, fmt, i == 4)
+        assert torch.equal(single[0].cpu(), got[i]), names[i]
 
 
 def test_quantize_tilescale_matches_definition():
@@ -121,7 +152,7 @@ def test_quantize_tilescale_nonfinite(bad):
 
 
 def test_quantize_tilescale_many_heads_split_launch():
-    # batch * heads > 65535: several launches (launch_sm90.h), same bits.
+    # batch * heads > 65535 (one linear grid of (tile, b, h) CTAs), same bits.
     x = quant_input(1, 70000, 2, 64, seed_of("tq-many"))
     for dim in (3, 2):
         r = OPS.quantize_tilescale(x.float(), dim, 128, "e4m3")
@@ -210,6 +241,16 @@ def test_tile_fwd_rows_without_keys():
     assert torch.equal(out[:, :, :blind], torch.zeros_like(out[:, :, :blind]))
     assert torch.isneginf(lse[:, :, :blind]).all()
     assert torch.isfinite(lse[:, :, blind:]).all() and out[:, :, blind:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_fwd_underflowing_score_coefficient(causal):
+    # Tiny Q and K: s_Q s_K tau log2(e) underflows FP32 (softmax_tilescale_sm90.cuh NOTE);
+    # the masked keys (ragged last tile, causal) must not turn into NaN (-inf * 0).
+    q, k, v = make_qkv(1, 2, 1, 150, 200, 128, 128, seed_of("tuflow", causal))
+    q, k = (q.float() * 1e-22).bfloat16(), (k.float() * 1e-22).bfloat16()
+    out, lse = check_tile_fwd((1, 2, 1, 150, 200, 128, 128), causal, 0, q, k, v)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
 def test_tile_fwd_float32_inputs_and_attention_api():
@@ -308,3 +349,30 @@ def test_tile_fwd_pingpong(shape, causal, monkeypatch):
     monkeypatch.setenv("FP8ATTN_TILE_PINGPONG", "1")
     o1, l1 = check_tile_fwd(shape, causal, seed, q, k, v)
     assert torch.equal(o0, o1) and torch.equal(l0, l1), "the two consumer orders differ"
+
+
+# ---- the persistent scheduler (FP8ATTN_TILE_PERSISTENT=1; after the pingpong) -------------
+# More work tiles than the H200's 132 SMs, so CTAs run several (the barrier phases, the
+# pipeline stages and the pingpong turns carry over between them); work tiles without
+# keys (causal, seqlen_q > seqlen_k) among them. Bitwise equal to one CTA per work tile.
+
+PERSISTENT_SHAPES = [(4, 40, 8, 130, 200, 128, 128), (3, 24, 8, 400, 150, 64, 64),
+                     (2, 30, 10, 260, 390, 192, 128), (2, 40, 40, 257, 300, 256, 256)]
+
+
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_fwd_persistent(shape, causal, monkeypatch):
+    seed = seed_of("tps", shape, causal)
+    b, hq, hkv, sq, sk, d, dv = shape
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dv, seed)
+    for pp in (("0", "1") if dv <= 128 else ("0",)):
+        monkeypatch.setenv("FP8ATTN_TILE_PINGPONG", pp)
+        monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "0")
+        o0, l0 = tile_cuda_fwd(q, k, v, causal, f32_scale(d))
+        monkeypatch.setenv("FP8ATTN_TILE_PERSISTENT", "1")
+        if pp == "0":
+            o1, l1 = check_tile_fwd(shape, causal, seed, q, k, v)
+        else:
+            o1, l1 = tile_cuda_fwd(q, k, v, causal, f32_scale(d))
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), f"persistent != one CTA per tile (pingpong={pp})"
