@@ -420,7 +420,7 @@ def bench_shape(r, args) -> None:
         r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
     scalings = getattr(args, "scaling", ("row",))
     if any(x.startswith("tile") for x in scalings):
-        # NOTE: FP8ATTN_TILE_FWD=1 enables the CUDA tile forward (docs/architecture.md)
+        # NOTE: FP8ATTN_TILE_FWD=1 (the default) runs the CUDA tile forward (docs/architecture.md)
         os.environ["FP8ATTN_TILE_FWD"] = os.environ.get("FP8ATTN_TILE_FWD") or "1"
 
         def tile_fwd():

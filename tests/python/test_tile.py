@@ -203,15 +203,14 @@ def test_trainer_scaling_flag_and_config():
 @pytest.mark.gpu
 @pytest.mark.parametrize("knob", [None, "0", ""])
 def test_cuda_tile_backward_refused_naming_scaling(monkeypatch, knob):
-    # The CUDA `tile` forward runs (with FP8ATTN_TILE_FWD=1 until validated;
-    # tests/python/test_tile_cuda.py checks it); the `tile` backward kernels run
+    # The CUDA `tile` forward runs (by default; tests/python/test_tile_cuda.py checks it); the `tile` backward kernels run
     # only with FP8ATTN_TILE_BWD=1 until validated (tests/python/test_tile_cuda_bwd.py):
     # unset / 0 / empty, autograd's forward succeeds and the backward raises
     # NotImplementedError naming `scaling` and the knob, as does the raw bwd op.
     from fp8attn import _lib
     if not torch.cuda.is_available() or not _lib.HAS_CUDA_KERNELS:
         pytest.skip("needs a CUDA GPU and the CUDA kernels")
-    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+    monkeypatch.delenv("FP8ATTN_TILE_FWD", raising=False)
     if knob is None:
         monkeypatch.delenv("FP8ATTN_TILE_BWD", raising=False)
     else:

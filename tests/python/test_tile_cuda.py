@@ -30,17 +30,20 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _tile_fwd_on(monkeypatch):
-    """FP8ATTN_TILE_FWD=1: the CUDA `tile` forward runs only when asked for until it
-    has passed this file on the GPU (docs/architecture.md, "Environment variables")."""
-    monkeypatch.setenv("FP8ATTN_TILE_FWD", "1")
+    """The CUDA `tile` forward runs by default (FP8ATTN_TILE_FWD unset; docs/architecture.md,
+    "Environment variables")."""
+    monkeypatch.delenv("FP8ATTN_TILE_FWD", raising=False)
 
 
 def test_tile_fwd_knob(monkeypatch):
     q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 130, 130, 64, 64, seed_of("knob")))
-    for off in ("0", ""):
-        monkeypatch.setenv("FP8ATTN_TILE_FWD", off)
-        with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_FWD=1"):
-            OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
+    ref, _ = OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
+    for on in ("", "1"):
+        monkeypatch.setenv("FP8ATTN_TILE_FWD", on)
+        assert torch.equal(OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")[0], ref)
+    monkeypatch.setenv("FP8ATTN_TILE_FWD", "0")
+    with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_FWD=0"):
+        OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
     monkeypatch.setenv("FP8ATTN_TILE_FWD", "yes")
     with pytest.raises(ValueError, match="FP8ATTN_TILE_FWD='yes' is not one of 0, 1"):
         OPS.fwd(q, k, v, 0.125, False, "fp8", 128, "tile")
