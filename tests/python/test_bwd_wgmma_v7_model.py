@@ -17,11 +17,14 @@ import re
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[2] / "csrc/hopper/bwd_wgmma_e4m3_blockscale_sm90.cu"
+# The wgmma fragment helpers live in csrc/hopper/wgmma_sm90.cuh (shared by the row and
+# tile backwards since 2026-12-02); the kernel file is searched too.
+_HOPPER = pathlib.Path(__file__).resolve().parents[2] / "csrc/hopper"
+SRCS = (_HOPPER / "wgmma_sm90.cuh", _HOPPER / "bwd_wgmma_e4m3_blockscale_sm90.cu")
 
 
 def _c_func(name):
-    text = SRC.read_text()
+    text = "\n".join(p.read_text() for p in SRCS)
     m = re.search(r"int " + name + r"\(int (\w)\) \{[^\n]*\n?\s*return ([^;]+);", text)
     assert m, name
     arg, expr = m.group(1), m.group(2)
