@@ -617,6 +617,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   return {op_output(dq, pr.dqk, dt), op_output(dk, pr.dqk, dt), op_output(dv, pr.dv, dt), diag};
 }
 
+// The checks the CUDA quantize ops share: x (argument `name`) a bfloat16 rank-4
+// CUDA tensor [B, H, S, D] the kernels take (D in {64, 128, 192, 256}, B * H <
+// 2^31, S < 2^30), and fmt "e4m3" | "e5m2" (returned parsed). `op` names the op.
+void check_quant_tensor(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kBFloat16, "fp8attn: argument '", name, "': the CUDA ", op,
+                   " takes bfloat16, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 4, "fp8attn: argument '", name, "': the CUDA ", op, " takes a rank-4 tensor, got rank ",
+                    t.dim());
+  const int64_t D = t.size(3);
+  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256, "fp8attn: argument '", name,
+                    "': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
+  TORCH_CHECK_VALUE(t.size(0) * t.size(1) < (int64_t{1} << 31) && t.size(2) < (int64_t{1} << 30), "fp8attn: argument '",
+                    name, "': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ", t.sizes());
+}
+
+Fp8Format parse_quant_fmt(c10::string_view fmt_s) {
+  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
+                    std::string(fmt_s), "\"");
+  return fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+}
+
 // quantize_blockwise on CUDA (used to check the quantization kernels bit for
 // bit against the CPU op): x bfloat16 [B, H, S, D] on CUDA with D in {64, 128,
 // 192, 256}, block_size 128, dim = 3 / -1 (row blocking, blocks of min(128, D)
@@ -628,24 +649,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
                                                            c10::string_view fmt_s) {
   TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
   check_cuda_device(x_in.device());
-  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
-                   "fp8attn: argument 'x': the CUDA quantize_blockwise takes bfloat16, got ", x_in.scalar_type());
-  TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': the CUDA quantize_blockwise takes a rank-4 tensor, got rank ",
-                    x_in.dim());
+  check_quant_tensor("quantize_blockwise", "x", x_in);
   const int64_t d = dim < 0 ? dim + 4 : dim;
   TORCH_CHECK_VALUE(d == 2 || d == 3, "fp8attn: argument 'dim': the CUDA quantize_blockwise blocks dim 2 or 3 (or -2, -1), got ",
                     dim);
   TORCH_CHECK_VALUE(block_size == kSeqBlock, "fp8attn: argument 'block_size': the CUDA quantize_blockwise supports 128 only, got ",
                     block_size);
-  const int64_t D = x_in.size(3);
-  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
-                    "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
-  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) < (int64_t{1} << 31) && x_in.size(2) < (int64_t{1} << 30),
-                    "fp8attn: argument 'x': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ",
-                    x_in.sizes());
-  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
-                    std::string(fmt_s), "\"");
-  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = aligned_bf16(x_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
@@ -670,24 +680,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cuda(const at::Tensor& x_i
                                                            c10::string_view fmt_s, bool transposed) {
   TORCH_CHECK_VALUE(x_in.defined() && x_in.is_cuda(), "fp8attn: argument 'x': expected a CUDA tensor");
   check_cuda_device(x_in.device());
-  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kBFloat16,
-                   "fp8attn: argument 'x': the CUDA quantize_tilescale takes bfloat16, got ", x_in.scalar_type());
-  TORCH_CHECK_VALUE(x_in.dim() == 4, "fp8attn: argument 'x': quantize_tilescale takes a rank-4 tensor, got rank ",
-                    x_in.dim());
+  check_quant_tensor("quantize_tilescale", "x", x_in);
   const int64_t d = dim < 0 ? dim + 4 : dim;
   TORCH_CHECK_VALUE(d == 2 || d == 3, "fp8attn: argument 'dim': quantize_tilescale blocks dim 2 (tiles of tokens) or 3 "
                     "(per token), or -2 / -1, got ", dim);
   TORCH_CHECK_VALUE(block_size == kSeqBlock,
                     "fp8attn: argument 'block_size': the CUDA quantize_tilescale supports 128 only, got ", block_size);
-  const int64_t D = x_in.size(3);
-  TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256,
-                    "fp8attn: argument 'x': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
-  TORCH_CHECK_VALUE(x_in.size(0) * x_in.size(1) < (int64_t{1} << 31) && x_in.size(2) < (int64_t{1} << 30),
-                    "fp8attn: argument 'x': size(0) * size(1) must be < 2^31 and size(2) < 2^30 on CUDA, got shape ",
-                    x_in.sizes());
-  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
-                    std::string(fmt_s), "\"");
-  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = aligned_bf16(x_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
@@ -719,20 +718,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   for (const auto& [name, t] : args) {
     TORCH_CHECK_VALUE(t->defined() && t->is_cuda() && t->device() == q_in.device(), "fp8attn: argument '", name,
                       "': expected a CUDA tensor on q's device");
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kBFloat16, "fp8attn: argument '", name,
-                     "': the CUDA quantize_tilescale_fwd takes bfloat16, got ", t->scalar_type());
-    TORCH_CHECK_VALUE(t->dim() == 4, "fp8attn: argument '", name, "': expected a rank-4 tensor, got rank ", t->dim());
-    const int64_t D = t->size(3);
-    TORCH_CHECK_VALUE(D == 64 || D == 128 || D == 192 || D == 256, "fp8attn: argument '", name,
-                      "': size of dim 3 must be 64, 128, 192 or 256 on CUDA, got ", D);
-    TORCH_CHECK_VALUE(t->size(0) * t->size(1) < (int64_t{1} << 31) && t->size(2) < (int64_t{1} << 30),
-                      "fp8attn: argument '", name, "': size(0) * size(1) must be < 2^31 and size(2) < 2^30, got shape ",
-                      t->sizes());
+    check_quant_tensor("quantize_tilescale_fwd", name, *t);
   }
   check_cuda_device(q_in.device());
-  TORCH_CHECK_VALUE(fmt_s == "e4m3" || fmt_s == "e5m2", "fp8attn: argument 'fmt': expected \"e4m3\" or \"e5m2\", got \"",
-                    std::string(fmt_s), "\"");
-  const Fp8Format fmt = fmt_s == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
