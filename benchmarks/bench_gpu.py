@@ -278,6 +278,24 @@ def markdown(rows, info):
                                       for n in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong",
                                                 "tile_fwd_persistent"))
                          + f" | {_fmt_quant(r)} | {fmt_e(r.get('tile_fwd_err'))} |")
+    if any(r.get("tile_bwd_delta_matching") is not None for r in rows):
+        lines += ["", "scaling=\"tile\" backward (FP8ATTN_TILE_BWD=1), TFLOP/s (x = ratio to cuDNN BF16 bwd above): "
+                  "op = the op as called (Q / K / V / dO quantization included); kernels = main + pre-pass "
+                  "kernels' CUDA time alone (torch.profiler); pre-pass share of the kernels; step = tile fwd + "
+                  "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||.", "",
+                  TILE_BWD_HEAD, "|" + "---|" * (TILE_BWD_HEAD.count("|") - 1)]
+        for r in rows:
+            cb = r.get("cudnn_bwd")
+            mm, pm = r.get("tile_bwd_main_ms"), r.get("tile_bwd_prepass_ms")
+            share = "n/a" if mm is None or pm is None else f"{100 * pm / (mm + pm):.0f}%"
+            st = _step_ratio(r, "tile_step_ms")
+            err = r.get("tile_bwd_err") or {}
+            lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cb)} | "
+                         f"{fmt_t(r.get('fp8_bwd_delta_matching'))}{fmt_r(r.get('fp8_bwd_delta_matching'), cb)} | "
+                         + " | ".join(f"{fmt_t(r.get(n))}{fmt_r(r.get(n), cb)}"
+                                      for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels"))
+                         + f" | {share} | {'n/a' if st is None else f'{st:.2f}x'} | "
+                         + " / ".join(fmt_e(err.get(n)) for n in ("dQ", "dK", "dV")) + " |")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -298,6 +316,10 @@ def markdown(rows, info):
 
 TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (op) | tile fwd kernel only | "
              "tile fwd pingpong (op) | tile fwd persistent (op) | tile quant us (TB/s) | tile O err vs SDPA |")
+
+
+TILE_BWD_HEAD = ("| B x H x S, d | causal | cuDNN bwd | fp8 row DM bwd | tile DM bwd (op) | tile stale bwd (op) | "
+                 "tile DM kernels only | pre-pass share | tile step fwd+bwd vs cuDNN | tile dQ / dK / dV err |")
 
 
 def _fmt_quant(r):
@@ -452,6 +474,8 @@ def bench_shape(r, args) -> None:
             r["tile_fwd_pingpong"], r["tile_fwd_pingpong_ms"] = tflops(fwd_flops, p_ms), p_ms
         if ref is not None:
             r["tile_fwd_err"] = cudnn_fp8.rel_fro(tile_fwd()[0], ref.o)
+        if not args.no_bwd:
+            bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref)
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
     for mode in MODES:
         if args.no_bwd:
@@ -492,6 +516,51 @@ def bench_shape(r, args) -> None:
         if ref.grads is not None:
             g = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, "e4m3", False)
             r["fp8_err"].update({n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], ref.grads)})
+
+
+def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
+    """The `tile` backward (FP8ATTN_TILE_BWD=1 while timing): the op as called (its Q / K / V / dO
+    quantization included) for delta_matching and stale, the main and pre-pass kernels' CUDA time
+    (torch.profiler), and the training step fwd + bwd (delta_matching) of the tile op."""
+    old = os.environ.get("FP8ATTN_TILE_BWD")
+    os.environ["FP8ATTN_TILE_BWD"] = "1"  # read by the op on every call
+    try:
+        t_out, t_lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
+
+        def bwd(mode):
+            return lambda: OPS.bwd(dout, q, k, v, t_out, t_lse, tau, causal, "fp8", mode, 128, "e4m3", False,
+                                   "tile")
+        for mode in ("delta_matching", "stale"):
+            ms = time_ms(bwd(mode), args.warmup, args.iters)
+            r[f"tile_bwd_{mode}"], r[f"tile_bwd_{mode}_ms"] = tflops(bwd_flops, ms), ms
+        main_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
+        pre_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
+        r["tile_bwd_main_ms"], r["tile_bwd_prepass_ms"] = main_ms, pre_ms
+        r["tile_bwd_kernels"] = (None if main_ms is None or pre_ms is None
+                                 else tflops(bwd_flops, main_ms + pre_ms))
+        f_ms, b_ms = r.get("tile_fwd_ms"), r.get("tile_bwd_delta_matching_ms")
+        r["tile_step_ms"] = None if f_ms is None or b_ms is None else f_ms + b_ms
+        if ref is not None and ref.grads is not None:
+            g = bwd("delta_matching")()
+            r["tile_bwd_err"] = {n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], ref.grads)}
+    except (RuntimeError, NotImplementedError) as e:
+        print(f"  tile bwd: n/a ({cudnn_fp8.one_line(e, 120)})")
+    finally:
+        if old is None:
+            del os.environ["FP8ATTN_TILE_BWD"]
+        else:
+            os.environ["FP8ATTN_TILE_BWD"] = old
+
+
+def _step_ratio(r, ours_ms_key):
+    """cuDNN BF16 fwd + bwd time over ours (a training step's attention), None where n/a."""
+    cf, cb, ours = r.get("cudnn_fwd"), r.get("cudnn_bwd"), r.get(ours_ms_key)
+    if cf is None or cb is None or ours is None:
+        return None
+    b, h, s, d = r["B"], r["H"], r["S"], r["d"]
+    fwd_flops = 4.0 * b * h * s * s * d / (2 if r["causal"] else 1)
+    base_ms = fwd_flops / (cf * 1e12) * 1e3 + 2.5 * fwd_flops / (cb * 1e12) * 1e3
+    return base_ms / ours
 
 
 def main(argv=None) -> int:

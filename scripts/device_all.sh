@@ -21,7 +21,8 @@
 # benchmark's cuDNN FP8 columns; optional, without them those columns say n/a).
 # The summary names the library, the compiler and its libstdc++ linkage (ldd).
 # Env knobs: DEVICE_LIB=native|carried (default native), DEVICE_BENCH=full|quick|0 (default quick), DEVICE_BENCH_SHAPES=BxHxSxd,...
-# (bench_gpu.py --shapes instead of the quick / full list), DEVICE_CPU_TESTS=1 also
+# (bench_gpu.py --shapes instead of the quick / full list), DEVICE_BENCH_ARGS more bench_gpu.py
+# arguments (e.g. --scaling row,tile), DEVICE_CPU_TESTS=1 also
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_TESTS replaces the GPU test list, DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_SAN=0 skips the sanitizers, DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
@@ -194,7 +195,7 @@ if [ "$bench" != 0 ]; then
   flag=""
   [ "$bench" = quick ] && flag="--quick"
   [ -n "${DEVICE_BENCH_SHAPES:-}" ] && flag="--shapes $DEVICE_BENCH_SHAPES"
-  timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
+  timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag ${DEVICE_BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
   note "benchmark: rc=$?"
 fi
 

@@ -78,6 +78,42 @@ def run_bwd(inp, causal, mode, fmt, diagnostics=False):
     return tuple(t.cpu() for t in cuda), cpu, exact
 
 
+# Rare FP8 code flips (docs/numerics.md section 6). Kernel and reference quantize the
+# same BF16 inputs to the same codes, but P and dS are quantized from values whose sums
+# differ (FP8 wgmma vs FP32, numerics.md section 7) by ~2^-13 relative: a value that
+# close to an FP8 rounding boundary takes the neighbouring code, one FP8 step away
+# (<= 2^-3 of it for E4M3, 2^-2 for E5M2). In a large output every row averages many
+# codes and a flip vanishes in the 2e-2; a row dominated by one or two terms (one
+# query, a few keys) moves by up to that step. Measured on the H200 (2026-12-02, tile
+# backward): seqlen_q = 1, seqlen_k = 77, two heads: dV of one key row off by 0.111
+# (one flipped P code), 0.0617 over the tensor, every other row bitwise equal. So a
+# tensor (or 64-column block) that misses 2e-2 passes when at most FLIP_MAX_ROWS_FRAC of
+# its rows (at least one) miss it, each of those by less than FLIP_ROW_MAX, and the rest
+# of the tensor meets 2e-2. A wrong kernel moves whole tiles or fragments (8-16 rows at
+# least) or gives O(1) errors, and still fails.
+FLIP_ROW_MAX = 0.3
+FLIP_MAX_ROWS_FRAC = 1e-3
+
+
+def close_to_reference(c, r, tol=2e-2):
+    """(ok, rel, detail): ||c - r|| / ||r|| < tol over the tensor, or the rare-flip rule
+    above over its rows (last dim = one row). c, r float64, same shape."""
+    rel = (c - r).norm().item() / max(r.norm().item(), 1e-30)
+    if rel < tol:
+        return True, rel, ""
+    cr, rr = c.reshape(-1, c.shape[-1]), r.reshape(-1, r.shape[-1])
+    dn, rn = (cr - rr).norm(dim=1), rr.norm(dim=1)
+    # rows with a ~zero reference are judged against the tensor's rms row norm
+    floor = rr.norm().item() / math.sqrt(rr.shape[0])
+    row_rel = dn / torch.clamp(rn, min=floor)
+    bad = row_rel >= tol
+    n_bad, allowed = int(bad.sum()), max(1, math.ceil(FLIP_MAX_ROWS_FRAC * rr.shape[0]))
+    rest = (dn[~bad].norm() / max(rn[~bad].norm().item(), 1e-30)).item() if (~bad).any() else 0.0
+    worst = row_rel.max().item()
+    ok = n_bad <= allowed and worst < FLIP_ROW_MAX and rest < tol
+    return ok, rel, f"{n_bad} rows >= {tol} (allowed {allowed}), worst row {worst:.4g}, rest {rest:.4g}"
+
+
 def check_grads(cuda, cpu, exact, label):
     for name, c, r, e in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3], exact[:3]):
         c, r, e = c.double(), r.double(), e.double()
@@ -95,10 +131,10 @@ def check_grads(cuda, cpu, exact, label):
             continue
         err_cuda = (c - e).norm().item()
         err_cpu = (r - e).norm().item()
-        rel_cpu = (c - r).norm().item() / max(r.norm().item(), 1e-30)
         assert err_cuda <= 2 * err_cpu + 1e-3 * ne, (
             f"{label} {name}: ||cuda-exact||={err_cuda:.4g} > 2*||cpu-exact||={2 * err_cpu:.4g} + 1e-3*||exact||")
-        assert rel_cpu < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel_cpu:.4g}"
+        ok, rel_cpu, why = close_to_reference(c, r)
+        assert ok, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel_cpu:.4g} ({why})"
         # Per 64-column block too: a wrong block (one output slice or wgmma chunk of
         # the kernel) must not hide in the whole-tensor norm. NOTE: the v4 backward's
         # pipelined dK/dQ schedule once gave wrong dQ columns 0..63 only at
@@ -112,8 +148,8 @@ def check_grads(cuda, cpu, exact, label):
                 mb = cb.abs().max().item()
                 assert mb < 1e-2, f"{label} {name}[..., {lo}:{lo + 64}]: expected ~0, got {mb}"
                 continue
-            rel_b = (cb - rb).norm().item() / nb
-            assert rel_b < 2e-2, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g}"
+            ok, rel_b, why = close_to_reference(cb, rb)
+            assert ok, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g} ({why})"
 
 
 MODES = ("stale", "matched_do", "delta_matching")

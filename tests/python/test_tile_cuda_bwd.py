@@ -18,9 +18,13 @@ dV is the same in every mode, and the Delta-Matching invariant holds from the
 CUDA diagnostics with `stale` shown to fail. Outputs are poisoned with NaN
 before each call, so an unwritten element fails.
 
-The backward inputs (out, lse) come from the CPU reference's `tile` forward, so
-these tests isolate the backward kernels; test_tile_dm_invariant_with_cuda_forward
-runs the training pairing (CUDA `tile` forward + backward).
+The backward inputs come from the CPU reference's `tile` forward (out for both
+sides; the reference its own LSE), except that the kernel gets the LSE of the CUDA
+`tile` forward on the same inputs: each side's P is then normalized against its
+own S (run_bwd's NOTE), so the comparison measures the backward kernels, not the
+S mismatch between kernel and reference; test_tile_dm_invariant_with_cuda_forward
+runs the training pairing (CUDA `tile` forward O and LSE + backward). Closeness
+uses the rare-flip rule of test_cuda_bwd (close_to_reference).
 
 The CUDA `tile` backward runs only with FP8ATTN_TILE_BWD=1 until it has passed
 this file on the GPU (docs/architecture.md, "Environment variables"); the
@@ -33,8 +37,8 @@ import zlib
 import pytest
 import torch
 
-from test_cuda_bwd import (MODES, OPS, STALE_RESIDUAL_FLOOR, _rel, check_grads, check_mode_closest,  # noqa: F401
-                           f32_scale, needs_gpu, poison_cuda_allocator)
+from test_cuda_bwd import (FLIP_MAX_ROWS_FRAC, FLIP_ROW_MAX, MODES, OPS, STALE_RESIDUAL_FLOOR,  # noqa: F401
+                           _rel, check_grads, check_mode_closest, f32_scale, needs_gpu, poison_cuda_allocator)
 
 pytestmark = pytest.mark.gpu
 
@@ -72,10 +76,17 @@ def run_bwd(inp, causal, mode, fmt, diagnostics=False, exact=True):
     if exact:
         ex = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal,
                      "exact", mode, 128, fmt, False)
+    dev = [t.cuda() for t in (dout, q, k, v, out)]
+    # The kernel's LSE: the CUDA `tile` forward's (its S is the backward's wgmma chain),
+    # so each side's P sums to 1 against its own S; the reference keeps the CPU forward's.
+    # NOTE: fed the CPU LSE, the kernel's P is off by exp(S_cuda - S_cpu) (numerics.md
+    # section 7) and the FP8 backward amplifies that mismatch: a one-key row's residue
+    # dS = P dP (1 - P) reached |dK| 0.012 at d = 256, the DM row sums 1.02e-5 (H200,
+    # 2026-12-02).
+    lse_cuda = OPS.fwd(dev[1], dev[2], dev[3], tau, causal, "fp8", 128, "tile")[1]
     poison_cuda_allocator([(q.shape, torch.bfloat16), (k.shape, torch.bfloat16), (v.shape, torch.bfloat16),
                            ((4,) + tuple(lse.shape), torch.float32)])
-    dev = [t.cuda() for t in (dout, q, k, v, out, lse)]
-    cuda = OPS.bwd(*dev, tau, causal, "fp8", mode, 128, fmt, diagnostics, "tile")
+    cuda = OPS.bwd(*dev, lse_cuda, tau, causal, "fp8", mode, 128, fmt, diagnostics, "tile")
     torch.cuda.synchronize()
     return tuple(t.cpu() for t in cuda), cpu, ex
 
@@ -193,6 +204,7 @@ def test_tile_bwd_seqlens(sq, sk, causal):
     check_grads(cuda, cpu, exact, f"tile sq={sq} sk={sk} causal={causal}")
 
 
+
 @needs_gpu
 @pytest.mark.parametrize("dims", [(64, 64)] + WIDE_DIMS, ids=lambda x: "%dx%d" % x)
 @pytest.mark.parametrize("sq,sk", [(1, 77), (77, 1), (129, 128), (128, 257), (128, 256), (256, 128)])
@@ -236,12 +248,18 @@ def test_tile_bwd_long_rows_small_block_scales(causal):
 def test_tile_bwd_many_heads_split_launch():
     # num_heads > 65535: several launches (launch_sm90.h at_chunk with the `tile`
     # scale layouts); every head checked.
+    # Per head: a wrong chunk offset gives O(1) errors on every head of a chunk. With
+    # 5 x 3 elements per head a single flipped P / dS code (test_cuda_bwd, FLIP_ROW_MAX)
+    # moves a head by up to ~7% (measured on the H200, 2026-12-02: 14 of 66000 heads
+    # above 5e-2 in dQ, max 0.069, median 0): the rare-flip rule per head.
     inp = make_inputs(1, 66000, 66000, 5, 3, 64, 64, False, seed=seed_of("many"))
     cuda, cpu, _ = run_bwd(inp, False, "delta_matching", "e4m3", exact=False)
     for name, c, r in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3]):
         assert torch.isfinite(c.float()).all(), name
         per_head = (c.double() - r.double()).flatten(2).norm(dim=-1) / r.double().flatten(2).norm(dim=-1).clamp_min(1e-30)
-        assert per_head.max().item() < 5e-2, (name, per_head.max().item())
+        assert per_head.max().item() < FLIP_ROW_MAX, (name, per_head.max().item())
+        n_bad = int((per_head >= 5e-2).sum())
+        assert n_bad <= FLIP_MAX_ROWS_FRAC * per_head.numel(), (name, n_bad)
         assert _rel(c, r) < 2e-2, name
 
 
@@ -280,6 +298,11 @@ def test_tile_delta_matching_invariant_and_diagnostics(dims, causal):
     # matched_do at least 10x larger on the same inputs and above the absolute
     # floor (the bug Delta-Matching removes, shown to fail). delta / eps and the
     # post-cast residuals agree with the reference's diagnostics.
+    # The kernel gets the LSE of the CUDA forward (run_bwd), whose S is the same wgmma
+    # chain as the backward's, so P sums to 1 to FP32 rounding and the DM residual is
+    # that of the CUDA pairing (1e-6, test_tile_dm_invariant_with_cuda_forward). Fed the
+    # CPU forward's LSE instead (before 2026-12-02) it measured 1.02e-5 at d = 256: the
+    # S mismatch (delta_i (1 - sum_j P_ij)), not the kernel's Delta-Matching.
     inp = make_inputs(1, 4, 2, 384, 384, *dims, causal, seed=seed_of("dm", dims, causal))
     res = {}
     for mode in MODES:
@@ -288,13 +311,14 @@ def test_tile_delta_matching_invariant_and_diagnostics(dims, causal):
         assert dc.shape == (4, 1, 4, 384) and torch.isfinite(dc).all()
         assert (dc[0] - dr[0]).norm() <= 1e-3 * dr[0].norm(), mode
         if mode != "delta_matching":
-            assert (dc[1] - dr[1]).norm() <= 2e-2 * dr[1].norm() + 1e-6, mode
+            rel_eps = ((dc[1] - dr[1]).norm() / dr[1].norm()).item()
+            assert rel_eps <= 2e-2, (mode, rel_eps)
         else:
             assert torch.equal(dc[1], torch.zeros_like(dc[1]))
         post_c, post_r = dc[3].mean().item(), dr[3].mean().item()
         assert abs(post_c - post_r) <= 0.2 * post_r + 1e-6, (mode, post_c, post_r)
         res[mode] = dc[2].mean().item()
-    assert res["delta_matching"] < 1e-5, res
+    assert res["delta_matching"] < 1e-6, res
     assert res["stale"] >= 10 * res["delta_matching"], res
     assert res["matched_do"] >= 10 * res["delta_matching"], res
     assert res["stale"] > STALE_RESIDUAL_FLOOR, res
