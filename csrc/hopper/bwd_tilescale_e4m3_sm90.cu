@@ -356,13 +356,23 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       fence_async_smem();  // st.shared (generic proxy) -> the dV wgmmas (async proxy)
     }
 
-    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P.
+    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P. Two
+    // chunk buffers (v2): chunk qc + 1's wgmma is in flight while chunk qc's dS
+    // FMAs run (v1 waited for every m64n16 chain before its FMAs).
+    {
+      constexpr int kChunks = kTile / kDpN;
+      float dp[2][kDpN / 8][4];
+      issue_dp<DV, FMT, kTile>(v_lo, do_lo, 0, dp[0]);
 #pragma unroll
-    for (int qc = 0; qc < kTile / kDpN; ++qc) {
-      float dp[kDpN / 8][4];
-      issue_dp<DV, FMT, kTile>(v_lo, do_lo, qc, dp);
-      wg_wait<0>();
-      ds_from_dp(pt, dp, s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
+      for (int qc = 0; qc < kChunks; ++qc) {
+        if (qc + 1 < kChunks) {
+          issue_dp<DV, FMT, kTile>(v_lo, do_lo, qc + 1, dp[(qc + 1) & 1]);
+          wg_wait<1>();
+        } else {
+          wg_wait<0>();
+        }
+        ds_from_dp(pt, dp[qc & 1], s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
+      }
     }
     if (!interior) mask_tile<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
     if (diag) diag_pre<kTile>(pt, p.rowsum_ws, n_rows, bhq * Sq64, m0, Sq, lane);
@@ -401,6 +411,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 
     // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), straight into the accumulator
     // (SS: P^T codes from shared memory, written before the barrier above).
+    // v2: issued and left in flight under the #6 dS code stores and the dK issue
+    // (waited with dK); dK's rescale is done first, so no non-wgmma instruction
+    // defines an in-flight accumulator.
+    rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
     if (wv > 0) {
       rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
       const uint32_t pt_lo = base + L::kPT / 16 + wg * kDesc64Rows;
@@ -414,8 +428,6 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
             gmma_ss<kFmtE4M3, FMT, 64>(desc_of(pt_lo + kDescK32 * c),
                                        desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dv_acc[h][0][0], true);
       wg_commit();
-      wg_wait<0>();
-      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
     }
 
     // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows g,
@@ -468,10 +480,11 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     }
 
     // ---- dK += s_dS s_Q(qt) dS_hat^T Q_hat (#7), straight into the accumulator.
+    // (dK's accumulator was rescaled before the dV issue; dV is still in flight:
+    // one wait covers both.)
     {
       uint32_t a_s[4][4];
       codes_block<FMT>(pt, sc_s.y, a_s);
-      rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
       fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
       wg_arrive();
 #pragma unroll
@@ -484,6 +497,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       wg_commit();
       wg_wait<0>();
       fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
       fence_regs_u(&a_s[0][0], 16);
     }
     // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
