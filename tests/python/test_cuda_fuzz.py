@@ -53,8 +53,9 @@ import torch
 
 import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 from fp8attn import _lib
-from test_cuda_bwd import MODES, check_mode_closest, f32_scale, poison_cuda_allocator
+from test_cuda_bwd import MODE_T_MAX, MODES, check_mode_closest, f32_scale, poison_cuda_allocator
 from wgmma_bounds import wgmma_lse_bound
+from wgmma_emulation import model_gap
 
 OPS = torch.ops.fp8attn
 
@@ -77,6 +78,17 @@ TOTAL_WORK = 1.2e10
 # standard-error, row-count and ||r_o - r_m|| / noise rules, numerics.md section 7).
 MODE_CHECK_MIN_ELEMENTS = 4096
 MODE_CHECK_MIN_SEPARATION = 5e-3
+# The derived tolerance of the cuda-cpu gradient closeness (numerics.md sections 6-7):
+# ||cuda - cpu|| < (2e-2 + GAP_K * gap) ||cpu||, gap = the FP8 wgmma model gap of that
+# gradient (wgmma_emulation.model_gap: the larger of model and mirror), computed only
+# where the plain 2e-2 fails. GAP_K = 2: the H200's cuda-cpu differences of the cases
+# the model explains are 0.89-1.69x its gap (211, 218, 148, 113, 85, 29; 85 the largest).
+GRAD_REL_TOL = 2e-2
+GAP_K = 2.0
+# The mode check's allowance widened by the same gap never exceeds 1/2 ("closer to its
+# own mode's reference than to the other's"): past that the pair cannot tell the modes
+# apart, and a |t| >= 1/2 stays a failure.
+MODE_T_CAP = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,11 +297,16 @@ def check_lse_rows(lse, l_cpu, q, k, tau, causal, label):
             f"{tol[w].item():.3g} ({(d_lse[w] / tol[w]).item():.2f}x; wgmma bound {bound[w].item():.3g})")
 
 
-def check_grad(name, c, r, e, scale, label, stats):
+def check_grad(name, c, r, e, scale, label, stats, gap=None):
     """One gradient in units of `scale`: finite; section 6 on the whole tensor and on
     every 64-column block (test_cuda_bwd.check_grads); where the exact gradient
     vanishes (one key per row, all-equal keys' dQ) the kernel must be no further from
-    it than twice the FP8 reference (plus 1e-2 of the natural scale per element)."""
+    it than twice the FP8 reference (plus 1e-2 of the natural scale per element).
+    gap: None, or a callable returning this gradient's FP8 wgmma model gap
+    {"rel": g, "blocks": [g_c per 64 columns], ...} (wgmma_emulation.model_gap), called
+    only where a plain 2e-2 closeness check fails: that check then allows
+    GRAD_REL_TOL + GAP_K * g (numerics.md sections 6-7). ||cuda - exact|| <= 2 ||cpu -
+    exact|| + 1e-3 ||exact|| is never widened."""
     c, r, e = (t.double() / scale for t in (c, r, e))
     assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
     assert torch.isfinite(r).all(), f"{label} {name}: the reference is not finite (case generator bug)"
@@ -314,15 +331,31 @@ def check_grad(name, c, r, e, scale, label, stats):
     _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
     _record(label, name, rel=rel, err_cuda=err_c, err_cpu=err_r, norm_exact=ne, norm_cpu=r.norm().item())
     assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
-    assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
+    blocks = []
     for lo in range(0, c.shape[-1], 64):
         cb, rb = c[..., lo:lo + 64], r[..., lo:lo + 64]
         nb = rb.norm().item()
         if nb < 1e-6 * math.sqrt(rb.numel()):
             assert cb.abs().max().item() < 1e-2, f"{label} {name}[..., {lo}:]: expected ~0"
             continue
-        rel_b = (cb - rb).norm().item() / nb
-        assert rel_b < 2e-2, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g}"
+        blocks.append((lo, (cb - rb).norm().item() / nb))
+    # NaN never passes: `not (x < tol)` is true for a NaN x.
+    if rel < GRAD_REL_TOL and all(rb < GRAD_REL_TOL for _, rb in blocks):
+        return
+    g = gap() if gap is not None else None
+    tol = GRAD_REL_TOL + (GAP_K * g["rel"] if g else 0.0)
+    if g is not None:
+        _record(label, name, rel=rel, gap_model=g.get("model"), gap_mirror=g.get("mirror"), gap=g["rel"],
+                tol=tol, gap_blocks=g["blocks"], rel_blocks=[rb for _, rb in blocks])
+        if stats is not None:
+            stats["gap_checks"] = stats.get("gap_checks", 0) + 1
+    gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * wgmma model gap {g['rel']:.4g})" if g else ""
+    assert rel < tol, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g} >= {tol:.4g}{gap_note}"
+    for lo, rel_b in blocks:
+        tol_b = GRAD_REL_TOL + (GAP_K * g["blocks"][lo // 64] if g else 0.0)
+        gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * block gap {g['blocks'][lo // 64]:.4g})" if g else ""
+        assert rel_b < tol_b, (f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g} >= "
+                               f"{tol_b:.4g}{gap_note}")
 
 
 # FUZZ_REPORT=<file> (a test-run option, not a library knob): every check's numbers,
@@ -342,11 +375,47 @@ def _note(stats, name, rel, ratio):
         w[0], w[1] = max(w[0], rel), max(w[1], ratio)
 
 
-def run_case(case: Case, device: str, stats=None, swap_modes=None):
+class LazyModelGap:
+    """The FP8 wgmma model gaps of a case (wgmma_emulation.model_gap, every mode and
+    gradient), computed on first use on the given tensors' device (the GPU fuzz: CUDA,
+    float64) and kept: cases whose plain checks pass never pay for it."""
+
+    def __init__(self, q, k, v, do, o, tau, causal, grad_format):
+        self.args = (q, k, v, do, o, tau, causal, grad_format)
+        self.gaps = None
+
+    def get(self, mode, name):
+        if self.gaps is None:
+            self.gaps = model_gap(*self.args)
+        return self.gaps[mode][name]
+
+    def for_grad(self, mode, name):
+        return lambda: self.get(mode, name)
+
+    def mode_widen(self, mode, own, label, stats):
+        """check_mode_closest's `widen` for a kernel of `mode`: |t| may reach t_max +
+        GAP_K * gap(mode, gradient) ||r_m|| / ||r_o - r_m|| (the gap moves the kernel by
+        at most that along the line), capped at MODE_T_CAP; recorded in FUZZ_REPORT."""
+        def widen(other, i, t, sep):
+            name = ("dQ", "dK")[i]
+            g = self.get(mode, name)["rel"]
+            allow = MODE_T_MAX + GAP_K * g * own[i].norm().item() / max(sep, 1e-300)
+            capped = allow > MODE_T_CAP
+            allow = min(allow, MODE_T_CAP)
+            _record(label, f"mode {name} vs {other}", t=t, gap=g, allow=allow, capped=capped)
+            if stats is not None:
+                stats["gap_mode_pairs"] = stats.get("gap_mode_pairs", 0) + 1
+            return allow
+        return widen
+
+
+def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None):
     """Runs and checks one case; device "cuda" (the kernels) or "cpu" (the CPU
     reference in the kernel's place: the plumbing check of the CPU tests).
     swap_modes={"stale": "delta_matching"} runs the "kernel" of a mode with
-    another mode's delta (the fault the mode check exists for)."""
+    another mode's delta (the fault the mode check exists for). perturb: None, or
+    a callable (mode, (dq, dk, dv)) -> (dq, dk, dv) applied to the "kernel"'s
+    gradients (the CPU tests' faulty kernels)."""
     q, k, v, do, tau = make_tensors(case)
     label = case.label()
     causal, fmt = case.causal, case.grad_format
@@ -386,6 +455,8 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
     vanish = any((exact[i].double() / scales[i]).norm().item() < 1e-6 * math.sqrt(exact[i].numel())
                  for i in (0, 1))
     mode_check = q.numel() >= MODE_CHECK_MIN_ELEMENTS and not vanish  # dQ's elements
+    # The derived tolerance's model gaps, on the device (float64 there), on first need.
+    gaps = LazyModelGap(qc, kc, vc, doc, o_dev, tau, causal, fmt)
     for mode in MODES:
         run_mode = (swap_modes or {}).get(mode, mode)
         if device == "cuda":
@@ -394,12 +465,16 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
         if device == "cuda":
             torch.cuda.synchronize()
         got = tuple(t.cpu() for t in got[:3])
+        if perturb is not None:
+            got = tuple(perturb(mode, got))
         for i, name in enumerate(("dQ", "dK", "dV")):
-            check_grad(name, got[i], cpu[mode][i], exact[i], scales[i], f"{label} {mode}", stats)
+            check_grad(name, got[i], cpu[mode][i], exact[i], scales[i], f"{label} {mode}", stats,
+                       gap=gaps.for_grad(mode, name))
         if mode_check:
             scaled = {m: tuple(t.double() / s for t, s in zip(cpu[m][:3], scales)) for m in MODES}
             n = check_mode_closest(tuple(t.double() / s for t, s in zip(got, scales)), mode, scaled,
-                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION)
+                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION,
+                                   widen=gaps.mode_widen(mode, scaled[mode], f"{label} {mode}", stats))
             if stats is not None:
                 stats["mode_pairs"] = stats.get("mode_pairs", 0) + n
 
@@ -407,7 +482,8 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
 def summary_line(seed, n_cases, stats, failures, seconds) -> str:
     parts = [f"{k} {v[0]:.2e}/{v[1]:.2f}" for k, v in stats.items() if isinstance(v, list)]
     return (f"cuda fuzz seed {seed}: {n_cases} cases x (fwd + bwd {'/'.join(MODES)}), {len(failures)} failed, "
-            f"{stats.get('mode_pairs', 0)} mode pairs told apart; worst ||cuda-cpu||/||cpu|| / "
+            f"{stats.get('mode_pairs', 0)} mode pairs told apart; wgmma model gap computed for "
+            f"{stats.get('gap_checks', 0)} gradients and {stats.get('gap_mode_pairs', 0)} mode pairs; worst ||cuda-cpu||/||cpu|| / "
             f"(||cuda-exact|| / section-6 bound): " + ", ".join(parts) + f"; {seconds:.0f} s")
 
 
