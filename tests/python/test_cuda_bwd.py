@@ -226,7 +226,7 @@ def mode_t_noise(cuda, own, other):
 
 
 def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep=MODE_MIN_SEPARATION,
-                       z=MODE_Z, min_snr=MODE_MIN_SNR, gates=True):
+                       z=MODE_Z, min_snr=MODE_MIN_SNR, gates=True, widen=None):
     """cuda: (dq, dk, dv, ...) of a backward run with delta_mode=mode; cpu_by_mode:
     {mode: CPU reference (dq, dk, dv, ...)} with `mode` and at least one other.
     dQ, dK: mode_t(cuda, cpu[mode], cpu[other]) < t_max for every other mode whose
@@ -249,6 +249,10 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
     (2026-12-02) while the noise gates, tuned for the fuzz's degenerate cases,
     skipped 1-2 of their 4 pairs.
     dV: the references of all modes are bitwise equal (dV does not use delta).
+    widen: None, or a callable (other, i, t, sep) -> the allowance for |t| of the pair
+    (gradient i of (dQ, dK), sep = ||r_o - r_m||), called only where |t| >= t_max: the GPU
+    fuzz passes the derived tolerance of the FP8 wgmma model there (test_cuda_fuzz.py,
+    numerics.md section 7); the allowance it returns replaces t_max for that pair.
     Returns the number of (gradient, other mode) pairs compared."""
     assert mode in cpu_by_mode and len(cpu_by_mode) >= 2
     own = cpu_by_mode[mode]
@@ -263,9 +267,12 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
             t, sigma, snr, rows = mode_t_noise(cuda[i], own[i], ref[i])
             if gates and (rows < MODE_MIN_ROWS or sigma > t_max / z or snr < min_snr):
                 continue
-            assert abs(t) < t_max, (
+            allow = t_max
+            if abs(t) >= t_max and widen is not None:
+                allow = widen(other, i, t, (ref[i].double() - own[i].double()).norm().item())
+            assert abs(t) < allow, (
                 f"{label} {name}: a {mode} backward sits at t = {t:.3f} on the line from the {mode} "
-                f"reference (0) to the {other} one (1), |t| >= {t_max} (sigma_t {sigma:.3g}, "
+                f"reference (0) to the {other} one (1), |t| >= {allow:.3g} (sigma_t {sigma:.3g}, "
                 f"||s||/||e_perp|| {snr:.3g}): it looks like the wrong delta mode")
             compared += 1
     return compared

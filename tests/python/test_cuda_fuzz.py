@@ -24,7 +24,12 @@ forward differences are not charged to the backward:
     64-column block (as tests/python/test_cuda_bwd.py check_grads), in units of
     each gradient's natural scale (so huge / tiny inputs get the same bounds);
     and the mode check of test_cuda_bwd.check_mode_closest (the gradient sits
-    on its own mode's side of every other mode's reference);
+    on its own mode's side of every other mode's reference). Where the plain
+    2e-2 closeness (or the mode check's |t| < 0.25) fails, the FP8 wgmma model
+    gap of the case (wgmma_emulation.model_gap, float64 on the GPU) widens it
+    to 2e-2 + GAP_K * gap (|t| by GAP_K * gap ||r_m|| / ||r_o - r_m||, at most
+    to 1/2): numerics.md section 7, "Derived tolerance of the gradient
+    closeness"; ||cuda - exact|| <= 2 ||cpu - exact|| is never widened;
   - NaN never passes: every output is poisoned before the call and must be
     finite where the reference is.
 
@@ -53,8 +58,9 @@ import torch
 
 import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 from fp8attn import _lib
-from test_cuda_bwd import MODES, check_mode_closest, f32_scale, poison_cuda_allocator
+from test_cuda_bwd import MODE_T_MAX, MODES, check_mode_closest, f32_scale, poison_cuda_allocator
 from wgmma_bounds import wgmma_lse_bound
+from wgmma_emulation import model_gap
 
 OPS = torch.ops.fp8attn
 
@@ -77,6 +83,17 @@ TOTAL_WORK = 1.2e10
 # standard-error, row-count and ||r_o - r_m|| / noise rules, numerics.md section 7).
 MODE_CHECK_MIN_ELEMENTS = 4096
 MODE_CHECK_MIN_SEPARATION = 5e-3
+# The derived tolerance of the cuda-cpu gradient closeness (numerics.md sections 6-7):
+# ||cuda - cpu|| < (2e-2 + GAP_K * gap) ||cpu||, gap = the FP8 wgmma model gap of that
+# gradient (wgmma_emulation.model_gap: the larger of model and mirror), computed only
+# where the plain 2e-2 fails. GAP_K = 2: the H200's cuda-cpu differences of the cases
+# the model explains are 0.89-1.69x its gap (211, 218, 148, 113, 85, 29; 85 the largest).
+GRAD_REL_TOL = 2e-2
+GAP_K = 2.0
+# The mode check's allowance widened by the same gap never exceeds 1/2 ("closer to its
+# own mode's reference than to the other's"): past that the pair cannot tell the modes
+# apart, and a |t| >= 1/2 stays a failure.
+MODE_T_CAP = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,11 +302,16 @@ def check_lse_rows(lse, l_cpu, q, k, tau, causal, label):
             f"{tol[w].item():.3g} ({(d_lse[w] / tol[w]).item():.2f}x; wgmma bound {bound[w].item():.3g})")
 
 
-def check_grad(name, c, r, e, scale, label, stats):
+def check_grad(name, c, r, e, scale, label, stats, gap=None):
     """One gradient in units of `scale`: finite; section 6 on the whole tensor and on
     every 64-column block (test_cuda_bwd.check_grads); where the exact gradient
     vanishes (one key per row, all-equal keys' dQ) the kernel must be no further from
-    it than twice the FP8 reference (plus 1e-2 of the natural scale per element)."""
+    it than twice the FP8 reference (plus 1e-2 of the natural scale per element).
+    gap: None, or a callable returning this gradient's FP8 wgmma model gap
+    {"rel": g, "blocks": [g_c per 64 columns], ...} (wgmma_emulation.model_gap), called
+    only where a plain 2e-2 closeness check fails: that check then allows
+    GRAD_REL_TOL + GAP_K * g (numerics.md sections 6-7). ||cuda - exact|| <= 2 ||cpu -
+    exact|| + 1e-3 ||exact|| is never widened."""
     c, r, e = (t.double() / scale for t in (c, r, e))
     assert torch.isfinite(c).all(), f"{label} {name}: non-finite values (unwritten or NaN)"
     assert torch.isfinite(r).all(), f"{label} {name}: the reference is not finite (case generator bug)"
@@ -314,15 +336,31 @@ def check_grad(name, c, r, e, scale, label, stats):
     _note(stats, name, rel, err_c / max(2 * err_r + 1e-3 * ne, 1e-300))
     _record(label, name, rel=rel, err_cuda=err_c, err_cpu=err_r, norm_exact=ne, norm_cpu=r.norm().item())
     assert err_c <= 2 * err_r + 1e-3 * ne, f"{label} {name}: ||cuda-exact||={err_c:.4g} > 2*{err_r:.4g} + 1e-3*{ne:.4g}"
-    assert rel < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g}"
+    blocks = []
     for lo in range(0, c.shape[-1], 64):
         cb, rb = c[..., lo:lo + 64], r[..., lo:lo + 64]
         nb = rb.norm().item()
         if nb < 1e-6 * math.sqrt(rb.numel()):
             assert cb.abs().max().item() < 1e-2, f"{label} {name}[..., {lo}:]: expected ~0"
             continue
-        rel_b = (cb - rb).norm().item() / nb
-        assert rel_b < 2e-2, f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g}"
+        blocks.append((lo, (cb - rb).norm().item() / nb))
+    # NaN never passes: `not (x < tol)` is true for a NaN x.
+    if rel < GRAD_REL_TOL and all(rb < GRAD_REL_TOL for _, rb in blocks):
+        return
+    g = gap() if gap is not None else None
+    tol = GRAD_REL_TOL + (GAP_K * g["rel"] if g else 0.0)
+    if g is not None:
+        _record(label, name, rel=rel, gap_model=g.get("model"), gap_mirror=g.get("mirror"), gap=g["rel"],
+                tol=tol, gap_blocks=g["blocks"], rel_blocks=[rb for _, rb in blocks])
+        if stats is not None:
+            stats["gap_checks"] = stats.get("gap_checks", 0) + 1
+    gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * wgmma model gap {g['rel']:.4g})" if g else ""
+    assert rel < tol, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g} >= {tol:.4g}{gap_note}"
+    for lo, rel_b in blocks:
+        tol_b = GRAD_REL_TOL + (GAP_K * g["blocks"][lo // 64] if g else 0.0)
+        gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * block gap {g['blocks'][lo // 64]:.4g})" if g else ""
+        assert rel_b < tol_b, (f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g} >= "
+                               f"{tol_b:.4g}{gap_note}")
 
 
 # FUZZ_REPORT=<file> (a test-run option, not a library knob): every check's numbers,
@@ -342,11 +380,47 @@ def _note(stats, name, rel, ratio):
         w[0], w[1] = max(w[0], rel), max(w[1], ratio)
 
 
-def run_case(case: Case, device: str, stats=None, swap_modes=None):
+class LazyModelGap:
+    """The FP8 wgmma model gaps of a case (wgmma_emulation.model_gap, every mode and
+    gradient), computed on first use on the given tensors' device (the GPU fuzz: CUDA,
+    float64) and kept: cases whose plain checks pass never pay for it."""
+
+    def __init__(self, q, k, v, do, o, tau, causal, grad_format):
+        self.args = (q, k, v, do, o, tau, causal, grad_format)
+        self.gaps = None
+
+    def get(self, mode, name):
+        if self.gaps is None:
+            self.gaps = model_gap(*self.args)
+        return self.gaps[mode][name]
+
+    def for_grad(self, mode, name):
+        return lambda: self.get(mode, name)
+
+    def mode_widen(self, mode, own, label, stats):
+        """check_mode_closest's `widen` for a kernel of `mode`: |t| may reach t_max +
+        GAP_K * gap(mode, gradient) ||r_m|| / ||r_o - r_m|| (the gap moves the kernel by
+        at most that along the line), capped at MODE_T_CAP; recorded in FUZZ_REPORT."""
+        def widen(other, i, t, sep):
+            name = ("dQ", "dK")[i]
+            g = self.get(mode, name)["rel"]
+            allow = MODE_T_MAX + GAP_K * g * own[i].norm().item() / max(sep, 1e-300)
+            capped = allow > MODE_T_CAP
+            allow = min(allow, MODE_T_CAP)
+            _record(label, f"mode {name} vs {other}", t=t, gap=g, allow=allow, capped=capped)
+            if stats is not None:
+                stats["gap_mode_pairs"] = stats.get("gap_mode_pairs", 0) + 1
+            return allow
+        return widen
+
+
+def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None):
     """Runs and checks one case; device "cuda" (the kernels) or "cpu" (the CPU
     reference in the kernel's place: the plumbing check of the CPU tests).
     swap_modes={"stale": "delta_matching"} runs the "kernel" of a mode with
-    another mode's delta (the fault the mode check exists for)."""
+    another mode's delta (the fault the mode check exists for). perturb: None, or
+    a callable (mode, (dq, dk, dv)) -> (dq, dk, dv) applied to the "kernel"'s
+    gradients (the CPU tests' faulty kernels)."""
     q, k, v, do, tau = make_tensors(case)
     label = case.label()
     causal, fmt = case.causal, case.grad_format
@@ -386,6 +460,8 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
     vanish = any((exact[i].double() / scales[i]).norm().item() < 1e-6 * math.sqrt(exact[i].numel())
                  for i in (0, 1))
     mode_check = q.numel() >= MODE_CHECK_MIN_ELEMENTS and not vanish  # dQ's elements
+    # The derived tolerance's model gaps, on the device (float64 there), on first need.
+    gaps = LazyModelGap(qc, kc, vc, doc, o_dev, tau, causal, fmt)
     for mode in MODES:
         run_mode = (swap_modes or {}).get(mode, mode)
         if device == "cuda":
@@ -394,12 +470,16 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
         if device == "cuda":
             torch.cuda.synchronize()
         got = tuple(t.cpu() for t in got[:3])
+        if perturb is not None:
+            got = tuple(perturb(mode, got))
         for i, name in enumerate(("dQ", "dK", "dV")):
-            check_grad(name, got[i], cpu[mode][i], exact[i], scales[i], f"{label} {mode}", stats)
+            check_grad(name, got[i], cpu[mode][i], exact[i], scales[i], f"{label} {mode}", stats,
+                       gap=gaps.for_grad(mode, name))
         if mode_check:
             scaled = {m: tuple(t.double() / s for t, s in zip(cpu[m][:3], scales)) for m in MODES}
             n = check_mode_closest(tuple(t.double() / s for t, s in zip(got, scales)), mode, scaled,
-                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION)
+                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION,
+                                   widen=gaps.mode_widen(mode, scaled[mode], f"{label} {mode}", stats))
             if stats is not None:
                 stats["mode_pairs"] = stats.get("mode_pairs", 0) + n
 
@@ -407,7 +487,8 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None):
 def summary_line(seed, n_cases, stats, failures, seconds) -> str:
     parts = [f"{k} {v[0]:.2e}/{v[1]:.2f}" for k, v in stats.items() if isinstance(v, list)]
     return (f"cuda fuzz seed {seed}: {n_cases} cases x (fwd + bwd {'/'.join(MODES)}), {len(failures)} failed, "
-            f"{stats.get('mode_pairs', 0)} mode pairs told apart; worst ||cuda-cpu||/||cpu|| / "
+            f"{stats.get('mode_pairs', 0)} mode pairs told apart; wgmma model gap computed for "
+            f"{stats.get('gap_checks', 0)} gradients and {stats.get('gap_mode_pairs', 0)} mode pairs; worst ||cuda-cpu||/||cpu|| / "
             f"(||cuda-exact|| / section-6 bound): " + ", ".join(parts) + f"; {seconds:.0f} s")
 
 
@@ -574,3 +655,77 @@ def test_vanishing_gradient_rule():
         check_grad("dK", 2.2 * r + 0.05, r, e, 1.0, label, None)
     with pytest.raises(AssertionError, match="non-finite"):
         check_grad("dK", torch.full_like(e, float("nan")), r, e, 1.0, label, None)
+
+
+# ---- the derived tolerance (FP8 wgmma model gap, numerics.md sections 6-7) ---------------
+
+
+def _case(index):
+    return generate_cases(FUZZ_SEEDS[0])[index]
+
+
+def _model_kernel(case):
+    """A "kernel" whose gradients are the emulation's with S and dP summed by the measured
+    wgmma model (BF16), for run_case's perturb: what the rule must let through."""
+    q, k, v, do, tau = make_tensors(case)
+    o, _ = OPS.fwd(q, k, v, tau, case.causal, "fp8", 128)
+    _, grads = model_gap(q, k, v, do, o, tau, case.causal, case.grad_format, with_grads=True)
+    return lambda mode, got: tuple(t.bfloat16() for t in grads["model"][mode])
+
+
+def test_derived_tolerance_passes_the_model_kernel(monkeypatch):
+    # Fuzz case 218 (channel outliers, 20 x 304 keys, d 128/64): the model moves the
+    # Delta-Matching dQ by 0.037 (the H200 measured 0.038). A "kernel" that is the model's
+    # emulation fails the plain 2e-2 (GAP_K = 0) and passes 2e-2 + GAP_K * gap; the gap is
+    # computed only for the gradients that need it.
+    case = _case(218)
+    perturb = _model_kernel(case)
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules[__name__], "GAP_K", 0.0)
+        with pytest.raises(AssertionError, match=r"delta_matching dQ: .* >= 0.02 \(tolerance"):
+            run_case(case, "cpu", perturb=perturb)
+    stats = {}
+    run_case(case, "cpu", stats, perturb=perturb)
+    assert 0 < stats["gap_checks"] < 9
+
+
+def test_derived_tolerance_still_fails_real_faults():
+    # (c) The tolerance does not swallow faults where the model gap is small: the wrong
+    # delta (stale kernel computing Delta-Matching's) and a 5% error in dQ / dK fail on
+    # cases whose gap stays below 3e-3 (case 5, huge magnitudes) and 5e-3 (case 238,
+    # standard normal, GQA 2:1, causal). (On few-element standard-normal cases one FP8
+    # rounding flip already moves a gradient by ~1.5e-2: case 7's stale dQ, 17 x 16 keys.)
+    wrong = _small_cases()[-1]
+    q, k, v, do, tau = make_tensors(wrong)
+    o, _ = OPS.fwd(q, k, v, tau, wrong.causal, "fp8", 128)
+    gaps = model_gap(q, k, v, do, o, tau, wrong.causal, wrong.grad_format)
+    assert max(gaps[m][n]["rel"] for m in MODES for n in ("dQ", "dK")) < 3e-3
+    with pytest.raises(AssertionError, match=r"stale (dQ|dK).*wgmma model gap"):
+        run_case(wrong, "cpu", swap_modes={"stale": "delta_matching"})
+    gauss = _case(238)
+    q, k, v, do, tau = make_tensors(gauss)
+    o, _ = OPS.fwd(q, k, v, tau, gauss.causal, "fp8", 128)
+    gaps = model_gap(q, k, v, do, o, tau, gauss.causal, gauss.grad_format)
+    for i, name in enumerate(("dQ", "dK")):
+        assert max(gaps[m][name]["rel"] for m in MODES) < 5e-3
+
+        def plus5(mode, got, i=i):
+            got = list(got)
+            got[i] = (got[i].double() * 1.05).bfloat16()
+            return got
+
+        with pytest.raises(AssertionError, match=rf"stale {name}: .*wgmma model gap"):
+            run_case(gauss, "cpu", perturb=plus5)
+
+
+def test_derived_tolerance_never_passes_nan():
+    e = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    r = e * 1.01
+    bad = r.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_grad("dQ", bad, r, e, 1.0, "nan", None, gap=lambda: {"rel": 1.0, "blocks": [1.0]})
+    # The gap widens only the cuda-cpu closeness: ||cuda-exact|| <= 2 ||cpu-exact|| still binds.
+    with pytest.raises(AssertionError, match=r"\|\|cuda-exact\|\|"):
+        check_grad("dQ", e * 1.05, r, e, 1.0, "far", None, gap=lambda: {"rel": 1.0, "blocks": [1.0]})
+    check_grad("dQ", e * 1.015, r, e, 1.0, "near", None, gap=lambda: {"rel": 1.0, "blocks": [1.0]})
