@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--mode", default="delta_matching", choices=("stale", "matched_do", "delta_matching"))
     ap.add_argument("--impl", default="fp8attn", choices=("fp8attn", "cudnn_bf16", "cudnn_fp8"))
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--scaling", default="row", choices=("row", "tile"),
+                    help="fp8attn's FP8 recipe (tile: the backward with FP8ATTN_TILE_BWD=1)")
     args = ap.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -42,13 +44,18 @@ def main():
         torch.cuda.nvtx.range_pop()
 
     if args.impl == "fp8attn":
+        import os  # noqa: PLC0415
+
         import fp8attn  # noqa: F401,PLC0415  (registers the ops)
         ops = torch.ops.fp8attn
+        if args.scaling == "tile":
+            os.environ["FP8ATTN_TILE_BWD"] = "1"  # the tile backward kernels are opt-in
 
         def step():
-            out, lse = ops.fwd(q, k, v, tau, args.causal, "fp8", 128)
+            out, lse = ops.fwd(q, k, v, tau, args.causal, "fp8", 128, args.scaling)
             if args.bwd:
-                ops.bwd(dout, q, k, v, out, lse, tau, args.causal, "fp8", args.mode, 128, "e4m3", False)
+                ops.bwd(dout, q, k, v, out, lse, tau, args.causal, "fp8", args.mode, 128, "e4m3", False,
+                        args.scaling)
         profiled(step)
     elif args.impl == "cudnn_bf16":
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415

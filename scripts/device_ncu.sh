@@ -2,7 +2,10 @@
 # Nsight Compute profile of the FP8 forward and backward kernels on the lent H200,
 # with per-SASS-instruction warp-stall sampling (docs/kernels/*.md cite it).
 #
-#   run(command="bash scripts/device_ncu.sh", carry=[".devbuild/lib"], timeout_s=420)
+#   run(command="bash scripts/device_ncu.sh", carry=["third_party"], timeout_s=420)
+# (the library is built on the device; DEVICE_LIB=carried with carry=[".devbuild/lib"]
+# profiles a build made on the CPU machine instead; NCU_EXTRA: more ncu_target.py
+# arguments for every kernel, e.g. "--scaling tile").
 #
 # Profiles the last of (NCU_WARMUP + 1) launches of each kernel named in NCU_KERNELS
 # (default: the wgmma forward and the wgmma backward main kernel) at NCU_SHAPE
@@ -16,8 +19,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup ncu_out
 summary_init
 
-use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so"; exit 1; }
-has_cuda_kernels || { note "library has no CUDA kernels"; exit 1; }
+device_library || exit 1  # DEVICE_LIB=native (default: built here, ~40 s) | carried
+note "$LIB_NOTE"
 note "$(ncu --version | tail -1); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
 SHAPE="${NCU_SHAPE:-4x16x4096x128}"
@@ -30,7 +33,7 @@ for spec in $KERNELS; do
   note "== $tag ($kre, $SHAPE ${causal[*]})"
   # shellcheck disable=SC2086
   timeout "${NCU_T:-150}" ncu --set full --import-source yes -k "regex:$kre" --launch-skip "$WARM" --launch-count 1 \
-    -f -o "$OUT/$tag" python3 benchmarks/ncu_target.py --shape "$SHAPE" --warmup "$WARM" "${causal[@]}" $extra \
+    -f -o "$OUT/$tag" python3 benchmarks/ncu_target.py --shape "$SHAPE" --warmup "$WARM" "${causal[@]}" $extra ${NCU_EXTRA:-} \
     >"$OUT/${tag}_ncu.log" 2>&1
   note "ncu rc=$?"
   tail -3 "$OUT/${tag}_ncu.log"

@@ -588,8 +588,12 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
       bwd_delta_kernel<false><<<grid, 32 * rows_per_block, 0, stream>>>(p);
     check_launch("bwd delta kernel");
   }
-  // 2. main backward: dK, dV, dq_accum (+ row-sum workspace).
-  (tile ? ts::launch_tilescale_main : wg ? launch_wgmma_main : launch_main)(p, stream);
+  // 2. main backward: dK, dV, dq_accum (+ row-sum workspace). Delta-Matching
+  // reads the pre-pass's backward-consistent LSE (prepass_delta_sm90.cuh,
+  // numerics.md section 4): its P sums to 1 to FP32 rounding.
+  KernelParams pm = p;
+  if (dm && p.lse_bwd != nullptr) pm.lse = p.lse_bwd;
+  (tile ? ts::launch_tilescale_main : wg ? launch_wgmma_main : launch_main)(pm, stream);
   // 3. dQ to BF16.
   const int64_t n_dq = n_rows * p.head_dim_qk;
   bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(

@@ -5,13 +5,14 @@
 // the tile sees and recomputes S^T, P and dP_hat^T with the very tile functions
 // of the main kernel (bwd_tile_sm90.cuh: same operands, same warp -> key map,
 // same reduction order over d and dv), so the main kernel's dS row sums are
-// zero to FP32 rounding. Writes p.delta_dm, and p.delta too when delta_mode is
-// delta_matching.
+// zero to FP32 rounding. Writes p.delta_dm, p.delta too when delta_mode is
+// delta_matching, and the backward-consistent LSE p.lse_bwd (prepass_delta_sm90.cuh).
 #include <stdexcept>
 #include <string>
 
 #include "hopper/bwd_tile_sm90.cuh"
 #include "hopper/launch_sm90.h"
+#include "hopper/prepass_delta_sm90.cuh"
 
 namespace fp8attn {
 namespace sm90 {
@@ -34,7 +35,8 @@ struct PrepassLayout {
   static constexpr int kDOs = kQs + kTile * kNbQK;
   static constexpr int kLse2 = kDOs + kTile * kNbV;
   static constexpr int kRed = kLse2 + kTile;
-  static constexpr int kFloats = kRed + kWarps * kTile;
+  static constexpr int kRedP = kRed + kWarps * kTile;  // the P row sums' partials
+  static constexpr int kFloats = kRedP + kWarps * kTile;
   static constexpr int kBytes = kF + 4 * kFloats;
   static_assert(kF % 16 == 0, "aligned float section");
 };
@@ -85,8 +87,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_prepass_kernel(const KernelPa
   const int n_end = p.causal ? max(0, min(Sk, last_q + tg.causal_off + 1)) : Sk;
 
   float cs[32];  // per thread: sum over its keys of P * dP, query 8j + 2t + e at [2j + e]
+  float cp[32];  // the same of P (the row sums l, prepass_delta_sm90.cuh)
 #pragma unroll
-  for (int i = 0; i < 32; ++i) cs[i] = 0.f;
+  for (int i = 0; i < 32; ++i) cs[i] = cp[i] = 0.f;
 
   for (int n0 = 0; n0 < n_end; n0 += kTile) {
     __syncthreads();  // previous tile's K/V reads are done
@@ -117,6 +120,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_prepass_kernel(const KernelPa
           if (!interior && !tg.visible(kl, ql)) v = 0.f;  // P = 0 there, but dP may be NaN
           float& c = cs[2 * (4 * jg + jj) + (e & 1)];
           c = __fadd_rn(c, v);
+          float& l = cp[2 * (4 * jg + jj) + (e & 1)];
+          l = __fadd_rn(l, pt[4 * jg + jj][e]);  // P is 0 where masked (tile_p)
         }
     }
   }
@@ -126,15 +131,19 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_prepass_kernel(const KernelPa
   reduce_cols(cs, red, lane, OpAdd());
 #pragma unroll
   for (int i = 0; i < 4; ++i) sRed[warp * kTile + reduced_col(lane, i)] = red[i];
+  reduce_cols(cp, red, lane, OpAdd());
+#pragma unroll
+  for (int i = 0; i < 4; ++i) sf[L::kRedP + warp * kTile + reduced_col(lane, i)] = red[i];
   __syncthreads();
   for (int i = threadIdx.x; i < kTile; i += kThreads) {
     if (m0 + i >= Sq) continue;
-    float s = 0.f;
+    float s = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sRed[w * kTile + i];
-    const int64_t row = bhq * Sq + m0 + i;
-    p.delta_dm[row] = s;
-    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+    for (int w = 0; w < kWarps; ++w) {
+      s += sRed[w * kTile + i];
+      l += sf[L::kRedP + w * kTile + i];
+    }
+    prepass_finish_row(p, bhq * Sq + m0 + i, s, l);
   }
 }
 

@@ -42,7 +42,8 @@ struct PrepassLayout {
   static constexpr int kF = kK + kStages * kKStage;
   // floats from kF: per column (q_of_col order) Q and dO row scales, LSE; the reduction.
   static constexpr int kQs = 0, kDOs = kQs + kPreQ, kLse = kDOs + kPreQ, kRed = kLse + kPreQ;
-  static constexpr int kFloats = kRed + kWarps * kPreQ;
+  static constexpr int kRedP = kRed + kWarps * kPreQ;  // the P row sums' partials
+  static constexpr int kFloats = kRedP + kWarps * kPreQ;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kQ % 1024 == 0 && kDO % 1024 == 0 && kK % 1024 == 0 && kKStage % 1024 == 0, "1024-byte swizzle atoms");
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
@@ -97,8 +98,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   cp_commit();
 
   float cs[16];  // per thread: sum over its keys of P * dP_hat; column 8j + 2t + e at [2j + e]
+  float cp[16];  // the same of P (the row sums l, prepass_delta_sm90.cuh)
 #pragma unroll
-  for (int i = 0; i < 16; ++i) cs[i] = 0.f;
+  for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
   for (int it = 0; it < n_tiles; ++it) {
     cp_wait<0>();
@@ -139,6 +141,13 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float& l = cp[2 * j + (e & 1)];
+        l = __fadd_rn(l, pt[j][e]);  // P is 0 where masked (mask_tile)
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
       for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(pt[j][e], dp[j][e]);
     if (!interior) mask_tile<kPreQ>(dp, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
 #pragma unroll
@@ -151,7 +160,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   }
   cp_wait<0>();
 
-  prepass_store_delta<kPreQ, kPreThreads>(cs, sf + L::kRed, warp, lane, m0, Sq, bhq, p);
+  prepass_store_delta<kPreQ, kPreThreads>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq, p);
 }
 
 }  // namespace

@@ -58,6 +58,7 @@
 
 #include "hopper/bwd_tile_sm90.cuh"
 #include "hopper/launch_sm90.h"
+#include "hopper/prepass_delta_sm90.cuh"
 #include "hopper/wgmma_sm90.cuh"
 
 namespace fp8attn {
@@ -368,7 +369,8 @@ struct WgPrepassLayout {
   static constexpr int kKs = kLse + kPreQ;                // [stages]: [block][128] K scales, then V scales
   static constexpr int kVs = kKs + kNbQK * kTile;
   static constexpr int kRed = kKs + kStages * kKStageF;  // [8][64]
-  static constexpr int kFloats = kRed + kWarps * kPreQ;
+  static constexpr int kRedP = kRed + kWarps * kPreQ;  // [8][64]: the P row sums' partials
+  static constexpr int kFloats = kRedP + kWarps * kPreQ;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
@@ -440,8 +442,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
   cp_commit();
 
   float cs[16];  // per thread: sum over its keys of P * dP; column 8j + 2t + e at [2j + e]
+  float cp[16];  // the same of P (the row sums l, prepass_delta_sm90.cuh)
 #pragma unroll
-  for (int i = 0; i < 16; ++i) cs[i] = 0.f;
+  for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
   for (int it = 0; it < n_tiles; ++it) {
     cp_wait<0>();
@@ -485,6 +488,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float& l = cp[2 * j + (e & 1)];
+        l = __fadd_rn(l, pt[j][e]);  // P is 0 where masked (wg_mask_p)
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
       for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(pt[j][e], dp[j][e]);
     if (!interior) wg_mask_vis<kPreQ>(dp, tg, warp, lane);  // P = 0 there, but dP may be NaN
 #pragma unroll
@@ -501,25 +511,32 @@ __global__ void __launch_bounds__(kWgThreads, 2) bwd_wgmma_prepass_kernel(const 
 #pragma unroll
   for (int i = 0; i < 16; ++i)
 #pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+    for (int o = 4; o <= 16; o <<= 1) {
+      cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+      cp[i] += __shfl_xor_sync(0xffffffffu, cp[i], o);
+    }
   float* sRed = sf + L::kRed;
+  float* sRedP = sf + L::kRedP;
   if (g == 0) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sRed[warp * kPreQ + 8 * j + 2 * t] = cs[2 * j];
-      sRed[warp * kPreQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
-    }
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sRed[warp * kPreQ + 8 * j + 2 * t + e] = cs[2 * j + e];
+        sRedP[warp * kPreQ + 8 * j + 2 * t + e] = cp[2 * j + e];
+      }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < kPreQ; i += kWgThreads) {
     const int q = m0 + q_of_col(i);
     if (q >= Sq) continue;
-    float s = 0.f;
+    float s = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sRed[w * kPreQ + i];
-    const int64_t row = bhq * Sq + q;
-    p.delta_dm[row] = s;
-    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+    for (int w = 0; w < kWarps; ++w) {
+      s += sRed[w * kPreQ + i];
+      l += sRedP[w * kPreQ + i];
+    }
+    prepass_finish_row(p, bhq * Sq + q, s, l);
   }
 }
 

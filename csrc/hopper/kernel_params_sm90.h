@@ -62,6 +62,8 @@ struct KernelParams {
   // Backward workspace and diagnostics.
   float* delta;      // [B, Hq, Sq] delta used by the backward
   float* delta_dm;   // [B, Hq, Sq] Delta-Matching delta (diagnostics: eps)
+  float* lse_bwd;    // [B, Hq, Sq] or nullptr: the backward-consistent LSE the pre-pass
+                     // writes, read by a delta_matching main kernel (prepass_delta_sm90.cuh)
   float* dq_accum;   // [B, Hq, Sq, Dqk] FP32 accumulation buffer
   float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
   float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast

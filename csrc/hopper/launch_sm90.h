@@ -123,6 +123,12 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // the full batch (the [4, B, Hq, Sq] diagnostics planes are B * Hq * Sq
 // apart). Layouts: kernel_params_sm90.h (p.scaling picks the scale layouts of
 // the `row` or `tile` recipe); head_dim_qk / head_dim_v are the kernel's.
+// NOTE: every per-(batch, head) pointer of KernelParams must be advanced here. A
+// pointer added without it reads / writes the first chunk's rows from every chunk
+// (lse_bwd, 2026-12-02: the tile split-launch test's dQ off by 23x). The size check
+// makes adding a field stop here: update the list, then the size.
+static_assert(sizeof(KernelParams) == 440 || sizeof(void*) != 8,
+              "KernelParams changed: advance its new per-(batch, head) pointers in at_chunk, then update this size");
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;
   KernelParams r = p;
@@ -148,6 +154,7 @@ inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   adv(r.lse, rq * Sq);
   adv(r.delta, rq * Sq);
   adv(r.delta_dm, rq * Sq);
+  adv(r.lse_bwd, rq * Sq);
   adv(r.diag, rq * Sq);
   adv(r.rowsum_ws, rq * Sq);
   adv(r.dq_accum, rq * Sq * Dqk);

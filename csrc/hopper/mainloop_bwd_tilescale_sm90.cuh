@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "hopper/prepass_delta_sm90.cuh"
 #include "hopper/config_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/wgmma_sm90.cuh"
@@ -379,38 +380,46 @@ __device__ __forceinline__ void fill_cols(uint8_t* dst, const uint8_t* src, int6
 // ---- the pre-pass tail -----------------------------------------------------------------
 
 // cs[2j + e]: this thread's sum over its keys of P dP_hat for column 8j + 2t + e
-// of the NQ = 64 query columns (column n is query m0 + q_of_col(n)). Sums over
-// the 8 lanes g of a warp (its 16 keys), then over the 8 warps (sRed: 8 x 64
-// floats of shared memory), and writes delta_dm (and delta for
-// delta_matching) of the queries < Sq. Contains a __syncthreads (NT threads).
+// of the NQ = 64 query columns (column n is query m0 + q_of_col(n)), cp[2j + e]
+// the same of P. Sums over the 8 lanes g of a warp (its 16 keys), then over the
+// 8 warps (sRed, sRedP: 8 x 64 floats of shared memory each), and finishes the
+// queries < Sq (prepass_finish_row: delta_dm = sum P dP_hat / sum P, delta for
+// delta_matching, the backward-consistent LSE). Contains a __syncthreads (NT threads).
 // NOTE: the row wgmma pre-pass has the same tail inline; calling this from it
 // changed its SASS (more spills at d >= 192 under nvcc 13.0), so it keeps its copy.
 template <int NQ, int NT>
-__device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float* sRed, int warp, int lane, int m0, int Sq,
-                                                    int64_t bhq, const KernelParams& p) {
+__device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float (&cp)[16], float* sRed, float* sRedP,
+                                                    int warp, int lane, int m0, int Sq, int64_t bhq,
+                                                    const KernelParams& p) {
   static_assert(NQ == 64, "16 sums per thread: 8 n8 tiles of 64 columns");
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
 #pragma unroll
-    for (int o = 4; o <= 16; o <<= 1) cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+    for (int o = 4; o <= 16; o <<= 1) {
+      cs[i] += __shfl_xor_sync(0xffffffffu, cs[i], o);
+      cp[i] += __shfl_xor_sync(0xffffffffu, cp[i], o);
+    }
   if (g == 0) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      sRed[warp * NQ + 8 * j + 2 * t] = cs[2 * j];
-      sRed[warp * NQ + 8 * j + 2 * t + 1] = cs[2 * j + 1];
-    }
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sRed[warp * NQ + 8 * j + 2 * t + e] = cs[2 * j + e];
+        sRedP[warp * NQ + 8 * j + 2 * t + e] = cp[2 * j + e];
+      }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < NQ; i += NT) {
     const int q = m0 + q_of_col(i);
     if (q >= Sq) continue;
-    float s = 0.f;
+    float s = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += sRed[w * NQ + i];
-    const int64_t row = bhq * Sq + q;
-    p.delta_dm[row] = s;
-    if (p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching)) p.delta[row] = s;
+    for (int w = 0; w < kWarps; ++w) {
+      s += sRed[w * NQ + i];
+      l += sRedP[w * NQ + i];
+    }
+    prepass_finish_row(p, bhq * Sq + q, s, l);
   }
 }
 

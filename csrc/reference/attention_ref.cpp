@@ -671,6 +671,31 @@ inline float rowsum_ratio(double sum, double sum_abs, bool has_freedom) {
   return static_cast<float>(std::fabs(sum) / sum_abs);
 }
 
+// The fp8 backward's P and Delta-Matching delta of one query row, both scaling
+// recipes (numerics.md section 4, "Backward-consistent LSE"). On entry P[j] holds
+// the tau-scaled logits x_j = tau S_j of the row's n visible keys and dP the
+// dP_hat row; x_keep is scratch for n floats. P_j = exp(x_j - lse) from the given
+// (forward's) LSE, l = sum_j P_j (FP32, in key order) and the returned
+// delta_dm = (sum_j P_j dP_j) / l (FP32; delta_dm = 0 where l = 0). With
+// renormalize (delta_matching) P is then recomputed from the backward-consistent
+// LSE lse + ln l, so that it sums to 1 to FP32 rounding (the CUDA pre-pass
+// writes that LSE for its main kernel: csrc/hopper/prepass_delta_sm90.cuh).
+inline float backward_probs(float* P, float* x_keep, const float* dP, int64_t n, float lse, bool renormalize) {
+  float l = 0.f, pdp = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    x_keep[j] = P[j];
+    P[j] = std::exp(P[j] - lse);
+    l += P[j];
+    pdp += P[j] * dP[j];
+  }
+  if (!(l > 0.f)) return pdp;
+  if (renormalize) {
+    const float lse_b = lse + std::log(l);
+    for (int64_t j = 0; j < n; ++j) P[j] = std::exp(x_keep[j] - lse_b);
+  }
+  return pdp / l;
+}
+
 // The fp8 backward's per-row diagnostics (numerics.md section 7), both scaling
 // recipes: delta, eps = delta - delta_dm, and the pre-/post-cast dS row-sum ratios.
 // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio would
@@ -948,13 +973,12 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
           if (nvis > 0) {
             rowblock_dots(q_rows.hat.data() + i * d, q_rows.scale.data() + i * nbd,
                           k_rows.hat_t.data(), k_rows.scale_t.data(), Sk, d, B, nvis, P);
-            const float lse_i = lse_h[i];
-            for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] * tau - lse_i);
+            for (int64_t j = 0; j < nvis; ++j) P[j] *= tau;
             rowblock_dots(do_rows.hat.data() + i * dvd, do_rows.scale.data() + i * nbv,
                           v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
                           dProw.data());
-            // delta (numerics.md section 4), all FP32 sums.
-            for (int64_t j = 0; j < nvis; ++j) delta_dm += P[j] * dProw[j];
+            // P and delta (numerics.md section 4), all FP32 sums; dS's row is scratch.
+            delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
             if (mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {
@@ -1147,17 +1171,17 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
           if (nvis > 0) {
-            const float lse_i = lse_h[i];
             for (int64_t t = 0; t * B < nvis; ++t) {
               const int64_t j0 = t * B, L = std::min(B, nvis - j0);
               const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
               tile_dots(qhat.data() + i * d, sq[i], kt.hat_t, kt.ld_t, d, kt.scale, L, P + j0);
-              for (int64_t j = j0; j < j0 + L; ++j) P[j] = std::exp(P[j] * tau - lse_i);
+              for (int64_t j = j0; j < j0 + L; ++j) P[j] *= tau;
               const TileView vt = visible_tile(v_t, t, j0, j0 + L, mix, mix_t);
               tile_dots(dohat.data() + i * dvd, sdo[i], vt.hat_t, vt.ld_t, dvd, vt.scale, L,
                         dProw.data() + j0);
             }
-            for (int64_t j = 0; j < nvis; ++j) delta_dm += P[j] * dProw[j];
+            // P and delta (numerics.md section 4); dS's row is scratch.
+            delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
             if (mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {

@@ -45,7 +45,7 @@
 //        runs only with FP8ATTN_TILE_BWD=1 (experimental, unvalidated), else
 //        NotImplementedError naming `scaling`.
 //   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
-//        workspace (delta, delta_dm, zeroed dq_accum, zeroed rowsum_ws when
+//        workspace (delta, delta_dm, lse_bwd for delta_matching, zeroed dq_accum, zeroed rowsum_ws when
 //        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -576,6 +576,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   // Workspace.
   at::Tensor delta = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
   at::Tensor delta_dm = at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts);
+  // Delta-Matching: the LSE its main kernel uses, written by the pre-pass
+  // (numerics.md section 4, "Backward-consistent LSE"); the saved LSE is not touched.
+  const bool dm = mode == DeltaMode::kDeltaMatching;
+  at::Tensor lse_bwd = dm ? at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
   at::Tensor dq_accum = at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, fopts);
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
 
@@ -609,6 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   kp.do_col_s = do_col_s.data_ptr<float>();
   kp.delta = delta.data_ptr<float>();
   kp.delta_dm = delta_dm.data_ptr<float>();
+  kp.lse_bwd = dm ? lse_bwd.data_ptr<float>() : nullptr;
   kp.dq_accum = dq_accum.data_ptr<float>();
   kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
   kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;

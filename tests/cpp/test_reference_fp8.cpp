@@ -161,13 +161,24 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
         for (int64_t i = 0; i < Sq; ++i) {
           if (nvis(i) == 0) continue;
           std::vector<float> dP(Sk, 0.f);
-          float dm = 0.f;
+          float dm = 0.f, l = 0.f;
           for (int64_t j = 0; j < Sk; ++j)
             if (pr.sees(i, j)) {
               P[i][j] = std::exp(logits(qrow[i], j) - lse32[lrow + i]);
               dP[j] = blocked_dot(dorow[i].data(), vrow[j].data(), dv, Bk);
+              l += P[i][j];
               dm += P[i][j] * dP[j];
             }
+          // numerics.md section 4, backward-consistent LSE: delta over the row
+          // sum of P; Delta-Matching's P from LSE + ln l.
+          if (l > 0.f) {
+            dm /= l;
+            if (mode == DeltaMode::kDeltaMatching) {
+              const float lse_b = lse32[lrow + i] + std::log(l);
+              for (int64_t j = 0; j < Sk; ++j)
+                if (pr.sees(i, j)) P[i][j] = std::exp(logits(qrow[i], j) - lse_b);
+            }
+          }
           float delta = dm;
           if (mode != DeltaMode::kDeltaMatching) {
             delta = 0.f;

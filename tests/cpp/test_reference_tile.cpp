@@ -169,7 +169,23 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
               dP[j0 + j] = acc;
             }
           }
-          for (int64_t j = 0; j < n; ++j) dm += P[i][j] * dP[j];
+          float l = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            l += P[i][j];
+            dm += P[i][j] * dP[j];
+          }
+          // numerics.md section 4, backward-consistent LSE: delta over the row
+          // sum of P; Delta-Matching's P from LSE + ln l.
+          if (l > 0.f) {
+            dm /= l;
+            if (mode == DeltaMode::kDeltaMatching) {
+              const float lse_b = lse32[lrow + i] + std::log(l);
+              for (int64_t j0 = 0; j0 < n; j0 += T) {
+                const std::vector<float> s = logits(i, j0);
+                for (int64_t j = 0; j < static_cast<int64_t>(s.size()); ++j) P[i][j0 + j] = std::exp(s[j] - lse_b);
+              }
+            }
+          }
           float delta = dm;
           if (mode != DeltaMode::kDeltaMatching) {
             delta = 0.f;

@@ -225,6 +225,15 @@ def mode_t_noise(cuda, own, other):
     return t, sigma, snr, rows
 
 
+# dV in different delta modes (CPU reference and kernels): stale and matched_do bitwise
+# equal, delta_matching equal but for its P's normalization by the row sum l (numerics.md
+# section 4): the P_hat codes and BF16 outputs that close to a rounding boundary flip.
+# With the reference's own LSE (|1 - l| ~ 1e-7) that is rare; the GPU tests hand the
+# kernel the CPU forward's LSE (|1 - l| ~ 1e-5): measured 1.1e-3 - 2.2e-3 on the H200
+# (2026-12-02, test_bwd_each_mode_is_its_own). A delta leaking into dV moves it by percents.
+DV_MODES_REL = 5e-3
+
+
 def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep=MODE_MIN_SEPARATION,
                        z=MODE_Z, min_snr=MODE_MIN_SNR, gates=True, widen=None):
     """cuda: (dq, dk, dv, ...) of a backward run with delta_mode=mode; cpu_by_mode:
@@ -248,7 +257,9 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
     this file use it, where every pair was judged and passed on the H200
     (2026-12-02) while the noise gates, tuned for the fuzz's degenerate cases,
     skipped 1-2 of their 4 pairs.
-    dV: the references of all modes are bitwise equal (dV does not use delta).
+    dV: the references of all modes agree to DV_MODES_REL (dV does not use delta; the
+    delta_matching P is normalized by its row sum l = 1 + O(FP32 rounding) against the
+    reference's own LSE, numerics.md section 4, which flips an occasional P_hat code).
     widen: None, or a callable (other, i, t, sep) -> the allowance for |t| of the pair
     (gradient i of (dQ, dK), sep = ||r_o - r_m||), called only where |t| >= t_max: the GPU
     fuzz passes the derived tolerance of the FP8 wgmma model there (test_cuda_fuzz.py,
@@ -260,7 +271,7 @@ def check_mode_closest(cuda, mode, cpu_by_mode, label, t_max=MODE_T_MAX, min_sep
     for other, ref in cpu_by_mode.items():
         if other == mode:
             continue
-        assert torch.equal(ref[2], own[2]), f"{label}: dV of the CPU reference differs between {mode} and {other}"
+        assert _rel(ref[2], own[2]) < DV_MODES_REL, f"{label}: dV of the CPU reference differs between {mode} and {other}"
         for i, name in ((0, "dQ"), (1, "dK")):
             if _rel(ref[i], own[i]) < min_sep:
                 continue
@@ -317,8 +328,10 @@ def test_bwd_modes_formats(mode, fmt, causal):
 def test_bwd_each_mode_is_its_own(dims, causal):
     # All three modes on the same inputs: each CUDA result is closest to its own
     # mode's CPU reference (check_mode_closest), and dV, which no delta enters,
-    # is the same in every mode (same kernel, same dV arithmetic: bitwise equal
-    # expected; 1e-6 relative allowed).
+    # is the same in every mode to DV_MODES_REL: stale and matched_do bitwise
+    # (same P, same dV arithmetic), delta_matching up to its P's normalization
+    # by the row sum l (numerics.md section 4; here the CPU forward's LSE, so
+    # |1 - l| ~ 1e-5, and the P_hat codes that close to a midpoint flip).
     inp = make_inputs(1, 4, 2, 300, 270, *dims, causal, seed=zlib.crc32(repr(("own", dims, causal)).encode()))
     refs = cpu_refs_by_mode(inp, causal, "e4m3")
     cudas = {}
@@ -328,8 +341,9 @@ def test_bwd_each_mode_is_its_own(dims, causal):
         check_grads(cuda, cpu, exact, f"{dims} {mode} causal={causal}")
         assert check_mode_closest(cuda, mode, refs, f"{dims} {mode} causal={causal}", gates=False) == 4
         cudas[mode] = cuda
+    assert torch.equal(cudas["stale"][2], cudas["matched_do"][2]), "dV depends on the delta mode"
     for mode in MODES[:2]:
-        assert _rel(cudas[mode][2], cudas["delta_matching"][2]) <= 1e-6, (mode, "dV depends on the delta mode")
+        assert _rel(cudas[mode][2], cudas["delta_matching"][2]) <= DV_MODES_REL, (mode, "dV depends on the delta mode")
 
 
 @needs_gpu
