@@ -159,7 +159,10 @@ def test_cuda_delta_matching_at_large_logits_with_a_real_lse_mismatch(kernel, di
     # delta ~ 2^-24 |dP|): the CPU reference measured 1.4e-4-4e-3 at sigma 8 and
     # 0.2-0.25 at sigma 30, the kernels 7e-5-9e-4 (H200, 2026-12-02), with no order
     # between them, so it is no test of the invariant here; only the stale residual
-    # (0.2-0.7, the eps term) must stay 10x above both.
+    # (the eps term) must stay above both: 10x at sigma 8; at sigma 30 the H200 measured
+    # (2026-12-02, all 3 kernels x 4 head_dims x both masks) stale 0.67-0.68 against DM
+    # 0.145-0.152 (CUDA) and 0.146-0.152 (CPU): the DM value is that noise floor, so the
+    # margin there is 4.4-4.7x and the check asks 3x.
     scaling, env = KERNELS[kernel]
     (q, k, v, do), _ = _inputs(*dims, seed=21 + dims[0] + causal, s=384)
     tau = _scale(dims[0], sigma)
@@ -181,5 +184,6 @@ def test_cuda_delta_matching_at_large_logits_with_a_real_lse_mismatch(kernel, di
     mismatch = (lse.cpu() - lse_cpu).abs().max().item()
     moved = [_rel(a, b) for a, b in zip(grads[("cpu", "delta_matching")], grads[("cuda", "delta_matching")])]
     assert max(moved) < DM_SAME, (moved, mismatch)
+    margin = 10.0 if sigma <= 8.0 else 3.0
     for name in ("cuda", "cpu"):
-        assert res[f"{name} stale"] > 10 * max(res[f"{name} delta_matching"], ref_dm), (res, ref_dm)
+        assert res[f"{name} stale"] > margin * max(res[f"{name} delta_matching"], ref_dm), (res, ref_dm)

@@ -58,7 +58,7 @@ import torch
 
 import fp8attn  # noqa: F401  (registers torch.ops.fp8attn)
 from fp8attn import _lib
-from test_cuda_bwd import MODE_T_MAX, MODES, check_mode_closest, f32_scale, poison_cuda_allocator
+from test_cuda_bwd import MODE_T_MAX, MODES, check_mode_closest, close_to_reference, f32_scale, poison_cuda_allocator
 from wgmma_bounds import wgmma_lse_bound
 from wgmma_emulation import model_gap
 
@@ -94,6 +94,21 @@ GAP_K = 2.0
 # own mode's reference than to the other's"): past that the pair cannot tell the modes
 # apart, and a |t| >= 1/2 stays a failure.
 MODE_T_CAP = 0.5
+# Where the mode check against the CPU references fails even so, it is judged again,
+# with the plain MODE_T_MAX, against the wgmma model's references of every mode (the
+# emulation of the kernel's own S / dP sums, wgmma_emulation.py): the question is
+# whether the kernel's delta is its mode's, and where the model's shift of a mode's
+# gradient is of the size of the modes' separation (fuzz case 191: a sink key and 5000
+# keys, the model moves the Delta-Matching dK 0.0199 along the line to matched_do, whose
+# reference is 0.023 away) the CPU references cannot tell; the model's can (numerics.md
+# section 7, "Mode check against the model's references"). A kernel of the wrong mode sits
+# at t ~ 1 against either set.
+MODE_MODEL_REFS = True
+# The rare-flip rule of numerics.md section 6 (test_cuda_bwd.close_to_reference) applies
+# to the fuzz's gradient closeness too, after the gap-widened tolerance: one flipped dS
+# code in a gradient row fed by few terms (fuzz case 170: dK of key 16, 27 queries,
+# 0.064 off, the only row past 2e-2) is not a kernel fault. FLIP_RULE = False turns it off.
+FLIP_RULE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,13 +369,28 @@ def check_grad(name, c, r, e, scale, label, stats, gap=None):
                 tol=tol, gap_blocks=g["blocks"], rel_blocks=[rb for _, rb in blocks])
         if stats is not None:
             stats["gap_checks"] = stats.get("gap_checks", 0) + 1
+    def flip_rule(cc, rr, t):
+        # (ok, note): the rare-flip rule of section 6 at tolerance t (rows = the last dim).
+        if not FLIP_RULE:
+            return False, ""
+        ok, _, why = close_to_reference(cc, rr, t)
+        if ok:
+            _record(label, name, flip_rule=why)
+            if stats is not None:
+                stats["flip_rule"] = stats.get("flip_rule", 0) + 1
+        return ok, f"; rare-flip rule: {why}"
+
     gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * wgmma model gap {g['rel']:.4g})" if g else ""
-    assert rel < tol, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g} >= {tol:.4g}{gap_note}"
+    if not rel < tol:
+        ok, why = flip_rule(c, r, tol)
+        assert ok, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel:.4g} >= {tol:.4g}{gap_note}{why}"
     for lo, rel_b in blocks:
         tol_b = GRAD_REL_TOL + (GAP_K * g["blocks"][lo // 64] if g else 0.0)
         gap_note = f" (tolerance {GRAD_REL_TOL:g} + {GAP_K:g} * block gap {g['blocks'][lo // 64]:.4g})" if g else ""
-        assert rel_b < tol_b, (f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g} >= "
-                               f"{tol_b:.4g}{gap_note}")
+        if not rel_b < tol_b:
+            ok, why = flip_rule(c[..., lo:lo + 64], r[..., lo:lo + 64], tol_b)
+            assert ok, (f"{label} {name}[..., {lo}:{lo + 64}]: ||cuda-cpu||/||cpu|| = {rel_b:.4g} >= "
+                        f"{tol_b:.4g}{gap_note}{why}")
 
 
 # FUZZ_REPORT=<file> (a test-run option, not a library knob): every check's numbers,
@@ -388,11 +418,22 @@ class LazyModelGap:
     def __init__(self, q, k, v, do, o, tau, causal, grad_format):
         self.args = (q, k, v, do, o, tau, causal, grad_format)
         self.gaps = None
+        self.model = None
+
+    def _compute(self):
+        if self.gaps is None:
+            self.gaps, grads = model_gap(*self.args, with_grads=True)
+            self.model = {m: tuple(t.double().cpu() for t in grads["model"][m]) for m in MODES}
 
     def get(self, mode, name):
-        if self.gaps is None:
-            self.gaps = model_gap(*self.args)
+        self._compute()
         return self.gaps[mode][name]
+
+    def model_refs(self, scales):
+        """{mode: (dQ, dK, dV)} of the model variant (S and dP summed as the kernel's
+        wgmma does), float64 on the CPU, in units of `scales`."""
+        self._compute()
+        return {m: tuple(t / s for t, s in zip(g, scales)) for m, g in self.model.items()}
 
     def for_grad(self, mode, name):
         return lambda: self.get(mode, name)
@@ -414,13 +455,15 @@ class LazyModelGap:
         return widen
 
 
-def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None):
+def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None, device_fwd=None):
     """Runs and checks one case; device "cuda" (the kernels) or "cpu" (the CPU
     reference in the kernel's place: the plumbing check of the CPU tests).
     swap_modes={"stale": "delta_matching"} runs the "kernel" of a mode with
     another mode's delta (the fault the mode check exists for). perturb: None, or
     a callable (mode, (dq, dk, dv)) -> (dq, dk, dv) applied to the "kernel"'s
-    gradients (the CPU tests' faulty kernels)."""
+    gradients (the CPU tests' faulty kernels). device_fwd: None, or the (O, LSE) a CUDA
+    forward gave for this case (recorded on the H200), which replace the CPU stand-in's
+    forward on device "cpu": the modes' references then use the O the kernel saw."""
     q, k, v, do, tau = make_tensors(case)
     label = case.label()
     causal, fmt = case.causal, case.grad_format
@@ -438,7 +481,7 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None)
         torch.cuda.synchronize()
     else:
         qc, kc, vc, doc = q, k, v, do
-        o_dev, l_dev = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+        o_dev, l_dev = OPS.fwd(q, k, v, tau, causal, "fp8", 128) if device_fwd is None else device_fwd
     check_out("O", o_dev.cpu(), o_cpu, o_ex, label, stats)
     check_out("LSE", l_dev.cpu(), l_cpu, l_ex, label, stats)
     check_lse_rows(l_dev.cpu(), l_cpu, q, k, tau, causal, label)
@@ -477,9 +520,22 @@ def run_case(case: Case, device: str, stats=None, swap_modes=None, perturb=None)
                        gap=gaps.for_grad(mode, name))
         if mode_check:
             scaled = {m: tuple(t.double() / s for t, s in zip(cpu[m][:3], scales)) for m in MODES}
-            n = check_mode_closest(tuple(t.double() / s for t, s in zip(got, scales)), mode, scaled,
-                                   f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION,
-                                   widen=gaps.mode_widen(mode, scaled[mode], f"{label} {mode}", stats))
+            kernel = tuple(t.double() / s for t, s in zip(got, scales))
+            try:
+                n = check_mode_closest(kernel, mode, scaled, f"{label} {mode}", min_sep=MODE_CHECK_MIN_SEPARATION,
+                                       widen=gaps.mode_widen(mode, scaled[mode], f"{label} {mode}", stats))
+            except AssertionError as exc:
+                if not MODE_MODEL_REFS:
+                    raise
+                try:
+                    n = check_mode_closest(kernel, mode, gaps.model_refs(scales), f"{label} {mode}",
+                                           min_sep=MODE_CHECK_MIN_SEPARATION)
+                except AssertionError as exc2:
+                    raise AssertionError(f"{str(exc).splitlines()[0]}; against the wgmma model's references: "
+                                         f"{str(exc2).splitlines()[0].split(': ', 1)[-1]}") from None
+                _record(label, f"mode {mode} vs the model's references", cpu_refs=str(exc)[:300])
+                if stats is not None:
+                    stats["model_ref_modes"] = stats.get("model_ref_modes", 0) + 1
             if stats is not None:
                 stats["mode_pairs"] = stats.get("mode_pairs", 0) + n
 
@@ -488,7 +544,9 @@ def summary_line(seed, n_cases, stats, failures, seconds) -> str:
     parts = [f"{k} {v[0]:.2e}/{v[1]:.2f}" for k, v in stats.items() if isinstance(v, list)]
     return (f"cuda fuzz seed {seed}: {n_cases} cases x (fwd + bwd {'/'.join(MODES)}), {len(failures)} failed, "
             f"{stats.get('mode_pairs', 0)} mode pairs told apart; wgmma model gap computed for "
-            f"{stats.get('gap_checks', 0)} gradients and {stats.get('gap_mode_pairs', 0)} mode pairs; worst ||cuda-cpu||/||cpu|| / "
+            f"{stats.get('gap_checks', 0)} gradients and {stats.get('gap_mode_pairs', 0)} mode pairs; rare-flip rule "
+            f"{stats.get('flip_rule', 0)}x; {stats.get('model_ref_modes', 0)} modes judged against the model's "
+            f"references; worst ||cuda-cpu||/||cpu|| / "
             f"(||cuda-exact|| / section-6 bound): " + ", ".join(parts) + f"; {seconds:.0f} s")
 
 
@@ -729,3 +787,81 @@ def test_derived_tolerance_never_passes_nan():
     with pytest.raises(AssertionError, match=r"\|\|cuda-exact\|\|"):
         check_grad("dQ", e * 1.05, r, e, 1.0, "far", None, gap=lambda: {"rel": 1.0, "blocks": [1.0]})
     check_grad("dQ", e * 1.015, r, e, 1.0, "near", None, gap=lambda: {"rel": 1.0, "blocks": [1.0]})
+
+
+# ---- the rare-flip rule and the model's references (numerics.md sections 6-7) -----------
+
+
+def _case170_flip(rows):
+    """perturb for run_case on fuzz case 170 (causal, 5000 queries x 43 keys, a sink key):
+    adds to the Delta-Matching dK of each key in `rows` what the H200 kernel showed at key
+    16 (2026-12-02): one flipped dS code, i.e. tau * dS_step * Q[4979] = 0.01848 Q[4979]
+    (the cuda - cpu difference of that row is parallel to query 4979's row, cos 0.9988,
+    95% of it; every other row within 1e-3)."""
+    case = _case(170)
+    q = make_tensors(case)[0]
+
+    def perturb(mode, got):
+        got = list(got)
+        if mode == "delta_matching":
+            dk = got[1].double()
+            for j in rows:
+                dk[0, 0, j] += 0.01848 * q[0, 0, 4979].double()
+            got[1] = dk.bfloat16()
+        return got
+    return case, perturb
+
+
+def test_rare_flip_rule_passes_case_170s_flipped_code(monkeypatch):
+    # The kernel's one flipped dS code (key 16's dK row 0.064 off, the tensor 0.022, the
+    # model gap 1.2e-4): passes by the rare-flip rule, fails without it.
+    case, perturb = _case170_flip([16])
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules[__name__], "FLIP_RULE", False)
+        with pytest.raises(AssertionError, match=r"delta_matching dK: \|\|cuda-cpu\|\|/\|\|cpu\|\| = 0\.02"):
+            run_case(case, "cpu", perturb=perturb)
+    stats = {}
+    run_case(case, "cpu", stats, perturb=perturb)
+    assert stats["flip_rule"] >= 1
+
+
+def test_rare_flip_rule_still_fails_a_wrong_fragment():
+    # The same error on 16 consecutive key rows (one wgmma fragment): a kernel fault.
+    case, perturb = _case170_flip(range(16, 32))
+    with pytest.raises(AssertionError, match=r"delta_matching dK.*rare-flip rule: \d+ rows"):
+        run_case(case, "cpu", perturb=perturb)
+
+
+def _case191_kernel(as_mode=None):
+    """(case, perturb, device_fwd) for fuzz case 191 (91 queries x 5000 keys, a sink key,
+    E5M2) with the H200 forward's O and LSE (tests/python/data/fuzz_case191_cuda_fwd.pt:
+    the matched_do reference reads O, and with the CUDA O it lies 0.023 from the
+    Delta-Matching one, with the CPU O 0.007) and, as the kernel's gradients, the model's
+    of each mode: what the H200 kernel gave (its Delta-Matching dK at t = 0.855 toward
+    matched_do against the CPU references, t = 0.05 against the model's; ||cuda - model||
+    0.0019, ||cuda - cpu|| 0.0200). as_mode={"delta_matching": "matched_do"}: a
+    Delta-Matching kernel that computes matched_do's delta."""
+    case = _case(191)
+    q, k, v, do, tau = make_tensors(case)
+    rec = torch.load(os.path.join(os.path.dirname(__file__), "data", "fuzz_case191_cuda_fwd.pt"))
+    o, lse = rec["o"], rec["lse"]
+    _, grads = model_gap(q, k, v, do, o, tau, case.causal, case.grad_format, with_grads=True)
+    return (case, lambda mode, got: tuple(t.bfloat16() for t in grads["model"][(as_mode or {}).get(mode, mode)]),
+            (o, lse))
+
+
+def test_mode_check_against_the_model_references(monkeypatch):
+    case, perturb, fwd = _case191_kernel()
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules[__name__], "MODE_MODEL_REFS", False)
+        with pytest.raises(AssertionError, match=r"delta_matching dK: a delta_matching backward sits at t = 0\.8"):
+            run_case(case, "cpu", perturb=perturb, device_fwd=fwd)
+    stats = {}
+    run_case(case, "cpu", stats, perturb=perturb, device_fwd=fwd)
+    assert stats["model_ref_modes"] >= 1
+
+
+def test_mode_check_against_the_model_references_still_fails_the_wrong_delta():
+    case, perturb, fwd = _case191_kernel({"delta_matching": "matched_do"})
+    with pytest.raises(AssertionError, match=r"looks like the wrong delta mode; against the wgmma model's references"):
+        run_case(case, "cpu", perturb=perturb, device_fwd=fwd)

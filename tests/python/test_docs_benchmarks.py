@@ -55,6 +55,8 @@ CLAIMS = [
 
 # (section date, range) -> what the range refers to, if not this section's table.
 NOT_TABLE_RANGES = {
+    ("2026-12-02 18:09", "0.40-0.50x"): "the section's `tile` backward table (tile DM bwd (op) column)",
+    ("2026-12-02 18:09", "0.82-1.28x"): "the section's `tile` forward table (tile fwd (op) column)",
     ("2026-11-30 02:24", "0.82-1.37x"): "bench_train single timings of earlier sections (end-to-end)",
     ("2026-11-30 01:05", "0.82-1.00x"): "gpu-50m attention-core end-to-end in the 2026-11-29 calls",
     ("2026-11-29 22:16", "0.42-0.54x"): "fp8attn forward / cuDNN FP8 forward (ratio of two columns)",

@@ -305,18 +305,29 @@ def test_tile_delta_matching_invariant_and_diagnostics(dims, causal):
     # that of the CUDA pairing (1e-6, test_tile_dm_invariant_with_cuda_forward). Fed the
     # CPU forward's LSE instead (before 2026-12-02) it measured 1.02e-5 at d = 256: the
     # S mismatch (delta_i (1 - sum_j P_ij)), not the kernel's Delta-Matching.
+    # eps_i = delta_i(mode) - delta_dm_i (numerics.md section 5) is a difference of two
+    # deltas, so its kernel-vs-reference difference is theirs: d_eps = d_delta(mode) -
+    # d_delta_dm to FP32 rounding (checked), and ||d_eps|| <= 2e-2 ||eps|| + ||d_delta_dm||
+    # (each delta within 1e-3 of its reference, checked). A plain 2e-2 on eps alone
+    # charged delta_dm's wgmma-sum difference to eps, which is small where matched_do is
+    # close to Delta-Matching: H200 (2026-12-02) matched_do at 256x256: 0.0209.
     inp = make_inputs(1, 4, 2, 384, 384, *dims, causal, seed=seed_of("dm", dims, causal))
-    res = {}
-    for mode in MODES:
+    res, d_delta_dm = {}, None
+    for mode in ("delta_matching", "stale", "matched_do"):
         cuda, cpu, _ = run_bwd(inp, causal, mode, "e4m3", diagnostics=True, exact=False)
         dc, dr = cuda[3].double(), cpu[3].double()
         assert dc.shape == (4, 1, 4, 384) and torch.isfinite(dc).all()
         assert (dc[0] - dr[0]).norm() <= 1e-3 * dr[0].norm(), mode
         if mode != "delta_matching":
-            rel_eps = ((dc[1] - dr[1]).norm() / dr[1].norm()).item()
-            assert rel_eps <= 2e-2, (mode, rel_eps)
+            d_eps = dc[1] - dr[1]
+            scale = dr[0].norm().item()
+            ident = (d_eps - ((dc[0] - dr[0]) - d_delta_dm)).norm().item()
+            assert ident <= 1e-5 * scale, (mode, ident, scale)
+            tol = 2e-2 * dr[1].norm().item() + d_delta_dm.norm().item()
+            assert d_eps.norm().item() <= tol, (mode, d_eps.norm().item(), tol)
         else:
             assert torch.equal(dc[1], torch.zeros_like(dc[1]))
+            d_delta_dm = dc[0] - dr[0]
         post_c, post_r = dc[3].mean().item(), dr[3].mean().item()
         assert abs(post_c - post_r) <= 0.2 * post_r + 1e-6, (mode, post_c, post_r)
         res[mode] = dc[2].mean().item()
