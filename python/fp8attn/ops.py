@@ -559,6 +559,58 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _flash_compat(fn: str, causal: bool, *, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                  qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa, sm_margin) -> bool:
+    """Checks the FlashAttention arguments fp8attn has no feature for: their
+    defaults (and equivalent values) pass, anything else raises naming the
+    argument. Returns the effective `causal` (window_size (-1, 0) is FlashAttention's
+    causal mask). Raises ValueError for a malformed value, NotImplementedError for a
+    well-formed one that fp8attn does not support."""
+    def unsupported(arg, value, what):
+        raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
+
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(is_int(w) for w in window_size)):
+        raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), got {window_size!r}"))
+    left, right = (int(w) for w in window_size)
+    # FlashAttention: a negative bound is unbounded; causal sets right = 0 (bottom-right).
+    if left >= 0 or right > 0:
+        unsupported("window_size", tuple(window_size), "a sliding window (left >= 0 or right > 0)")
+    if right == 0 and isinstance(causal, bool):  # a non-bool causal is check_options' TypeError
+        causal = True
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
+    if softcap != 0:
+        unsupported("softcap", softcap, "logit softcapping (softcap != 0)")
+    for arg, val, what in (("alibi_slopes", alibi_slopes, "ALiBi"), ("qv", qv, "the qv input"),
+                           ("q_descale", q_descale, "pre-quantized FP8 input"),
+                           ("k_descale", k_descale, "pre-quantized FP8 input"),
+                           ("v_descale", v_descale, "pre-quantized FP8 input")):
+        if val is not None:
+            unsupported(arg, type(val).__name__, what)
+    for arg, val in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(val, bool):
+            raise ValueError(_err(fn, arg, f"must be a bool, got {type(val).__name__}"))
+    if deterministic:
+        unsupported("deterministic", True, "a bitwise run-to-run reproducible backward")
+    if not is_int(attention_chunk) or attention_chunk < 0:
+        raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
+    if attention_chunk != 0:
+        unsupported("attention_chunk", attention_chunk, "chunked attention")
+    if not is_int(num_splits) or num_splits < 0:
+        raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {num_splits!r}"))
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise ValueError(_err(fn, "pack_gqa", f"must be None or a bool, got {type(pack_gqa).__name__}"))
+    if not is_int(sm_margin) or sm_margin < 0:
+        raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
+    if sm_margin != 0:
+        unsupported("sm_margin", sm_margin, "leaving SMs free (sm_margin > 0)")
+    return causal
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -567,6 +619,19 @@ def flash_attn_func(
     causal: bool = False,
     *,
     dropout_p: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    qv: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    sm_margin: int = 0,
     delta_mode: str = "delta_matching",
     precision: str = "fp8",
     block_size: int = 128,
@@ -577,28 +642,50 @@ def flash_attn_func(
     qk_rotation: str = "none",
     smooth_k: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """`attention` in the flash_attn layout: q [batch, seqlen_q, num_heads_q,
-    head_dim_qk], k [batch, seqlen_k, num_heads_kv, head_dim_qk], v [batch,
-    seqlen_k, num_heads_kv, head_dim_v]. Returns O [batch, seqlen_q,
-    num_heads_q, head_dim_v] (a transposed view of a contiguous SDPA-layout
-    tensor: use .reshape, not .view, to merge heads) and with return_lse LSE
-    float32 [batch, num_heads_q, seqlen_q] (as flash_attn). dropout_p must be 0
-    (NotImplementedError otherwise). Other arguments (incl. scaling, "row" or
-    "tile": numerics.md section 9; qk_rotation and smooth_k: section 10) as in
-    `attention`."""
+    """`attention` in the flash_attn layout, a drop-in for FlashAttention's
+    `flash_attn_func` (FlashAttention-3's positional order: q, k, v, softmax_scale,
+    causal).
+
+    q [batch, seqlen_q, num_heads_q, head_dim_qk], k [batch, seqlen_k, num_heads_kv,
+    head_dim_qk], v [batch, seqlen_k, num_heads_kv, head_dim_v], any strides.
+    Returns O [batch, seqlen_q, num_heads_q, head_dim_v], contiguous (as
+    FlashAttention's: `out.view(b, s, h * d)` works), in the dtype `attention`
+    gives; with return_lse or return_attn_probs also LSE float32 [batch,
+    num_heads_q, seqlen_q] (natural log; FlashAttention-3's `(out, softmax_lse)`).
+    Other fp8attn arguments (delta_mode, precision, block_size, grad_format,
+    scaling "row" | "tile": numerics.md section 9; qk_rotation and smooth_k: section
+    10) as in `attention`.
+
+    FlashAttention's own arguments: the defaults are accepted, and so are
+    values that mean the same (window_size (-1, 0), or any negative left bound with
+    right 0, is the causal mask; a negative bound is unbounded). `num_splits` and
+    `pack_gqa` are scheduling hints that do not change the result; fp8attn keeps its
+    own schedule. Not supported, each raising NotImplementedError naming the argument:
+    dropout_p != 0, a sliding window (window_size with left >= 0 or right > 0),
+    softcap != 0, alibi_slopes, qv, q_descale / k_descale / v_descale (pre-quantized FP8
+    inputs), attention_chunk != 0, sm_margin != 0, deterministic=True. A malformed value
+    (wrong type, a window_size that is not a pair of ints) raises ValueError."""
     if dropout_p != 0.0:
         raise NotImplementedError("fp8attn.flash_attn_func: argument 'dropout_p': dropout is not supported")
+    causal = _flash_compat("flash_attn_func", causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic,
+                           return_attn_probs=return_attn_probs, qv=qv, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+                           num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
+    want_lse = return_lse or return_attn_probs
     res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
                     softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
-                    block_size=block_size, grad_format=grad_format, return_lse=return_lse,
+                    block_size=block_size, grad_format=grad_format, return_lse=want_lse,
                     layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k)
-    if return_lse:
-        return res[0].transpose(1, 2), res[1]
-    return res.transpose(1, 2)
+    # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
+    # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
+    if want_lse:
+        return res[0].transpose(1, 2).contiguous(), res[1]
+    return res.transpose(1, 2).contiguous()
 
 
 def scaled_dot_product_attention(

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
+from .ops import _diag_meta, _err, _flash_compat, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -250,6 +250,22 @@ def varlen_attention(
     *,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    seqused_q: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    qv: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    sm_margin: int = 0,
     delta_mode: str = "delta_matching",
     precision: str = "fp8",
     block_size: int = 128,
@@ -298,7 +314,16 @@ def varlen_attention(
             gives O = 0, LSE = -inf and zero gradients. With diagnostics, each
             non-empty sequence's backward is one record (labelled layer_name),
             in sequence order (eager mode only, as for `attention`).
-        return_lse: also return LSE (a bool).
+        return_lse: also return LSE (a bool); return_attn_probs (FlashAttention's
+            name) does the same.
+        FlashAttention's other arguments (dropout_p, window_size, softcap,
+        alibi_slopes, deterministic, seqused_q / seqused_k, qv, q_descale /
+        k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin):
+            the defaults and equivalent values are accepted (window_size (-1, 0)
+            is the causal mask; num_splits and pack_gqa are scheduling hints that
+            do not change the result); anything else raises NotImplementedError
+            naming the argument (seqused_q / seqused_k: not supported yet),
+            a malformed value ValueError (as `fp8attn.flash_attn_func`).
 
     Returns:
         O [total_q, num_heads_q, head_dim_v] in q's dtype; with return_lse also
@@ -323,6 +348,20 @@ def varlen_attention(
     graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(_err(_FN, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
+    if dropout_p != 0.0:
+        raise NotImplementedError(_err(_FN, "dropout_p", "dropout is not supported"))
+    for arg, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if val is not None:
+            raise NotImplementedError(_err(_FN, arg, "per-sequence used lengths are not supported by fp8attn yet "
+                                           "(pass cu_seqlens of the used tokens)"))
+    causal = _flash_compat(_FN, causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
+                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                           attention_chunk=attention_chunk, num_splits=num_splits, pack_gqa=pack_gqa,
+                           sm_margin=sm_margin) if isinstance(causal, bool) else causal
+    return_lse = return_lse or return_attn_probs if isinstance(return_lse, bool) else return_lse
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
