@@ -227,3 +227,19 @@ def test_a_run_recorded_before_a_field_existed_resumes_with_its_default():
     on = {**cur, "model": {**cur["model"], "fp8_qk_rotation": "hadamard"}}
     assert any(m.startswith("--qk-rotation") for m in config_mismatches(old, on))
     assert any(m.startswith("--lr") for m in config_mismatches(cur, {**cur, "train": {"lr": 2e-3}}))
+
+
+def test_split_muon_run_equals_uninterrupted_run(text_dir, tmp_path):
+    # The Muon + AdamW state (issue #22 item 2) goes through the training state too.
+    data = tmp_path / "data"
+    _run(text_dir, data, tmp_path / "full", "--optimizer", "muon")
+    split = tmp_path / "split"
+    _run(text_dir, data, split, "--optimizer", "muon", "--stop-after-steps", "3")
+    assert set(load_state(state_path(split, MODES[0]))["optim"]) == {"muon", "adamw"}
+    _run(text_dir, data, split, "--optimizer", "muon", "--resume")
+    _assert_same_run(tmp_path / "full", split)
+    # and Muon is not AdamW: the same run with AdamW ends elsewhere
+    _run(text_dir, data, tmp_path / "adamw")
+    la = read_log(tmp_path / "adamw" / "bf16.jsonl")["steps"][-1]["loss"]
+    lm = read_log(tmp_path / "full" / "bf16.jsonl")["steps"][-1]["loss"]
+    assert la != lm

@@ -51,7 +51,7 @@ from . import ddp, provenance, state
 from .data import prepare
 from .model import ATTN_MODES, PRESETS, SCOPES, ModelConfig, preset_model_config
 from .report import write_report
-from .trainer import StopRule, TrainConfig, resolve_device, train_mode
+from .trainer import OPTIMIZERS, StopRule, TrainConfig, resolve_device, train_mode
 
 # Corpus cap (MB of text) per preset: enough tokens for the preset's run.
 DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0}
@@ -97,6 +97,9 @@ def parse_args(argv=None):
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
+    ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
+                    help="adamw, or muon: torch.optim.Muon on the hidden weight matrices (update RMS matched to "
+                         "AdamW's, same LR schedule) with AdamW on embeddings, head, norms and gains")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
@@ -190,6 +193,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
             if on:
                 raise SystemExit(f"{flag}: not supported with --fsdp (the sharded AdamW state is not gathered "
                                  f"into the training state); use DDP (no --fsdp) or one process")
+    if args.fsdp and getattr(args, "optimizer", "adamw") == "muon":
+        raise SystemExit("--optimizer muon: not supported with --fsdp (Muon orthogonalizes whole matrices; "
+                         "FSDP2 shards them); use DDP (no --fsdp) or one process")
     for flag in ("warmup", "diag_every", "val_every", "threads"):
         val = getattr(args, flag)
         if val is not None and val < 0:
@@ -218,7 +224,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       progress=not args.no_progress, fsdp=args.fsdp,
                       val_every=args.val_every or max(1, tp["steps"] // 5),
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)),
-                      save_final=not args.no_save, save_at=save_at)
+                      save_final=not args.no_save, save_at=save_at,
+                      optimizer=getattr(args, "optimizer", "adamw"))
 
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,

@@ -81,6 +81,10 @@ PAIRS = (("fp8-stale", "bf16"), ("fp8-matched_do", "bf16"), ("fp8-delta_matching
 CALIB_SKIP = 3   # calibration steps left out of the step time (warm-up, staggered starts)
 
 
+# How the reports name TrainConfig.optimizer.
+_OPT_NAMES = {"adamw": "AdamW", "muon": "Muon (hidden matrices) + AdamW"}
+
+
 def run_dir_name(mode: str, seed: int) -> str:
     return f"{mode}-s{seed}"
 
@@ -375,7 +379,7 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         f"{m['n_heads']}/{m['n_kv_heads']} q/kv heads, head_dim {m['head_dim']}, QK-norm "
         f"{'on' if m['qk_norm'] else 'off'}, vocab {m['vocab_size']}, fp8 scope {m.get('scope', 'attn-core')}.",
         f"Training: {t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens "
-        f"({t['steps'] * t['batch_size'] * t['seq_len'] / 1e6:.1f} M tokens), AdamW lr {t['lr']} "
+        f"({t['steps'] * t['batch_size'] * t['seq_len'] / 1e6:.1f} M tokens), {_OPT_NAMES[t.get('optimizer', 'adamw')]} lr {t['lr']} "
         f"(warmup {t['warmup']}, cosine to {t['min_lr_ratio']}x), device {cfg['device']}.",
         f"Seeds (init) {', '.join(map(str, seeds))}; data seeds (batch order) "
         f"{', '.join(str(ds[s]) for s in seeds)}. Within a seed every mode has the same initial weights "

@@ -106,6 +106,7 @@ class TrainConfig:
     fsdp: bool = False             # FSDP2 (fully_shard) instead of DDP when distributed (ddp.py)
     save_final: bool = True        # write the final model next to the log (checkpoint.py)
     save_at: tuple = ()            # also after these step counts
+    optimizer: str = "adamw"       # "adamw" | "muon" (make_optimizer)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,12 +192,73 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=cfg.betas, fused=None)
+OPTIMIZERS = ("adamw", "muon")
+
+
+class MuonAdamW:
+    """torch.optim.Muon on the hidden weight matrices, torch.optim.AdamW on the
+    rest, stepped together (the split of the Muon papers and of the Delta-Matching
+    study: Muon for the 2-D weights inside the blocks; AdamW for the token
+    embedding, the output head, norms and QK-norm gains). The optimizer interface
+    the trainer uses: param_groups (every group of both, for the LR schedule),
+    zero_grad, step, state_dict / load_state_dict ({"muon": ..., "adamw": ...})."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer):
+        self.muon, self.adamw = muon, adamw
+
+    @property
+    def param_groups(self) -> list:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"muon", "adamw"}:
+            raise ValueError("optimizer state: expected a Muon + AdamW state ({'muon', 'adamw'}), got keys "
+                             f"{sorted(state)}; was the run started with another --optimizer?")
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+def muon_params(model: torch.nn.Module) -> tuple[list, list]:
+    """(hidden matrices, the rest): the 2-D parameters other than the token
+    embedding and the output head, and everything else."""
+    io = {id(model.embed.weight)} | ({id(model.head.weight)} if getattr(model, "head", None) is not None else set())
+    hidden, rest = [], []
+    for p in model.parameters():
+        (hidden if p.dim() == 2 and id(p) not in io else rest).append(p)
+    return hidden, rest
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    """AdamW (cfg.optimizer "adamw": weight decay on matrices only), or MuonAdamW
+    ("muon"): torch.optim.Muon on the hidden matrices with the same lr and weight
+    decay, its update scaled to AdamW's RMS (adjust_lr_fn="match_rms_adamw", so one
+    LR schedule serves both), AdamW on the embedding, head (decayed) and the 1-D
+    parameters (not decayed)."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {cfg.optimizer!r}")
+    if cfg.optimizer == "adamw":
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=cfg.lr, betas=cfg.betas, fused=None)
+    hidden, rest = muon_params(model)
+    muon = torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=cfg.lr, betas=cfg.betas, fused=None)
+    return MuonAdamW(muon, adamw)
 
 
 def layer_gain_stats(model: Transformer) -> dict:
