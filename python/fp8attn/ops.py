@@ -72,8 +72,10 @@ QK_ROTATIONS = _qkt.QK_ROTATIONS
 MAX_HEAD_DIM = 256
 # float64 is meant for the exact path (gradcheck); with precision="fp8" it is
 # accepted and computed like float32 (FP32 outside the FP8 matmul operands).
-# float16 is rejected: the kernels read BF16/FP32 only.
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+# float16 is taken by the public functions (attention, flash_attn_func,
+# scaled_dot_product_attention, varlen_attention), which run it as float32 and
+# return float16 (_half_in / _half_out); the raw ops read BF16 / FP32 / FP64 only.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Hook for the CUDA kernels: the (head_dim_qk, head_dim_v) pairs and precisions
 # they implement. None = no restriction known to this layer (the CUDA op then
@@ -169,7 +171,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: s
         if not isinstance(t, torch.Tensor):
             raise TypeError(_err(fn, name, f"must be a torch.Tensor, got {type(t).__name__}"))
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(_err(fn, name, f"dtype must be bfloat16, float32 or float64, got {t.dtype}"))
+            raise TypeError(_err(fn, name, f"dtype must be bfloat16, float16, float32 or float64, got {t.dtype}"))
         if t.dim() != 4:
             raise ValueError(_err(fn, name, f"must be 4-D [batch, heads, seqlen, head_dim], got shape {tuple(t.shape)}"))
     for name, t in (("k", k), ("v", v)):
@@ -198,6 +200,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: s
         _check_cuda(q, k, v, precision, fn)
     elif q.device.type not in ("cpu", "meta"):
         raise ValueError(_err(fn, "q", f"device must be cpu or cuda, got {q.device}"))
+
+
+def _half_in(*ts: torch.Tensor):
+    """float16 inputs as float32 (differentiable casts: gradients come back in float16).
+    On CUDA the kernels then read them rounded to bfloat16, as any float32 input
+    (numerics.md section 7); FP16's 10-bit mantissa is more than the E4M3 codes keep."""
+    return tuple(t.float() if t.dtype == torch.float16 else t for t in ts)
+
+
+def _half_out(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out.half() if dtype == torch.float16 else out
 
 
 def _check_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str, fn: str) -> None:
@@ -469,8 +482,10 @@ def attention(
 
     Args:
         q: [batch, num_heads_q, seqlen_q, head_dim_qk] (SDPA layout), bfloat16,
-            float32 or float64 (CUDA: bfloat16 or float32, which the op rounds to
-            bfloat16 for the kernels; O and the gradients come back as float32).
+            float16, float32 or float64 (CUDA: bfloat16, float16 or float32; the
+            op rounds float32 to bfloat16 for the kernels and O and the gradients
+            come back as float32; float16 runs as float32 and comes back as
+            float16).
             Any strides (a non-unit head_dim stride costs a copy). head_dim_qk
             and head_dim_v in [1, 256]; on CUDA a pair without its own kernel
             runs zero-padded to the next one (exact, numerics.md section 7).
@@ -554,8 +569,11 @@ def attention(
     check_inputs(q, k, v, op_precision)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    in_dtype = q.dtype
+    q, k, v = _half_in(q, k, v)
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
                                         grad_format, layer_name, scaling, qk_rotation, smooth_k)
+    out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out
 
 

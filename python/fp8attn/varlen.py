@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _flash_compat, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
+from .ops import _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -285,9 +285,10 @@ def varlen_attention(
     starts at token 0 of every sequence, section 7).
 
     Args:
-        q: [total_q, num_heads_q, head_dim_qk], bfloat16, float32 or float64
-            (CUDA: as in `fp8attn.attention`: bfloat16 or float32, head dims
-            1..256).
+        q: [total_q, num_heads_q, head_dim_qk], bfloat16, float16, float32 or
+            float64 (CUDA: as in `fp8attn.attention`: bfloat16, float16 or
+            float32, head dims 1..256; float16 runs as float32, O comes back in
+            float16).
         k: [total_k, num_heads_kv, head_dim_qk]; num_heads_q must be a multiple
             of num_heads_kv (GQA).
         v: [total_k, num_heads_kv, head_dim_v].
@@ -387,7 +388,10 @@ def varlen_attention(
     max_k = _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
 
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    in_dtype = q.dtype
+    q, k, v = _half_in(q, k, v)
     out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
                                             scaling, qk_rotation, smooth_k)
+    out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

@@ -18,7 +18,7 @@ test_cuda.py / test_cuda_bwd.py (numerics.md section 6; their helpers):
   - softmax_scale defaults to 1/sqrt(true head_dim_qk) in attention() and
     varlen_attention();
   - float32 CUDA inputs: rounded to BF16, outputs and gradients float32 and
-    equal to the BF16 call's; float64 / float16 CUDA inputs raise TypeError.
+    equal to the BF16 call's; float64 CUDA inputs raise TypeError, float16 runs as float32.
 
 Skips cleanly without a GPU or without the CUDA kernels compiled in.
 Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_cuda_head_dims.py
@@ -240,12 +240,22 @@ def test_float32_inputs_are_rounded_to_bf16(dims):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
-def test_other_float_dtypes_on_cuda_raise_type_error(dtype):
+def test_other_float_dtypes_on_cuda(dtype):
+    # The raw op reads BF16 / FP32 only; the public functions refuse float64 on CUDA
+    # and run float16 as float32, returning float16 (issue #20 item 3).
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=dtype)
     with pytest.raises(TypeError, match="'q'"):
         OPS.fwd(q, q, q, 0.125, False, "fp8", 128)
-    with pytest.raises(TypeError, match="dtype"):
-        fp8attn.attention(q, q, q)
+    if dtype == torch.float64:
+        with pytest.raises(TypeError, match="dtype"):
+            fp8attn.attention(q, q, q)
+        return
+    qh = q.clone().requires_grad_()
+    out = fp8attn.attention(qh, qh, qh, causal=True)
+    ref = fp8attn.attention(q.float(), q.float(), q.float(), causal=True)
+    assert out.dtype == torch.float16 and torch.equal(out, ref.half())
+    out.float().sum().backward()
+    assert qh.grad.dtype == torch.float16 and torch.isfinite(qh.grad).all() and qh.grad.abs().sum() > 0
 
 
 def test_mixed_dtypes_on_cuda_raise_type_error():

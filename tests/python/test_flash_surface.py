@@ -111,3 +111,36 @@ def test_varlen_flash_arguments_at_their_defaults_and_equivalents():
 def test_a_non_bool_causal_is_still_a_type_error():
     with pytest.raises(TypeError, match="'causal'"):
         fp8attn.flash_attn_func(*_bshd(), causal="yes", window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("fn", ["attention", "flash_attn_func", "varlen_attention"])
+def test_float16_inputs_run_as_float32_and_come_back_in_float16(fn):
+    # issue #20 item 3: FP16 Q / K / V as FlashAttention takes them; the op runs them as
+    # float32 (exact: FP16 values are FP32 values) and returns O and the gradients in FP16.
+    g = torch.Generator().manual_seed(5)
+    if fn == "varlen_attention":
+        cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+        base = [torch.randn(40, h, 64, generator=g) for h in (4, 2, 2)]
+        call = lambda q, k, v: fp8attn.varlen_attention(q, k, v, cu, cu, causal=True)  # noqa: E731
+    else:
+        base = [torch.randn(2, h, s, 64, generator=g) for h, s in ((4, 37), (2, 45), (2, 45))]
+        if fn == "flash_attn_func":
+            base = [t.transpose(1, 2).contiguous() for t in base]
+        call = getattr(fp8attn, fn)
+        call = (lambda f: lambda q, k, v: f(q, k, v, causal=True))(call)
+    h = [t.half().requires_grad_() for t in base]
+    f = [t.half().float().requires_grad_() for t in base]
+    oh, of = call(*h), call(*f)
+    assert oh.dtype == torch.float16 and torch.equal(oh, of.half())
+    do = torch.randn(oh.shape, generator=g)
+    oh.backward(do.half())
+    of.backward(do.half().float())
+    for a, b in zip(h, f):
+        assert a.grad.dtype == torch.float16 and torch.isfinite(a.grad).all() and a.grad.abs().sum() > 0
+        assert torch.equal(a.grad, b.grad.half())
+
+
+def test_float16_mixed_with_another_dtype_is_a_type_error():
+    q, k, v = _bshd()
+    with pytest.raises(TypeError, match="argument 'k'"):
+        fp8attn.flash_attn_func(q.half(), k.float(), v.float())
