@@ -243,3 +243,8 @@ def test_split_muon_run_equals_uninterrupted_run(text_dir, tmp_path):
     la = read_log(tmp_path / "adamw" / "bf16.jsonl")["steps"][-1]["loss"]
     lm = read_log(tmp_path / "full" / "bf16.jsonl")["steps"][-1]["loss"]
     assert la != lm
+
+
+def test_resume_with_another_optimizer_is_refused(runs, text_dir):
+    with pytest.raises(SystemExit, match="--optimizer: train field optimizer saved 'adamw', now 'muon'"):
+        _run(text_dir, runs["data"], runs["split"], "--resume", "--optimizer", "muon")

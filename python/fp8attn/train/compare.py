@@ -97,6 +97,10 @@ def parse_args(argv=None):
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
+    ap.add_argument("--init-from", default="", metavar="PATH",
+                    help="start from trained weights (fresh optimizer and LR schedule): a run directory (each mode "
+                         "from its own <mode>.pt) or one checkpoint file (every mode from it); with --seq-len, "
+                         "--lr and --model rope_base=... a long-context continuation")
     ap.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                     help="adamw, or muon: torch.optim.Muon on the hidden weight matrices (update RMS matched to "
                          "AdamW's, same LR schedule) with AdamW on embeddings, head, norms and gains")
@@ -193,6 +197,14 @@ def run(args) -> tuple[Path, str, list[dict]]:
             if on:
                 raise SystemExit(f"{flag}: not supported with --fsdp (the sharded AdamW state is not gathered "
                                  f"into the training state); use DDP (no --fsdp) or one process")
+    init_from = getattr(args, "init_from", "") or ""
+    if init_from:
+        from .trainer import init_checkpoint
+        for m in modes:
+            try:
+                init_checkpoint(init_from, m)
+            except FileNotFoundError as exc:
+                raise SystemExit(f"--init-from: {exc}") from None
     if args.fsdp and getattr(args, "optimizer", "adamw") == "muon":
         raise SystemExit("--optimizer muon: not supported with --fsdp (Muon orthogonalizes whole matrices; "
                          "FSDP2 shards them); use DDP (no --fsdp) or one process")
@@ -225,7 +237,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       val_every=args.val_every or max(1, tp["steps"] // 5),
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)),
                       save_final=not args.no_save, save_at=save_at,
-                      optimizer=getattr(args, "optimizer", "adamw"))
+                      optimizer=getattr(args, "optimizer", "adamw"), init_from=str(init_from))
 
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
@@ -295,7 +307,10 @@ def run(args) -> tuple[Path, str, list[dict]]:
     t_train = time.time() - t0
     say(f"[compare] data preparation {t_data:.0f} s, training of {len(modes)} modes {t_train:.0f} s", flush=True)
     fps = {s["init_fingerprint"] for s in summaries}
-    if len(fps) != 1:
+    # NOTE: --init-from a run directory continues each mode from its own weights (the
+    # continuation's point); from scratch or from one checkpoint, all modes start alike.
+    per_mode_init = bool(cfg.init_from) and Path(cfg.init_from).is_dir()
+    if len(fps) != 1 and not per_mode_init:
         raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
     if not ctx.is_main:
         return None, "", summaries

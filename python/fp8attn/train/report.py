@@ -194,7 +194,10 @@ def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
         f"(warmup {t['warmup']}, cosine to {t['min_lr_ratio']}x), clip {t['grad_clip']}, device {meta['device']}.",
         f"Data: {meta['data'].get('source')} ({meta['data'].get('train_tokens', 0) / 1e6:.2f} M train tokens, "
         f"{meta['data'].get('val_tokens', 0) / 1e6:.3f} M val tokens), same batch order for every mode.",
-        f"Same initial weights in every mode: {'yes' if len(fps) == 1 else 'NO'} (fingerprint {', '.join(sorted(fps))}).",
+        (f"Continued from {t['init_from']} (weights only, fresh optimizer; "
+         + ("each mode from its own checkpoint" if len(fps) > 1 else "every mode from the same weights")
+         + f", fingerprints {', '.join(sorted(fps))})." if t.get("init_from") else
+         f"Same initial weights in every mode: {'yes' if len(fps) == 1 else 'NO'} (fingerprint {', '.join(sorted(fps))})."),
         (f"Diagnostics every {t['diag_every']} steps" if t['diag_every'] else "Diagnostics off (--diag-every 0)")
         + f"; final train loss = mean of the last {t['loss_avg_last']} steps.",
         f"FP8 precision scope of the fp8 modes: {m.get('scope', 'attn-core')} (the bf16 mode is BF16 "

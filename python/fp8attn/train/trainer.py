@@ -107,6 +107,7 @@ class TrainConfig:
     save_final: bool = True        # write the final model next to the log (checkpoint.py)
     save_at: tuple = ()            # also after these step counts
     optimizer: str = "adamw"       # "adamw" | "muon" (make_optimizer)
+    init_from: str = ""            # "" = fresh init; else a run dir (<mode>.pt per mode) or one checkpoint
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,6 +183,43 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
     """The model for model_cfg with weights drawn from torch.manual_seed(seed) (FP32, CPU)."""
     torch.manual_seed(seed)
     return Transformer(model_cfg)
+
+
+# ModelConfig fields a continuation may change (context length, RoPE base, the attention
+# backend and its FP8 options); every other field must match the checkpoint's.
+INIT_FROM_FREE = ("max_seq_len", "rope_base", "attn_mode", "scope", "packed", "fp8_block_size", "fp8_scaling",
+                  "fp8_qk_rotation", "fp8_smooth_k")
+
+
+def init_checkpoint(init_from: str | os.PathLike, mode: str) -> Path:
+    """The checkpoint a mode starts from: <init_from>/<mode>.pt for a run directory
+    (each mode continues its own run), else init_from itself (one file for every mode).
+    Raises FileNotFoundError naming the path."""
+    from .checkpoint import checkpoint_path
+    p = Path(init_from)
+    ck = checkpoint_path(p, mode) if p.is_dir() else p
+    if not ck.is_file():
+        raise FileNotFoundError(f"init_from: no checkpoint {ck}" + (f" (mode {mode}'s, in run directory {p})"
+                                                                    if p.is_dir() else ""))
+    return ck
+
+
+def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
+    """Loads a training checkpoint's weights (checkpoint.py format) into `model`: weights
+    only (the optimizer starts fresh), for a continuation at a new seq_len / LR / RoPE
+    base. Every ModelConfig field outside INIT_FROM_FREE must equal the checkpoint's
+    (ValueError naming them). Returns the checkpoint's info (mode, step, configs)."""
+    from .checkpoint import FORMAT
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"init_from: {path} is not an {FORMAT} checkpoint")
+    mine, theirs = model.cfg.to_dict(), obj["model_config"]
+    bad = [f"{k} {theirs.get(k)!r} -> {mine[k]!r}" for k in mine if k not in INIT_FROM_FREE and theirs.get(k) != mine[k]]
+    if bad:
+        raise ValueError(f"init_from: {path} has another architecture: " + "; ".join(bad) +
+                         f" (a continuation may change only {', '.join(INIT_FROM_FREE)})")
+    model.load_state_dict(obj["state_dict"])
+    return {k: v for k, v in obj.items() if k != "state_dict"}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -350,6 +388,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
     model = build_model(model_cfg, cfg.seed)
+    if cfg.init_from:
+        load_init_weights(model, init_checkpoint(cfg.init_from, mode))
     fingerprint = init_fingerprint(model)
     if saved is not None:
         if saved["init_fingerprint"] != fingerprint:

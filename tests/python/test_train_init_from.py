@@ -1,0 +1,58 @@
+"""--init-from (issue #22 item 4): a run continues from trained weights with a fresh
+optimizer, at a new seq_len, peak LR and RoPE base (a long-context continuation)."""
+import pytest
+import torch
+
+from fp8attn.train import compare
+from fp8attn.train.checkpoint import checkpoint_path, load_checkpoint
+from fp8attn.train.report import read_log
+from fp8attn.train.trainer import init_fingerprint
+
+MODES = "bf16,fp8-delta_matching"
+
+
+def _argv(text_dir, root, out, *extra, steps=8):
+    return ["--preset", "smoke", "--device", "cpu", "--modes", MODES, "--steps", str(steps), "--diag-every", "0",
+            "--val-batches", "1", "--text-dir", str(text_dir), "--data-dir", str(root / "data"), "--no-progress",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, text_dir):
+    root = tmp_path_factory.mktemp("init_from")
+    compare.run(compare.parse_args(_argv(text_dir, root, root / "short")))
+    return root
+
+
+def test_continuation_starts_from_each_modes_weights(base, text_dir):
+    out = base / "long"
+    compare.run(compare.parse_args(_argv(text_dir, base, out, "--init-from", str(base / "short"), "--seq-len", "128",
+                                         "--lr", "3e-3", "--model", "rope_base=40000", steps=3)))
+    for mode in MODES.split(","):
+        short, _ = load_checkpoint(checkpoint_path(base / "short", mode))
+        la, lb = read_log(base / "short" / f"{mode}.jsonl"), read_log(out / f"{mode}.jsonl")
+        # the continuation's initial weights are the short run's final ones
+        assert lb["summary"]["init_fingerprint"] == init_fingerprint(short)
+        assert lb["meta"]["train"]["seq_len"] == 128 and lb["meta"]["model"]["rope_base"] == 40000
+        assert lb["meta"]["model"]["max_seq_len"] >= 128
+        # it starts where the short run ended, far below a fresh model's first loss
+        first_short, last_short = la["steps"][0]["loss"], la["steps"][-1]["loss"]
+        first_long = lb["steps"][0]["loss"]
+        assert first_long < last_short + 0.5 * (first_short - last_short), (first_short, last_short, first_long)
+    assert "each mode from its own checkpoint" in (out / "report.md").read_text()
+
+
+def test_one_checkpoint_for_every_mode(base, text_dir):
+    ck = checkpoint_path(base / "short", "bf16")
+    out = base / "from_file"
+    compare.run(compare.parse_args(_argv(text_dir, base, out, "--init-from", str(ck), steps=2)))
+    fps = {read_log(out / f"{m}.jsonl")["summary"]["init_fingerprint"] for m in MODES.split(",")}
+    assert fps == {init_fingerprint(load_checkpoint(ck)[0])}
+
+
+def test_init_from_refuses_a_missing_checkpoint_or_another_architecture(base, text_dir, tmp_path):
+    with pytest.raises(SystemExit, match="--init-from: init_from: no checkpoint .*bf16.pt"):
+        compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "x", "--init-from", str(tmp_path), steps=2)))
+    with pytest.raises(ValueError, match="another architecture: d_model 64 -> 32"):
+        compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "y", "--init-from", str(base / "short"),
+                                             "--model", "d_model=32", steps=2)))
