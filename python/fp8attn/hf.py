@@ -31,9 +31,9 @@ mask (True = attend) otherwise. Supported here:
 Dropout > 0 in training, softcap, sliding_window, attention sinks (s_aux) and
 position_bias raise NotImplementedError.
 
-Dtypes: with precision "fp8" Q/K/V are cast to bfloat16 (the op contract, as
-the trainer does) and O back to the query's dtype; with "exact" float16 is
-computed in float32 (the op reads bfloat16/float32/float64 only).
+Dtypes: with precision "fp8" Q/K/V are cast to bfloat16 (as the trainer does),
+except float16, which the op takes as it is (it runs float16 as float32); O goes
+back to the query's dtype; with "exact" float16 is computed in float32.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def make_attention_function(**fp8_kwargs) -> Callable:
             causal = kind
         dtype = query.dtype
         if precision == "fp8":
-            work = torch.bfloat16
+            work = torch.float16 if dtype == torch.float16 else torch.bfloat16
         else:
             work = torch.float32 if dtype == torch.float16 else dtype
         layer_idx = getattr(module, "layer_idx", None)

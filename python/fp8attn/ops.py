@@ -26,6 +26,7 @@ default backward options (delta_matching, e4m3).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 from typing import Optional, Tuple, Union
@@ -210,7 +211,14 @@ def _half_in(*ts: torch.Tensor):
 
 
 def _half_out(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return out.half() if dtype == torch.float16 else out
+    """O back in float16 for float16 inputs. Exact O is a convex combination of V's rows
+    (|O| <= max |V| <= 65504), but the FP8 roundings can take a value just past FP16's
+    largest finite 65504: finite values are saturated there (as FlashAttention's O
+    stays finite); inf / NaN the inputs brought stay."""
+    if dtype != torch.float16:
+        return out
+    fmax = torch.finfo(torch.float16).max
+    return torch.where(torch.isfinite(out), out.clamp(-fmax, fmax), out).half()
 
 
 def _check_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str, fn: str) -> None:
@@ -577,59 +585,99 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _flash_compat(fn: str, causal: bool, *, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                  qv, q_descale, k_descale, v_descale, attention_chunk, num_splits, pack_gqa, sm_margin) -> bool:
+def _real(x) -> Optional[float]:
+    """x as a float if it is a real number (Python, NumPy, or a 0-d floating/integer
+    tensor; not bool), else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.dim() == 0 and not x.dtype.is_complex and x.dtype != torch.bool else None
+    return float(x) if isinstance(x, (int, float, np.integer, np.floating)) else None
+
+
+def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_size, softcap, alibi_slopes,
+                  deterministic, return_attn_probs, qv, q_descale, k_descale, v_descale, attention_chunk,
+                  num_splits, pack_gqa, sm_margin, block_table=None) -> Tuple[bool, bool]:
     """Checks the FlashAttention arguments fp8attn has no feature for: their
-    defaults (and equivalent values) pass, anything else raises naming the
-    argument. Returns the effective `causal` (window_size (-1, 0) is FlashAttention's
-    causal mask). Raises ValueError for a malformed value, NotImplementedError for a
-    well-formed one that fp8attn does not support."""
+    defaults (and the values FlashAttention treats the same) pass, anything else
+    raises naming the argument. Returns (causal, return_attn_probs) as bools.
+    FlashAttention's window rules (flash_attn flash_api.cpp): a negative bound is
+    unbounded, a bound >= seqlen_k is unbounded, causal=True sets the right bound
+    to 0; so (-1, -1) is no window and (-1, 0) the causal mask. Raises ValueError
+    for a malformed value, NotImplementedError for a well-formed unsupported one."""
     def unsupported(arg, value, what):
         raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
 
     def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
+    def as_bool(arg, x):
+        if not isinstance(x, (bool, np.bool_)):
+            raise ValueError(_err(fn, arg, f"must be a bool, got {type(x).__name__}"))
+        return bool(x)
+
+    drop = _real(dropout_p)
+    if drop is None:
+        raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
+    if drop != 0.0:
+        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(is_int(w) for w in window_size)):
         raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), got {window_size!r}"))
+    if isinstance(causal, (bool, np.bool_)):
+        causal = bool(causal)
     left, right = (int(w) for w in window_size)
-    # FlashAttention: a negative bound is unbounded; causal sets right = 0 (bottom-right).
+    left = -1 if left < 0 or left >= seqlen_k else left
+    right = -1 if right < 0 or right >= seqlen_k else right
+    if causal is True:
+        right = 0
     if left >= 0 or right > 0:
-        unsupported("window_size", tuple(window_size), "a sliding window (left >= 0 or right > 0)")
+        unsupported("window_size", tuple(int(w) for w in window_size),
+                    "a sliding window (a bound in 0..seqlen_k - 1 other than the causal right bound 0)")
     if right == 0 and isinstance(causal, bool):  # a non-bool causal is check_options' TypeError
         causal = True
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+    cap = _real(softcap)
+    if cap is None:
         raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
-    if softcap != 0:
-        unsupported("softcap", softcap, "logit softcapping (softcap != 0)")
+    if cap != 0:
+        unsupported("softcap", cap, "logit softcapping (softcap != 0)")
     for arg, val, what in (("alibi_slopes", alibi_slopes, "ALiBi"), ("qv", qv, "the qv input"),
                            ("q_descale", q_descale, "pre-quantized FP8 input"),
                            ("k_descale", k_descale, "pre-quantized FP8 input"),
-                           ("v_descale", v_descale, "pre-quantized FP8 input")):
+                           ("v_descale", v_descale, "pre-quantized FP8 input"),
+                           ("block_table", block_table, "a paged KV cache")):
         if val is not None:
             unsupported(arg, type(val).__name__, what)
-    for arg, val in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
-        if not isinstance(val, bool):
-            raise ValueError(_err(fn, arg, f"must be a bool, got {type(val).__name__}"))
-    if deterministic:
+    if as_bool("deterministic", deterministic):
         unsupported("deterministic", True, "a bitwise run-to-run reproducible backward")
+    return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
     if not is_int(attention_chunk) or attention_chunk < 0:
         raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
     if attention_chunk != 0:
         unsupported("attention_chunk", attention_chunk, "chunked attention")
     if not is_int(num_splits) or num_splits < 0:
         raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {num_splits!r}"))
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+    if pack_gqa is not None and not isinstance(pack_gqa, (bool, np.bool_)):
         raise ValueError(_err(fn, "pack_gqa", f"must be None or a bool, got {type(pack_gqa).__name__}"))
     if not is_int(sm_margin) or sm_margin < 0:
         raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
     if sm_margin != 0:
         unsupported("sm_margin", sm_margin, "leaving SMs free (sm_margin > 0)")
-    return causal
+    return causal, return_attn_probs
 
 
-def flash_attn_func(
+def _renamed_errors(fn: str, call):
+    """call() with fp8attn.attention's error prefix renamed to `fn`'s."""
+    try:
+        return call()
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        msg = str(exc).replace("fp8attn.attention:", f"fp8attn.{fn}:")
+        if msg == str(exc):
+            raise
+        raise type(exc)(msg) from None
+
+
+def _flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -674,36 +722,78 @@ def flash_attn_func(
     scaling "row" | "tile": numerics.md section 9; qk_rotation and smooth_k: section
     10) as in `attention`.
 
+    Positional order: FlashAttention-3's; a call in FlashAttention-2's order (q, k, v,
+    dropout_p, softmax_scale, causal) that can be recognized (six positionals, a
+    non-bool 5th, a 4th of 0.0, a positional given again by keyword) raises
+    TypeError / ValueError saying so; `flash_attn_func(q, k, v, 0.1)` cannot be told
+    apart and means softmax_scale=0.1.
+
     FlashAttention's own arguments: the defaults are accepted, and so are
-    values that mean the same (window_size (-1, 0), or any negative left bound with
-    right 0, is the causal mask; a negative bound is unbounded). `num_splits` and
+    values FlashAttention treats the same (its window rules: a negative bound or one
+    >= seqlen_k is unbounded, causal=True sets the right bound to 0; so window_size
+    (-1, 0) is the causal mask and (-1, -1) none). `num_splits` and
     `pack_gqa` are scheduling hints that do not change the result; fp8attn keeps its
     own schedule. Not supported, each raising NotImplementedError naming the argument:
-    dropout_p != 0, a sliding window (window_size with left >= 0 or right > 0),
+    dropout_p != 0, a sliding window (a window bound in 0..seqlen_k - 1 other than
+    the causal right bound 0),
     softcap != 0, alibi_slopes, qv, q_descale / k_descale / v_descale (pre-quantized FP8
     inputs), attention_chunk != 0, sm_margin != 0, deterministic=True. A malformed value
     (wrong type, a window_size that is not a pair of ints) raises ValueError."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("fp8attn.flash_attn_func: argument 'dropout_p': dropout is not supported")
-    causal = _flash_compat("flash_attn_func", causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, deterministic=deterministic,
-                           return_attn_probs=return_attn_probs, qv=qv, q_descale=q_descale,
-                           k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-                           num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
+    seqlen_k = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    causal, return_attn_probs = _flash_compat(
+        "flash_attn_func", causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
     want_lse = return_lse or return_attn_probs
-    res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                    softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
-                    block_size=block_size, grad_format=grad_format, return_lse=want_lse,
-                    layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k)
+    want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
+    res = _renamed_errors("flash_attn_func", lambda: attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
+        delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
+        return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
     if want_lse:
         return res[0].transpose(1, 2).contiguous(), res[1]
     return res.transpose(1, 2).contiguous()
+
+
+# FlashAttention-2's positional order, (q, k, v, dropout_p, softmax_scale, causal), and
+# FlashAttention-3's, (q, k, v, softmax_scale, causal, qv, ...), differ from the 4th
+# argument on; flash_attn_func takes FA3's. The public function binds the call itself so
+# that FA2-order calls it can recognize get a clear error instead of a wrong softmax_scale
+# or Python's bare TypeError.
+_FA2_ORDER = ("fp8attn.flash_attn_func takes FlashAttention-3's positional order (q, k, v, softmax_scale, causal); "
+              "FlashAttention-2's is (q, k, v, dropout_p, softmax_scale, causal): pass dropout_p, softmax_scale "
+              "and causal by keyword")
+
+
+def flash_attn_func(q, k, v, *args, **kwargs):
+    if len(args) > 2:
+        raise TypeError(f"fp8attn.flash_attn_func: {len(args) + 3} positional arguments: " + _FA2_ORDER)
+    for name, pos in (("softmax_scale", 0), ("causal", 1)):
+        if len(args) > pos and name in kwargs:
+            raise TypeError(f"fp8attn.flash_attn_func: argument '{name}' given by position and by keyword: "
+                            + _FA2_ORDER)
+    if len(args) == 2 and not isinstance(args[1], (bool, np.bool_)) and (args[1] is None or _real(args[1]) is not None):
+        raise TypeError(f"fp8attn.flash_attn_func: argument 'causal': got {args[1]!r} by position: " + _FA2_ORDER)
+    if args and _real(args[0]) == 0.0:
+        raise ValueError(_err("flash_attn_func", "softmax_scale", "must be > 0, got 0.0 by position: " + _FA2_ORDER))
+    try:
+        bound = _FLASH_SIG.bind(q, k, v, *args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"fp8attn.flash_attn_func: {exc} (fp8attn and FlashAttention arguments: "
+                        f"{', '.join(_FLASH_SIG.parameters)})") from None
+    return _flash_attn_func(*bound.args, **bound.kwargs)
+
+
+_FLASH_SIG = inspect.signature(_flash_attn_func)
+flash_attn_func.__signature__ = _FLASH_SIG
+flash_attn_func.__doc__ = _flash_attn_func.__doc__
 
 
 def scaled_dot_product_attention(

@@ -266,6 +266,7 @@ def varlen_attention(
     num_splits: int = 1,
     pack_gqa: Optional[bool] = None,
     sm_margin: int = 0,
+    block_table: Optional[torch.Tensor] = None,
     delta_mode: str = "delta_matching",
     precision: str = "fp8",
     block_size: int = 128,
@@ -319,7 +320,8 @@ def varlen_attention(
             name) does the same.
         FlashAttention's other arguments (dropout_p, window_size, softcap,
         alibi_slopes, deterministic, seqused_q / seqused_k, qv, q_descale /
-        k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin):
+        k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
+        block_table):
             the defaults and equivalent values are accepted (window_size (-1, 0)
             is the causal mask; num_splits and pack_gqa are scheduling hints that
             do not change the result); anything else raises NotImplementedError
@@ -349,20 +351,22 @@ def varlen_attention(
     graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise ValueError(_err(_FN, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
-    if dropout_p != 0.0:
-        raise NotImplementedError(_err(_FN, "dropout_p", "dropout is not supported"))
     for arg, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if val is not None:
             raise NotImplementedError(_err(_FN, arg, "per-sequence used lengths are not supported by fp8attn yet "
                                            "(pass cu_seqlens of the used tokens)"))
-    causal = _flash_compat(_FN, causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                           deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
-                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                           attention_chunk=attention_chunk, num_splits=num_splits, pack_gqa=pack_gqa,
-                           sm_margin=sm_margin) if isinstance(causal, bool) else causal
-    return_lse = return_lse or return_attn_probs if isinstance(return_lse, bool) else return_lse
+    # FlashAttention clamps window bounds at max_seqlen_k; without it, at total_k (a
+    # bound that large is unbounded for every sequence).
+    seqlen_k = max_seqlen_k if isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) else (
+        k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0)
+    if isinstance(causal, bool):
+        causal, return_attn_probs = _flash_compat(
+            _FN, causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+            num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table)
+        if isinstance(return_lse, bool):
+            return_lse = return_lse or return_attn_probs
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,

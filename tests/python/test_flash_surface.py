@@ -4,6 +4,7 @@ defaults and at values that mean the same, anything fp8attn does not implement
 raises NotImplementedError naming the argument (never a bare TypeError about an
 unexpected keyword, never ignored), a malformed value raises ValueError, and
 flash_attn_func's O is contiguous in [batch, seqlen, heads, head_dim]."""
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +41,9 @@ def test_output_is_contiguous_in_the_call_layout_and_differentiable():
 
 @pytest.mark.parametrize("window, causal, same_as", [
     ((-1, -1), False, False), ((-1, 0), False, True), ((-100, 0), False, True), ((-1, -5), True, True),
-    ((-1, -1), True, True), ((-1, 0), True, True)])
+    ((-1, -1), True, True), ((-1, 0), True, True),
+    # FlashAttention's rules: a bound >= seqlen_k (45) is unbounded; causal sets right = 0
+    ((45, 0), False, True), ((4096, 4096), False, False), ((-1, 5), True, True), ((100, 45), True, True)])
 def test_window_sizes_that_mean_no_window_or_causal(window, causal, same_as):
     q, k, v = _bshd(sq=45)
     o = fp8attn.flash_attn_func(q, k, v, causal=causal, window_size=window)
@@ -60,7 +63,7 @@ def test_return_attn_probs_is_the_lse_and_hints_change_nothing():
 
 
 UNSUPPORTED = [
-    ("dropout_p", 0.1), ("window_size", (128, 0)), ("window_size", (-1, 64)), ("window_size", (0, 0)),
+    ("dropout_p", 0.1), ("window_size", (16, 0)), ("window_size", (-1, 8)), ("window_size", (0, 0)),
     ("softcap", 30.0), ("alibi_slopes", torch.ones(4)), ("deterministic", True), ("qv", torch.ones(1)),
     ("q_descale", torch.ones(2, 2)), ("k_descale", torch.ones(2, 2)), ("v_descale", torch.ones(2, 2)),
     ("attention_chunk", 256), ("sm_margin", 8),
@@ -68,7 +71,8 @@ UNSUPPORTED = [
 MALFORMED = [
     ("window_size", 5), ("window_size", (1, 2, 3)), ("window_size", (-1.0, 0)), ("softcap", "big"),
     ("softcap", True), ("deterministic", 1), ("return_attn_probs", "yes"), ("attention_chunk", -1),
-    ("num_splits", -2), ("num_splits", 1.5), ("pack_gqa", 1), ("sm_margin", -1),
+    ("num_splits", -2), ("num_splits", 1.5), ("pack_gqa", 1), ("sm_margin", -1), ("dropout_p", None),
+    ("dropout_p", "x"), ("dropout_p", torch.zeros(2)), ("softcap", torch.zeros(2)),
 ]
 
 
@@ -144,3 +148,64 @@ def test_float16_mixed_with_another_dtype_is_a_type_error():
     q, k, v = _bshd()
     with pytest.raises(TypeError, match="argument 'k'"):
         fp8attn.flash_attn_func(q.half(), k.float(), v.float())
+
+
+def test_flashattention2_positional_order_is_recognized():
+    # FA2: flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False);
+    # fp8attn takes FA3's (q, k, v, softmax_scale, causal): the recognizable FA2 calls
+    # say so instead of running with dropout_p as softmax_scale or a bare TypeError.
+    q, k, v = _bshd()
+    F = fp8attn.flash_attn_func
+    for call in (lambda: F(q, k, v, 0.0, 0.125, True), lambda: F(q, k, v, 0.0, softmax_scale=0.125, causal=True),
+                 lambda: F(q, k, v, 0.0, None), lambda: F(q, k, v, 0.0, 0.125)):
+        with pytest.raises(TypeError, match="FlashAttention-2's is"):
+            call()
+    with pytest.raises(ValueError, match="softmax_scale.*FlashAttention-2's is"):
+        F(q, k, v, 0.0)
+    # FA3 order works positionally
+    assert torch.equal(F(q, k, v, 0.125, True), F(q, k, v, softmax_scale=0.125, causal=True))
+    with pytest.raises(TypeError, match="fp8attn.flash_attn_func: .*unexpected keyword argument 'dropout'"):
+        F(q, k, v, dropout=0.1)
+    import inspect
+    assert list(inspect.signature(F).parameters)[:5] == ["q", "k", "v", "softmax_scale", "causal"]
+
+
+def test_numpy_and_0d_scalars_are_taken_like_python_ones():
+    q, k, v = _bshd()
+    ref, lse = fp8attn.flash_attn_func(q, k, v, return_lse=True)
+    o, l2 = fp8attn.flash_attn_func(q, k, v, return_attn_probs=np.bool_(True), deterministic=np.bool_(False),
+                                    softcap=np.float32(0), dropout_p=torch.tensor(0.0), pack_gqa=np.bool_(True))
+    assert torch.equal(o, ref) and torch.equal(l2, lse)
+    qv, kv, vv, cq, ck = _varlen()
+    fp8attn.varlen_attention(qv, kv, vv, cq, ck, dropout_p=np.float32(0), softcap=torch.tensor(0.0))
+
+
+def test_errors_inside_flash_attn_func_name_it():
+    q, k, v = _bshd()
+    with pytest.raises(TypeError, match=r"^fp8attn.flash_attn_func: argument 'k'"):
+        fp8attn.flash_attn_func(q, k.float(), v)
+    with pytest.raises(ValueError, match=r"^fp8attn.flash_attn_func: argument 'softmax_scale'"):
+        fp8attn.flash_attn_func(q, k, v, softmax_scale=-1.0)
+
+
+def test_varlen_paged_kv_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="varlen_attention: argument 'block_table'"):
+        _call("varlen_attention", block_table=torch.zeros(2, 4, dtype=torch.int32))
+
+
+def test_float16_output_stays_finite_near_the_float16_max():
+    # Exact O lies within V's range (|V| <= 65504); the FP8 roundings took one value to
+    # 65536 in FP32, inf in FP16, before O was saturated at FP16's largest finite value.
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 16, 2, 32).half(), torch.randn(1, 16, 2, 32).half()
+    v = ((torch.rand(1, 16, 2, 32) * 2 - 1) * 64000).half()
+    o32 = fp8attn.flash_attn_func(q.float(), k.float(), v.float(), causal=True)
+    assert o32.abs().max() > 65504  # the case still reaches past FP16's range in FP32
+    o = fp8attn.flash_attn_func(q, k, v, causal=True)
+    assert torch.isfinite(o).all()
+    fin = o32.abs() <= 65504
+    assert torch.equal(o[fin], o32[fin].half())
+    # inf the caller put in stays
+    v2 = v.clone()
+    v2[0, 3, 1, 5] = float("inf")
+    assert not torch.isfinite(fp8attn.flash_attn_func(q, k, v2)).all()
