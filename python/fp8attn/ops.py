@@ -115,7 +115,7 @@ def check_options(
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
-        if not math.isfinite(_scale_log2_fp32(softmax_scale)):
+        if float(softmax_scale) > _SCALE_LIMIT:  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
             raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
                                                        f"overflows FP32 (the kernels compute it in FP32; "
                                                        f"max {MAX_SOFTMAX_SCALE:.6g})"))
@@ -161,6 +161,20 @@ def _scale_log2_fp32(scale: float) -> float:
 MAX_SOFTMAX_SCALE = float(np.nextafter(np.float32(np.finfo(np.float32).max) / _LOG2E_FP32, np.float32(np.inf)))
 while not math.isfinite(_scale_log2_fp32(MAX_SOFTMAX_SCALE)):
     MAX_SOFTMAX_SCALE = float(np.nextafter(np.float32(MAX_SOFTMAX_SCALE), np.float32(0)))
+
+
+def _scale_limit() -> float:
+    """The largest float64 whose FP32 rounding is <= MAX_SOFTMAX_SCALE: check_options
+    compares softmax_scale with it (plain float arithmetic, which torch.compile traces;
+    NumPy's errstate is not traceable). Doubles below the midpoint to the next FP32 value
+    round down; the midpoint itself rounds to the even one."""
+    up = float(np.nextafter(np.float32(MAX_SOFTMAX_SCALE), np.float32(np.inf)))
+    mid = (MAX_SOFTMAX_SCALE + up) / 2  # exact in float64
+    even = int(np.float32(MAX_SOFTMAX_SCALE).view(np.uint32)) % 2 == 0
+    return mid if even else float(np.nextafter(mid, 0.0))
+
+
+_SCALE_LIMIT = _scale_limit()
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str = "fp8",

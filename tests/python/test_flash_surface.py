@@ -209,3 +209,25 @@ def test_float16_output_stays_finite_near_the_float16_max():
     v2 = v.clone()
     v2[0, 3, 1, 5] = float("inf")
     assert not torch.isfinite(fp8attn.flash_attn_func(q, k, v2)).all()
+
+
+def test_compiled_fullgraph_with_an_explicit_softmax_scale():
+    # softmax_scale's FP32-overflow check used NumPy's errstate, which torch.compile
+    # cannot trace: every call with softmax_scale given failed under fullgraph=True.
+    q, k, v = (t.requires_grad_() for t in _bshd())
+    f = torch.compile(lambda a, b, c: fp8attn.flash_attn_func(a, b, c, 0.2, True), fullgraph=True, backend="eager")
+    g = torch.compile(lambda a, b, c: fp8attn.attention(a, b, c, softmax_scale=0.2, causal=True), fullgraph=True,
+                      backend="eager")
+    o = f(q, k, v)
+    assert torch.equal(o, fp8attn.flash_attn_func(q, k, v, 0.2, True))
+    assert torch.equal(g(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2), o)
+    o.float().sum().backward()
+    assert torch.isfinite(q.grad.float()).all()
+
+
+def test_scale_limit_is_the_fp32_overflow_rule():
+    from fp8attn import ops
+    lim = ops._SCALE_LIMIT
+    for x in (ops.MAX_SOFTMAX_SCALE, lim, float(np.nextafter(lim, np.inf)), float(np.nextafter(lim, 0.0)),
+              1e38, 3e38, float(np.nextafter(np.float32(ops.MAX_SOFTMAX_SCALE), np.float32(np.inf)))):
+        assert (x <= lim) == np.isfinite(ops._scale_log2_fp32(x)), x
