@@ -173,3 +173,22 @@ def test_register_rejects_bad_options():
         fp8attn.hf.register("bad", causal=True)
     with pytest.raises(ValueError, match="precision"):
         fp8attn.hf.register("bad", precision="fp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_fp8_dtypes_into_the_op(dtype):
+    """precision "fp8": float16 goes into the op as it is (run as float32 there), float32
+    is cast to bfloat16 (as the trainer does); O comes back in the query's dtype."""
+    fn = fp8attn.hf.make_attention_function(precision="fp8")
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 12, 16, generator=g).to(dtype) for h in (4, 2, 2))
+    out, _ = fn(module, q, k, v, None, scaling=0.25)
+    assert out.dtype == dtype and out.shape == (1, 12, 4, 16) and out.is_contiguous()
+    work = dtype if dtype == torch.float16 else torch.bfloat16
+    want = fp8attn.attention(q.to(work), k.to(work), v.to(work), causal=True, softmax_scale=0.25)
+    assert torch.equal(out, want.to(dtype).transpose(1, 2))
+    if dtype == torch.float16:  # not the bfloat16 cast of before: FP16's extra mantissa bits reach the op
+        via_bf16 = fp8attn.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, softmax_scale=0.25)
+        assert not torch.equal(out, via_bf16.half().transpose(1, 2))
