@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 
-# How the reports name TrainConfig.optimizer.
-_OPT_NAMES = {"adamw": "AdamW", "muon": "Muon (hidden matrices) + AdamW"}
+# How the reports (this one and seeds.py's) name TrainConfig.optimizer.
+OPTIMIZER_NAMES = {"adamw": "AdamW", "muon": "Muon (hidden matrices) + AdamW"}
 
 
 def read_log(path: str | Path) -> dict:
@@ -190,7 +190,7 @@ def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
         f"Model: {meta['params'] / 1e6:.2f} M params, d_model {m['d_model']}, {m['n_layers']} layers, "
         f"{m['n_heads']} q heads / {m['n_kv_heads']} kv heads, head_dim {m['head_dim']}, "
         f"QK-norm {'on' if m['qk_norm'] else 'off'}, {'RoPE' if m['rope'] else 'NoPE'}, vocab {m['vocab_size']}.",
-        f"Training: {t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens, {_OPT_NAMES[t.get('optimizer', 'adamw')]} lr {t['lr']} "
+        f"Training: {t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens, {OPTIMIZER_NAMES[t.get('optimizer', 'adamw')]} lr {t['lr']} "
         f"(warmup {t['warmup']}, cosine to {t['min_lr_ratio']}x), clip {t['grad_clip']}, device {meta['device']}.",
         f"Data: {meta['data'].get('source')} ({meta['data'].get('train_tokens', 0) / 1e6:.2f} M train tokens, "
         f"{meta['data'].get('val_tokens', 0) / 1e6:.3f} M val tokens), same batch order for every mode.",

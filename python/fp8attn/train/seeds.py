@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import read_log
+from .report import OPTIMIZER_NAMES, read_log
 
 MODE_ORDER = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
 _DIR_RE = re.compile(r"^(?P<mode>bf16|fp8-[a-z_]+)-s(?P<seed>-?\d+)$")
@@ -79,10 +79,6 @@ _SHARED_DATA = ("source", "vocab_size", "train_tokens", "val_tokens")
 PAIRS = (("fp8-stale", "bf16"), ("fp8-matched_do", "bf16"), ("fp8-delta_matching", "bf16"),
          ("fp8-stale", "fp8-delta_matching"), ("fp8-matched_do", "fp8-delta_matching"))
 CALIB_SKIP = 3   # calibration steps left out of the step time (warm-up, staggered starts)
-
-
-# How the reports name TrainConfig.optimizer.
-_OPT_NAMES = {"adamw": "AdamW", "muon": "Muon (hidden matrices) + AdamW"}
 
 
 def run_dir_name(mode: str, seed: int) -> str:
@@ -379,7 +375,7 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         f"{m['n_heads']}/{m['n_kv_heads']} q/kv heads, head_dim {m['head_dim']}, QK-norm "
         f"{'on' if m['qk_norm'] else 'off'}, vocab {m['vocab_size']}, fp8 scope {m.get('scope', 'attn-core')}.",
         f"Training: {t['steps']} steps x {t['batch_size']} x {t['seq_len']} tokens "
-        f"({t['steps'] * t['batch_size'] * t['seq_len'] / 1e6:.1f} M tokens), {_OPT_NAMES[t.get('optimizer', 'adamw')]} lr {t['lr']} "
+        f"({t['steps'] * t['batch_size'] * t['seq_len'] / 1e6:.1f} M tokens), {OPTIMIZER_NAMES[t.get('optimizer', 'adamw')]} lr {t['lr']} "
         f"(warmup {t['warmup']}, cosine to {t['min_lr_ratio']}x), device {cfg['device']}.",
         f"Seeds (init) {', '.join(map(str, seeds))}; data seeds (batch order) "
         f"{', '.join(str(ds[s]) for s in seeds)}. Within a seed every mode has the same initial weights "
