@@ -45,7 +45,7 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 
 echo "== GPU tests"
-tests="${DEVICE_TESTS:-tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_wgmma_accum.py tests/python/test_wgmma_emulation.py tests/python/test_consistent_lse.py tests/python/test_tile.py tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same}"
+tests="${DEVICE_TESTS:-tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_wgmma_accum.py tests/python/test_wgmma_emulation.py tests/python/test_consistent_lse.py tests/python/test_tile.py tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_cuda_context_parallel.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same}"
 # DEVICE_SLOW=1: also the launch / size limit tests (batch x heads >= 65536, 1M tokens,
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"

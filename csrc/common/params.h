@@ -49,6 +49,8 @@ struct TensorView {
 // head_dim_qk], V[b, seqlen_k, num_heads_kv, head_dim_v],
 // O/dO[b, seqlen_q, num_heads_q, head_dim_v]. GQA: query head h uses
 // key/value head h / (num_heads_q / num_heads_kv).
+struct ShardedDelta;
+
 struct AttnParams {
   int64_t batch = 0;
   int64_t seqlen_q = 0;
@@ -71,6 +73,26 @@ struct AttnParams {
   bool smooth_k = false;                      // subtract the mean key per (batch, kv head) (section 10)
 
   int num_threads = 0;  // CPU reference: 0 = std::thread::hardware_concurrency()
+
+  // Context parallelism (numerics.md section 11): the key axis is one shard of the
+  // sequence. Null = the ordinary backward. Only the fp8 path without outlier
+  // transforms and without diagnostics takes it.
+  const ShardedDelta* sharded = nullptr;
+};
+
+// The Delta-Matching delta over a sharded key axis (numerics.md section 11).
+// Every pointer is a contiguous FP32 array [batch, num_heads_q, seqlen_q].
+// - sum_pdp / sum_p set (the pre-pass of one key shard): the backward computes
+//   only the partial row sums sum_j P_ij dP_hat_ij and sum_j P_ij over this
+//   call's keys, P = exp(S - lse) from the lse given (the forward's global LSE),
+//   in the same FP32 key order as the unsharded pre-pass; no gradients.
+// - delta set (the main pass of one key shard): delta_i is taken as given for
+//   every row and P = exp(S - lse) from the lse given (the global
+//   backward-consistent LSE'), with no renormalization over this shard's keys.
+struct ShardedDelta {
+  const float* delta = nullptr;
+  float* sum_pdp = nullptr;
+  float* sum_p = nullptr;
 };
 
 // Optional per-row backward diagnostics (numerics.md section 5). Each non-null

@@ -578,7 +578,16 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   // `tile` (numerics.md section 9) has its own pair (bwd_tilescale_sm90.h);
   // FP8ATTN_BWD_KERNEL selects among the `row` kernels only.
   const bool wg = !tile && want_wgmma() && wgmma_supported(p);
-  if (dm || p.diag != nullptr) (tile ? ts::launch_tilescale_prepass : wg ? launch_wgmma_prepass : launch_prepass)(p, stream);
+  const auto prepass = tile ? ts::launch_tilescale_prepass : wg ? launch_wgmma_prepass : launch_prepass;
+  if (p.prepass_sums) {  // the partial sums of one key shard only (numerics.md section 11)
+    if (!dm || p.lse_bwd == nullptr || p.diag != nullptr)
+      throw std::runtime_error("fp8attn: argument 'prepass_sums': needs delta_matching, lse_bwd and no diag");
+    prepass(p, stream);
+    return;
+  }
+  if (p.delta_given && (!dm || p.diag != nullptr))
+    throw std::runtime_error("fp8attn: argument 'delta': a given delta needs delta_matching and no diag");
+  if ((dm && !p.delta_given) || p.diag != nullptr) prepass(p, stream);
   if (!dm) {
     const int rows_per_block = 8;
     const dim3 grid(static_cast<unsigned>((n_rows + rows_per_block - 1) / rows_per_block));
@@ -592,7 +601,7 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   // reads the pre-pass's backward-consistent LSE (prepass_delta_sm90.cuh,
   // numerics.md section 4): its P sums to 1 to FP32 rounding.
   KernelParams pm = p;
-  if (dm && p.lse_bwd != nullptr) pm.lse = p.lse_bwd;
+  if (dm && p.lse_bwd != nullptr && !p.delta_given) pm.lse = p.lse_bwd;
   (tile ? ts::launch_tilescale_main : wg ? launch_wgmma_main : launch_main)(pm, stream);
   // 3. dQ to BF16.
   const int64_t n_dq = n_rows * p.head_dim_qk;

@@ -67,6 +67,14 @@ struct KernelParams {
   float* dq_accum;   // [B, Hq, Sq, Dqk] FP32 accumulation buffer
   float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
   float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast
+
+  // Context parallelism (numerics.md section 11), both 0 otherwise.
+  // delta_given: `delta` holds the Delta-Matching delta of a sharded key axis and
+  //   `lse` the global LSE': no pre-pass, the main kernel reads both as given.
+  // prepass_sums: run only the pre-pass, which writes the raw partial sums
+  //   sum_j P dP_hat to delta_dm and sum_j P to lse_bwd (prepass_delta_sm90.cuh).
+  int delta_given;
+  int prepass_sums;
 };
 
 }  // namespace sm90

@@ -29,6 +29,11 @@ namespace bwd {
 // P from the forward's LSE. A row that sees no key (l = 0, LSE = -inf) keeps
 // delta = s = 0 and its LSE.
 __device__ __forceinline__ void prepass_finish_row(const KernelParams& p, int64_t row, float s, float l) {
+  if (p.prepass_sums) {  // one key shard of a sharded pre-pass (numerics.md section 11)
+    p.delta_dm[row] = s;
+    p.lse_bwd[row] = l;
+    return;
+  }
   const bool norm = l > 0.f;
   const float delta = norm ? __fdiv_rn(s, l) : s;
   p.delta_dm[row] = delta;

@@ -680,14 +680,24 @@ inline float rowsum_ratio(double sum, double sum_abs, bool has_freedom) {
 // renormalize (delta_matching) P is then recomputed from the backward-consistent
 // LSE lse + ln l, so that it sums to 1 to FP32 rounding (the CUDA pre-pass
 // writes that LSE for its main kernel: csrc/hopper/prepass_delta_sm90.cuh).
-inline float backward_probs(float* P, float* x_keep, const float* dP, int64_t n, float lse, bool renormalize) {
-  float l = 0.f, pdp = 0.f;
+// The two FP32 row sums of that P, l and sum_j P_j dP_j, in key order; x_keep gets
+// the logits, P their exponentials. The sharded pre-pass (numerics.md section 11)
+// writes the same two sums for its keys.
+inline void backward_row_sums(float* P, float* x_keep, const float* dP, int64_t n, float lse, float& l,
+                              float& pdp) {
+  l = 0.f;
+  pdp = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     x_keep[j] = P[j];
     P[j] = std::exp(P[j] - lse);
     l += P[j];
     pdp += P[j] * dP[j];
   }
+}
+
+inline float backward_probs(float* P, float* x_keep, const float* dP, int64_t n, float lse, bool renormalize) {
+  float l, pdp;
+  backward_row_sums(P, x_keep, dP, n, lse, l, pdp);
   if (!(l > 0.f)) return pdp;
   if (renormalize) {
     const float lse_b = lse + std::log(l);
@@ -922,6 +932,8 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
   const int64_t nbd = ceil_div(d, B), nbv = ceil_div(dvd, B), nqt = ceil_div(Sq, B);
+  const ShardedDelta* sd = p.sharded;
+  const bool sums_only = sd != nullptr && sd->sum_pdp != nullptr;
   const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
 
   parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
@@ -970,6 +982,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
+          if (sums_only) sd->sum_p[g.lse_index(b, hq, i)] = sd->sum_pdp[g.lse_index(b, hq, i)] = 0.f;
           if (nvis > 0) {
             rowblock_dots(q_rows.hat.data() + i * d, q_rows.scale.data() + i * nbd,
                           k_rows.hat_t.data(), k_rows.scale_t.data(), Sk, d, B, nvis, P);
@@ -978,8 +991,19 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                           v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
                           dProw.data());
             // P and delta (numerics.md section 4), all FP32 sums; dS's row is scratch.
-            delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
-            if (mode == DeltaMode::kDeltaMatching) {
+            // Sharded keys (numerics.md section 11): partial sums only, or the delta given.
+            if (sums_only) {
+              const int64_t idx = g.lse_index(b, hq, i);
+              backward_row_sums(P, dS, dProw.data(), nvis, lse_h[i], sd->sum_p[idx], sd->sum_pdp[idx]);
+              continue;
+            }
+            if (sd != nullptr)
+              for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] - lse_h[i]);
+            else
+              delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
+            if (sd != nullptr) {
+              delta = sd->delta[g.lse_index(b, hq, i)];
+            } else if (mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {
               for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];
@@ -1017,11 +1041,13 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }
+          if (sums_only) continue;
           store_row(dq, b, i, hq, d, dq_acc.data());
           if (diag)
             write_row_diagnostics(*diag, g.lse_index(b, hq, i), delta, delta_dm, pre_sum, pre_abs, post_sum,
                                   post_abs, nvis);
         }
+        if (sums_only) continue;
         // Column pass over the keys this query tile sees: dV (#5), dK (#7).
         for (int64_t j = 0; j < Sk; ++j) {
           const int64_t v0 = std::max(i0, g.first_query(j));
@@ -1046,6 +1072,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
         }
       }
     }
+    if (sums_only) return;
     for (int64_t j = 0; j < Sk; ++j) {
       float* dkr = dk_acc.data() + j * d;
       for (int64_t c = 0; c < d; ++c) dkr[c] *= tau;
@@ -1124,6 +1151,8 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
   const int64_t nqt = ceil_div(Sq, B), nkt = ceil_div(Sk, B);
+  const ShardedDelta* sd = p.sharded;
+  const bool sums_only = sd != nullptr && sd->sum_pdp != nullptr;
   const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
 
   parallel_for(g.B * g.Hkv, p.num_threads, [&](int64_t task) {
@@ -1170,6 +1199,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
+          if (sums_only) sd->sum_p[g.lse_index(b, hq, i)] = sd->sum_pdp[g.lse_index(b, hq, i)] = 0.f;
           if (nvis > 0) {
             for (int64_t t = 0; t * B < nvis; ++t) {
               const int64_t j0 = t * B, L = std::min(B, nvis - j0);
@@ -1181,8 +1211,19 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
                         dProw.data() + j0);
             }
             // P and delta (numerics.md section 4); dS's row is scratch.
-            delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
-            if (mode == DeltaMode::kDeltaMatching) {
+            // Sharded keys (numerics.md section 11): partial sums only, or the delta given.
+            if (sums_only) {
+              const int64_t idx = g.lse_index(b, hq, i);
+              backward_row_sums(P, dS, dProw.data(), nvis, lse_h[i], sd->sum_p[idx], sd->sum_pdp[idx]);
+              continue;
+            }
+            if (sd != nullptr)
+              for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] - lse_h[i]);
+            else
+              delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
+            if (sd != nullptr) {
+              delta = sd->delta[g.lse_index(b, hq, i)];
+            } else if (mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {
               for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];
@@ -1211,11 +1252,13 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }
+          if (sums_only) continue;
           store_row(dq, b, i, hq, d, dq_acc.data());
           if (diag)
             write_row_diagnostics(*diag, g.lse_index(b, hq, i), delta, delta_dm, pre_sum, pre_abs, post_sum,
                                   post_abs, nvis);
         }
+        if (sums_only) continue;
         // Column pass, per key tile this query tile sees: dV (#5), dK (#7).
         // P and dS: one scale per (query tile, key tile) block, over the
         // rows that see the key column (a suffix of the query tile).
@@ -1259,6 +1302,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
         }
       }
     }
+    if (sums_only) return;
     for (int64_t j = 0; j < Sk; ++j) {
       float* dkr = dk_acc.data() + j * d;
       for (int64_t c = 0; c < d; ++c) dkr[c] *= tau;
@@ -1578,6 +1622,57 @@ void attention_forward_ref(const AttnParams& p, const TensorView& q, const Tenso
     transformed_forward<float>(p, g, q, k, v, o, lse);
 }
 
+namespace {
+
+// What the sharded-key backward (numerics.md section 11) takes: the fp8 path
+// without outlier transforms or diagnostics, and either the partial sums
+// (sums = true) or a given Delta-Matching delta.
+void check_sharded(const AttnParams& p, const BackwardDiagnostics* diag, bool sums) {
+  const ShardedDelta& sd = *p.sharded;
+  FP8ATTN_CHECK_ARG(p.precision == Precision::kFP8, "precision",
+                    "a sharded key axis (explicit delta or partial sums) needs precision fp8");
+  FP8ATTN_CHECK_ARG(!has_qk_transform(p), "qk_rotation",
+                    "a sharded key axis is not implemented with qk_rotation or smooth_k");
+  FP8ATTN_CHECK_ARG(diag == nullptr, "diagnostics",
+                    "a sharded key axis has no per-call diagnostics (its delta is global)");
+  if (sums) {
+    FP8ATTN_CHECK_ARG(sd.delta == nullptr && sd.sum_pdp != nullptr && sd.sum_p != nullptr, "sharded",
+                      "the partial sums need sum_pdp and sum_p, and no delta");
+  } else {
+    FP8ATTN_CHECK_ARG(sd.delta != nullptr && sd.sum_pdp == nullptr && sd.sum_p == nullptr, "delta",
+                      "an explicit delta needs delta set and no partial-sum outputs");
+    FP8ATTN_CHECK_ARG(p.delta_mode == DeltaMode::kDeltaMatching, "delta_mode",
+                      "an explicit delta is the Delta-Matching delta: delta_mode must be delta_matching");
+  }
+}
+
+}  // namespace
+
+void attention_dm_sums_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& dout, const float* lse,
+                           float* sum_pdp, float* sum_p) {
+  check_attention_params(p);
+  AttnParams p2 = p;
+  p2.delta_mode = DeltaMode::kDeltaMatching;
+  ShardedDelta sd;
+  sd.sum_pdp = sum_pdp;
+  sd.sum_p = sum_p;
+  p2.sharded = &sd;
+  check_sharded(p2, nullptr, true);
+  const bool any_q = p.batch * p.num_heads_q * p.seqlen_q > 0;
+  const bool any_k = p.batch * p.num_heads_kv * p.seqlen_k > 0;
+  check_view(q, "q", any_q);
+  check_view(k, "k", any_k);
+  check_view(v, "v", any_k);
+  check_view(dout, "dout", any_q);
+  FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
+  FP8ATTN_CHECK_ARG(!any_q || (sum_pdp != nullptr && sum_p != nullptr), "sum_pdp", "pointer is null");
+  if (!any_q) return;
+  const Geometry g(p2);
+  const TensorView none{};
+  dispatch_backward(p2, g, q, k, v, none, dout, lse, none, none, none, nullptr);
+}
+
 void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& o, const TensorView& dout,
                             const float* lse, const TensorView& dq, const TensorView& dk,
@@ -1594,6 +1689,7 @@ void attention_backward_ref(const AttnParams& p, const TensorView& q, const Tens
   check_view(dk, "dk", any_k);
   check_view(dv, "dv", any_k);
   FP8ATTN_CHECK_ARG(!any_q || lse != nullptr, "lse", "pointer is null");
+  if (p.sharded != nullptr) check_sharded(p, diag, false);
   if (!any_q && !any_k) return;
   const Geometry g(p);
   if (!has_qk_transform(p))

@@ -126,10 +126,27 @@ void attention_forward_ref(const AttnParams& p, const TensorView& q, const Tenso
 // Rows that see no key get delta = eps = rowsum = 0. Every view and lse must
 // be non-null when its tensor is non-empty, also where the selected path/mode
 // does not read it.
+// p.sharded (context parallelism, numerics.md section 11): with ->delta set,
+// delta_mode must be delta_matching and each row's delta is ->delta[row], P =
+// exp(S - lse) with the lse given (no renormalization); fp8 path only, no qk
+// transforms, diag must be null.
 // Throws ArgumentError for bad parameters or null data pointers.
 void attention_backward_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& o, const TensorView& dout,
                             const float* lse, const TensorView& dq, const TensorView& dk,
                             const TensorView& dv, const BackwardDiagnostics* diag);
+
+// The Delta-Matching pre-pass over one shard of the key axis (context
+// parallelism, numerics.md section 11): per query row, the FP32 partial sums
+// sum_pdp_i = sum_j P_ij dP_hat_ij and sum_p_i = sum_j P_ij over this call's
+// keys, P = exp(S - lse) from the given lse (the forward's, over all shards),
+// in the key order of the unsharded pre-pass. No gradients. sum_pdp, sum_p:
+// contiguous FP32 [batch, num_heads_q, seqlen_q]; rows that see no key get 0.
+// The main pass of a shard is attention_backward_ref with p.sharded->delta =
+// (sum over shards of sum_pdp) / (sum of sum_p) and lse = LSE + ln(sum of sum_p).
+// fp8 path only, no qk transforms. Throws ArgumentError naming the argument.
+void attention_dm_sums_ref(const AttnParams& p, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& dout, const float* lse,
+                           float* sum_pdp, float* sum_p);
 
 }  // namespace fp8attn

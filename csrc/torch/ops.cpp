@@ -19,8 +19,17 @@ TORCH_LIBRARY(fp8attn, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
-      "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False) "
+      "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
+  // Context parallelism (numerics.md section 11): `bwd` with `delta` (float32
+  // [B, Hq, Sq], delta_mode "delta_matching", precision "fp8") takes that delta for
+  // every row and P = exp(S - lse) from the lse given (the global LSE'), for a
+  // shard of the key axis; bwd_dm_sums is the Delta-Matching pre-pass of one key
+  // shard: the FP32 partial row sums sum_j P_ij dP_hat_ij and sum_j P_ij, P from
+  // the forward's (global) lse.
+  m.def(
+      "bwd_dm_sums(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, float softmax_scale, bool causal, "
+      "int block_size, str grad_format, str scaling=\"row\") -> (Tensor sum_pdp, Tensor sum_p)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");
@@ -46,7 +55,7 @@ TORCH_LIBRARY(fp8attn, m) {
 // A CUDA tensor in a CPU-only build: a ValueError saying so and how to rebuild
 // (op_stubs.h), not torch's "Could not run ... 'CUDA' backend".
 TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
-  for (const char* name : {"fwd", "bwd", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
+  for (const char* name : {"fwd", "bwd", "bwd_dm_sums", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
                            "quantize_tilescale", "quantize_tilescale_fwd"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_not_built>());
 }

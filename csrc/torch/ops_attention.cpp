@@ -118,6 +118,30 @@ void call_reference(Fn&& fn) {
   }
 }
 
+// A per-row FP32 tensor [B, Hq, Sq] argument (the given delta), contiguous.
+at::Tensor row_vector(const at::Tensor& t, const char* name, const AttnParams& p) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == 3 && t.size(0) == p.batch && t.size(1) == p.num_heads_q &&
+                        t.size(2) == p.seqlen_q,
+                    "fp8attn: argument '", name, "': expected a CPU tensor of shape [", p.batch, ", ", p.num_heads_q,
+                    ", ", p.seqlen_q, "], got ", t.device(), " ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "fp8attn: argument '", name, "': expected float32, got ",
+                   t.scalar_type());
+  return t.contiguous();
+}
+
+// What a backward over a shard of the key axis takes (numerics.md section 11); the
+// reference checks the same, these fire before the empty-problem shortcut too.
+void check_sharded_args(const AttnParams& p, bool diagnostics) {
+  TORCH_CHECK_VALUE(p.precision == Precision::kFP8, "fp8attn: argument 'precision': an explicit delta needs "
+                    "precision \"fp8\"");
+  TORCH_CHECK_VALUE(p.delta_mode == DeltaMode::kDeltaMatching, "fp8attn: argument 'delta_mode': an explicit "
+                    "delta is the Delta-Matching delta: delta_mode must be \"delta_matching\"");
+  TORCH_CHECK_VALUE(!diagnostics, "fp8attn: argument 'diagnostics': a backward with an explicit delta has no "
+                    "per-call diagnostics (its delta is global); pass diagnostics=False");
+  TORCH_CHECK_VALUE(p.qk_rotation == QkRotation::kNone && !p.smooth_k, "fp8attn: argument 'qk_rotation': an "
+                    "explicit delta is not implemented with qk_rotation or smooth_k");
+}
+
 // ---- ops ----------------------------------------------------------------------
 
 // fwd: out [B,Hq,Sq,Dv] in q's dtype, lse float32 [B,Hq,Sq] (numerics.md s.1/3;
@@ -158,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    c10::string_view qk_rotation, bool smooth_k) {
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -167,6 +191,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.qk_rotation = parse_qk_rotation(qk_rotation);
   p.smooth_k = smooth_k;
   p.delta_mode = parse_delta_mode(delta_mode);
+  at::Tensor delta_given;
+  ShardedDelta sharded;
+  if (delta_in.has_value() && delta_in->defined()) {
+    delta_given = row_vector(*delta_in, "delta", p);
+    sharded.delta = delta_given.data_ptr<float>();
+    p.sharded = &sharded;
+  }
+  if (p.sharded != nullptr) check_sharded_args(p, diagnostics);
   p.grad_format = parse_grad_format(grad_format);
 
   // dO and O come in q's dtype (the op boundary dtype; what autograd hands back): another
@@ -228,10 +260,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   return {dq, dk, dv, diag};
 }
 
+// bwd_dm_sums: (sum_pdp, sum_p) float32 [B, Hq, Sq], the Delta-Matching
+// pre-pass over this call's keys (numerics.md section 11; precision fp8).
+std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                   const at::Tensor& k_in, const at::Tensor& v_in,
+                                                   const at::Tensor& lse_in, double softmax_scale, bool causal,
+                                                   int64_t block_size, c10::string_view grad_format,
+                                                   c10::string_view scaling) {
+  const at::Tensor q = prepare(q_in, "q");
+  const at::Tensor k = prepare(k_in, "k");
+  const at::Tensor v = prepare(v_in, "v");
+  AttnParams p = make_params(q, k, v, softmax_scale, causal, "fp8", block_size);
+  p.scaling = parse_scaling(scaling);
+  p.grad_format = parse_grad_format(grad_format);
+  const at::Tensor dout = prepare(dout_in, "dout");
+  TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "fp8attn: argument 'dout': expected q's dtype ",
+                   q.scalar_type(), ", got ", dout.scalar_type());
+  for (int d = 0; d < 4; ++d) {
+    const int64_t want[4] = {p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v};
+    check_dim(dout, d, want[d], "dout", "size");
+  }
+  const at::Tensor lse = row_vector(lse_in, "lse", p);
+  at::Tensor sum_pdp = at::zeros({p.batch, p.num_heads_q, p.seqlen_q}, lse.options());
+  at::Tensor sum_p = at::zeros({p.batch, p.num_heads_q, p.seqlen_q}, lse.options());
+  if (is_empty_problem(p)) return {sum_pdp, sum_p};
+  call_reference([&] {
+    check_attention_params(p);
+    attention_dm_sums_ref(p, view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(dout, "dout"),
+                          lse.data_ptr<float>(), sum_pdp.data_ptr<float>(), sum_p.data_ptr<float>());
+  });
+  return {sum_pdp, sum_p};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
 TORCH_LIBRARY_IMPL(fp8attn, CPU, m) {
   m.impl("fwd", &fp8attn::fwd_cpu);
   m.impl("bwd", &fp8attn::bwd_cpu);
+  m.impl("bwd_dm_sums", &fp8attn::bwd_dm_sums_cpu);
 }

@@ -478,15 +478,30 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 // bwd: dq/dk/dv contiguous in the shapes and dtype of q/k/v; diag float32
 // [4,B,Hq,Sq] = (delta, eps, rowsum_pre, rowsum_post) when `diagnostics`,
 // else empty [0] (numerics.md sections 3-5).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+// The backward and, for context parallelism (numerics.md section 11), its two
+// sharded-key variants: `delta_in` given (main pass: that delta, lse = the global
+// LSE'; delta_matching, no diagnostics) or `sums_only` (bwd_dm_sums: only the
+// pre-pass, returning (sum_pdp, sum_p, undefined, undefined)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
-    bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k) {
+    bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
+    const c10::optional<at::Tensor>& delta_in, bool sums_only) {
   const Scaling recipe = check_bwd_scaling(scaling);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const DeltaMode mode = parse_delta_mode(delta_mode);
+  const bool delta_given = delta_in.has_value() && delta_in->defined();
+  if (delta_given || sums_only) {
+    TORCH_CHECK_VALUE(precision == "fp8", "fp8attn: argument 'precision': an explicit delta needs precision \"fp8\"");
+    TORCH_CHECK_VALUE(mode == DeltaMode::kDeltaMatching, "fp8attn: argument 'delta_mode': an explicit delta is the "
+                      "Delta-Matching delta: delta_mode must be \"delta_matching\"");
+    TORCH_CHECK_VALUE(!diagnostics, "fp8attn: argument 'diagnostics': a backward with an explicit delta has no "
+                      "per-call diagnostics (its delta is global); pass diagnostics=False");
+    TORCH_CHECK_VALUE(qk_rotation == "none" && !smooth_k, "fp8attn: argument 'qk_rotation': an explicit delta is "
+                      "not implemented with qk_rotation or smooth_k");
+  }
   const Fp8Format gfmt = parse_grad_format(grad_format);
   const at::Device device = q_in.device();
   check_cuda_tensor(dout_in, "dout", device);
@@ -505,6 +520,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                     "fp8attn: argument 'lse': expected shape [", pr.batch, ", ", pr.heads_q, ", ", pr.seqlen_q,
                     "], got ", lse_in.sizes());
 
+  at::Tensor delta_arg;
+  if (delta_given) {
+    const at::Tensor& t = *delta_in;
+    TORCH_CHECK_VALUE(t.device() == device, "fp8attn: argument 'delta': expected a tensor on ", device, ", got ",
+                      t.device());
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "fp8attn: argument 'delta': expected float32, got ",
+                     t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == pr.batch && t.size(1) == pr.heads_q && t.size(2) == pr.seqlen_q,
+                      "fp8attn: argument 'delta': expected shape [", pr.batch, ", ", pr.heads_q, ", ", pr.seqlen_q,
+                      "], got ", t.sizes());
+    delta_arg = t.contiguous();
+  }
+
   TORCH_CHECK_NOT_IMPLEMENTED(&sm90::run_bwd != nullptr,
                               "fp8attn: the CUDA backward kernels are not built into this library "
                               "(csrc/hopper/bwd_*.cu missing); use CPU tensors for the backward");
@@ -513,6 +541,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const auto opts = q_in.options();
   const auto fopts = opts.dtype(at::kFloat);
   at::Tensor diag = diagnostics ? at::empty({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::empty({0}, fopts);
+  if (sums_only && (pr.empty() || pr.seqlen_k == 0))
+    return {at::zeros({pr.batch, pr.heads_q, pr.seqlen_q}, fopts), at::zeros({pr.batch, pr.heads_q, pr.seqlen_q}, fopts),
+            at::Tensor(), at::Tensor()};
   if (pr.empty() || pr.seqlen_k == 0) {
     diag.zero_();
     return {at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dqk}, opts),
@@ -614,12 +645,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   kp.delta = delta.data_ptr<float>();
   kp.delta_dm = delta_dm.data_ptr<float>();
   kp.lse_bwd = dm ? lse_bwd.data_ptr<float>() : nullptr;
+  if (delta_given) {
+    kp.delta = delta_arg.data_ptr<float>();
+    kp.delta_given = 1;
+  }
+  kp.prepass_sums = sums_only ? 1 : 0;
   kp.dq_accum = dq_accum.data_ptr<float>();
   kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
   kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
   launch([&] { sm90::run_bwd(kp, stream); });
+  if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
   return {op_output(dq, pr.dqk, dt), op_output(dk, pr.dqk, dt), op_output(dv, pr.dv, dt), diag};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
+    int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta) {
+  return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size, grad_format,
+                       diagnostics, scaling, qk_rotation, smooth_k, delta, false);
+}
+
+// bwd_dm_sums: the Delta-Matching pre-pass of one key shard (numerics.md section 11),
+// the same pre-pass kernel as the backward's; `dout` stands in for the O the
+// delta_matching path does not read.
+std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& lse, double softmax_scale,
+                                                    bool causal, int64_t block_size, c10::string_view grad_format,
+                                                    c10::string_view scaling) {
+  auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, causal, "fp8", "delta_matching", block_size,
+                         grad_format, false, scaling, "none", false, c10::nullopt, true);
+  return {std::get<0>(r), std::get<1>(r)};
 }
 
 // The checks the CUDA quantize ops share: x (argument `name`) a bfloat16 rank-4
@@ -749,6 +807,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("fwd", &fp8attn::fwd_cuda);
   m.impl("bwd", &fp8attn::bwd_cuda);
+  m.impl("bwd_dm_sums", &fp8attn::bwd_dm_sums_cuda);
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
   m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cuda);
   m.impl("quantize_tilescale_fwd", &fp8attn::quantize_tilescale_fwd_cuda);

@@ -283,12 +283,20 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
-              grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False):
-    _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse)
+              grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False, delta=None):
+    _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse,
+                      **({} if delta is None else {"delta": delta}))
     B, Hq, Sq, _ = q.shape
     diag_shape = (4, B, Hq, Sq) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
+
+
+@torch.library.register_fake("fp8attn::bwd_dm_sums")
+def _bwd_dm_sums_fake(dout, q, k, v, lse, softmax_scale, causal, block_size, grad_format, scaling="row"):
+    _check_one_device("bwd_dm_sums", q=q, dout=dout, k=k, v=v, lse=lse)
+    B, Hq, Sq, _ = q.shape
+    return q.new_empty((B, Hq, Sq), dtype=torch.float32), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
 
 # ---- forward / backward on the ops -------------------------------------------

@@ -1,0 +1,449 @@
+"""Context parallelism: FP8 ring attention with a global Delta-Matching delta.
+
+The sequence axis of Q, K, V is split into contiguous chunks held by the ranks of
+a ``torch.distributed`` process group. The forward rotates K and V around the
+ring and merges the partial outputs with their LSE; the backward runs two rings:
+
+1. the Delta-Matching pre-pass: every rank sums, over every key shard, the FP32
+   row sums ``sum_j P_ij dP_hat_ij`` and ``sum_j P_ij`` of its query rows
+   (``torch.ops.fp8attn.bwd_dm_sums``, P from the global LSE), and forms the
+   global ``delta_i = (sum P dP_hat) / (sum P)`` and the backward-consistent
+   ``LSE'_i = LSE_i + ln(sum P)`` (numerics.md sections 4 and 11);
+2. the main pass: K, V and their FP32 dK, dV accumulators travel around the ring;
+   each (query chunk, key chunk) pair runs ``torch.ops.fp8attn.bwd`` with that
+   delta and LSE' (``delta=``), so ``sum_j dS_ij = 0`` over the whole sequence to
+   FP32 rounding, exactly as without sharding.
+
+``delta_mode="stale"`` keeps the local ``<dO_i, O_i>`` of a conventional ring
+backward (with the merged O, so it equals the unsharded stale backward), and
+``"matched_do"`` its dO-only fix; only Delta-Matching needs the extra ring.
+
+A ring backward that called the op's own Delta-Matching backward per key shard
+would renormalize P over that shard's keys only and use a shard-local delta:
+its dS rows would no longer sum to zero (tests/python/test_context_parallel.py
+shows the residual it leaves).
+
+Layouts (``layout=``): ``"zigzag"`` (default; causal load balance as in
+Megatron's and torch's context parallelism): the sequence is cut into
+``2 * world_size`` chunks and rank r holds chunks r and ``2 * world_size - 1 -
+r``, in that order; ``"contiguous"``: ``world_size`` chunks, rank r holds chunk
+r. Chunk boundaries are multiples of ``block_size`` where the length allows
+(``chunk_bounds``), so the FP8 block grid of every chunk is the unsharded
+one's. Uneven lengths are allowed (chunks may differ in length, even be empty).
+
+Causal masking is global: a query chunk sees earlier key chunks whole, its own
+chunk causally and later chunks not at all.
+
+Limits (errors name the argument): precision "fp8" only (the exact reference
+backward recomputes LSE from the local keys), no ``qk_rotation`` / ``smooth_k``
+(NotImplementedError), no diagnostics. CPU tensors run on the CPU reference
+(gloo), CUDA tensors on the kernels (NCCL; not yet run on a multi-GPU machine).
+Communication: point-to-point ``batch_isend_irecv``; the next K/V transfer is
+posted before the current chunk pairs are computed (overlapped), the dK/dV
+accumulators move after them.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import ops as _ops
+
+__all__ = ["chunk_bounds", "local_chunks", "positions", "shard", "unshard", "ring_attention"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _check_layout(layout) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"fp8attn.context_parallel: argument 'layout': expected one of {LAYOUTS}, got {layout!r}")
+
+
+def chunk_bounds(seqlen: int, num_chunks: int, block_size: int = 128) -> List[int]:
+    """Cut points ``[0, c_1, ..., seqlen]`` of ``num_chunks`` contiguous chunks.
+
+    The sequence is counted in units of ``block_size`` tokens (the last unit may
+    be shorter) and the units are spread as evenly as possible (earlier chunks
+    get the extra ones), so every cut but ``seqlen`` is a multiple of
+    ``block_size``. Chunks are empty when there are fewer units than chunks.
+    """
+    if not isinstance(seqlen, int) or seqlen < 0:
+        raise ValueError(f"fp8attn.context_parallel: argument 'seqlen': expected an int >= 0, got {seqlen!r}")
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"fp8attn.context_parallel: argument 'num_chunks': expected an int >= 1, got {num_chunks!r}")
+    units = -(-seqlen // block_size)
+    base, extra = divmod(units, num_chunks)
+    cuts, u = [0], 0
+    for c in range(num_chunks):
+        u += base + (1 if c < extra else 0)
+        cuts.append(min(seqlen, u * block_size))
+    return cuts
+
+
+def local_chunks(rank: int, world_size: int, layout: str = "zigzag") -> Tuple[int, ...]:
+    """The global chunk ids rank ``rank`` holds, in the order of its local tensor."""
+    _check_layout(layout)
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    return (rank,)
+
+
+def _num_chunks(world_size: int, layout: str) -> int:
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def _group_info(group) -> Tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fp8attn.context_parallel: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 2, block_size: int = 128,
+          rank: Optional[int] = None, world_size: Optional[int] = None) -> torch.Tensor:
+    """This rank's part of a full-sequence tensor ``x`` (sequence along ``dim``).
+
+    ``rank`` / ``world_size`` default to the group's; give both to shard without a
+    process group (tests, data loaders). Returns a contiguous tensor holding the
+    rank's chunks (``local_chunks``) concatenated along ``dim``. ``block_size``: the
+    chunk alignment of ``chunk_bounds`` (pass ring_attention's ``chunk_align``).
+    """
+    if rank is None or world_size is None:
+        rank, world_size = _group_info(group)
+    cuts = chunk_bounds(x.shape[dim], _num_chunks(world_size, layout), block_size)
+    parts = [x.narrow(dim, cuts[c], cuts[c + 1] - cuts[c]) for c in local_chunks(rank, world_size, layout)]
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def positions(seqlen: int, rank: int, world_size: int, *, layout: str = "zigzag", block_size: int = 128,
+              device=None) -> torch.Tensor:
+    """Global token positions (int64) of rank ``rank``'s local tokens, in local order
+    (for RoPE on sharded sequences); ``block_size`` as in ``shard``."""
+    cuts = chunk_bounds(seqlen, _num_chunks(world_size, layout), block_size)
+    return torch.cat([torch.arange(cuts[c], cuts[c + 1], device=device)
+                      for c in local_chunks(rank, world_size, layout)])
+
+
+def unshard(local: torch.Tensor, seqlen: int, group=None, *, layout: str = "zigzag", dim: int = 2,
+            block_size: int = 128) -> torch.Tensor:
+    """The full-sequence tensor from every rank's ``shard`` (an all-gather; not differentiable).
+
+    ``seqlen`` is the full sequence length (the chunk bounds follow from it).
+    """
+    rank, world_size = _group_info(group)
+    n = _num_chunks(world_size, layout)
+    cuts = chunk_bounds(seqlen, n, block_size)
+    lens = [sum(cuts[c + 1] - cuts[c] for c in local_chunks(r, world_size, layout)) for r in range(world_size)]
+    if local.shape[dim] != lens[rank]:
+        raise ValueError(f"fp8attn.context_parallel.unshard: argument 'local': size {local.shape[dim]} along dim "
+                         f"{dim}, expected {lens[rank]} for seqlen {seqlen} on rank {rank}")
+    m = max(lens)
+    pad = list(local.shape)
+    pad[dim] = m
+    buf = local.new_zeros(pad)
+    buf.narrow(dim, 0, lens[rank]).copy_(local)
+    gathered = [torch.empty_like(buf) for _ in range(world_size)]
+    dist.all_gather(gathered, buf.contiguous(), group=group)
+    chunks = [None] * n
+    for r in range(world_size):
+        off = 0
+        for c in local_chunks(r, world_size, layout):
+            L = cuts[c + 1] - cuts[c]
+            chunks[c] = gathered[r].narrow(dim, off, L)
+            off += L
+    return torch.cat(chunks, dim=dim)
+
+
+# ---- the ring -----------------------------------------------------------------
+
+
+class _Ring:
+    """K/V shards of every rank: chunk ids and lengths, and the P2P rotation."""
+
+    def __init__(self, group, layout: str, local_len: int, device: torch.device, block_size: int):
+        self.group = group
+        self._block = block_size
+        self.rank, self.world = _group_info(group)
+        self.layout = layout
+        self.chunks = [local_chunks(r, self.world, layout) for r in range(self.world)]
+        # Every rank's chunk lengths (uneven shards): one small all-gather.
+        mine = torch.tensor([local_len], dtype=torch.int64, device=device)
+        allv = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(allv, mine, group=group)
+        self.local_lens = [int(t.item()) for t in allv]
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else \
+            (self.rank + 1) % self.world
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else \
+            (self.rank - 1) % self.world
+
+    def source(self, step: int) -> int:
+        """The rank whose K/V shard this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world
+
+    def split(self, src: int, total: int) -> List[Tuple[int, int, int]]:
+        """(chunk id, offset, length) of rank ``src``'s local tensor of ``total`` tokens.
+
+        Chunk lengths: the local tensor is cut like ``shard`` cut it; the lengths
+        follow from the global length, the sum of every rank's local length.
+        """
+        seqlen = sum(self.local_lens)
+        cuts = chunk_bounds(seqlen, _num_chunks(self.world, self.layout), self._block)
+        out, off = [], 0
+        for c in self.chunks[src]:
+            L = cuts[c + 1] - cuts[c]
+            out.append((c, off, L))
+            off += L
+        if off != total:
+            raise ValueError(f"fp8attn.context_parallel: rank {src} holds {total} tokens, expected {off} for the "
+                             f"{self.layout} layout of {seqlen} tokens over {self.world} ranks with block_size "
+                             f"{self._block} (shard with fp8attn.context_parallel.shard)")
+        return out
+
+    def exchange(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[torch.Size]):
+        """Posts send-to-next / receive-from-prev of each tensor; returns (requests, buffers)."""
+        bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(send, recv_shapes)]
+        if self.world == 1:
+            for b, t in zip(bufs, send):
+                b.copy_(t)
+            return [], bufs
+        p2p = []
+        for t, b in zip(send, bufs):
+            p2p.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
+            p2p.append(dist.P2POp(dist.irecv, b, self.prev, self.group))
+        return dist.batch_isend_irecv(p2p), bufs
+
+
+def _pairs(ring: _Ring, q_split, kv_split, causal: bool):
+    """(q offset, q length, k offset, k length, causal) of every chunk pair to compute."""
+    for a, qo, ql in q_split:
+        for b, ko, kl in kv_split:
+            if ql == 0 or kl == 0:
+                continue
+            if not causal or b < a:
+                yield qo, ql, ko, kl, False
+            elif b == a:
+                yield qo, ql, ko, kl, True
+
+
+def _with_len(shape: torch.Size, dim: int, n: int) -> torch.Size:
+    s = list(shape)
+    s[dim] = n
+    return torch.Size(s)
+
+
+def _merge(o_acc, lse_acc, o, lse):
+    """Merges a partial (O, LSE) into the FP32 running pair (in place on the accumulators' slices)."""
+    new = torch.logaddexp(lse_acc, lse)
+    finite = new > -math.inf
+    w_old = torch.where(finite, torch.exp(lse_acc - new), torch.zeros_like(new))
+    w_new = torch.where(finite, torch.exp(lse - new), torch.zeros_like(new))
+    o_acc.mul_(w_old.unsqueeze(-1)).add_(o.float() * w_new.unsqueeze(-1))
+    lse_acc.copy_(new)
+
+
+def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling):
+    Sq = q.shape[2]
+    q_split = ring.split(ring.rank, Sq)
+    o_acc = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32, device=q.device)
+    lse_acc = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    cur_k, cur_v = k, v
+    for step in range(ring.world):
+        src = ring.source(step)
+        reqs, nxt = [], None
+        if step + 1 < ring.world:
+            n = ring.local_lens[ring.source(step + 1)]
+            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
+            o, lse = torch.ops.fp8attn.fwd(q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
+                                           scale, pc, "fp8", block_size, scaling)
+            _merge(o_acc.narrow(2, qo, ql), lse_acc.narrow(2, qo, ql), o, lse)
+        for r in reqs:
+            r.wait()
+        if nxt is not None:
+            cur_k, cur_v = nxt
+    return o_acc, lse_acc
+
+
+def ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling):
+    """The Delta-Matching pre-pass ring: global (sum_j P dP_hat, sum_j P) of this rank's rows (FP32)."""
+    q_split = ring.split(ring.rank, q.shape[2])
+    pdp = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    psum = torch.zeros_like(pdp)
+    cur_k, cur_v = k, v
+    for step in range(ring.world):
+        src = ring.source(step)
+        reqs, nxt = [], None
+        if step + 1 < ring.world:
+            n = ring.local_lens[ring.source(step + 1)]
+            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
+            s1, s2 = torch.ops.fp8attn.bwd_dm_sums(
+                dout.narrow(2, qo, ql), q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
+                lse.narrow(2, qo, ql).contiguous(), scale, pc, block_size, grad_format, scaling)
+            pdp.narrow(2, qo, ql).add_(s1)
+            psum.narrow(2, qo, ql).add_(s2)
+        for r in reqs:
+            r.wait()
+        if nxt is not None:
+            cur_k, cur_v = nxt
+    return pdp, psum
+
+
+def global_delta(pdp: torch.Tensor, psum: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """delta = pdp / psum and LSE' = lse + ln(psum) (rows with psum = 0 keep delta = pdp and lse)."""
+    pos = psum > 0
+    delta = torch.where(pos, pdp / torch.where(pos, psum, torch.ones_like(psum)), pdp)
+    lse_b = torch.where(pos, lse + torch.log(torch.where(pos, psum, torch.ones_like(psum))), lse)
+    return delta, lse_b
+
+
+def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, block_size, grad_format, scaling):
+    Sq = q.shape[2]
+    q_split = ring.split(ring.rank, Sq)
+    dm = delta_mode == "delta_matching"
+    if dm:
+        pdp, psum = ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling)
+        delta, lse_b = global_delta(pdp, psum, lse)
+    else:
+        delta, lse_b = None, lse
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    cur_k, cur_v = k, v
+    for step in range(ring.world):
+        src = ring.source(step)
+        reqs, nxt = [], None
+        n = ring.local_lens[ring.source(step + 1)]
+        if step + 1 < ring.world:
+            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
+            sl = (2, qo, ql)
+            extra = {} if delta is None else {"delta": delta.narrow(*sl).contiguous()}
+            dq_p, dk_p, dv_p, _ = torch.ops.fp8attn.bwd(
+                dout.narrow(*sl), q.narrow(*sl), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
+                out.narrow(*sl), lse_b.narrow(*sl).contiguous(), scale, pc, "fp8", delta_mode, block_size,
+                grad_format, False, scaling, **extra)
+            dq.narrow(*sl).add_(dq_p.float())
+            dk.narrow(2, ko, kl).add_(dk_p.float())
+            dv.narrow(2, ko, kl).add_(dv_p.float())
+        for r in reqs:
+            r.wait()
+        # The dK/dV accumulators follow their K/V shard; after the last step they
+        # go home (the next rank owns the shard this rank holds then).
+        dreqs, dbufs = ring.exchange([dk, dv], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        for r in dreqs:
+            r.wait()
+        dk, dv = dbufs
+        if nxt is not None:
+            cur_k, cur_v = nxt
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, scale, causal, delta_mode, block_size, grad_format, scaling, align):
+        ring = _Ring(group, layout, q.shape[2], q.device, align)
+        o, lse = _ring_forward(ring, q, k, v, scale, causal, block_size, scaling)
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        ctx.opts = (scale, causal, delta_mode, block_size, grad_format, scaling)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, causal, delta_mode, block_size, grad_format, scaling = ctx.opts
+        dq, dk, dv = _ring_backward(ctx.ring, dout.contiguous().to(q.dtype), q, k, v, out, lse, scale, causal,
+                                    delta_mode, block_size, grad_format, scaling)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 9
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    delta_mode: str = "delta_matching",
+    precision: str = "fp8",
+    block_size: int = 128,
+    grad_format: str = "e4m3",
+    scaling: str = "row",
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    qk_rotation: str = "none",
+    smooth_k: bool = False,
+    chunk_align: Optional[int] = None,
+):
+    """FP8 attention over a sequence sharded across ``group`` (numerics.md section 11).
+
+    Args:
+        q: this rank's shard [batch, num_heads_q, seqlen_q_local, head_dim_qk]
+            (``shard(Q_full, group, layout=layout, block_size=block_size)``),
+            bfloat16, float16 (runs as float32) or float32 (CPU also float64);
+            CUDA: as ``fp8attn.attention``.
+        k, v: the shards of K [batch, num_heads_kv, seqlen_local, head_dim_qk]
+            and V [..., head_dim_v], same layout; GQA as in ``fp8attn.attention``.
+            Q and K/V share the sequence (self-attention: seqlen_q = seqlen_k).
+        group: the context-parallel process group (default: the world).
+        causal: a global causal mask over the unsharded sequence.
+        softmax_scale: tau; default 1/sqrt(head_dim_qk).
+        delta_mode: "delta_matching" (default: the delta summed over every key
+            shard, section 11), "matched_do" or "stale" (local <dO, O>).
+        precision: "fp8" only.
+        block_size, grad_format, scaling: as in ``fp8attn.attention``.
+        layout: "zigzag" (default) or "contiguous" (see the module docstring).
+        chunk_align: the alignment the shards were cut with (``shard(...,
+            block_size=chunk_align)``); default block_size, which keeps every
+            chunk on the unsharded FP8 block grid. Another alignment is as
+            correct (each chunk's grid starts at its first token, as for a
+            sequence of its own) and rounds differently.
+        return_lse: also return this rank's LSE rows (float32, natural log).
+        qk_rotation, smooth_k: must be "none" / False (not implemented here).
+
+    Returns:
+        O: this rank's shard of the output, [batch, num_heads_q, seqlen_local,
+        head_dim_v] in q's dtype (and LSE with return_lse).
+
+    Raises:
+        RuntimeError: torch.distributed not initialized.
+        ValueError: bad option values, shards that do not match ``layout`` and
+            ``block_size`` for the total length, q and k of different lengths.
+        NotImplementedError: precision other than "fp8", qk_rotation or smooth_k.
+        TypeError: as ``fp8attn.attention`` for dtypes and option types.
+    """
+    fn = "fp8attn.context_parallel.ring_attention"
+    _check_layout(layout)
+    if precision != "fp8":
+        raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
+                                  f"recomputes LSE from one shard's keys), got {precision!r}")
+    if qk_rotation != "none" or smooth_k is not False:
+        raise NotImplementedError(f"{fn}: argument 'qk_rotation' / 'smooth_k': the outlier transforms are not "
+                                  "implemented with context parallelism (the mean key of smooth_k is global)")
+    name = "context_parallel.ring_attention"
+    _ops.check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
+                       block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
+                       scaling=scaling, fn=name)
+    _ops.check_inputs(q, k, v, precision, fn=name)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: argument 'k': self-attention shards: seqlen of q ({q.shape[2]}) and k "
+                         f"({k.shape[2]}) must match")
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    dtype = q.dtype
+    if dtype == torch.float16:  # as the public functions: float16 runs as float32 (ops._half_in)
+        q, k, v = _ops._half_in(q, k, v)
+    align = int(block_size) if chunk_align is None else chunk_align
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {chunk_align!r}")
+    out, lse = _RingAttention.apply(q, k, v, group, layout, scale, bool(causal), delta_mode, int(block_size),
+                                    grad_format, scaling, align)
+    if dtype == torch.float16:
+        out = _ops._half_out(out, dtype)
+    return (out, lse) if return_lse else out
