@@ -5,7 +5,8 @@
 
 Data parallel: `torchrun --nproc_per_node N -m fp8attn.train.compare ...` (DDP,
 gloo on CPU / nccl on CUDA; see ddp.py); rank 0 prepares data and writes logs.
-`--fsdp` shards with FSDP2 instead of DDP.
+`--fsdp` shards with FSDP2 instead of DDP. `--context-parallel N` shards every sequence
+over groups of N ranks (trainer.setup_context_parallel; the groups are data-parallel).
 
 Precision scope of the fp8 modes: `--scope attn-core` (default: only the
 attention core is FP8), `attn-core+projections` (+ QKV and output projections
@@ -97,6 +98,10 @@ def parse_args(argv=None):
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
+    ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                    help="under torchrun: shard each sequence over groups of N ranks (zigzag; fp8 modes: ring "
+                         "attention with a global Delta-Matching delta, bf16: SDPA over all-gathered K/V); the "
+                         "groups are data-parallel (world / N); seq_len a multiple of 2N; not with --packed")
     ap.add_argument("--init-from", default="", metavar="PATH",
                     help="start from trained weights (fresh optimizer and LR schedule): a run directory (each mode "
                          "from its own <mode>.pt) or one checkpoint file (every mode from it); with --seq-len, "
@@ -208,6 +213,11 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if args.fsdp and getattr(args, "optimizer", "adamw") == "muon":
         raise SystemExit("--optimizer muon: not supported with --fsdp (Muon orthogonalizes whole matrices; "
                          "FSDP2 shards them); use DDP (no --fsdp) or one process")
+    cp_n = getattr(args, "context_parallel", 1)
+    if cp_n < 1:
+        raise SystemExit(f"--context-parallel: must be >= 1, got {cp_n}")
+    if cp_n > 1 and args.packed:
+        raise SystemExit("--context-parallel: not supported with --packed")
     for flag in ("warmup", "diag_every", "val_every", "threads"):
         val = getattr(args, flag)
         if val is not None and val < 0:
@@ -237,7 +247,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       val_every=args.val_every or max(1, tp["steps"] // 5),
                       loss_avg_last=max(3, min(20, tp["steps"] // 10)),
                       save_final=not args.no_save, save_at=save_at,
-                      optimizer=getattr(args, "optimizer", "adamw"), init_from=str(init_from))
+                      optimizer=getattr(args, "optimizer", "adamw"), init_from=str(init_from),
+                      context_parallel=cp_n)
 
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
@@ -247,6 +258,12 @@ def run(args) -> tuple[Path, str, list[dict]]:
 
     ctx = ddp.init_from_env(args.device)  # no-op unless started by torchrun with WORLD_SIZE > 1
     say = print if ctx.is_main else (lambda *a, **k: None)
+    if cp_n > 1 and (not ctx.enabled or ctx.world_size % cp_n):
+        raise SystemExit(f"--context-parallel {cp_n}: needs torchrun with a world size that {cp_n} divides, got "
+                         f"{ctx.world_size if ctx.enabled else 'no process group'}")
+    if cp_n > 1 and cfg.seq_len % (2 * cp_n):
+        raise SystemExit(f"--context-parallel {cp_n}: seq_len {cfg.seq_len} must be a multiple of {2 * cp_n} "
+                         "(equal zigzag chunks)")
     if args.fsdp and not ctx.enabled:
         # NOTE: FSDP2 needs a process group; a plain one-process run trains unsharded.
         say("[compare] NOTE: --fsdp has no effect without a process group (start with torchrun); "
@@ -317,6 +334,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "complete": complete,
                                                   "steps": cfg.steps, "scope": args.scope,
                                                   "packed": args.packed, "fsdp": bool(args.fsdp and ctx.enabled),
+                                                  "context_parallel": cp_n,
                                                   "data_time_s": t_data, "train_time_s": t_train,
                                                   "summaries": summaries,
                                                   "provenance": provenance.collect(getattr(args, "command", None))},

@@ -193,6 +193,78 @@ def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return o.to(dtype)
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """The sequence split of a context-parallel run (fp8attn.context_parallel):
+    this rank's place in its context-parallel group; tokens cut into equal zigzag
+    chunks (chunk_align 1, so seq_len must be a multiple of 2 * world_size)."""
+    group: object
+    rank: int
+    world_size: int
+    layout: str = "zigzag"
+
+    def positions(self, seqlen: int, device) -> torch.Tensor:
+        from fp8attn import context_parallel as cp
+        return cp.positions(seqlen, self.rank, self.world_size, layout=self.layout, block_size=1, device=device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        from fp8attn import context_parallel as cp
+        return cp.shard(x, layout=self.layout, dim=dim, block_size=1, rank=self.rank, world_size=self.world_size)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Every rank's [B, H, S_local, D] concatenated along the sequence (rank order);
+    backward: the gradients summed over the group (all-reduce), this rank's slice.
+    NOTE: not torch.distributed.nn.functional.all_gather: its gloo backward scatters
+    with group ranks as global ranks (fails on subgroups, torch 2.11)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, world):
+        import torch.distributed as dist
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.group, ctx.rank, ctx.n = group, rank, x.shape[2]
+        return torch.cat(parts, 2)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g.narrow(2, ctx.rank * ctx.n, ctx.n), None, None, None
+
+
+def context_parallel_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_ctx: ContextParallel,
+                             positions: torch.Tensor, *, mode: str, layer_name: str, block_size: int = 128,
+                             scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False) -> torch.Tensor:
+    """Causal attention over a sequence sharded across cp_ctx.group: q [B, Hq, S_local, D],
+    k/v [B, Hkv, S_local, D] (this rank's zigzag chunks), positions int64 [S_local] (global).
+    fp8 modes: fp8attn.context_parallel.ring_attention (ring, global Delta-Matching delta).
+    bf16: SDPA of the local queries against every rank's K/V (a differentiable all-gather,
+    O(S) K/V memory per rank; a baseline, not a ring). layer_name is unused (the ring has no
+    per-call diagnostics). Returns O [B, Hq, S_local, D] in q's dtype."""
+    dtype = q.dtype
+    qb, kb, vb = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if mode == "bf16":
+        pos_all = [ContextParallel(cp_ctx.group, r, cp_ctx.world_size, cp_ctx.layout).positions(
+            positions.numel() * cp_ctx.world_size, q.device) for r in range(cp_ctx.world_size)]
+        k_all = _GatherSeq.apply(kb, cp_ctx.group, cp_ctx.rank, cp_ctx.world_size)
+        v_all = _GatherSeq.apply(vb, cp_ctx.group, cp_ctx.rank, cp_ctx.world_size)
+        kpos = torch.cat(pos_all)
+        mask = kpos[None, :] <= positions[:, None]                 # [S_local, S] global causal
+        rep = q.shape[1] // k.shape[1]
+        o = F.scaled_dot_product_attention(qb, k_all.repeat_interleave(rep, 1), v_all.repeat_interleave(rep, 1),
+                                           attn_mask=mask)
+    elif mode.startswith("fp8-"):
+        from fp8attn import context_parallel as cp
+        o = cp.ring_attention(qb, kb, vb, cp_ctx.group, causal=True, delta_mode=mode[len("fp8-"):],
+                              block_size=block_size, scaling=scaling, layout=cp_ctx.layout,
+                              qk_rotation=qk_rotation, smooth_k=smooth_k, chunk_align=1)
+    else:
+        raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
+    return o.to(dtype)
+
+
 # ----------------------------------------------------------------------------
 # Layers
 # ----------------------------------------------------------------------------
@@ -240,11 +312,15 @@ class AttentionCore(nn.Module):
     its upstream gradient dO (fp8attn.train.probe). No state_dict entries.
     """
 
+    cp: ContextParallel | None = None   # set by Transformer.set_context_parallel
+
     def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
                 cu_seqlens: torch.Tensor | None = None, scaling: str = "row", qk_rotation: str = "none",
-                smooth_k: bool = False):
+                smooth_k: bool = False, positions: torch.Tensor | None = None):
         opts = dict(mode=mode, layer_name=layer_name, block_size=block_size, scaling=scaling,
                     qk_rotation=qk_rotation, smooth_k=smooth_k)
+        if self.cp is not None:
+            return context_parallel_backend(q, k, v, self.cp, positions, **opts)
         if cu_seqlens is None:
             return attention_backend(q, k, v, **opts)
         return packed_attention_backend(q, k, v, cu_seqlens, **opts)
@@ -278,7 +354,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
         o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
                       scaling=c.fp8_scaling, qk_rotation=c.fp8_qk_rotation, smooth_k=c.fp8_smooth_k,
-                      cu_seqlens=None if segments is None else segments[0])
+                      cu_seqlens=None if segments is None else segments[0],
+                      positions=None if segments is None or segments[1] is None else segments[1][0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 
@@ -352,8 +429,33 @@ class Transformer(nn.Module):
             blk.attn.cfg = self.cfg
         return self
 
+    cp: ContextParallel | None = None
+
+    def set_context_parallel(self, cp_ctx: ContextParallel | None) -> "Transformer":
+        """Context parallelism (None: off): forward then takes this rank's zigzag shard of
+        the token rows ([B, seq_len / cp.world_size]); RoPE uses global positions and the
+        attention cores the sharded backends (context_parallel_backend). Returns self."""
+        if cp_ctx is not None and self.cfg.packed:
+            raise ValueError("context parallelism: packed documents (packed=True) are not supported")
+        self.cp = cp_ctx
+        for blk in self.blocks:
+            blk.attn.core.cp = cp_ctx
+        return self
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
+        if self.cp is not None:
+            s_all = s * self.cp.world_size
+            if s_all > self.cfg.max_seq_len:
+                raise ValueError(f"tokens: seqlen {s_all} ({s} per rank) exceeds max_seq_len {self.cfg.max_seq_len}")
+            pos = self.cp.positions(s_all, tokens.device)
+            x = self.embed(tokens)
+            segments = (None, pos.expand(tokens.shape[0], s))
+            for blk in self.blocks:
+                x = blk(x, self.rope_cos, self.rope_sin, segments)
+            x = self.norm(x)
+            w = self.embed.weight if self.head is None else self.head.weight
+            return F.linear(x, w.to(x.dtype))
         if s > self.cfg.max_seq_len:
             raise ValueError(f"tokens: seqlen {s} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(tokens)

@@ -128,7 +128,7 @@ _TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--
                 "warmup": "--warmup", "seed": "--seed", "data_seed": "--data-seed",
                 "diag_every": "--diag-every", "val_every": "--val-every", "val_batches": "--val-batches",
                 "loss_avg_last": "--steps", "fsdp": "--fsdp", "optimizer": "--optimizer",
-                "init_from": "--init-from"}
+                "init_from": "--init-from", "context_parallel": "--context-parallel"}
 _MODEL_FLAGS = {"scope": "--scope", "packed": "--packed", "fp8_scaling": "--scaling",
                 "fp8_qk_rotation": "--qk-rotation", "fp8_smooth_k": "--smooth-k", "qk_norm": "--no-qk-norm", "rope": "--nope",
                 "max_seq_len": "--seq-len", "vocab_size": "--text-dir/--data-dir/--max-mb"}

@@ -108,6 +108,7 @@ class TrainConfig:
     save_at: tuple = ()            # also after these step counts
     optimizer: str = "adamw"       # "adamw" | "muon" (make_optimizer)
     init_from: str = ""            # "" = fresh init; else a run dir (<mode>.pt per mode) or one checkpoint
+    context_parallel: int = 1      # ranks per context-parallel group (sequence sharded; setup_context_parallel)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -331,16 +332,63 @@ def summarize_diag(rec) -> tuple[dict, dict]:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast) -> float:
+def evaluate(model, batches, device, autocast, cp_ctx=None) -> float:
+    """Mean val loss over `batches`. With context parallelism (cp_ctx) every rank of the
+    group must call it: each takes its shard of the rows and the local means (equal token
+    counts) are averaged over the group."""
     model.eval()
     tot = 0.0
     for x, y in batches:
         x, y = x.to(device), y.to(device)
+        if cp_ctx is not None:
+            x, y = cp_ctx.shard(x), cp_ctx.shard(y)
         with autocast():
             logits = model(x)
         tot += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
     model.train()
+    if cp_ctx is not None:
+        import torch.distributed as dist
+        t = torch.tensor([tot], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=cp_ctx.group)
+        tot = float(t.item()) / cp_ctx.world_size
     return tot / len(batches)
+
+
+def setup_context_parallel(cfg: "TrainConfig", model_cfg: ModelConfig, dctx: ddp.DistContext):
+    """(cp_ctx, data-parallel context) for cfg.context_parallel = N > 1: the world's ranks in
+    consecutive groups of N (rank r: group r // N, place r % N in it), each group one
+    context-parallel ring over one sequence, the groups data-parallel (rank_batch over
+    world / N). Gradients are averaged over the whole world by DDP / FSDP2: each rank's
+    backward gives the gradient of the sum of its group's local losses through its own
+    tokens (the ring returns dK/dV to their owners); every local loss is a mean over an
+    equal share of the group's tokens, so DDP's average over all world ranks is the
+    gradient of each group's mean loss, averaged over the groups.
+    N = 1: (None, dctx). Raises ValueError for a world that N does not divide, a seq_len
+    that is not a multiple of 2N (equal zigzag chunks), packed rows."""
+    n = cfg.context_parallel
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"context_parallel: expected an int >= 1, got {n!r}")
+    if n == 1:
+        return None, dctx
+    if not dctx.enabled or dctx.world_size % n:
+        raise ValueError(f"context_parallel: {n} ranks per group needs a torchrun world that {n} divides, "
+                         f"got world_size {dctx.world_size}")
+    if cfg.seq_len % (2 * n):
+        raise ValueError(f"context_parallel: seq_len {cfg.seq_len} must be a multiple of 2 * {n} "
+                         "(equal zigzag chunks)")
+    if model_cfg.packed:
+        raise ValueError("context_parallel: not supported with --packed")
+    import torch.distributed as dist
+    from .model import ContextParallel
+    mine = None
+    for g in range(dctx.world_size // n):   # every rank creates every group (new_group is collective)
+        grp = dist.new_group(list(range(g * n, (g + 1) * n)))
+        if g == dctx.rank // n:
+            mine = grp
+    cp_ctx = ContextParallel(mine, dctx.rank % n, n)
+    dp = ddp.DistContext(rank=dctx.rank // n, world_size=dctx.world_size // n, local_rank=dctx.local_rank,
+                         local_world_size=dctx.local_world_size, group=True)
+    return cp_ctx, dp
 
 
 def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: PreparedData,
@@ -397,6 +445,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                              f"({saved['init_fingerprint']} != {fingerprint}); was the model config changed?")
         model.load_state_dict(saved["model"])
     model.to(device)
+    cp_ctx, dp_ctx = setup_context_parallel(cfg, model_cfg, dctx)
+    model.set_context_parallel(cp_ctx)
     train_model = ddp.wrap_model(model, dctx, device, fsdp=cfg.fsdp)   # `model` itself with one process
     opt = make_optimizer(model, cfg)
     if saved is not None:
@@ -431,7 +481,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     last_logits: dict = acc["last_logits"]  # {layer: [logit_std, logit_max, entropy_mean]} of the last diag step
     t_start = time.time() - acc["train_time_s"]     # NOTE: wall time accumulates over the calls
     steps_this_call, last_dt, stopped = 0, 0.0, False
-    tokens_per_step = cfg.batch_size * cfg.seq_len * dctx.world_size
+    tokens_per_step = cfg.batch_size * cfg.seq_len * dp_ctx.world_size
 
     def save(path, step):
         """Checkpoint (rank 0 writes). NOTE: under FSDP2 every rank must take part in
@@ -487,7 +537,9 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
                 g["lr"] = lr
-            x, y = ddp.rank_batch(train, rng, cfg.batch_size, dctx)
+            x, y = ddp.rank_batch(train, rng, cfg.batch_size, dp_ctx)
+            if cp_ctx is not None:   # this rank's zigzag chunks of every row
+                x, y = cp_ctx.shard(x), cp_ctx.shard(y)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             want_scales = cfg.diag_every > 0 and step % cfg.diag_every == 0
             want_diag = fp8 and want_scales
@@ -528,8 +580,9 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                 diag_aggs.append(agg)
             write(rec_line)
             # NOTE: FSDP's forward is collective, so every rank evaluates; rank 0 logs.
-            if (dctx.is_main or ddp.is_sharded(model)) and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
-                val_loss = evaluate(model, val_batches, device, autocast)
+            if (dctx.is_main or ddp.is_sharded(model) or cp_ctx is not None) and (
+                    (step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
+                val_loss = evaluate(model, val_batches, device, autocast, cp_ctx)
                 write({"type": "val", "step": step, "val_loss": val_loss})
             if (step + 1) in cfg.save_at:
                 save(log_path.with_name(f"{log_path.stem}.step{step + 1}.pt"), step + 1)
@@ -572,6 +625,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         if dctx.enabled:
             summary["world_size"] = dctx.world_size
             summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
+        if cp_ctx is not None:
+            summary["context_parallel"] = cp_ctx.world_size
         if summary["complete"] and dctx.is_main and spath.exists():
             spath.unlink()      # NOTE: a finished mode needs no state (it can be ~600 MB)
         if cfg.save_final and losses and summary["complete"]:
