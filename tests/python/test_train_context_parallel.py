@@ -11,7 +11,8 @@ parallel replica), so it sees the batches of a one-process run; its step-0 loss
 Later steps are not compared: AdamW's first update is lr * sign(g) for every
 element, so rounding-level gradient differences flip near-zero elements.
 Also: a 4-process run (2 groups of 2) against a 2-process DDP run (the same
-data-parallel batches), the ranks' final weights agree (the run checks it), the
+data-parallel batches), FSDP2 with CP equal to DDP with CP bit for bit, the ranks'
+final weights agree (the run checks it), the
 summary records the setting, and the flag's refusals.
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ def runs(tmp_path_factory, text_dir):
     base = tmp_path_factory.mktemp("cp_train")
     out = {}
     for name, nproc, extra in (("single", 1, ()), ("cp2", 2, ("--context-parallel", "2")),
-                               ("ddp2", 2, ()), ("cp2x2", 4, ("--context-parallel", "2"))):
+                               ("ddp2", 2, ()), ("cp2x2", 4, ("--context-parallel", "2")),
+                               ("cp2_fsdp", 2, ("--context-parallel", "2", "--fsdp"))):
         proc = _run(base / name, text_dir, nproc, *extra)
         out[name] = (base / name, proc)
     return out
@@ -82,6 +84,17 @@ def test_step0_matches_the_unsharded_run(runs, ref, cp, mode):
     tol_loss, tol_gn = (1e-5, 1e-4) if mode == "bf16" else (2e-3, 2e-2)
     assert abs(a["loss"] - b["loss"]) <= tol_loss * abs(a["loss"]), (a["loss"], b["loss"])
     assert abs(a["grad_norm"] - b["grad_norm"]) <= tol_gn * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+
+
+def test_fsdp_trains_like_ddp_under_context_parallelism(runs):
+    """FSDP2 over the world with CP groups: every step's loss and grad_norm equal DDP's,
+    bit for bit (as without CP: test_fsdp.py)."""
+    (a_run, a_proc), (b_run, b_proc) = runs["cp2"], runs["cp2_fsdp"]
+    assert a_proc.returncode == 0 and b_proc.returncode == 0, b_proc.stderr[-3000:]
+    for m in MODES:
+        a, b = _steps(a_run, m), _steps(b_run, m)
+        assert len(a) == len(b) == 2
+        assert [(x["loss"], x["grad_norm"]) for x in a] == [(x["loss"], x["grad_norm"]) for x in b], m
 
 
 def test_modes_differ_under_context_parallelism(runs):
