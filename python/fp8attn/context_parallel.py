@@ -35,8 +35,9 @@ Causal masking is global: a query chunk sees earlier key chunks whole, its own
 chunk causally and later chunks not at all.
 
 Limits (errors name the argument): precision "fp8" only (the exact reference
-backward recomputes LSE from the local keys), no ``qk_rotation`` / ``smooth_k``
-(NotImplementedError), no diagnostics. CPU tensors run on the CPU reference
+backward recomputes LSE from the local keys), no diagnostics. ``qk_rotation`` and
+``smooth_k`` run around the ring (the smoothing mean is global: an all-reduce).
+CPU tensors run on the CPU reference
 (gloo), CUDA tensors on the kernels (NCCL; not yet run on a multi-GPU machine).
 Communication: point-to-point ``batch_isend_irecv``; the next K/V transfer is
 posted before the current chunk pairs are computed (overlapped), the dK/dV
@@ -342,6 +343,42 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
     return dq, dk, dv
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; every rank's output is the total, so the gradient of each
+    rank's input is the sum of the upstream gradients over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _transform_qk(q, k, group, qk_rotation: str, smooth_k: bool, seqlen: int):
+    """Q', K' of numerics.md section 10 on a sharded sequence, differentiable (torch ops,
+    as fp8attn.qk_transform does around the CUDA kernels): the mean key of smooth_k is the
+    global one (FP64 sums all-reduced over the group / seqlen, then FP32), so every shard
+    subtracts the same vector; the gradient through it is global too. Returns (q', k',
+    mean or None)."""
+    from . import qk_transform as qkt
+    qw, kw = q.float(), k.float()
+    mean = None
+    if smooth_k:
+        total = _AllReduceSum.apply(kw.double().sum(dim=2, keepdim=True), group)
+        mean = (total / max(seqlen, 1)).float()
+        kw = kw - mean
+    if qk_rotation == "hadamard":
+        qw, kw = qkt.rotate(qw), qkt.rotate(kw)
+    return qw.to(q.dtype), kw.to(k.dtype), mean
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, scale, causal, delta_mode, block_size, grad_format, scaling, align):
@@ -406,7 +443,11 @@ def ring_attention(
             correct (each chunk's grid starts at its first token, as for a
             sequence of its own) and rounds differently.
         return_lse: also return this rank's LSE rows (float32, natural log).
-        qk_rotation, smooth_k: must be "none" / False (not implemented here).
+        qk_rotation, smooth_k: the outlier transforms of numerics.md section 10,
+            applied around the ring with torch ops (as on CUDA): Q' = Q R,
+            K' = (K - m) R with m the mean key over the whole sequence (an
+            all-reduce), gradients mapped back through both; with return_lse the
+            LSE is that of the untransformed logits.
 
     Returns:
         O: this rank's shard of the output, [batch, num_heads_q, seqlen_local,
@@ -416,7 +457,7 @@ def ring_attention(
         RuntimeError: torch.distributed not initialized.
         ValueError: bad option values, shards that do not match ``layout`` and
             ``block_size`` for the total length, q and k of different lengths.
-        NotImplementedError: precision other than "fp8", qk_rotation or smooth_k.
+        NotImplementedError: precision other than "fp8".
         TypeError: as ``fp8attn.attention`` for dtypes and option types.
     """
     fn = "fp8attn.context_parallel.ring_attention"
@@ -424,14 +465,12 @@ def ring_attention(
     if precision != "fp8":
         raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
                                   f"recomputes LSE from one shard's keys), got {precision!r}")
-    if qk_rotation != "none" or smooth_k is not False:
-        raise NotImplementedError(f"{fn}: argument 'qk_rotation' / 'smooth_k': the outlier transforms are not "
-                                  "implemented with context parallelism (the mean key of smooth_k is global)")
     name = "context_parallel.ring_attention"
     _ops.check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                        block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
-                       scaling=scaling, fn=name)
+                       scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k, fn=name)
     _ops.check_inputs(q, k, v, precision, fn=name)
+    _group_info(group)   # RuntimeError when torch.distributed is not initialized
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}: argument 'k': self-attention shards: seqlen of q ({q.shape[2]}) and k "
                          f"({k.shape[2]}) must match")
@@ -442,8 +481,17 @@ def ring_attention(
     align = int(block_size) if chunk_align is None else chunk_align
     if not isinstance(align, int) or isinstance(align, bool) or align < 1:
         raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {chunk_align!r}")
+    mean = None
+    if qk_rotation != "none" or smooth_k:
+        n_total = torch.tensor([k.shape[2]], dtype=torch.int64, device=k.device)
+        dist.all_reduce(n_total, group=group)
+        q_in = q
+        q, k, mean = _transform_qk(q, k, group, qk_rotation, smooth_k, int(n_total.item()))
     out, lse = _RingAttention.apply(q, k, v, group, layout, scale, bool(causal), delta_mode, int(block_size),
                                     grad_format, scaling, align)
+    if mean is not None and return_lse:   # the LSE of the unsmoothed logits (section 10)
+        from . import qk_transform as qkt
+        lse = qkt.shift_lse(lse, q_in.detach(), mean.detach(), scale, +1)
     if dtype == torch.float16:
         out = _ops._half_out(out, dtype)
     return (out, lse) if return_lse else out

@@ -83,6 +83,14 @@ def main():
             r.wait()
         cur_k, cur_v, dk_acc, dv_acc = bufs
     res["naive"] = (dq, dk_acc, dv_acc)
+
+    # The outlier transforms around the ring (global mean key), end to end.
+    if case.get("transforms"):
+        qt, kt, vt = (sh(t).requires_grad_() for t in (q, k, v))
+        ot, lt = cp.ring_attention(qt, kt, vt, causal=causal, scaling=scaling, layout=layout, block_size=block,
+                                   return_lse=True, qk_rotation="hadamard", smooth_k=True)
+        ot.backward(dod)
+        res["transforms"] = (ot.detach(), lt, qt.grad, kt.grad, vt.grad)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

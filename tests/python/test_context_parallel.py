@@ -41,7 +41,10 @@ CASES = [
 ]
 
 
-def _inputs(seqlen, seed, D=64, Hq=4, Hkv=2):
+def _inputs(seqlen, seed, D=64, Hq=4, Hkv=2, common_key=False):
+    """Training-shaped Q, K, V, dO (FP32); common_key adds one vector of norm 4 sqrt(D)
+    to every key (softmax-invariant; what smooth_k removes: without its global mean
+    the transform test below misses by 0.057 against 2e-2, measured)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, Hq, seqlen, D, generator=g)
     k = torch.randn(1, Hkv, seqlen, D, generator=g)
@@ -51,11 +54,14 @@ def _inputs(seqlen, seed, D=64, Hq=4, Hkv=2):
     k *= torch.exp(0.5 * torch.randn(1, Hkv, seqlen, 1, generator=g))
     v = torch.randn(1, Hkv, seqlen, D, generator=g)
     do = torch.randn(1, Hq, seqlen, D, generator=g)
+    if common_key:
+        c = torch.randn(D, generator=g)
+        k = k + c / c.norm() * 4 * D ** 0.5
     return q, k, v, do
 
 
 def _run(tmp_path, world, case):
-    q, k, v, do = _inputs(case["seqlen"], case["seed"])
+    q, k, v, do = _inputs(case["seqlen"], case["seed"], common_key=case.get("transforms", False))
     o, lse = torch.ops.fp8attn.fwd(q, k, v, 64 ** -0.5, case["causal"], "fp8", 128, case["scaling"])
     torch.save(dict(q=q, k=k, v=v, do=do, o=o, lse=lse), tmp_path / "inputs.pt")
     init = tmp_path / "init"
@@ -106,6 +112,7 @@ def _rel(a, b):
 # rounding boundary may take the neighbouring code (section 6, rare-flip rule),
 # so the bound is the flip rule's at a 10x tighter tolerance, 2e-3.
 TIGHT = 2e-3
+TRANSFORM_CASES = (0, 3)   # also run qk_rotation="hadamard", smooth_k=True around the ring
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +120,7 @@ def runs(tmp_path_factory):
     out = {}
     for i, (world, seqlen, layout, causal, scaling) in enumerate(CASES):
         case = dict(batch=1, heads_q=4, heads_kv=2, seqlen=seqlen, head_dim=64, causal=causal, layout=layout,
-                    scaling=scaling, delta_mode="delta_matching", seed=100 + i)
+                    scaling=scaling, delta_mode="delta_matching", seed=100 + i, transforms=i in TRANSFORM_CASES)
         out[i] = (case, world) + _run(tmp_path_factory.mktemp(f"cp{i}"), world, case)
     return out
 
@@ -236,6 +243,28 @@ def test_autograd_end_to_end(runs, idx):
         assert ok, f"{name}: rel {rel:.3g} ({why})"
 
 
+@pytest.mark.parametrize("idx", TRANSFORM_CASES, ids=[_case_ids()[i] for i in TRANSFORM_CASES])
+def test_outlier_transforms_around_the_ring(runs, idx):
+    """qk_rotation="hadamard" + smooth_k with the global mean key vs the unsharded op
+    (section 6 closeness; LSE of the untransformed logits to FP32 rounding)."""
+    from test_cuda_bwd import close_to_reference
+
+    case, world, (q, k, v, do, o, lse), ranks = runs[idx]
+    S = case["seqlen"]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = fp8attn.attention(qr, kr, vr, causal=case["causal"], scaling=case["scaling"],
+                                       qk_rotation="hadamard", smooth_k=True, return_lse=True)
+    o_ref.backward(do)
+    got = [_unshard([r["transforms"][i] for r in ranks], S, world, case["layout"]) for i in (0, 2, 3, 4)]
+    got_lse = _unshard([r["transforms"][1].unsqueeze(-1) for r in ranks], S, world, case["layout"]).squeeze(-1)
+    assert torch.isfinite(got_lse).all()
+    assert (got_lse - lse_ref).abs().max().item() <= 1e-4 * (1 + lse_ref.abs().max().item())
+    for name, g, r in zip(("O", "dQ", "dK", "dV"), got, (o_ref.detach(), qr.grad, kr.grad, vr.grad)):
+        assert torch.isfinite(g).all(), name
+        ok, rel, why = close_to_reference(g.double(), r.double())
+        assert ok, f"{name}: rel {rel:.3g} ({why})"
+
+
 def test_stale_differs_from_delta_matching(runs):
     """The modes stay distinguishable through the ring: stale vs DM dQ, dK differ by
     far more than the ring's own error (dV does not depend on delta)."""
@@ -300,8 +329,8 @@ def test_errors_name_the_argument():
         cp.local_chunks(0, 2, "ring")
     with pytest.raises(NotImplementedError, match="'precision'"):
         cp.ring_attention(q, q, q, precision="exact")
-    with pytest.raises(NotImplementedError, match="smooth_k"):
-        cp.ring_attention(q, q, q, smooth_k=True)
+    with pytest.raises(ValueError, match="'qk_rotation'"):
+        cp.ring_attention(q, q, q, qk_rotation="givens")
     with pytest.raises(ValueError, match="'num_chunks'"):
         cp.chunk_bounds(10, 0)
 
