@@ -40,8 +40,8 @@ backward recomputes LSE from the local keys), no diagnostics. ``qk_rotation`` an
 CPU tensors run on the CPU reference
 (gloo), CUDA tensors on the kernels (NCCL; not yet run on a multi-GPU machine).
 Communication: point-to-point ``batch_isend_irecv``; the next K/V transfer is
-posted before the current chunk pairs are computed (overlapped), the dK/dV
-accumulators move after them.
+posted before the current chunk pairs are computed, and the dK/dV accumulator of
+the current shard arrives while they are computed (both overlapped with compute).
 """
 from __future__ import annotations
 
@@ -203,17 +203,19 @@ class _Ring:
                              f"{self._block} (shard with fp8attn.context_parallel.shard)")
         return out
 
-    def exchange(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[torch.Size]):
-        """Posts send-to-next / receive-from-prev of each tensor; returns (requests, buffers)."""
+    def exchange(self, send: Sequence[torch.Tensor], recv_shapes: Sequence[torch.Size], tag: int = 0):
+        """Posts send-to-next / receive-from-prev of each tensor (tags tag, tag + 1, ...:
+        the K/V and the dK/dV transfers of the backward are in flight together);
+        returns (requests, buffers)."""
         bufs = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(send, recv_shapes)]
         if self.world == 1:
             for b, t in zip(bufs, send):
                 b.copy_(t)
             return [], bufs
         p2p = []
-        for t, b in zip(send, bufs):
-            p2p.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group))
-            p2p.append(dist.P2POp(dist.irecv, b, self.prev, self.group))
+        for i, (t, b) in enumerate(zip(send, bufs)):
+            p2p.append(dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag + i))
+            p2p.append(dist.P2POp(dist.irecv, b, self.prev, self.group, tag + i))
         return dist.batch_isend_irecv(p2p), bufs
 
 
@@ -311,8 +313,11 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
     else:
         delta, lse_b = None, lse
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    # The dK/dV accumulators follow their K/V shard around the ring, one step behind:
+    # the accumulator of the shard held at step t arrives (from the rank that held it
+    # at t - 1) while step t's pairs are computed into local buffers; after the last
+    # step each goes home (the next rank owns the shard this rank holds then).
+    pending = None
     cur_k, cur_v = k, v
     for step in range(ring.world):
         src = ring.source(step)
@@ -320,6 +325,8 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
         n = ring.local_lens[ring.source(step + 1)]
         if step + 1 < ring.world:
             reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        dk_loc = torch.zeros(cur_k.shape, dtype=torch.float32, device=k.device)
+        dv_loc = torch.zeros(cur_v.shape, dtype=torch.float32, device=v.device)
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
             sl = (2, qo, ql)
             extra = {} if delta is None else {"delta": delta.narrow(*sl).contiguous()}
@@ -328,18 +335,21 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
                 out.narrow(*sl), lse_b.narrow(*sl).contiguous(), scale, pc, "fp8", delta_mode, block_size,
                 grad_format, False, scaling, **extra)
             dq.narrow(*sl).add_(dq_p.float())
-            dk.narrow(2, ko, kl).add_(dk_p.float())
-            dv.narrow(2, ko, kl).add_(dv_p.float())
+            dk_loc.narrow(2, ko, kl).add_(dk_p.float())
+            dv_loc.narrow(2, ko, kl).add_(dv_p.float())
+        if pending is not None:
+            for r in pending[0]:
+                r.wait()
+            dk_loc.add_(pending[1][0])
+            dv_loc.add_(pending[1][1])
+        pending = ring.exchange([dk_loc, dv_loc], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)], tag=2)
         for r in reqs:
             r.wait()
-        # The dK/dV accumulators follow their K/V shard; after the last step they
-        # go home (the next rank owns the shard this rank holds then).
-        dreqs, dbufs = ring.exchange([dk, dv], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
-        for r in dreqs:
-            r.wait()
-        dk, dv = dbufs
         if nxt is not None:
             cur_k, cur_v = nxt
+    for r in pending[0]:
+        r.wait()
+    dk, dv = pending[1]
     return dq, dk, dv
 
 
