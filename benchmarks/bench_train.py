@@ -2,6 +2,7 @@
 FP8 precision scope, on the trainer's GPU presets, in one run.
 
     python benchmarks/bench_train.py                       # CUDA: gpu-50m, gpu-125m
+    python benchmarks/bench_train.py --presets gpu-1b --seq-len 8192   # 1.2 B, checkpointed
     python benchmarks/bench_train.py --device cpu --presets smoke --warmup 1 --steps 2   # CPU smoke
 
 Per (preset, config) it builds the trainer's model (fp8attn.train.model), the
@@ -114,8 +115,10 @@ class Config:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if self.cuda else 0
+        ac = {} if args.activation_checkpointing == "preset" else \
+            {"activation_checkpointing": args.activation_checkpointing == "on"}
         cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
-                                    max_seq_len=max(self.seq, p["model"]["max_seq_len"]))
+                                    max_seq_len=max(self.seq, p["model"]["max_seq_len"]), **ac)
         torch.manual_seed(0)
         self.model = M.Transformer(cfg).to(device)
         self.tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
@@ -134,7 +137,8 @@ class Config:
         self.row = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
                     "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
                     "params": self.model.num_params(), "batch_size": self.batch, "seq_len": self.seq,
-                    "packed": args.packed, "fp8_linear_layers": len(self.model.fp8_linear_names)}
+                    "packed": args.packed, "fp8_linear_layers": len(self.model.fp8_linear_names),
+                    "activation_checkpointing": cfg.activation_checkpointing}
         self.loss = None
         self.base = base
         for _ in range(args.warmup):
@@ -247,6 +251,8 @@ def main(argv=None) -> None:
     ap.add_argument("--packed", action="store_true",
                     help="packed documents (per-document causal attention; random separators)")
     ap.add_argument("--doc-len", type=int, default=512, help="mean document length with --packed")
+    ap.add_argument("--activation-checkpointing", default="preset", choices=["preset", "on", "off"],
+                    help="recompute each block in backward (default: as the preset sets it; gpu-1b: on)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     if args.warmup < 0 or args.steps < 1 or args.rounds < 1:

@@ -55,7 +55,7 @@ from .report import write_report
 from .trainer import OPTIMIZERS, StopRule, TrainConfig, resolve_device, train_mode
 
 # Corpus cap (MB of text) per preset: enough tokens for the preset's run.
-DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0}
+DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0, "gpu-350m": 32.0, "gpu-1b": 32.0}
 
 
 def parse_args(argv=None):
@@ -95,6 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--smooth-k", action="store_true",
                     help="subtract the mean key before FP8 quantization in the fp8 modes (K smoothing, "
                          "docs/numerics.md section 10; unfused on CUDA)")
+    ap.add_argument("--activation-checkpointing", default=None, choices=["on", "off"],
+                    help="recompute each transformer block in backward (default: the preset's; gpu-1b: on)")
     ap.add_argument("--packed", action="store_true",
                     help="per-document causal attention from <|endoftext|> separators in each row")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
@@ -250,6 +252,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
                       optimizer=getattr(args, "optimizer", "adamw"), init_from=str(init_from),
                       context_parallel=cp_n)
 
+    ac = getattr(args, "activation_checkpointing", None)
+    if ac is not None:
+        model_overrides = {**model_overrides, "activation_checkpointing": ac == "on"}
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
                     "fp8_qk_rotation": args.qk_rotation, "fp8_smooth_k": args.smooth_k,

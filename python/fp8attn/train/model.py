@@ -73,6 +73,7 @@ class ModelConfig:
     init_std: float | None = None  # None = 1/sqrt(d_model)
     scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
     packed: bool = False         # per-document causal attention from <|endoftext|> separators
+    activation_checkpointing: bool = False  # recompute each block in backward (torch.utils.checkpoint)
 
     def __post_init__(self):
         if self.attn_mode not in ATTN_MODES:
@@ -95,6 +96,8 @@ class ModelConfig:
             raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
         if not isinstance(self.fp8_smooth_k, bool):
             raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
         # trains its bf16 mode rather than after.
         if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
@@ -431,6 +434,20 @@ class Transformer(nn.Module):
 
     cp: ContextParallel | None = None
 
+    def _blocks(self, x, segments):
+        """The blocks in order; with activation_checkpointing (and grad enabled) each block's
+        activations are recomputed in backward (torch.utils.checkpoint, non-reentrant), so
+        only the block inputs are saved. The recompute runs the same deterministic ops, so
+        losses and gradients equal the unchecked model's (tests/python/test_presets.py)."""
+        ckpt = self.cfg.activation_checkpointing and torch.is_grad_enabled()
+        for blk in self.blocks:
+            if ckpt:
+                from torch.utils.checkpoint import checkpoint
+                x = checkpoint(blk, x, self.rope_cos, self.rope_sin, segments, use_reentrant=False)
+            else:
+                x = blk(x, self.rope_cos, self.rope_sin, segments)
+        return x
+
     def set_context_parallel(self, cp_ctx: ContextParallel | None) -> "Transformer":
         """Context parallelism (None: off): forward then takes this rank's zigzag shard of
         the token rows ([B, seq_len / cp.world_size]); RoPE uses global positions and the
@@ -451,8 +468,7 @@ class Transformer(nn.Module):
             pos = self.cp.positions(s_all, tokens.device)
             x = self.embed(tokens)
             segments = (None, pos.expand(tokens.shape[0], s))
-            for blk in self.blocks:
-                x = blk(x, self.rope_cos, self.rope_sin, segments)
+            x = self._blocks(x, segments)
             x = self.norm(x)
             w = self.embed.weight if self.head is None else self.head.weight
             return F.linear(x, w.to(x.dtype))
@@ -460,8 +476,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens: seqlen {s} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.embed(tokens)
         segments = document_segments(tokens) if self.cfg.packed else None
-        for blk in self.blocks:
-            x = blk(x, self.rope_cos, self.rope_sin, segments)
+        x = self._blocks(x, segments)
         x = self.norm(x)
         w = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, w.to(x.dtype))
@@ -517,6 +532,21 @@ PRESETS: dict[str, dict] = {
     "gpu-125m": dict(model=dict(vocab_size=16384, d_model=768, n_layers=16, n_heads=6, n_kv_heads=2,
                                 head_dim=128, mlp_hidden=2304, max_seq_len=1024),
                      train=dict(batch_size=16, seq_len=1024, steps=1500, lr=1e-3, warmup=150)),
+    # The sizes where users switch to FP8 (issue #21): 32K vocab, untied, QK-RMSNorm,
+    # head_dim 128, GQA 4:1, contexts of 4K-8K. gpu-350m: 337.7 M parameters (24 layers
+    # of 11.27 M + 2 x 33.55 M embedding / head); at 8 x 4096 tokens its activations fit
+    # an H200 without checkpointing (~34 GB estimated for BF16 activations).
+    "gpu-350m": dict(model=dict(vocab_size=32768, d_model=1024, n_layers=24, n_heads=8, n_kv_heads=2,
+                                head_dim=128, mlp_hidden=2816, max_seq_len=8192, tie_embeddings=False),
+                     train=dict(batch_size=8, seq_len=4096, steps=2000, lr=6e-4, warmup=200)),
+    # gpu-1b: 1216.5 M parameters (24 layers of 45.09 M + 2 x 67.1 M). At 4 x 8192 tokens
+    # the block activations (~5.6 GB per layer estimated, ~135 GB for 24) exceed an
+    # H200 next to the 19.5 GB of FP32 weights, gradients and AdamW state, so activation
+    # checkpointing is on (block inputs only: ~3.2 GB).
+    "gpu-1b": dict(model=dict(vocab_size=32768, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=4,
+                              head_dim=128, mlp_hidden=5632, max_seq_len=8192, tie_embeddings=False,
+                              activation_checkpointing=True),
+                   train=dict(batch_size=4, seq_len=8192, steps=1000, lr=3e-4, warmup=100)),
 }
 
 

@@ -187,9 +187,9 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
 
 
 # ModelConfig fields a continuation may change (context length, RoPE base, the attention
-# backend and its FP8 options); every other field must match the checkpoint's.
+# backend and its FP8 options, activation checkpointing); every other field must match the checkpoint's.
 INIT_FROM_FREE = ("max_seq_len", "rope_base", "attn_mode", "scope", "packed", "fp8_block_size", "fp8_scaling",
-                  "fp8_qk_rotation", "fp8_smooth_k")
+                  "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing")
 
 
 def init_checkpoint(init_from: str | os.PathLike, mode: str) -> Path:
