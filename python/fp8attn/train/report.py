@@ -213,6 +213,11 @@ def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
         + ", ".join(f"{s['mode']} {s['train_time_s']:.0f} s" for s in summaries) + ".",
         "",
     ] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    # The retrieval probe's tables and plot, when it has run on this run's checkpoints
+    # (python -m fp8attn.train.retrieval --run-dir ...).
+    retr = run_dir / "retrieval" / "retrieval.md"
+    if retr.is_file():
+        lines += [retr.read_text().replace("](retrieval.png)", "](retrieval/retrieval.png)"), ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path, table
