@@ -23,7 +23,7 @@ from .model import Transformer, gain_stats
 
 def _cores(model: Transformer):
     """[(layer_name, AttentionCore)] in layer order."""
-    return [(blk.attn.layer_name, blk.attn.core) for blk in model.blocks]
+    return [(blk.attn.layer_name, blk.attn.core) for blk in model.blocks if blk.attn is not None]
 
 
 class CoreCapture:
@@ -142,7 +142,10 @@ def zero_attention_output(model: Transformer, layer: int = -1) -> Iterator[None]
     n = len(model.blocks)
     if not -n <= layer < n:
         raise ValueError(f"layer: {layer} out of range for a model with {n} layers")
-    h = model.blocks[layer].attn.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out))
+    blk = model.blocks[layer]
+    if blk.attn is None:
+        raise ValueError(f"layer: block {layer} has no attention (a Gated DeltaNet layer of arch gdn-hybrid)")
+    h = blk.attn.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out))
     try:
         yield
     finally:

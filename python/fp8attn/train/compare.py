@@ -95,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--smooth-k", action="store_true",
                     help="subtract the mean key before FP8 quantization in the fp8 modes (K smoothing, "
                          "docs/numerics.md section 10; unfused on CUDA)")
+    ap.add_argument("--arch", default="gqa", choices=["gqa", "gdn-hybrid"],
+                    help="gqa (every layer attention) or gdn-hybrid: Gated DeltaNet layers (fla-core) with an "
+                         "attention layer every --model gdn_ratio+1 (default 3: GDN, GDN, GDN, attention)")
     ap.add_argument("--activation-checkpointing", default=None, choices=["on", "off"],
                     help="recompute each transformer block in backward (default: the preset's; gpu-1b: on)")
     ap.add_argument("--packed", action="store_true",
@@ -130,7 +133,7 @@ def parse_args(argv=None):
 
 # ModelConfig fields `--model` may set (the others have their own flags or are set from the data).
 _OVERRIDABLE = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
-                "mlp_hidden": int, "rope_base": float, "fp8_block_size": int, "init_std": float}
+                "mlp_hidden": int, "rope_base": float, "fp8_block_size": int, "init_std": float, "gdn_ratio": int}
 
 
 def parse_model_overrides(items: list[str]) -> dict:
@@ -255,6 +258,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
     ac = getattr(args, "activation_checkpointing", None)
     if ac is not None:
         model_overrides = {**model_overrides, "activation_checkpointing": ac == "on"}
+    model_overrides = {**model_overrides, "arch": getattr(args, "arch", "gqa")}
+    if cp_n > 1 and model_overrides["arch"] != "gqa":
+        raise SystemExit(f"--context-parallel: not supported with --arch {model_overrides['arch']}")
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
                     "fp8_qk_rotation": args.qk_rotation, "fp8_smooth_k": args.smooth_k,

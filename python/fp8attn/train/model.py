@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+ARCHS = ("gqa", "gdn-hybrid")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
 FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
 FP8_QK_ROTATIONS = ("none", "hadamard")  # fp8attn.ops.QK_ROTATIONS (numerics.md section 10)
@@ -74,6 +75,8 @@ class ModelConfig:
     scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
     packed: bool = False         # per-document causal attention from <|endoftext|> separators
     activation_checkpointing: bool = False  # recompute each block in backward (torch.utils.checkpoint)
+    arch: str = "gqa"            # "gqa" | "gdn-hybrid" (Gated DeltaNet layers from fla-core between GQA ones)
+    gdn_ratio: int = 3           # gdn-hybrid: Gated DeltaNet layers per attention layer (3: GDN, GDN, GDN, attn, ...)
 
     def __post_init__(self):
         if self.attn_mode not in ATTN_MODES:
@@ -96,6 +99,17 @@ class ModelConfig:
             raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
         if not isinstance(self.fp8_smooth_k, bool):
             raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if isinstance(self.gdn_ratio, bool) or not isinstance(self.gdn_ratio, int) or self.gdn_ratio < 1:
+            raise ValueError(f"gdn_ratio must be an int >= 1, got {self.gdn_ratio!r}")
+        if self.arch == "gdn-hybrid" and self.n_layers < self.gdn_ratio + 1:
+            raise ValueError(f"arch gdn-hybrid: gdn_ratio {self.gdn_ratio} needs n_layers >= {self.gdn_ratio + 1} "
+                             f"(one attention layer after every {self.gdn_ratio} Gated DeltaNet layers), "
+                             f"got {self.n_layers}")
+        if self.arch == "gdn-hybrid" and self.packed:
+            raise ValueError("arch gdn-hybrid: packed documents are not supported (the Gated DeltaNet state "
+                             "would run across document boundaries)")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
@@ -362,6 +376,68 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet token mixer (Yang et al., "Gated Delta Networks", 2024) for the
+    gdn-hybrid architecture: per head h, with L2-normalized q_t, k_t,
+        S_t = a_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   o_t = S_t q_t / sqrt(d),
+    a_t = exp(g_t), g_t = -exp(A_log) softplus(x W_a + dt_bias), beta_t = sigmoid(x W_b);
+    q, k, v from projections with a causal depthwise convolution (width 4) and SiLU; the
+    output RMS-normalized per head, gated by silu(x W_g) and projected by W_o.
+    The delta-rule recurrence is fla-core's: `chunk_gated_delta_rule` (Triton) on CUDA,
+    its PyTorch reference `naive_chunk_gated_delta_rule` (chunk size 64, FP32) on the CPU.
+    Heads: cfg.n_heads of cfg.head_dim (keys and values). No attention, no FP8."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.n_heads, cfg.head_dim
+        self.h, self.d = h, d
+        self.wq = nn.Linear(cfg.d_model, h * d, bias=False)
+        self.wk = nn.Linear(cfg.d_model, h * d, bias=False)
+        self.wv = nn.Linear(cfg.d_model, h * d, bias=False)
+        self.wa = nn.Linear(cfg.d_model, h, bias=False)
+        self.wb = nn.Linear(cfg.d_model, h, bias=False)
+        self.wg = nn.Linear(cfg.d_model, h * d, bias=False)
+        self.wo = nn.Linear(h * d, cfg.d_model, bias=False)
+        self.conv = nn.Conv1d(3 * h * d, 3 * h * d, kernel_size=4, groups=3 * h * d, padding=3, bias=False)
+        # Decay init as in the paper's code: A in [1, 16], dt in [1e-3, 1e-1] (log-uniform).
+        gen = torch.Generator().manual_seed(0)
+        self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16, generator=gen)))
+        dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
+        self.o_norm = RMSNorm(d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+        qkv = F.silu(self.conv(qkv.transpose(1, 2))[..., :s].transpose(1, 2))
+        q, k, v = (t.reshape(b, s, self.h, self.d) for t in qkv.chunk(3, dim=-1))
+        q, k = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(self.wb(x).float())
+        if x.is_cuda:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            o, _ = chunk_gated_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta.to(x.dtype))
+        else:
+            o, _ = _fla_naive()(q, k, v.float(), g, beta, chunk_size=64)
+        o = self.o_norm(o.to(x.dtype)) * F.silu(self.wg(x)).view(b, s, self.h, self.d)
+        return self.wo(o.reshape(b, s, self.h * self.d))
+
+
+def _fla_naive():
+    """fla-core's PyTorch reference of the chunked gated delta rule (its CPU warning about
+    Triton silenced: the reference does not use Triton)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+    return naive_chunk_gated_delta_rule
+
+
+def is_attention_layer(cfg: ModelConfig, idx: int) -> bool:
+    """gqa: every layer; gdn-hybrid: every (gdn_ratio + 1)-th (the others Gated DeltaNet)."""
+    return cfg.arch == "gqa" or idx % (cfg.gdn_ratio + 1) == cfg.gdn_ratio
+
+
 class MLP(nn.Module):
     """SwiGLU: W2 (silu(x W1) * x W3)."""
 
@@ -379,12 +455,16 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg, layer_name=f"layer{idx}")
+        # gdn-hybrid: a Gated DeltaNet mixer instead of attention in this block (attn None).
+        attn = is_attention_layer(cfg, idx)
+        self.attn = Attention(cfg, layer_name=f"layer{idx}") if attn else None
+        self.gdn = None if attn else GatedDeltaNet(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, segments=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, segments)
+        h = self.attn_norm(x)
+        x = x + (self.attn(h, cos, sin, segments) if self.attn is not None else self.gdn(h))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -429,7 +509,8 @@ class Transformer(nn.Module):
         NOTE: the FP8 linear layers of `scope` are fixed at construction."""
         self.cfg = replace(self.cfg, attn_mode=mode)
         for blk in self.blocks:
-            blk.attn.cfg = self.cfg
+            if blk.attn is not None:
+                blk.attn.cfg = self.cfg
         return self
 
     cp: ContextParallel | None = None
@@ -454,9 +535,13 @@ class Transformer(nn.Module):
         attention cores the sharded backends (context_parallel_backend). Returns self."""
         if cp_ctx is not None and self.cfg.packed:
             raise ValueError("context parallelism: packed documents (packed=True) are not supported")
+        if cp_ctx is not None and self.cfg.arch != "gqa":
+            raise ValueError(f"context parallelism: arch {self.cfg.arch!r} is not supported (the Gated "
+                             "DeltaNet recurrence would need its state passed between shards)")
         self.cp = cp_ctx
         for blk in self.blocks:
-            blk.attn.core.cp = cp_ctx
+            if blk.attn is not None:
+                blk.attn.core.cp = cp_ctx
         return self
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -484,7 +569,7 @@ class Transformer(nn.Module):
     def qk_gains(self):
         """[(layer_name, g_q [D], g_k [D])] for every attention layer with QK-norm."""
         return [(b.attn.layer_name, b.attn.q_norm.weight, b.attn.k_norm.weight)
-                for b in self.blocks if b.attn.q_norm is not None]
+                for b in self.blocks if b.attn is not None and b.attn.q_norm is not None]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

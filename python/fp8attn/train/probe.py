@@ -165,10 +165,12 @@ def kernel_probe(records: dict, delta_modes=DELTA_MODES, block_size: int = 128,
 def masking_probe(model, batches, layers="last") -> dict:
     """Validation loss as trained ("base") and with one layer's attention output
     zeroed: {"base": float, "layers": {index: {"loss": float, "increase": float}}}.
-    layers: "last", "all", or a list of block indices."""
+    layers: "last", "all", or a list of block indices (of attention blocks: with
+    arch gdn-hybrid "last" / "all" mean the attention layers)."""
     device = next(model.parameters()).device
     n = len(model.blocks)
-    idx = [n - 1] if layers == "last" else list(range(n)) if layers == "all" else [i % n for i in layers]
+    attn = [i for i, b in enumerate(model.blocks) if b.attn is not None]   # gdn-hybrid: attention layers only
+    idx = [attn[-1]] if layers == "last" else attn if layers == "all" else [i % n for i in layers]
     base = evaluate(model, batches, device, lambda: _autocast(device))
     out = {"base": base, "layers": {}}
     for i in idx:

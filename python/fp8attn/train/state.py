@@ -132,7 +132,7 @@ _TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "seq_len": "--
 _MODEL_FLAGS = {"scope": "--scope", "packed": "--packed", "fp8_scaling": "--scaling",
                 "fp8_qk_rotation": "--qk-rotation", "fp8_smooth_k": "--smooth-k", "qk_norm": "--no-qk-norm", "rope": "--nope",
                 "max_seq_len": "--seq-len", "vocab_size": "--text-dir/--data-dir/--max-mb",
-                "activation_checkpointing": "--activation-checkpointing"}
+                "activation_checkpointing": "--activation-checkpointing", "arch": "--arch"}
 _DATA_KEYS = ("source", "pipeline_version", "vocab_size", "train_tokens", "val_tokens", "train_docs", "val_docs")
 
 
