@@ -619,7 +619,7 @@ def _real(x) -> Optional[float]:
 
 def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, qv, q_descale, k_descale, v_descale, attention_chunk,
-                  num_splits, pack_gqa, sm_margin, block_table=None) -> Tuple[bool, bool]:
+                  num_splits, pack_gqa, sm_margin, block_table=None, fp8_inputs=False) -> Tuple[bool, bool]:
     """Checks the FlashAttention arguments fp8attn has no feature for: their
     defaults (and the values FlashAttention treats the same) pass, anything else
     raises naming the argument. Returns (causal, return_attn_probs) as bools.
@@ -663,11 +663,11 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
         raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if cap != 0:
         unsupported("softcap", cap, "logit softcapping (softcap != 0)")
+    descales = () if fp8_inputs else (("q_descale", q_descale, "pre-quantized FP8 input"),
+                                      ("k_descale", k_descale, "pre-quantized FP8 input"),
+                                      ("v_descale", v_descale, "pre-quantized FP8 input"))
     for arg, val, what in (("alibi_slopes", alibi_slopes, "ALiBi"), ("qv", qv, "the qv input"),
-                           ("q_descale", q_descale, "pre-quantized FP8 input"),
-                           ("k_descale", k_descale, "pre-quantized FP8 input"),
-                           ("v_descale", v_descale, "pre-quantized FP8 input"),
-                           ("block_table", block_table, "a paged KV cache")):
+                           *descales, ("block_table", block_table, "a paged KV cache")):
         if val is not None:
             unsupported(arg, type(val).__name__, what)
     if as_bool("deterministic", deterministic):
@@ -758,19 +758,31 @@ def _flash_attn_func(
     own schedule. Not supported, each raising NotImplementedError naming the argument:
     dropout_p != 0, a sliding window (a window bound in 0..seqlen_k - 1 other than
     the causal right bound 0),
-    softcap != 0, alibi_slopes, qv, q_descale / k_descale / v_descale (pre-quantized FP8
-    inputs), attention_chunk != 0, sm_margin != 0, deterministic=True. A malformed value
-    (wrong type, a window_size that is not a pair of ints) raises ValueError."""
+    softcap != 0, alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
+    deterministic=True. A malformed value (wrong type, a window_size that is not a pair
+    of ints) raises ValueError.
+
+    Pre-quantized FP8 inputs (FlashAttention-3's FP8 forward): q, k, v float8_e4m3fn (or
+    float8_e5m2), with optional q_descale / k_descale / v_descale float32 [batch,
+    num_heads_kv] (None = 1; q_descale applies to the query heads of each kv head):
+    the op runs on x * descale in FP32 (on CUDA rounded to bfloat16 for the kernels,
+    which quantize them again with their own block scales) and O comes back in
+    bfloat16. Descale factors without FP8 inputs raise NotImplementedError; a wrong
+    descale shape, dtype, device or a non-positive value ValueError; q, k, v of
+    different dtypes TypeError."""
     seqlen_k = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    fp8_in = any(isinstance(t, torch.Tensor) and t.dtype in _FP8_INPUT_DTYPES for t in (q, k, v))
     causal, return_attn_probs = _flash_compat(
         "flash_attn_func", causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin)
+        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, fp8_inputs=fp8_in)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
+    if fp8_in:
+        q, k, v = _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale)
     want_lse = return_lse or return_attn_probs
     want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
     res = _renamed_errors("flash_attn_func", lambda: attention(
@@ -779,9 +791,50 @@ def _flash_attn_func(
         return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
+    if fp8_in:   # FlashAttention-3's FP8 forward returns O in bfloat16
+        res = (res[0].to(torch.bfloat16), res[1]) if want_lse else res.to(torch.bfloat16)
     if want_lse:
         return res[0].transpose(1, 2).contiguous(), res[1]
     return res.transpose(1, 2).contiguous()
+
+
+_FP8_INPUT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale):
+    """FlashAttention-3's pre-quantized FP8 inputs: q, k, v float8 (e4m3fn, or e5m2) in the
+    flash_attn layout with optional descale factors float32 [batch, num_heads_kv] (None =
+    1; q_descale applies to every query head of a kv head's group); returns the FP32
+    tensors x * descale the op runs on (numerics.md section 7: on CUDA rounded to bfloat16
+    for the kernels, which re-quantize them with their own block scales)."""
+    fn = "flash_attn_func"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _FP8_INPUT_DTYPES:
+            raise TypeError(_err(fn, name, f"pre-quantized FP8 inputs: q, k and v must all be float8_e4m3fn or "
+                                           f"float8_e5m2, got {q.dtype}, {k.dtype}, {v.dtype}"))
+    b, hkv = k.shape[0], k.shape[2]
+    out = []
+    for name, t, ds in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
+        x = t.to(torch.float32)
+        if ds is not None:
+            arg = f"{name}_descale"
+            if not isinstance(ds, torch.Tensor):
+                raise TypeError(_err(fn, arg, f"must be a torch.Tensor or None, got {type(ds).__name__}"))
+            if ds.dtype != torch.float32 or tuple(ds.shape) != (b, hkv) or ds.device != t.device:
+                raise ValueError(_err(fn, arg, f"expected a float32 tensor of shape [batch, num_heads_kv] = "
+                                               f"[{b}, {hkv}] on {t.device}, got {ds.dtype} {tuple(ds.shape)} "
+                                               f"on {ds.device}"))
+            if not bool(torch.isfinite(ds).all()) or bool((ds <= 0).any()):
+                raise ValueError(_err(fn, arg, "must be finite and > 0"))
+            s = ds
+            if t.shape[2] != hkv:
+                if hkv == 0 or t.shape[2] % hkv:
+                    raise ValueError(_err(fn, "q", f"num_heads_q {t.shape[2]} must be a multiple of "
+                                                   f"num_heads_kv {hkv} (GQA)"))
+                s = ds.repeat_interleave(t.shape[2] // hkv, dim=1)
+            x = x * s[:, None, :, None]
+        out.append(x)
+    return tuple(out)
 
 
 # FlashAttention-2's positional order, (q, k, v, dropout_p, softmax_scale, causal), and

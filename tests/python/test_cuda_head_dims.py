@@ -258,6 +258,20 @@ def test_other_float_dtypes_on_cuda(dtype):
     assert qh.grad.dtype == torch.float16 and torch.isfinite(qh.grad).all() and qh.grad.abs().sum() > 0
 
 
+def test_fp8_inputs_with_descale_on_cuda():
+    # FlashAttention-3's pre-quantized FP8 forward (issue #20): the kernels run on
+    # x * descale (FP32, rounded to BF16 by the op) and O comes back in bfloat16.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 300, h, 128, generator=g).cuda() * 2 for h in (8, 2, 2))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    ds = [torch.rand(2, 2, generator=g).cuda() + 0.5 for _ in range(3)]
+    o = fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
+    qf = q8.float() * ds[0].repeat_interleave(4, dim=1)[:, None, :, None]
+    kf, vf = (t.float() * d[:, None, :, None] for t, d in ((k8, ds[1]), (v8, ds[2])))
+    assert torch.equal(o, fp8attn.flash_attn_func(qf, kf, vf, causal=True).bfloat16())
+
+
 def test_mixed_dtypes_on_cuda_raise_type_error():
     q = torch.randn(1, 2, 64, 64, device="cuda")
     with pytest.raises(TypeError, match="'k'"):

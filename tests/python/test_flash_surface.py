@@ -67,7 +67,7 @@ UNSUPPORTED = [
     ("softcap", 30.0), ("alibi_slopes", torch.ones(4)), ("deterministic", True), ("qv", torch.ones(1)),
     ("q_descale", torch.ones(2, 2)), ("k_descale", torch.ones(2, 2)), ("v_descale", torch.ones(2, 2)),
     ("attention_chunk", 256), ("sm_margin", 8),
-]
+]  # (descale factors are refused without FP8 inputs: test_fp8_inputs_* below)
 MALFORMED = [
     ("window_size", 5), ("window_size", (1, 2, 3)), ("window_size", (-1.0, 0)), ("softcap", "big"),
     ("softcap", True), ("deterministic", 1), ("return_attn_probs", "yes"), ("attention_chunk", -1),
@@ -231,3 +231,51 @@ def test_scale_limit_is_the_fp32_overflow_rule():
     for x in (ops.MAX_SOFTMAX_SCALE, lim, float(np.nextafter(lim, np.inf)), float(np.nextafter(lim, 0.0)),
               1e38, 3e38, float(np.nextafter(np.float32(ops.MAX_SOFTMAX_SCALE), np.float32(np.inf)))):
         assert (x <= lim) == np.isfinite(ops._scale_log2_fp32(x)), x
+
+
+# ---- pre-quantized FP8 inputs (FlashAttention-3's FP8 forward) -------------------------
+
+
+def _fp8_inputs(seed=0, b=2, s=70, hq=4, hkv=2, d=32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) * 3 for h in (hq, hkv, hkv))
+    return tuple(t.to(torch.float8_e4m3fn) for t in (q, k, v))
+
+
+def test_fp8_inputs_run_on_the_dequantized_values():
+    q8, k8, v8 = _fp8_inputs()
+    g = torch.Generator().manual_seed(1)
+    ds = [torch.rand(2, 2, generator=g) + 0.5 for _ in range(3)]
+    o = fp8attn.flash_attn_func(q8, k8, v8, causal=True, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    assert o.dtype == torch.bfloat16 and o.shape == (2, 70, 4, 32)
+    # By hand: every head of a kv head's query group takes that kv head's q_descale.
+    qf = q8.float() * ds[0].repeat_interleave(2, dim=1)[:, None, :, None]
+    kf = k8.float() * ds[1][:, None, :, None]
+    vf = v8.float() * ds[2][:, None, :, None]
+    ref = fp8attn.flash_attn_func(qf, kf, vf, causal=True).to(torch.bfloat16)
+    assert torch.equal(o, ref)
+    # The failure the group mapping guards against: q_descale indexed per query head.
+    wrong = fp8attn.flash_attn_func(q8.float() * ds[0].repeat(1, 2)[:, None, :, None], kf, vf, causal=True)
+    assert not torch.equal(wrong.to(torch.bfloat16), o)
+    # No descale = 1; LSE with return_lse.
+    o1, lse = fp8attn.flash_attn_func(q8, k8, v8, return_lse=True)
+    assert torch.equal(o1, fp8attn.flash_attn_func(q8.float(), k8.float(), v8.float()).to(torch.bfloat16))
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 70)
+
+
+@pytest.mark.parametrize("kw,exc,arg", [
+    (dict(q_descale=torch.ones(2, 4)), ValueError, "q_descale"),
+    (dict(k_descale=torch.ones(2, 2, dtype=torch.float64)), ValueError, "k_descale"),
+    (dict(v_descale=torch.zeros(2, 2)), ValueError, "v_descale"),
+    (dict(v_descale=torch.full((2, 2), float("nan"))), ValueError, "v_descale"),
+    (dict(q_descale=[1.0, 2.0]), TypeError, "q_descale"),
+])
+def test_fp8_inputs_bad_descale_is_named(kw, exc, arg):
+    with pytest.raises(exc, match=rf"fp8attn.flash_attn_func: argument '{arg}'"):
+        fp8attn.flash_attn_func(*_fp8_inputs(), **kw)
+
+
+def test_fp8_inputs_must_all_be_fp8():
+    q8, k8, v8 = _fp8_inputs()
+    with pytest.raises(TypeError, match="argument 'v'"):
+        fp8attn.flash_attn_func(q8, k8, v8.float())
