@@ -619,7 +619,8 @@ def _real(x) -> Optional[float]:
 
 def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, qv, q_descale, k_descale, v_descale, attention_chunk,
-                  num_splits, pack_gqa, sm_margin, block_table=None, fp8_inputs=False) -> Tuple[bool, bool]:
+                  num_splits, pack_gqa, sm_margin, block_table=None, fp8_inputs=False,
+                  device_type="cpu") -> Tuple[bool, bool]:
     """Checks the FlashAttention arguments fp8attn has no feature for: their
     defaults (and the values FlashAttention treats the same) pass, anything else
     raises naming the argument. Returns (causal, return_attn_probs) as bools.
@@ -670,8 +671,11 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
                            *descales, ("block_table", block_table, "a paged KV cache")):
         if val is not None:
             unsupported(arg, type(val).__name__, what)
-    if as_bool("deterministic", deterministic):
-        unsupported("deterministic", True, "a bitwise run-to-run reproducible backward")
+    # The CPU reference is bitwise deterministic (for every thread count); the CUDA
+    # backward sums dQ with FP32 atomics, whose order varies from run to run.
+    if as_bool("deterministic", deterministic) and device_type != "cpu":
+        unsupported("deterministic", True, "a bitwise run-to-run reproducible backward on CUDA (the dQ "
+                                           "accumulation uses atomics; CPU tensors are deterministic)")
     return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
     if not is_int(attention_chunk) or attention_chunk < 0:
         raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
@@ -759,7 +763,7 @@ def _flash_attn_func(
     dropout_p != 0, a sliding window (a window bound in 0..seqlen_k - 1 other than
     the causal right bound 0),
     softcap != 0, alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
-    deterministic=True. A malformed value (wrong type, a window_size that is not a pair
+    deterministic=True on CUDA tensors (CPU runs are deterministic and accept it). A malformed value (wrong type, a window_size that is not a pair
     of ints) raises ValueError.
 
     Pre-quantized FP8 inputs (FlashAttention-3's FP8 forward): q, k, v float8_e4m3fn (or
@@ -776,7 +780,8 @@ def _flash_attn_func(
         "flash_attn_func", causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, fp8_inputs=fp8_in)
+        num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, fp8_inputs=fp8_in,
+        device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -319,7 +319,7 @@ def varlen_attention(
         return_lse: also return LSE (a bool); return_attn_probs (FlashAttention's
             name) does the same.
         FlashAttention's other arguments (dropout_p, window_size, softcap,
-        alibi_slopes, deterministic, seqused_q / seqused_k, qv, q_descale /
+        alibi_slopes, deterministic (on CUDA), seqused_q / seqused_k, qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
         block_table):
             the defaults and equivalent values are accepted (window_size (-1, 0)
@@ -364,7 +364,8 @@ def varlen_attention(
             _FN, causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-            num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table)
+            num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table,
+            device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu")
         if isinstance(return_lse, bool):
             return_lse = return_lse or return_attn_probs
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,

@@ -258,6 +258,12 @@ def test_other_float_dtypes_on_cuda(dtype):
     assert qh.grad.dtype == torch.float16 and torch.isfinite(qh.grad).all() and qh.grad.abs().sum() > 0
 
 
+def test_deterministic_is_refused_on_cuda():
+    q = torch.randn(1, 64, 2, 64, device="cuda").bfloat16()
+    with pytest.raises(NotImplementedError, match="argument 'deterministic'"):
+        fp8attn.flash_attn_func(q, q, q, deterministic=True)
+
+
 def test_fp8_inputs_with_descale_on_cuda():
     # FlashAttention-3's pre-quantized FP8 forward (issue #20): the kernels run on
     # x * descale (FP32, rounded to BF16 by the op) and O comes back in bfloat16.

@@ -64,7 +64,7 @@ def test_return_attn_probs_is_the_lse_and_hints_change_nothing():
 
 UNSUPPORTED = [
     ("dropout_p", 0.1), ("window_size", (16, 0)), ("window_size", (-1, 8)), ("window_size", (0, 0)),
-    ("softcap", 30.0), ("alibi_slopes", torch.ones(4)), ("deterministic", True), ("qv", torch.ones(1)),
+    ("softcap", 30.0), ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)),
     ("q_descale", torch.ones(2, 2)), ("k_descale", torch.ones(2, 2)), ("v_descale", torch.ones(2, 2)),
     ("attention_chunk", 256), ("sm_margin", 8),
 ]  # (descale factors are refused without FP8 inputs: test_fp8_inputs_* below)
@@ -279,3 +279,25 @@ def test_fp8_inputs_must_all_be_fp8():
     q8, k8, v8 = _fp8_inputs()
     with pytest.raises(TypeError, match="argument 'v'"):
         fp8attn.flash_attn_func(q8, k8, v8.float())
+
+
+@pytest.mark.parametrize("fn", ["flash_attn_func", "varlen_attention"])
+def test_deterministic_is_accepted_on_cpu_and_is_true(fn):
+    """The CPU reference is bitwise deterministic (any thread count): deterministic=True is
+    honoured there; two runs of forward + backward agree bit for bit. (On CUDA it raises
+    NotImplementedError naming it: the dQ atomics; test_cuda_head_dims.py.)"""
+    outs, before = [], torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        args = list(_bshd() if fn == "flash_attn_func" else _varlen()[:3])
+        args = [a.clone().requires_grad_() for a in args]
+        if fn == "flash_attn_func":
+            o = fp8attn.flash_attn_func(*args, causal=True, deterministic=True)
+        else:
+            _, _, _, cq, ck = _varlen()
+            o = fp8attn.varlen_attention(*args, cq, ck, 23, 23, causal=True, deterministic=True)
+        o.square().sum().backward()
+        outs.append([o.detach()] + [a.grad for a in args])
+    torch.set_num_threads(before)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
