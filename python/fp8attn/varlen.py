@@ -101,10 +101,28 @@ def _cu_values(name: str, cu: torch.Tensor, total: int, total_name: str) -> List
     return vals
 
 
+def _check_seqused(name: str, t, cu: torch.Tensor) -> None:
+    """Static checks of one seqused argument (None or int32/int64 [batch])."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(_err(_FN, name, f"must be a torch.Tensor or None, got {type(t).__name__}"))
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(_err(_FN, name, f"dtype must be int32 or int64, got {t.dtype}"))
+    if t.dim() != 1 or t.shape[0] != cu.shape[0] - 1:
+        raise ValueError(_err(_FN, name, f"must be 1-D of length batch = {cu.shape[0] - 1}, got shape "
+                                         f"{tuple(t.shape)}"))
+    if t.device.type == "meta":
+        raise ValueError(_err(_FN, name, "is a meta tensor, but its values are read on the host"))
+
+
 def _spans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
-           max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
+           max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+           seqused_q: Optional[torch.Tensor] = None,
+           seqused_k: Optional[torch.Tensor] = None) -> List[Tuple[int, int, int, int]]:
     """Value checks (run inside the ops); returns the (q_begin, q_end, k_begin,
-    k_end) token ranges of every sequence."""
+    k_end) token ranges of every sequence: its first seqused_q[b] / seqused_k[b]
+    tokens when given (FlashAttention's used lengths), else all of it."""
     cu_q = _cu_values("cu_seqlens_q", cu_seqlens_q, total_q, "total_q")
     cu_k = _cu_values("cu_seqlens_k", cu_seqlens_k, total_k, "total_k")
     _check_batch(cu_seqlens_q, cu_seqlens_k)
@@ -112,7 +130,18 @@ def _spans(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
         real = max((cu[b + 1] - cu[b] for b in range(len(cu) - 1)), default=0)
         if value is not None and value < real:
             raise ValueError(_err(_FN, name, f"is {value}, but the longest sequence has {real} tokens"))
-    return [(cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]) for b in range(len(cu_q) - 1)]
+    ends = []
+    for name, used, cu in (("seqused_q", seqused_q, cu_q), ("seqused_k", seqused_k, cu_k)):
+        if used is None:
+            ends.append(cu[1:])
+            continue
+        vals = used.tolist()   # NOTE: a device sync for CUDA tensors, as for cu_seqlens
+        for b, u in enumerate(vals):
+            if not 0 <= u <= cu[b + 1] - cu[b]:
+                raise ValueError(_err(_FN, name, f"entry {b} is {u}, outside [0, {cu[b + 1] - cu[b]}] (the "
+                                                 f"length of sequence {b} in cu_seqlens_{name[-1]})"))
+        ends.append([cu[b] + u for b, u in enumerate(vals)])
+    return [(cu_q[b], ends[0][b], cu_k[b], ends[1][b]) for b in range(len(cu_q) - 1)]
 
 
 def _seq(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
@@ -129,10 +158,12 @@ def varlen_fwd(
     max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
+    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact")."""
-    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                   seqused_q, seqused_k)
     total_q, hq, dv = q.shape[0], q.shape[1], v.shape[2]
     # Tokens outside every sequence and sequences with no query, key or head
     # keep these: O = 0, LSE = -inf (numerics.md section 1, a row seeing no key).
@@ -152,7 +183,7 @@ def varlen_fwd(
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
-                     smooth_k=False):
+                     smooth_k=False, seqused_q=None, seqused_k=None):
     total_q, hq, _ = q.shape
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -163,12 +194,13 @@ def varlen_bwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float, causal: bool, precision: str,
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
     qk_rotation: str = "none", smooth_k: bool = False,
+    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
     eps, rowsum_pre, rowsum_post) per token (0 outside the non-empty sequences),
     else an empty [0]."""
-    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)
     for qa, qb, ka, kb in spans:
@@ -189,7 +221,7 @@ def varlen_bwd(
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
-                     smooth_k=False):
+                     smooth_k=False, seqused_q=None, seqused_k=None):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -204,8 +236,10 @@ def _varlen_setup_context(ctx, inputs, output):
     scaling = inputs[14] if len(inputs) > 14 else "row"
     qk_rotation = inputs[15] if len(inputs) > 15 else "none"
     smooth_k = inputs[16] if len(inputs) > 16 else False
+    used_q = inputs[17] if len(inputs) > 17 else None
+    used_k = inputs[18] if len(inputs) > 18 else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
                 smooth_k, len(inputs))
     ctx.mark_non_differentiable(lse)
@@ -213,17 +247,17 @@ def _varlen_setup_context(ctx, inputs, output):
 
 @single_backward(_FN)
 def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
      n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
-                                                    scaling, qk_rotation, smooth_k)
+                                                    scaling, qk_rotation, smooth_k, used_q, used_k)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
-        for qa, qb, ka, kb in _spans(cu_q, cu_k, q.shape[0], k.shape[0]):
+        for qa, qb, ka, kb in _spans(cu_q, cu_k, q.shape[0], k.shape[0], seqused_q=used_q, seqused_k=used_k):
             q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
             if _is_empty(q_b, k_b):
                 continue
@@ -318,14 +352,21 @@ def varlen_attention(
             in sequence order (eager mode only, as for `attention`).
         return_lse: also return LSE (a bool); return_attn_probs (FlashAttention's
             name) does the same.
+        seqused_q, seqused_k: optional int32/int64 [batch] (FlashAttention's used
+            lengths): sequence b uses only its first seqused_q[b] query and
+            seqused_k[b] key tokens (causal bottom-right on those); its other
+            tokens are treated like tokens outside every sequence (O = 0, LSE =
+            -inf, zero gradients, their contents reach nothing). Values in [0,
+            the sequence's cu_seqlens length], checked when the op runs (read on
+            the host like cu_seqlens).
         FlashAttention's other arguments (dropout_p, window_size, softcap,
-        alibi_slopes, deterministic (on CUDA), seqused_q / seqused_k, qv, q_descale /
+        alibi_slopes, deterministic (on CUDA), qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
         block_table):
             the defaults and equivalent values are accepted (window_size (-1, 0)
             is the causal mask; num_splits and pack_gqa are scheduling hints that
             do not change the result); anything else raises NotImplementedError
-            naming the argument (seqused_q / seqused_k: not supported yet),
+            naming the argument,
             a malformed value ValueError (as `fp8attn.flash_attn_func`).
 
     Returns:
@@ -351,10 +392,6 @@ def varlen_attention(
     graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
-    for arg, val in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
-        if val is not None:
-            raise NotImplementedError(_err(_FN, arg, "per-sequence used lengths are not supported by fp8attn yet "
-                                           "(pass cu_seqlens of the used tokens)"))
     # FlashAttention clamps window bounds at max_seqlen_k; without it, at total_k (a
     # bound that large is unbounded for every sequence).
     seqlen_k = max_seqlen_k if isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) else (
@@ -389,6 +426,8 @@ def varlen_attention(
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     _check_batch(cu_seqlens_q, cu_seqlens_k)
+    _check_seqused("seqused_q", seqused_q, cu_seqlens_q)
+    _check_seqused("seqused_k", seqused_k, cu_seqlens_k)
     max_q = _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
     max_k = _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
 
@@ -397,6 +436,6 @@ def varlen_attention(
     q, k, v = _half_in(q, k, v)
     out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
-                                            scaling, qk_rotation, smooth_k)
+                                            scaling, qk_rotation, smooth_k, seqused_q, seqused_k)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

@@ -97,10 +97,54 @@ def test_malformed_arguments_raise_value_error_naming_them(fn, arg, value):
         _call(fn, **{arg: value})
 
 
-@pytest.mark.parametrize("arg", ["seqused_q", "seqused_k"])
-def test_varlen_seqused_is_refused_clearly(arg):
-    with pytest.raises(NotImplementedError, match=rf"varlen_attention: argument '{arg}'"):
-        _call("varlen_attention", **{arg: torch.tensor([10, 20], dtype=torch.int32)})
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_uses_the_first_tokens_of_each_sequence(causal):
+    """seqused_q / seqused_k (FlashAttention's used lengths): sequence b is the first
+    used_q[b] / used_k[b] tokens of its cu_seqlens span; the rest are outside every
+    sequence (O = 0, LSE = -inf, zero gradients), even when they hold NaN."""
+    q, k, v, cq, ck = _varlen()
+    uq, uk = torch.tensor([10, 23], dtype=torch.int32), torch.tensor([17, 5], dtype=torch.int64)
+    # Poison the unused tokens: they must reach nothing.
+    for t, cu, used in ((q, cq, uq), (k, ck, uk), (v, ck, uk)):
+        for b in range(2):
+            t[cu[b] + used[b]:cu[b + 1]] = float("nan")
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = fp8attn.varlen_attention(qs, ks, vs, cq, ck, 23, 23, causal=causal, seqused_q=uq, seqused_k=uk,
+                                      return_lse=True)
+    (o.nan_to_num() * torch.arange(o.numel()).view(o.shape).float().sin()).sum().backward()
+    # The reference: the used tokens packed as sequences of their own.
+    keep_q = torch.cat([torch.arange(cq[b], cq[b] + uq[b]) for b in range(2)])
+    keep_k = torch.cat([torch.arange(ck[b], ck[b] + uk[b]) for b in range(2)])
+    cq2 = torch.tensor([0, 10, 33], dtype=torch.int32)
+    ck2 = torch.tensor([0, 17, 22], dtype=torch.int32)
+    q2, k2, v2 = (t[i].clone().requires_grad_() for t, i in ((q, keep_q), (k, keep_k), (v, keep_k)))
+    o2, lse2 = fp8attn.varlen_attention(q2, k2, v2, cq2, ck2, causal=causal, return_lse=True)
+    w = torch.arange(o.numel()).view(o.shape).float().sin()[keep_q]
+    (o2 * w).sum().backward()
+    assert torch.equal(o[keep_q], o2) and torch.equal(lse[:, keep_q], lse2)
+    drop_q = torch.ones(40, dtype=torch.bool)
+    drop_q[keep_q] = False
+    drop_k = torch.ones(40, dtype=torch.bool)
+    drop_k[keep_k] = False
+    assert torch.equal(o[drop_q], torch.zeros_like(o[drop_q]))
+    assert torch.isneginf(lse[:, drop_q]).all()
+    assert torch.equal(qs.grad[keep_q], q2.grad) and torch.equal(ks.grad[keep_k], k2.grad)
+    assert torch.equal(vs.grad[keep_k], v2.grad)
+    for g, drop in ((qs.grad, drop_q), (ks.grad, drop_k), (vs.grad, drop_k)):
+        assert torch.equal(g[drop], torch.zeros_like(g[drop]))
+
+
+@pytest.mark.parametrize("kw,exc,arg", [
+    (dict(seqused_q=torch.tensor([18, 3], dtype=torch.int32)), ValueError, "seqused_q"),
+    (dict(seqused_k=torch.tensor([-1, 3], dtype=torch.int32)), ValueError, "seqused_k"),
+    (dict(seqused_k=torch.tensor([1, 3, 4], dtype=torch.int32)), ValueError, "seqused_k"),
+    (dict(seqused_q=torch.tensor([1.0, 3.0])), TypeError, "seqused_q"),
+    (dict(seqused_q=[1, 3]), TypeError, "seqused_q"),
+])
+def test_varlen_seqused_errors_name_it(kw, exc, arg):
+    q, k, v, cq, ck = _varlen()
+    with pytest.raises(exc, match=rf"varlen_attention: argument '{arg}'"):
+        fp8attn.varlen_attention(q, k, v, cq, ck, **kw)
 
 
 def test_varlen_flash_arguments_at_their_defaults_and_equivalents():
@@ -301,3 +345,12 @@ def test_deterministic_is_accepted_on_cpu_and_is_true(fn):
     torch.set_num_threads(before)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_varlen_seqused_compiles_fullgraph():
+    q, k, v, cq, ck = _varlen()
+    used = torch.tensor([10, 23], dtype=torch.int32)
+    f = torch.compile(lambda q, k, v: fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, seqused_q=used,
+                                                                seqused_k=used), fullgraph=True)
+    assert torch.equal(f(q, k, v), fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, seqused_q=used,
+                                                            seqused_k=used))
