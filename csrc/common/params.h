@@ -71,6 +71,8 @@ struct AttnParams {
   Scaling scaling = Scaling::kRow;            // FP8 recipe (numerics.md section 9); kTile: block_size = tile edge
   QkRotation qk_rotation = QkRotation::kNone; // rotate Q and K before quantization (numerics.md section 10)
   bool smooth_k = false;                      // subtract the mean key per (batch, kv head) (section 10)
+  double softcap = 0.0;  // logit softcapping (numerics.md section 12): x' = c tanh(x / c) on the scaled
+                         // logits x = tau S before the softmax; 0 = off (FlashAttention's softcap)
 
   int num_threads = 0;  // CPU reference: 0 = std::thread::hardware_concurrency()
 

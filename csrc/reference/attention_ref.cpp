@@ -247,13 +247,25 @@ float quant_hat(const float* x, int64_t n, int64_t stride, Fp8Format fmt, float*
 // "Forward P"; both scaling recipes): scales the tile's L logits by tau, folds their
 // max into the running max m, rescales the running sum l and the O accumulator acc
 // (dvd channels) by exp(m - m_new), and leaves the unnormalized exp(S - m_new) in pexp.
-inline void online_softmax_tile(float* s, int64_t L, float tau, float& m, float& l, float* acc,
+// Logit softcapping (numerics.md section 12) of the scaled logits x[0, L) in place:
+// x = c tanh(x / c); the tanh values go to t (if not null) for the backward's chain
+// factor 1 - t^2. c = 0: nothing. FP64 (exact path) and FP32 (fp8 path) alike.
+template <class T>
+inline void softcap_logits(T* x, int64_t L, T c, T* t) {
+  if (!(c > T(0))) return;
+  for (int64_t j = 0; j < L; ++j) {
+    const T th = std::tanh(x[j] / c);
+    if (t) t[j] = th;
+    x[j] = c * th;
+  }
+}
+
+inline void online_softmax_tile(float* s, int64_t L, float tau, float cap, float& m, float& l, float* acc,
                                 int64_t dvd, float* pexp) {
   float tile_max = -kInfF;
-  for (int64_t j = 0; j < L; ++j) {
-    s[j] *= tau;
-    tile_max = nan_max(tile_max, s[j]);
-  }
+  for (int64_t j = 0; j < L; ++j) s[j] *= tau;
+  softcap_logits<float>(s, L, cap, nullptr);  // numerics.md section 12 (cap = 0: off)
+  for (int64_t j = 0; j < L; ++j) tile_max = nan_max(tile_max, s[j]);
   const float m_new = nan_max(m, tile_max);
   const float alpha = std::exp(m - m_new);
   float tile_sum = 0.f;
@@ -774,6 +786,7 @@ void exact_forward(const AttnParams& p, const Geometry& g, const TensorView& q, 
       }
       load_row(q, b, i, hq, g.d, qrow.data());
       exact_logits(qrow.data(), k_t.data(), g.Sk, g.d, L, tau, s.data());
+      softcap_logits<double>(s.data(), L, p.softcap, nullptr);
       const double lse_i = exact_softmax(s.data(), L);
       gemv_t(s.data(), L, vf.data(), g.dv, g.dv, orow.data());  // O = P V
       lse[g.lse_index(b, hq, i)] = static_cast<float>(lse_i);
@@ -797,7 +810,7 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
     transpose(vf.data(), Sk, dvd, v_t.data());
     std::vector<double> dk_acc(Sk * d, 0.0), dv_acc(Sk * dvd, 0.0);
     std::vector<double> qrow(d), dorow(dvd), dqrow(d), P(std::max<int64_t>(Sk, 1)),
-        dP(std::max<int64_t>(Sk, 1));
+        dP(std::max<int64_t>(Sk, 1)), tcap(p.softcap > 0.0 ? std::max<int64_t>(Sk, 1) : 0);
     for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
       for (int64_t i = 0; i < g.Sq; ++i) {
         const int64_t L = g.visible_keys(i);
@@ -808,15 +821,18 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
           load_row(dout, b, i, hq, dvd, dorow.data());
           // S, P (LSE recomputed in FP64), dP = dO V^T.
           exact_logits(qrow.data(), k_t.data(), Sk, d, L, tau, P.data());
+          softcap_logits<double>(P.data(), L, p.softcap, tcap.data());
           exact_softmax(P.data(), L);
           gemv_t(dorow.data(), dvd, v_t.data(), Sk, L, dP.data());
           for (int64_t j = 0; j < L; ++j) delta += P[j] * dP[j];
           // dS = P o (dP - delta) (stored in dP); dQ = tau dS K, dK += dS^T q, dV += P^T dO.
           for (int64_t j = 0; j < L; ++j) {
             const double ds = P[j] * (dP[j] - delta);
-            dP[j] = ds;
+            // Row sums of the softmax-input gradient (the invariant); softcap's chain
+            // factor 1 - t^2 then maps it to the gradient of the uncapped logits.
             sum_ds += ds;
             sum_abs_ds += std::fabs(ds);
+            dP[j] = p.softcap > 0.0 ? ds * (1.0 - tcap[j] * tcap[j]) : ds;
           }
           gemv_t(dP.data(), L, kf.data(), d, d, dqrow.data());
           for (int64_t c = 0; c < d; ++c) dqrow[c] *= tau;
@@ -864,6 +880,7 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
                  const TensorView& v, const TensorView& o, float* lse) {
   const int64_t B = p.block_size, Sk = g.Sk, d = g.d, dvd = g.dv;
   const float tau = static_cast<float>(p.softmax_scale);
+  const float cap = static_cast<float>(p.softcap);  // numerics.md section 12
   const Fp8Format e4m3 = Fp8Format::kE4M3;
 
   // Pre-quantize K and V once per (batch, kv head).
@@ -905,7 +922,7 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
         const int64_t j0 = t * B, L = std::min(B, nvis - j0);
         rowblock_dots(qhat.data(), qscale.data(), kvh.k_rows.hat_t.data() + j0,
                       kvh.k_rows.scale_t.data() + j0, Sk, d, B, L, s.data());
-        online_softmax_tile(s.data(), L, tau, m, l, acc.data(), dvd, pexp.data());
+        online_softmax_tile(s.data(), L, tau, cap, m, l, acc.data(), dvd, pexp.data());
         // P tile: one block of #2's P operand (masked keys are zeros, which
         // do not change the block); V per channel along keys (#2).
         const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
@@ -928,6 +945,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
   const int64_t B = p.block_size, Sq = g.Sq, Sk = g.Sk, d = g.d, dvd = g.dv;
   const int64_t Bds = ds_row_block(B);
   const float tau = static_cast<float>(p.softmax_scale);
+  const float cap = static_cast<float>(p.softcap);  // numerics.md section 12
   const Fp8Format e4m3 = Fp8Format::kE4M3, gf = p.grad_format;
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
@@ -953,6 +971,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
     std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
     // Per-head and per-tile scratch.
     std::vector<float> qf(Sq * d), dof(Sq * dvd), of(need_o ? Sq * dvd : 0);
+    std::vector<float> tcap(cap > 0.f ? std::max<int64_t>(Sk, 1) : 0);  // tanh of one row (softcap)
     std::vector<float> Pt(B * Sk), dSt(B * Sk), dProw(std::max<int64_t>(Sk, 1)), dq_acc(d), hat(B),
         mix_hat(B * std::max(d, dvd)), mix_scale(std::max(d, dvd));
     RowBlocked q_rows, do_rows;
@@ -987,6 +1006,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             rowblock_dots(q_rows.hat.data() + i * d, q_rows.scale.data() + i * nbd,
                           k_rows.hat_t.data(), k_rows.scale_t.data(), Sk, d, B, nvis, P);
             for (int64_t j = 0; j < nvis; ++j) P[j] *= tau;
+            softcap_logits<float>(P, nvis, cap, tcap.data());  // numerics.md section 12
             rowblock_dots(do_rows.hat.data() + i * dvd, do_rows.scale.data() + i * nbv,
                           v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
                           dProw.data());
@@ -1018,6 +1038,10 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                 pre_sum += dS[j];
                 pre_abs += std::fabs(dS[j]);
               }
+            // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
+            // is what matmuls #6 and #7 quantize.
+            if (cap > 0.f)
+              for (int64_t j = 0; j < nvis; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
             // #6 dQ = dS K: K per channel along keys in B-blocks (visible
             // prefix of the last one only); dS per query row along keys in
             // sub-blocks of Bds = min(B, 64) keys (grad_format), each promoted
@@ -1088,6 +1112,7 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
                       const TensorView& k, const TensorView& v, const TensorView& o, float* lse) {
   const int64_t B = p.block_size, Sk = g.Sk, d = g.d, dvd = g.dv;
   const float tau = static_cast<float>(p.softmax_scale);
+  const float cap = static_cast<float>(p.softcap);  // numerics.md section 12
   const Fp8Format e4m3 = Fp8Format::kE4M3;
 
   // K (#1) and V (#2): one scale per tile of B keys, all of head_dim.
@@ -1126,7 +1151,7 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
         const int64_t j0 = t * B, L = std::min(B, nvis - j0);
         const TileView kt = visible_tile(kvh.k, t, j0, j0 + L, mix, mix_t);
         tile_dots(qhat.data(), sq, kt.hat_t, kt.ld_t, d, kt.scale, L, s.data());
-        online_softmax_tile(s.data(), L, tau, m, l, acc.data(), dvd, pexp.data());
+        online_softmax_tile(s.data(), L, tau, cap, m, l, acc.data(), dvd, pexp.data());
         // P per (row, key tile), dynamic (its amax is exp(tile_max - m_new));
         // V one scale per key tile.
         const float sp = quant_hat(pexp.data(), L, 1, e4m3, phat.data(), 1);
@@ -1147,6 +1172,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
                        const BackwardDiagnostics* diag) {
   const int64_t B = p.block_size, Sq = g.Sq, Sk = g.Sk, d = g.d, dvd = g.dv;
   const float tau = static_cast<float>(p.softmax_scale);
+  const float cap = static_cast<float>(p.softcap);  // numerics.md section 12
   const Fp8Format e4m3 = Fp8Format::kE4M3, gf = p.grad_format;
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
@@ -1169,6 +1195,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
     std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
     std::vector<float> qf(Sq * d), dof(Sq * dvd), of(need_o ? Sq * dvd : 0);
     std::vector<float> qhat(Sq * d), sq(Sq), dohat(Sq * dvd), sdo(Sq);
+    std::vector<float> tcap(cap > 0.f ? std::max<int64_t>(Sk, 1) : 0);  // tanh of one row (softcap)
     std::vector<float> Pt(B * Sk), dSt(B * Sk), dProw(std::max<int64_t>(Sk, 1)), dq_acc(d),
         hat(B), sbv(std::max(d, dvd)), rmP(B), rmS(B), mix, mix_t;
     TileBlocked q_t, do_t;
@@ -1210,6 +1237,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               tile_dots(dohat.data() + i * dvd, sdo[i], vt.hat_t, vt.ld_t, dvd, vt.scale, L,
                         dProw.data() + j0);
             }
+            softcap_logits<float>(P, nvis, cap, tcap.data());  // numerics.md section 12
             // P and delta (numerics.md section 4); dS's row is scratch.
             // Sharded keys (numerics.md section 11): partial sums only, or the delta given.
             if (sums_only) {
@@ -1237,6 +1265,10 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
                 pre_sum += dS[j];
                 pre_abs += std::fabs(dS[j]);
               }
+            // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
+            // is what matmuls #6 and #7 quantize.
+            if (cap > 0.f)
+              for (int64_t j = 0; j < nvis; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
             // #6 dQ = dS K: dS one scale per (row, key tile), K per key tile.
             for (int64_t t = 0; t * B < nvis; ++t) {
               const int64_t j0 = t * B, L = std::min(B, nvis - j0);
@@ -1564,6 +1596,10 @@ void check_attention_params(const AttnParams& p) {
   const int rot = static_cast<int>(p.qk_rotation);
   FP8ATTN_CHECK_ARG(rot == 0 || rot == 1, "qk_rotation",
                     "must be QkRotation::kNone or kHadamard, got enum value ", rot);
+  FP8ATTN_CHECK_ARG(std::isfinite(p.softcap) && p.softcap >= 0.0, "softcap",
+                    "must be finite and >= 0 (0 = off), got ", p.softcap);
+  FP8ATTN_CHECK_ARG(!(p.softcap > 0.0 && p.smooth_k), "softcap",
+                    "cannot be combined with smooth_k (softcapping is not invariant to the mean-key shift)");
   FP8ATTN_CHECK_ARG(p.num_threads >= 0, "num_threads", "must be >= 0 (0 = all cores), got ",
                     p.num_threads);
 }

@@ -81,6 +81,12 @@
 // With smooth_k a non-finite key makes every row of its (batch, kv head)
 // that sees a key NaN.
 //
+// Logit softcapping (numerics.md section 12; both precisions, both scalings):
+// p.softcap = c > 0 replaces the scaled logits x = tau S by c tanh(x / c) before
+// the softmax; the backward multiplies the softmax-input gradient by
+// 1 - tanh^2(x / c) before the dS quantizations (rowsum_pre diagnostics are of the
+// softmax-input gradient). Not with smooth_k.
+//
 // Errors: ArgumentError (common/error.h) naming the offending argument.
 #pragma once
 

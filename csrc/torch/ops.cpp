@@ -14,12 +14,13 @@
 TORCH_LIBRARY(fp8attn, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, str precision, "
-      "int block_size, str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False) "
+      "int block_size, str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, float softcap=0.0) "
       "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
-      "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None) "
+      "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None, "
+      "float softcap=0.0) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
   // Context parallelism (numerics.md section 11): `bwd` with `delta` (float32
   // [B, Hq, Sq], delta_mode "delta_matching", precision "fp8") takes that delta for

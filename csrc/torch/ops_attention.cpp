@@ -73,6 +73,11 @@ void check_dim(const at::Tensor& t, int dim, int64_t expected, const char* name,
 
 // Fills the problem sizes from q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv]
 // and checks that they agree.
+void check_softcap(double softcap) {
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "fp8attn: argument 'softcap': must be finite and >= 0 (0 = off), got ", softcap);
+}
+
 AttnParams make_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        double softmax_scale, bool causal, c10::string_view precision,
                        int64_t block_size) {
@@ -150,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
                                            const at::Tensor& v_in, double softmax_scale,
                                            bool causal, c10::string_view precision,
                                            int64_t block_size, c10::string_view scaling,
-                                           c10::string_view qk_rotation, bool smooth_k) {
+                                           c10::string_view qk_rotation, bool smooth_k, double softcap) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -158,6 +163,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
   p.scaling = parse_scaling(scaling);
   p.qk_rotation = parse_qk_rotation(qk_rotation);
   p.smooth_k = smooth_k;
+  check_softcap(softcap);
+  p.softcap = softcap;
 
   at::Tensor out = at::empty({p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v}, q.options());
   at::Tensor lse = at::empty({p.batch, p.num_heads_q, p.seqlen_q}, q.options().dtype(at::kFloat));
@@ -182,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in) {
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in, double softcap) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -191,6 +198,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.qk_rotation = parse_qk_rotation(qk_rotation);
   p.smooth_k = smooth_k;
   p.delta_mode = parse_delta_mode(delta_mode);
+  check_softcap(softcap);
+  p.softcap = softcap;
   at::Tensor delta_given;
   ShardedDelta sharded;
   if (delta_in.has_value() && delta_in->defined()) {

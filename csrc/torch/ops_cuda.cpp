@@ -405,10 +405,19 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
 
 // fwd: out [B,Hq,Sq,Dv] contiguous in q's dtype, lse float32 [B,Hq,Sq]
 // (numerics.md s.1-3; padded head dims: s.7).
+// Logit softcapping (numerics.md section 12) runs on the CPU reference only so far.
+void check_no_softcap(double softcap) {
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
+                    "fp8attn: argument 'softcap': must be finite and >= 0 (0 = off), got ", softcap);
+  TORCH_CHECK_NOT_IMPLEMENTED(softcap == 0.0, "fp8attn: argument 'softcap': logit softcapping has no CUDA kernel "
+                              "yet (CPU tensors run it on the reference), got ", softcap);
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
                                             int64_t block_size, c10::string_view scaling,
-                                            c10::string_view qk_rotation, bool smooth_k) {
+                                            c10::string_view qk_rotation, bool smooth_k, double softcap) {
+  check_no_softcap(softcap);
   const Scaling recipe = parse_scaling(scaling);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
@@ -663,7 +672,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta) {
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap) {
+  check_no_softcap(softcap);
   return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size, grad_format,
                        diagnostics, scaling, qk_rotation, smooth_k, delta, false);
 }

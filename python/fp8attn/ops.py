@@ -273,7 +273,7 @@ def _check_one_device(fn: str, **tensors) -> None:
 
 @torch.library.register_fake("fp8attn::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row", qk_rotation="none",
-              smooth_k=False):
+              smooth_k=False, softcap=0.0):
     _check_one_device("fwd", q=q, k=k, v=v)
     B, Hq, Sq, _ = q.shape
     out = q.new_empty((B, Hq, Sq, v.shape[3]))
@@ -283,7 +283,8 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
-              grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False, delta=None):
+              grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False, delta=None,
+              softcap=0.0):
     _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse,
                       **({} if delta is None else {"delta": delta}))
     B, Hq, Sq, _ = q.shape
@@ -307,22 +308,25 @@ def _has_transform(qk_rotation: str, smooth_k: bool) -> bool:
 
 
 def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
-           unfused: Optional[bool] = None):
+           unfused: Optional[bool] = None, softcap: float = 0.0):
     """torch.ops.fp8attn.fwd with the outlier transforms (numerics.md section 10)
     wherever they run: fused in the CPU reference (the raw op's qk_rotation /
     smooth_k), or, on CUDA (unfused=None picks by device; True forces it, for
     the CPU consistency tests; fp8 path only), applied around the raw op with
     torch ops: Q', K' = qk_transform.transform_qk, then the kernel, then the LSE
-    shifted back to that of the untransformed logits. Returns (O, LSE)."""
+    shifted back to that of the untransformed logits. softcap: numerics.md section 12.
+    Returns (O, LSE)."""
     if not _has_transform(qk_rotation, smooth_k):
-        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling)
+        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap)
     if unfused is None:
         unfused = q.device.type == "cuda"
     if not unfused:
-        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
+        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
+                                     softcap)
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
     w = _unfused_dtype(q)
-    out, lse = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling)
+    out, lse = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
+                                     softcap=softcap)
     if mean is not None:
         lse = _qkt.shift_lse(lse, q, mean, scale, +1)
     return out.to(q.dtype), lse
@@ -339,31 +343,32 @@ def _unfused_dtype(q: torch.Tensor):
 
 
 def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size, grad_format, diagnostics,
-           scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None):
+           scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None, softcap: float = 0.0):
     """torch.ops.fp8attn.bwd with the outlier transforms, as `fwd_op`: the
     unfused path recomputes Q', K' (deterministic), shifts the LSE to that of
     the smoothed logits, runs the raw op and maps dQ', dK' back
     (qk_transform.map_grads_back). Returns (dQ, dK, dV, diag)."""
     if not _has_transform(qk_rotation, smooth_k):
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                                     grad_format, diagnostics, scaling)
+                                     grad_format, diagnostics, scaling, softcap=softcap)
     if unfused is None:
         unfused = q.device.type == "cuda"
     if not unfused:
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                                     grad_format, diagnostics, scaling, qk_rotation, smooth_k)
+                                     grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap)
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
     if mean is not None:
         lse = _qkt.shift_lse(lse, q, mean, scale, -1)
     w = _unfused_dtype(q)
     dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
                                                  causal, precision, delta_mode, block_size, grad_format, diagnostics,
-                                                 scaling)
+                                                 scaling, softcap=softcap)
     dq, dk = _qkt.map_grads_back(dq_t, dk_t, qk_rotation, smooth_k, q.dtype, k.dtype)
     return dq, dk, dv.to(v.dtype), diag
 
 
-def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False):
+def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
+             softcap=0.0):
     if _is_empty(q, k):
         # Nothing to compute, or no key at all: every row sees no key, so
         # O = 0 and LSE = -inf (numerics.md section 1).
@@ -371,16 +376,16 @@ def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_ro
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
         return out, lse
-    return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
+    return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap=softcap)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False):
+              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
     dq, dk, dv, diag = bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                              grad_format, want_diag, scaling, qk_rotation, smooth_k)
+                              grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
                                        layer_name, scaling, qk_rotation, smooth_k))
@@ -445,11 +450,11 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
-                scaling="row", qk_rotation="none", smooth_k=False):
-        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k)
+                scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0):
+        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling,
-                    qk_rotation, smooth_k)
+                    qk_rotation, smooth_k, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -458,10 +463,10 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling, qk_rotation,
-         smooth_k) = ctx.opts
+         smooth_k, softcap) = ctx.opts
         dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode,
-                               block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k)
-        return (dq, dk, dv) + (None,) * 10
+                               block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k, softcap)
+        return (dq, dk, dv) + (None,) * 11
 
 
 # Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
@@ -470,18 +475,19 @@ def _fwd_setup_context(ctx, inputs, output):
     scaling = inputs[7] if len(inputs) > 7 else "row"
     qk_rotation = inputs[8] if len(inputs) > 8 else "none"
     smooth_k = inputs[9] if len(inputs) > 9 else False
+    softcap = inputs[10] if len(inputs) > 10 else 0.0
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.opts = (scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, len(inputs))
+    ctx.opts = (scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
 @single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, n_inputs = ctx.opts
+    scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, n_inputs = ctx.opts
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
-                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k)
+                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k, softcap)
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
@@ -507,6 +513,7 @@ def attention(
     scaling: str = "row",
     qk_rotation: str = "none",
     smooth_k: bool = False,
+    softcap: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
 
@@ -569,6 +576,11 @@ def attention(
             CPU: fused in the reference; CUDA: applied around the kernels with
             torch ops (unfused: extra memory traffic, Q' and K' rounded to
             bfloat16 for the kernels, dQ' and dK' come back in bfloat16).
+        softcap: logit softcapping (numerics.md section 12; FlashAttention's
+            softcap): the scaled logits x = softmax_scale * Q K^T become
+            softcap * tanh(x / softcap) before the softmax; 0 (default) = off.
+            A real number >= 0. CPU tensors only so far (CUDA:
+            NotImplementedError naming it); not with smooth_k (ValueError).
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -597,14 +609,33 @@ def attention(
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
                                  qk_rotation=qk_rotation, smooth_k=smooth_k)
     check_inputs(q, k, v, op_precision)
+    cap = check_softcap(softcap, smooth_k, q.device.type)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
-                                        grad_format, layer_name, scaling, qk_rotation, smooth_k)
+                                        grad_format, layer_name, scaling, qk_rotation, smooth_k, cap)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out
+
+
+def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attention") -> float:
+    """softcap as a float (numerics.md section 12): a real number, finite, >= 0 (0 =
+    off); not with smooth_k (the mean key shifts the logits before the cap, which
+    the cap no longer ignores); CUDA tensors: 0 only (no kernel yet)."""
+    cap = _real(softcap)
+    if cap is None:
+        raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got {cap}"))
+    if cap > 0 and smooth_k:
+        raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
+                                             "invariant to the mean-key shift of the logits)"))
+    if cap > 0 and device_type == "cuda":
+        raise NotImplementedError(_err(fn, "softcap", f"logit softcapping has no CUDA kernel yet (CPU tensors run "
+                                                      f"it on the reference), got {cap}"))
+    return cap
 
 
 def _real(x) -> Optional[float]:
@@ -620,7 +651,7 @@ def _real(x) -> Optional[float]:
 def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, qv, q_descale, k_descale, v_descale, attention_chunk,
                   num_splits, pack_gqa, sm_margin, block_table=None, fp8_inputs=False,
-                  device_type="cpu") -> Tuple[bool, bool]:
+                  device_type="cpu", softcap_ok=False) -> Tuple[bool, bool]:
     """Checks the FlashAttention arguments fp8attn has no feature for: their
     defaults (and the values FlashAttention treats the same) pass, anything else
     raises naming the argument. Returns (causal, return_attn_probs) as bools.
@@ -662,7 +693,7 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
     cap = _real(softcap)
     if cap is None:
         raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
-    if cap != 0:
+    if cap != 0 and not softcap_ok:
         unsupported("softcap", cap, "logit softcapping (softcap != 0)")
     descales = () if fp8_inputs else (("q_descale", q_descale, "pre-quantized FP8 input"),
                                       ("k_descale", k_descale, "pre-quantized FP8 input"),
@@ -761,8 +792,8 @@ def _flash_attn_func(
     `pack_gqa` are scheduling hints that do not change the result; fp8attn keeps its
     own schedule. Not supported, each raising NotImplementedError naming the argument:
     dropout_p != 0, a sliding window (a window bound in 0..seqlen_k - 1 other than
-    the causal right bound 0),
-    softcap != 0, alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
+    the causal right bound 0), softcap != 0 on CUDA tensors (CPU tensors run it:
+    `attention`'s softcap), alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
     deterministic=True on CUDA tensors (CPU runs are deterministic and accept it). A malformed value (wrong type, a window_size that is not a pair
     of ints) raises ValueError.
 
@@ -781,7 +812,7 @@ def _flash_attn_func(
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
         num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, fp8_inputs=fp8_in,
-        device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu")
+        device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu", softcap_ok=True)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -793,7 +824,8 @@ def _flash_attn_func(
     res = _renamed_errors("flash_attn_func", lambda: attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
         delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
-        return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k))
+        return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k,
+        softcap=softcap))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
     if fp8_in:   # FlashAttention-3's FP8 forward returns O in bfloat16

@@ -1,0 +1,138 @@
+"""Logit softcapping (numerics.md section 12; FlashAttention's softcap) on the CPU
+reference: x = softmax_scale * Q K^T becomes softcap * tanh(x / softcap) before the
+softmax, and the backward multiplies the softmax-input gradient by 1 - tanh^2.
+
+- the exact path equals a float64 autograd implementation written here from the
+  formula (O, dQ, dK, dV), causal or not, GQA;
+- the fp8 path (both recipes) is within its usual FP8 error of the capped exact
+  result and far from the uncapped one (a kernel that ignored softcap would fail);
+- Delta-Matching keeps the zero row sums of the softmax-input gradient with softcap
+  (diagnostics rowsum_pre), stale does not (section 6 rule);
+- flash_attn_func takes softcap; errors name it (bad values, smooth_k, CUDA: no kernel).
+"""
+import math
+
+import pytest
+import torch
+
+import fp8attn
+from fp8attn import diagnostics
+
+
+def _inputs(seed=0, b=1, hq=4, hkv=2, s=150, d=32, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, s, d, generator=g) * scale for h in (hq, hkv))
+    v = torch.randn(b, hkv, s, d, generator=g)
+    do = torch.randn(b, hq, s, d, generator=g)
+    return q, k, v, do
+
+
+def _naive(q, k, v, do, cap, causal):
+    q, k, v = (t.double().clone().requires_grad_() for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    x = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if cap:
+        x = cap * torch.tanh(x / cap)
+    if causal:
+        x = x.masked_fill(torch.ones(x.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    o = torch.softmax(x, -1) @ v.repeat_interleave(g, 1)
+    o.backward(do.double())
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _run(q, k, v, do, cap, causal, **kw):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    o = fp8attn.attention(q, k, v, causal=causal, softcap=cap, **kw)
+    o.backward(do.to(o.dtype))
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_path_is_the_formula(causal):
+    q, k, v, do = _inputs()
+    ref = _naive(q, k, v, do, 5.0, causal)
+    got = _run(q.double(), k.double(), v.double(), do.double(), 5.0, causal, precision="exact")
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < 1e-10
+    # softcap = 0 is off
+    off = _run(q.double(), k.double(), v.double(), do.double(), 0.0, causal, precision="exact")
+    for a, b in zip(off, _naive(q, k, v, do, 0.0, causal)):
+        assert _rel(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("scaling", ["row", "tile"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_path_follows_the_capped_softmax(scaling, causal):
+    q, k, v, do = _inputs(1)
+    cap = 3.0   # logits have std ~ 4 here: the cap changes the softmax a lot
+    capped, plain = _naive(q, k, v, do, cap, causal), _naive(q, k, v, do, 0.0, causal)
+    got = _run(q, k, v, do, cap, causal, scaling=scaling)
+    got_plain = _run(q, k, v, do, 0.0, causal, scaling=scaling)
+    for name, a, c, p, ap in zip(("O", "dQ", "dK", "dV"), got, capped, plain, got_plain):
+        # The FP8 error with the cap is no larger than the FP8 error without it on the
+        # same inputs (measured 0.050-0.083 vs 0.076-0.124: the cap narrows the logits).
+        err, err_plain, sep = _rel(a, c), _rel(ap, p), _rel(p, c)
+        assert err < 1.1 * err_plain, (name, err, err_plain)
+        assert sep > 5 * err, (name, err, sep)   # a path that ignored softcap is this far off
+
+
+def test_delta_matching_row_sums_with_softcap():
+    q, k, v, do = _inputs(2, scale=1.0)
+    res = {}
+    for mode in ("delta_matching", "stale"):
+        with diagnostics.record(keep_raw=True) as rec:
+            _run(q.bfloat16(), k.bfloat16(), v.bfloat16(), do.bfloat16(), 4.0, True, delta_mode=mode)
+        res[mode] = rec.records[0]["rowsum_pre_mean"]
+    assert res["delta_matching"] < 1e-5, res
+    assert res["stale"] > 10 * res["delta_matching"], res
+
+
+def test_flash_attn_func_and_the_raw_op_take_softcap():
+    q, k, v, do = _inputs(3)
+    o = fp8attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softcap=4.0)
+    assert torch.equal(o.transpose(1, 2), fp8attn.attention(q, k, v, causal=True, softcap=4.0))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = torch.ops.fp8attn.fwd(qr, kr, vr, 32 ** -0.5, True, "fp8", 128, softcap=4.0)
+    out.backward(do)
+    ref = _run(q, k, v, do, 4.0, True)
+    for a, b in zip((out.detach(), qr.grad, kr.grad, vr.grad), ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("value,exc", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                       ("big", TypeError), (True, TypeError)])
+def test_bad_softcap_is_named(value, exc):
+    q, k, v, _ = _inputs()
+    with pytest.raises(exc, match="argument 'softcap'"):
+        fp8attn.attention(q, k, v, softcap=value)
+
+
+def test_softcap_with_smooth_k_is_refused():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="argument 'softcap'.*smooth_k"):
+        fp8attn.attention(q, k, v, softcap=5.0, smooth_k=True)
+    with pytest.raises(ValueError, match="'softcap'"):
+        torch.ops.fp8attn.fwd(q, k, v, 0.2, False, "fp8", 128, "row", "none", True, 5.0)
+
+
+def test_varlen_still_refuses_softcap():
+    q = torch.randn(20, 2, 32)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="varlen_attention: argument 'softcap'"):
+        fp8attn.varlen_attention(q, q, q, cu, cu, softcap=5.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_softcap_on_cuda_is_refused_naming_it():
+    q = torch.randn(1, 2, 64, 64, device="cuda").bfloat16()
+    with pytest.raises(NotImplementedError, match="argument 'softcap'"):
+        fp8attn.attention(q, q, q, softcap=5.0)
+    with pytest.raises(NotImplementedError, match="'softcap'"):
+        torch.ops.fp8attn.fwd(q, q, q, 0.125, False, "fp8", 128, softcap=5.0)
