@@ -30,7 +30,7 @@ TORCH_LIBRARY(fp8attn, m) {
   // the forward's (global) lse.
   m.def(
       "bwd_dm_sums(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, float softmax_scale, bool causal, "
-      "int block_size, str grad_format, str scaling=\"row\") -> (Tensor sum_pdp, Tensor sum_p)");
+      "int block_size, str grad_format, str scaling=\"row\", float softcap=0.0) -> (Tensor sum_pdp, Tensor sum_p)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");

@@ -275,13 +275,15 @@ std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cpu(const at::Tensor& dout_in, co
                                                    const at::Tensor& k_in, const at::Tensor& v_in,
                                                    const at::Tensor& lse_in, double softmax_scale, bool causal,
                                                    int64_t block_size, c10::string_view grad_format,
-                                                   c10::string_view scaling) {
+                                                   c10::string_view scaling, double softcap) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
   AttnParams p = make_params(q, k, v, softmax_scale, causal, "fp8", block_size);
   p.scaling = parse_scaling(scaling);
   p.grad_format = parse_grad_format(grad_format);
+  check_softcap(softcap);
+  p.softcap = softcap;
   const at::Tensor dout = prepare(dout_in, "dout");
   TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "fp8attn: argument 'dout': expected q's dtype ",
                    q.scalar_type(), ", got ", dout.scalar_type());

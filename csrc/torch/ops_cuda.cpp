@@ -684,7 +684,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& lse, double softmax_scale,
                                                     bool causal, int64_t block_size, c10::string_view grad_format,
-                                                    c10::string_view scaling) {
+                                                    c10::string_view scaling, double softcap) {
+  check_no_softcap(softcap);
   auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, causal, "fp8", "delta_matching", block_size,
                          grad_format, false, scaling, "none", false, c10::nullopt, true);
   return {std::get<0>(r), std::get<1>(r)};

@@ -247,7 +247,7 @@ def _merge(o_acc, lse_acc, o, lse):
     lse_acc.copy_(new)
 
 
-def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling):
+def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling, softcap=0.0):
     Sq = q.shape[2]
     q_split = ring.split(ring.rank, Sq)
     o_acc = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32, device=q.device)
@@ -261,7 +261,7 @@ def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling):
             reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
             o, lse = torch.ops.fp8attn.fwd(q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
-                                           scale, pc, "fp8", block_size, scaling)
+                                           scale, pc, "fp8", block_size, scaling, softcap=softcap)
             _merge(o_acc.narrow(2, qo, ql), lse_acc.narrow(2, qo, ql), o, lse)
         for r in reqs:
             r.wait()
@@ -270,7 +270,7 @@ def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling):
     return o_acc, lse_acc
 
 
-def ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling):
+def ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling, softcap=0.0):
     """The Delta-Matching pre-pass ring: global (sum_j P dP_hat, sum_j P) of this rank's rows (FP32)."""
     q_split = ring.split(ring.rank, q.shape[2])
     pdp = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -285,7 +285,7 @@ def ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_forma
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
             s1, s2 = torch.ops.fp8attn.bwd_dm_sums(
                 dout.narrow(2, qo, ql), q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
-                lse.narrow(2, qo, ql).contiguous(), scale, pc, block_size, grad_format, scaling)
+                lse.narrow(2, qo, ql).contiguous(), scale, pc, block_size, grad_format, scaling, softcap=softcap)
             pdp.narrow(2, qo, ql).add_(s1)
             psum.narrow(2, qo, ql).add_(s2)
         for r in reqs:
@@ -303,12 +303,13 @@ def global_delta(pdp: torch.Tensor, psum: torch.Tensor, lse: torch.Tensor) -> Tu
     return delta, lse_b
 
 
-def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, block_size, grad_format, scaling):
+def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, block_size, grad_format, scaling,
+                   softcap=0.0):
     Sq = q.shape[2]
     q_split = ring.split(ring.rank, Sq)
     dm = delta_mode == "delta_matching"
     if dm:
-        pdp, psum = ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling)
+        pdp, psum = ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_format, scaling, softcap)
         delta, lse_b = global_delta(pdp, psum, lse)
     else:
         delta, lse_b = None, lse
@@ -333,7 +334,7 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
             dq_p, dk_p, dv_p, _ = torch.ops.fp8attn.bwd(
                 dout.narrow(*sl), q.narrow(*sl), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
                 out.narrow(*sl), lse_b.narrow(*sl).contiguous(), scale, pc, "fp8", delta_mode, block_size,
-                grad_format, False, scaling, **extra)
+                grad_format, False, scaling, softcap=softcap, **extra)
             dq.narrow(*sl).add_(dq_p.float())
             dk_loc.narrow(2, ko, kl).add_(dk_p.float())
             dv_loc.narrow(2, ko, kl).add_(dv_p.float())
@@ -391,23 +392,24 @@ def _transform_qk(q, k, group, qk_rotation: str, smooth_k: bool, seqlen: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, scale, causal, delta_mode, block_size, grad_format, scaling, align):
+    def forward(ctx, q, k, v, group, layout, scale, causal, delta_mode, block_size, grad_format, scaling, align,
+                softcap=0.0):
         ring = _Ring(group, layout, q.shape[2], q.device, align)
-        o, lse = _ring_forward(ring, q, k, v, scale, causal, block_size, scaling)
+        o, lse = _ring_forward(ring, q, k, v, scale, causal, block_size, scaling, softcap)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
-        ctx.opts = (scale, causal, delta_mode, block_size, grad_format, scaling)
+        ctx.opts = (scale, causal, delta_mode, block_size, grad_format, scaling, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, delta_mode, block_size, grad_format, scaling = ctx.opts
+        scale, causal, delta_mode, block_size, grad_format, scaling, softcap = ctx.opts
         dq, dk, dv = _ring_backward(ctx.ring, dout.contiguous().to(q.dtype), q, k, v, out, lse, scale, causal,
-                                    delta_mode, block_size, grad_format, scaling)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 9
+                                    delta_mode, block_size, grad_format, scaling, softcap)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
 
 
 def ring_attention(
@@ -428,6 +430,7 @@ def ring_attention(
     qk_rotation: str = "none",
     smooth_k: bool = False,
     chunk_align: Optional[int] = None,
+    softcap: float = 0.0,
 ):
     """FP8 attention over a sequence sharded across ``group`` (numerics.md section 11).
 
@@ -458,6 +461,9 @@ def ring_attention(
             K' = (K - m) R with m the mean key over the whole sequence (an
             all-reduce), gradients mapped back through both; with return_lse the
             LSE is that of the untransformed logits.
+        softcap: logit softcapping as in ``fp8attn.attention`` (numerics.md
+            section 12; CPU tensors only so far), in every shard's calls and
+            pre-pass.
 
     Returns:
         O: this rank's shard of the output, [batch, num_heads_q, seqlen_local,
@@ -480,6 +486,7 @@ def ring_attention(
                        block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
                        scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k, fn=name)
     _ops.check_inputs(q, k, v, precision, fn=name)
+    cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name)
     _group_info(group)   # RuntimeError when torch.distributed is not initialized
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}: argument 'k': self-attention shards: seqlen of q ({q.shape[2]}) and k "
@@ -498,7 +505,7 @@ def ring_attention(
         q_in = q
         q, k, mean = _transform_qk(q, k, group, qk_rotation, smooth_k, int(n_total.item()))
     out, lse = _RingAttention.apply(q, k, v, group, layout, scale, bool(causal), delta_mode, int(block_size),
-                                    grad_format, scaling, align)
+                                    grad_format, scaling, align, cap)
     if mean is not None and return_lse:   # the LSE of the unsmoothed logits (section 10)
         from . import qk_transform as qkt
         lse = qkt.shift_lse(lse, q_in.detach(), mean.detach(), scale, +1)

@@ -294,7 +294,8 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 
 
 @torch.library.register_fake("fp8attn::bwd_dm_sums")
-def _bwd_dm_sums_fake(dout, q, k, v, lse, softmax_scale, causal, block_size, grad_format, scaling="row"):
+def _bwd_dm_sums_fake(dout, q, k, v, lse, softmax_scale, causal, block_size, grad_format, scaling="row",
+                      softcap=0.0):
     _check_one_device("bwd_dm_sums", q=q, dout=dout, k=k, v=v, lse=lse)
     B, Hq, Sq, _ = q.shape
     return q.new_empty((B, Hq, Sq), dtype=torch.float32), q.new_empty((B, Hq, Sq), dtype=torch.float32)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, fwd_op, single_backward
+from .ops import _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, check_softcap, fwd_op, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -158,7 +158,7 @@ def varlen_fwd(
     max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], softmax_scale: float, causal: bool,
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
-    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact")."""
@@ -174,7 +174,7 @@ def varlen_fwd(
         if _is_empty(q_b, k_b):
             continue
         o_b, lse_b = fwd_op(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling, qk_rotation,
-                            smooth_k)
+                            smooth_k, softcap=softcap)
         out[qa:qb] = o_b[0].transpose(0, 1)
         lse[:, qa:qb] = lse_b[0]
     return out, lse
@@ -183,7 +183,7 @@ def varlen_fwd(
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0):
     total_q, hq, _ = q.shape
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
 
@@ -194,7 +194,7 @@ def varlen_bwd(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float, causal: bool, precision: str,
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
     qk_rotation: str = "none", smooth_k: bool = False,
-    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
+    seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
@@ -209,7 +209,8 @@ def varlen_bwd(
             continue
         dq_b, dk_b, dv_b, diag_b = bwd_op(
             _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
-            causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k)
+            causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k,
+            softcap=softcap)
         dq[qa:qb] = dq_b[0].transpose(0, 1)
         dk[ka:kb] = dk_b[0].transpose(0, 1)
         dv[ka:kb] = dv_b[0].transpose(0, 1)
@@ -221,7 +222,7 @@ def varlen_bwd(
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -238,10 +239,11 @@ def _varlen_setup_context(ctx, inputs, output):
     smooth_k = inputs[16] if len(inputs) > 16 else False
     used_q = inputs[17] if len(inputs) > 17 else None
     used_k = inputs[18] if len(inputs) > 18 else None
+    softcap = inputs[19] if len(inputs) > 19 else 0.0
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
-                smooth_k, len(inputs))
+                smooth_k, softcap, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
@@ -249,11 +251,11 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
-     n_inputs) = ctx.opts
+     softcap, n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
-                                                    scaling, qk_rotation, smooth_k, used_q, used_k)
+                                                    scaling, qk_rotation, smooth_k, used_q, used_k, softcap)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -359,7 +361,9 @@ def varlen_attention(
             -inf, zero gradients, their contents reach nothing). Values in [0,
             the sequence's cu_seqlens length], checked when the op runs (read on
             the host like cu_seqlens).
-        FlashAttention's other arguments (dropout_p, window_size, softcap,
+        softcap: logit softcapping as in `fp8attn.attention` (numerics.md section
+            12; CPU tensors only, CUDA NotImplementedError naming it).
+        FlashAttention's other arguments (dropout_p, window_size,
         alibi_slopes, deterministic (on CUDA), qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
         block_table):
@@ -402,7 +406,7 @@ def varlen_attention(
             alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table,
-            device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu")
+            device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu", softcap_ok=True)
         if isinstance(return_lse, bool):
             return_lse = return_lse or return_attn_probs
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
@@ -421,6 +425,7 @@ def varlen_attention(
     # `attention`, run on [1, heads, total, head_dim] views.
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     check_inputs(q4, k4, v4, op_precision, fn=_FN)
+    cap = check_softcap(softcap, smooth_k, q.device.type, fn=_FN)
 
     # ---- cu_seqlens / max_seqlen: static checks here, value checks in the op
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)
@@ -436,6 +441,6 @@ def varlen_attention(
     q, k, v = _half_in(q, k, v)
     out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
-                                            scaling, qk_rotation, smooth_k, seqused_q, seqused_k)
+                                            scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

@@ -121,11 +121,22 @@ def test_softcap_with_smooth_k_is_refused():
         torch.ops.fp8attn.fwd(q, k, v, 0.2, False, "fp8", 128, "row", "none", True, 5.0)
 
 
-def test_varlen_still_refuses_softcap():
-    q = torch.randn(20, 2, 32)
-    cu = torch.tensor([0, 20], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="varlen_attention: argument 'softcap'"):
-        fp8attn.varlen_attention(q, q, q, cu, cu, softcap=5.0)
+def test_varlen_takes_softcap_per_sequence():
+    """Each sequence as `attention` with the same softcap, forward and backward."""
+    q, k, v, do = _inputs(4, s=70)
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    flat = lambda t: t[0].transpose(0, 1).contiguous()  # noqa: E731  [total, heads, d]
+    qf, kf, vf = (flat(t).requires_grad_() for t in (q, k, v))
+    o = fp8attn.varlen_attention(qf, kf, vf, cu, cu, causal=True, softcap=4.0)
+    o.backward(flat(do))
+    for a, b in ((0, 30), (30, 70)):
+        sl = lambda t: t[:, :, a:b]  # noqa: E731
+        ref = _run(sl(q), sl(k), sl(v), sl(do), 4.0, True)
+        assert torch.equal(o[a:b], ref[0][0].transpose(0, 1))
+        assert torch.equal(qf.grad[a:b], ref[1][0].transpose(0, 1))
+        assert torch.equal(kf.grad[a:b], ref[2][0].transpose(0, 1))
+    with pytest.raises(ValueError, match="varlen_attention: argument 'softcap'"):
+        fp8attn.varlen_attention(qf, kf, vf, cu, cu, softcap=-1.0)
 
 
 @pytest.mark.gpu
