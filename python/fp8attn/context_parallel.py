@@ -15,8 +15,17 @@ ring and merges the partial outputs with their LSE; the backward runs two rings:
    FP32 rounding, exactly as without sharding.
 
 ``delta_mode="stale"`` keeps the local ``<dO_i, O_i>`` of a conventional ring
-backward (with the merged O, so it equals the unsharded stale backward), and
-``"matched_do"`` its dO-only fix; only Delta-Matching needs the extra ring.
+backward (with the merged O: given the same O it equals the unsharded stale
+backward; the ring's own O differs from the unsharded one by FP8 rounding, which
+the stale delta carries into dQ / dK, ~1-3% measured, no further from exact than
+the unsharded op), and ``"matched_do"`` its dO-only fix; only Delta-Matching
+needs the extra ring (and its gradients follow the unsharded ones to ~1e-6).
+
+Every call first all-gathers each rank's shapes, dtype and options and checks them
+on every rank (a mismatch is the same ValueError on all ranks, not a hang or a gloo
+abort), and that the local lengths are those of ``layout`` for their total. Shards
+cut with another layout but the same lengths cannot be detected (the results are
+then wrong): cut them with ``shard`` and the same layout / block_size.
 
 A ring backward that called the op's own Delta-Matching backward per key shard
 would renormalize P over that shard's keys only and use a shard-local delta:
@@ -63,6 +72,10 @@ def _check_layout(layout) -> None:
         raise ValueError(f"fp8attn.context_parallel: argument 'layout': expected one of {LAYOUTS}, got {layout!r}")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def chunk_bounds(seqlen: int, num_chunks: int, block_size: int = 128) -> List[int]:
     """Cut points ``[0, c_1, ..., seqlen]`` of ``num_chunks`` contiguous chunks.
 
@@ -71,10 +84,13 @@ def chunk_bounds(seqlen: int, num_chunks: int, block_size: int = 128) -> List[in
     get the extra ones), so every cut but ``seqlen`` is a multiple of
     ``block_size``. Chunks are empty when there are fewer units than chunks.
     """
-    if not isinstance(seqlen, int) or seqlen < 0:
+    if not _is_int(seqlen) or seqlen < 0:
         raise ValueError(f"fp8attn.context_parallel: argument 'seqlen': expected an int >= 0, got {seqlen!r}")
-    if not isinstance(num_chunks, int) or num_chunks < 1:
+    if not _is_int(num_chunks) or num_chunks < 1:
         raise ValueError(f"fp8attn.context_parallel: argument 'num_chunks': expected an int >= 1, got {num_chunks!r}")
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"fp8attn.context_parallel: argument 'block_size': expected an int >= 1 (the chunk "
+                         f"alignment), got {block_size!r}")
     units = -(-seqlen // block_size)
     base, extra = divmod(units, num_chunks)
     cuts, u = [0], 0
@@ -87,6 +103,11 @@ def chunk_bounds(seqlen: int, num_chunks: int, block_size: int = 128) -> List[in
 def local_chunks(rank: int, world_size: int, layout: str = "zigzag") -> Tuple[int, ...]:
     """The global chunk ids rank ``rank`` holds, in the order of its local tensor."""
     _check_layout(layout)
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"fp8attn.context_parallel: argument 'world_size': expected an int >= 1, got {world_size!r}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"fp8attn.context_parallel: argument 'rank': expected an int in [0, {world_size}), "
+                         f"got {rank!r}")
     if layout == "zigzag":
         return (rank, 2 * world_size - 1 - rank)
     return (rank,)
@@ -100,7 +121,14 @@ def _group_info(group) -> Tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fp8attn.context_parallel: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"fp8attn.context_parallel: argument 'group': expected a torch.distributed ProcessGroup "
+                        f"or None (the world), got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"fp8attn.context_parallel: argument 'group': this process (global rank "
+                         f"{dist.get_rank()}) is not a member of the group")
+    return rank, dist.get_world_size(group)
 
 
 def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 2, block_size: int = 128,
@@ -112,8 +140,12 @@ def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 2, 
     rank's chunks (``local_chunks``) concatenated along ``dim``. ``block_size``: the
     chunk alignment of ``chunk_bounds`` (pass ring_attention's ``chunk_align``).
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fp8attn.context_parallel.shard: argument 'x': expected a torch.Tensor, got "
+                        f"{type(x).__name__}")
     if rank is None or world_size is None:
         rank, world_size = _group_info(group)
+    local_chunks(rank, world_size, layout)   # checks rank, world_size, layout
     cuts = chunk_bounds(x.shape[dim], _num_chunks(world_size, layout), block_size)
     parts = [x.narrow(dim, cuts[c], cuts[c + 1] - cuts[c]) for c in local_chunks(rank, world_size, layout)]
     return torch.cat(parts, dim=dim).contiguous()
@@ -138,9 +170,19 @@ def unshard(local: torch.Tensor, seqlen: int, group=None, *, layout: str = "zigz
     n = _num_chunks(world_size, layout)
     cuts = chunk_bounds(seqlen, n, block_size)
     lens = [sum(cuts[c + 1] - cuts[c] for c in local_chunks(r, world_size, layout)) for r in range(world_size)]
-    if local.shape[dim] != lens[rank]:
-        raise ValueError(f"fp8attn.context_parallel.unshard: argument 'local': size {local.shape[dim]} along dim "
-                         f"{dim}, expected {lens[rank]} for seqlen {seqlen} on rank {rank}")
+    # Every rank's shape first (one small all-gather), so that a mismatch anywhere is
+    # the same ValueError on every rank (not one rank raising while the others wait).
+    meta = torch.tensor(list(local.shape) + [-1] * (8 - local.dim()), dtype=torch.int64, device=local.device)
+    metas = [torch.empty_like(meta) for _ in range(world_size)]
+    dist.all_gather(metas, meta, group=group)
+    for r, m in enumerate(metas):
+        shape = [int(x) for x in m.tolist() if x >= 0]
+        want = list(local.shape)
+        want[dim] = lens[r]
+        if shape != want:
+            raise ValueError(f"fp8attn.context_parallel.unshard: argument 'local': rank {r} holds shape "
+                             f"{tuple(shape)}, expected {tuple(want)} for seqlen {seqlen} (layout {layout}, "
+                             f"block_size {block_size}, {world_size} ranks)")
     m = max(lens)
     pad = list(local.shape)
     pad[dim] = m
@@ -161,20 +203,58 @@ def unshard(local: torch.Tensor, seqlen: int, group=None, *, layout: str = "zigz
 # ---- the ring -----------------------------------------------------------------
 
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check_consistent(fn, group, rank, world, q, k, v, opts: dict) -> List[int]:
+    """All-gathers every rank's shapes, dtype and options and checks them on every rank:
+    the same options, the same shapes but for the sequence length, and local lengths
+    that are those of the layout for their total (chunk_bounds). Returns the local
+    lengths. Raises ValueError naming the argument, on every rank alike."""
+    import struct
+    f2i = lambda x: struct.unpack("<q", struct.pack("<d", float(x)))[0]   # noqa: E731  exact float compare
+    fields = [("q", q.shape[0]), ("q", q.shape[1]), ("q", q.shape[3]), ("k", k.shape[1]), ("k", k.shape[3]),
+              ("v", v.shape[1]), ("v", v.shape[3]), ("q", _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1),
+              ("k", k.shape[0]), ("v", v.shape[0])]
+    fields += [(n, f2i(x) if isinstance(x, float) else int(x)) for n, x in opts.items()]
+    mine = torch.tensor([q.shape[2]] + [x for _, x in fields], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.tolist() for t in every]
+    for i, (name, _) in enumerate(fields):
+        vals = [r[i + 1] for r in rows]
+        if len(set(vals)) > 1:
+            what = "an option" if name in opts else "a shape or dtype (all but the sequence length)"
+            raise ValueError(f"{fn}: argument '{name}': {what} differs across the ranks of the group "
+                             f"(per rank: {vals}); every rank must call with the same")
+    lens = [r[0] for r in rows]
+    layout = LAYOUTS[opts["layout"]]
+    cuts = chunk_bounds(sum(lens), _num_chunks(world, layout), opts["chunk_align"])
+    want = [sum(cuts[c + 1] - cuts[c] for c in local_chunks(r, world, layout)) for r in range(world)]
+    if lens != want:
+        raise ValueError(f"{fn}: argument 'q': the ranks hold {lens} tokens, but the {layout} layout of "
+                         f"{sum(lens)} tokens over {world} ranks (chunk_align {opts['chunk_align']}) gives "
+                         f"{want} (shard with fp8attn.context_parallel.shard and the same layout / block_size)")
+    return lens
+
+
 class _Ring:
     """K/V shards of every rank: chunk ids and lengths, and the P2P rotation."""
 
-    def __init__(self, group, layout: str, local_len: int, device: torch.device, block_size: int):
+    def __init__(self, group, layout: str, local_len: int, device: torch.device, block_size: int,
+                 local_lens: Optional[List[int]] = None):
         self.group = group
         self._block = block_size
         self.rank, self.world = _group_info(group)
         self.layout = layout
         self.chunks = [local_chunks(r, self.world, layout) for r in range(self.world)]
-        # Every rank's chunk lengths (uneven shards): one small all-gather.
-        mine = torch.tensor([local_len], dtype=torch.int64, device=device)
-        allv = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(allv, mine, group=group)
-        self.local_lens = [int(t.item()) for t in allv]
+        if local_lens is None:
+            # Every rank's chunk lengths (uneven shards): one small all-gather.
+            mine = torch.tensor([local_len], dtype=torch.int64, device=device)
+            allv = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(allv, mine, group=group)
+            local_lens = [int(t.item()) for t in allv]
+        self.local_lens = list(local_lens)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else \
             (self.rank + 1) % self.world
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else \
@@ -393,8 +473,8 @@ def _transform_qk(q, k, group, qk_rotation: str, smooth_k: bool, seqlen: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, scale, causal, delta_mode, block_size, grad_format, scaling, align,
-                softcap=0.0):
-        ring = _Ring(group, layout, q.shape[2], q.device, align)
+                softcap=0.0, local_lens=None):
+        ring = _Ring(group, layout, q.shape[2], q.device, align, local_lens)
         o, lse = _ring_forward(ring, q, k, v, scale, causal, block_size, scaling, softcap)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -404,12 +484,13 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @_ops.single_backward("context_parallel.ring_attention")
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         scale, causal, delta_mode, block_size, grad_format, scaling, softcap = ctx.opts
         dq, dk, dv = _ring_backward(ctx.ring, dout.contiguous().to(q.dtype), q, k, v, out, lse, scale, causal,
                                     delta_mode, block_size, grad_format, scaling, softcap)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 10
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 11
 
 
 def ring_attention(
@@ -478,26 +559,34 @@ def ring_attention(
     """
     fn = "fp8attn.context_parallel.ring_attention"
     _check_layout(layout)
-    if precision != "fp8":
-        raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
-                                  f"recomputes LSE from one shard's keys), got {precision!r}")
     name = "context_parallel.ring_attention"
     _ops.check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                        block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
                        scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k, fn=name)
+    if precision != "fp8":
+        raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
+                                  f"recomputes LSE from one shard's keys), got {precision!r}")
     _ops.check_inputs(q, k, v, precision, fn=name)
     cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name)
-    _group_info(group)   # RuntimeError when torch.distributed is not initialized
+    rank, world = _group_info(group)   # RuntimeError when torch.distributed is not initialized
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}: argument 'k': self-attention shards: seqlen of q ({q.shape[2]}) and k "
                          f"({k.shape[2]}) must match")
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    align = int(block_size) if chunk_align is None else chunk_align
+    if not _is_int(align) or align < 1:
+        raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {chunk_align!r}")
+    # The first collective: every rank's shapes, dtype and options, compared on every rank,
+    # so that a mismatch is one ValueError everywhere instead of a hang or a gloo abort.
+    local_lens = _check_consistent(fn, group, rank, world, q, k, v, dict(
+        causal=bool(causal), layout=LAYOUTS.index(layout), softmax_scale=scale,
+        delta_mode=_ops.DELTA_MODES.index(delta_mode), block_size=int(block_size),
+        grad_format=_ops.GRAD_FORMATS.index(grad_format), scaling=_ops.SCALINGS.index(scaling),
+        qk_rotation=_ops.QK_ROTATIONS.index(qk_rotation), smooth_k=bool(smooth_k), chunk_align=align,
+        softcap=cap))
     dtype = q.dtype
     if dtype == torch.float16:  # as the public functions: float16 runs as float32 (ops._half_in)
         q, k, v = _ops._half_in(q, k, v)
-    align = int(block_size) if chunk_align is None else chunk_align
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {chunk_align!r}")
     mean = None
     if qk_rotation != "none" or smooth_k:
         n_total = torch.tensor([k.shape[2]], dtype=torch.int64, device=k.device)
@@ -505,7 +594,7 @@ def ring_attention(
         q_in = q
         q, k, mean = _transform_qk(q, k, group, qk_rotation, smooth_k, int(n_total.item()))
     out, lse = _RingAttention.apply(q, k, v, group, layout, scale, bool(causal), delta_mode, int(block_size),
-                                    grad_format, scaling, align, cap)
+                                    grad_format, scaling, align, cap, local_lens)
     if mean is not None and return_lse:   # the LSE of the unsmoothed logits (section 10)
         from . import qk_transform as qkt
         lse = qkt.shift_lse(lse, q_in.detach(), mean.detach(), scale, +1)

@@ -411,3 +411,69 @@ def test_softcap_around_the_ring(tmp_path):
             cp.ring_attention(*ring, softcap=-2.0)
     finally:
         dist.destroy_process_group()
+
+
+# ---- errors: the same clear error on every rank, never a hang (a helper's break test) ----
+
+
+def _run_errors(tmp_path, world, case):
+    worker = os.path.join(HERE, "cp_errors_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, worker, str(r), str(world), str(tmp_path / f"init-{case}"), case],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p2 in procs:
+                p2.kill()
+            pytest.fail(f"{case}: a rank hung")
+        assert p.returncode == 0, out.decode(errors="replace")[-2000:]
+        outs.append(out.decode(errors="replace").strip().splitlines()[-1])
+    return outs
+
+
+@pytest.mark.parametrize("world,case,arg", [(2, "causal", "causal"), (2, "heads", "q"), (3, "lengths", "q"),
+                                            (2, "unshard", "local")])
+def test_mismatches_raise_on_every_rank(tmp_path, world, case, arg):
+    outs = _run_errors(tmp_path, world, case)
+    for line in outs:
+        assert line.startswith("RAISED ValueError") and f"argument '{arg}'" in line, outs
+
+
+def test_consistent_call_runs(tmp_path):
+    assert _run_errors(tmp_path, 2, "ok") == ["OK", "OK"]
+
+
+def test_argument_checks_without_a_group(tmp_path):
+    x = torch.randn(1, 1, 300, 4)
+    for kw, arg in ((dict(rank=2, world_size=2), "rank"), (dict(rank=-1, world_size=2), "rank"),
+                    (dict(rank=0, world_size=0), "world_size"), (dict(rank=0, world_size=2, block_size=0),
+                                                                  "block_size"),
+                    (dict(rank=0, world_size=2, block_size=-1), "block_size"),
+                    (dict(rank=0, world_size=2, block_size=1.5), "block_size")):
+        with pytest.raises(ValueError, match=f"argument '{arg}'"):
+            cp.shard(x, **kw)
+    with pytest.raises(ValueError, match="argument 'seqlen'"):
+        cp.chunk_bounds(True, 3)
+    with pytest.raises(ValueError, match="argument 'rank'"):
+        cp.positions(300, 2, 2)
+    with pytest.raises(TypeError, match="argument 'x'"):
+        cp.shard([1, 2, 3], rank=0, world_size=1)
+
+
+def test_double_backward_and_group_type_are_refused(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(1, 2, 256, 32, requires_grad=True)
+        o = cp.ring_attention(q, q, q)
+        with pytest.raises(RuntimeError, match="double backward is not supported"):
+            torch.autograd.grad(o.sum(), q, create_graph=True)
+        with pytest.raises(TypeError, match="argument 'group'"):
+            cp.ring_attention(q, q, q, [0, 1])
+        with pytest.raises(ValueError, match="argument 'precision'"):
+            cp.ring_attention(q, q, q, precision=None)
+    finally:
+        dist.destroy_process_group()
