@@ -718,6 +718,25 @@ inline float backward_probs(float* P, float* x_keep, const float* dP, int64_t n,
   return pdp / l;
 }
 
+// backward_probs with a sharded key axis (numerics.md section 11), both recipes: with
+// sd->sum_pdp set, writes the row's partial sums (sd->sum_p/sum_pdp[idx]) and returns
+// false (the row is done); with sd->delta, P = exp(x - lse) as given and delta_dm =
+// sd->delta[idx]; without sd, backward_probs. Returns true when the row goes on.
+inline bool row_probs(const ShardedDelta* sd, int64_t idx, float* P, float* x_keep, const float* dP, int64_t n,
+                      float lse, bool renormalize, float& delta_dm) {
+  if (sd != nullptr && sd->sum_pdp != nullptr) {
+    backward_row_sums(P, x_keep, dP, n, lse, sd->sum_p[idx], sd->sum_pdp[idx]);
+    return false;
+  }
+  if (sd != nullptr) {
+    for (int64_t j = 0; j < n; ++j) P[j] = std::exp(P[j] - lse);
+    delta_dm = sd->delta[idx];
+    return true;
+  }
+  delta_dm = backward_probs(P, x_keep, dP, n, lse, renormalize);
+  return true;
+}
+
 // The fp8 backward's per-row diagnostics (numerics.md section 7), both scaling
 // recipes: delta, eps = delta - delta_dm, and the pre-/post-cast dS row-sum ratios.
 // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio would
@@ -1010,20 +1029,11 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
             rowblock_dots(do_rows.hat.data() + i * dvd, do_rows.scale.data() + i * nbv,
                           v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
                           dProw.data());
-            // P and delta (numerics.md section 4), all FP32 sums; dS's row is scratch.
-            // Sharded keys (numerics.md section 11): partial sums only, or the delta given.
-            if (sums_only) {
-              const int64_t idx = g.lse_index(b, hq, i);
-              backward_row_sums(P, dS, dProw.data(), nvis, lse_h[i], sd->sum_p[idx], sd->sum_pdp[idx]);
+            // P and delta (numerics.md sections 4 and 11), all FP32 sums; dS's row is scratch.
+            if (!row_probs(sd, g.lse_index(b, hq, i), P, dS, dProw.data(), nvis, lse_h[i],
+                           mode == DeltaMode::kDeltaMatching, delta_dm))
               continue;
-            }
-            if (sd != nullptr)
-              for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] - lse_h[i]);
-            else
-              delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
-            if (sd != nullptr) {
-              delta = sd->delta[g.lse_index(b, hq, i)];
-            } else if (mode == DeltaMode::kDeltaMatching) {
+            if (sd != nullptr || mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {
               for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];
@@ -1238,20 +1248,11 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
                         dProw.data() + j0);
             }
             softcap_logits<float>(P, nvis, cap, tcap.data());  // numerics.md section 12
-            // P and delta (numerics.md section 4); dS's row is scratch.
-            // Sharded keys (numerics.md section 11): partial sums only, or the delta given.
-            if (sums_only) {
-              const int64_t idx = g.lse_index(b, hq, i);
-              backward_row_sums(P, dS, dProw.data(), nvis, lse_h[i], sd->sum_p[idx], sd->sum_pdp[idx]);
+            // P and delta (numerics.md sections 4 and 11); dS's row is scratch.
+            if (!row_probs(sd, g.lse_index(b, hq, i), P, dS, dProw.data(), nvis, lse_h[i],
+                           mode == DeltaMode::kDeltaMatching, delta_dm))
               continue;
-            }
-            if (sd != nullptr)
-              for (int64_t j = 0; j < nvis; ++j) P[j] = std::exp(P[j] - lse_h[i]);
-            else
-              delta_dm = backward_probs(P, dS, dProw.data(), nvis, lse_h[i], mode == DeltaMode::kDeltaMatching);
-            if (sd != nullptr) {
-              delta = sd->delta[g.lse_index(b, hq, i)];
-            } else if (mode == DeltaMode::kDeltaMatching) {
+            if (sd != nullptr || mode == DeltaMode::kDeltaMatching) {
               delta = delta_dm;
             } else if (mode == DeltaMode::kStale) {
               for (int64_t c = 0; c < dvd; ++c) delta += dof[i * dvd + c] * of[i * dvd + c];

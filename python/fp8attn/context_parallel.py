@@ -327,26 +327,33 @@ def _merge(o_acc, lse_acc, o, lse):
     lse_acc.copy_(new)
 
 
+def _kv_ring(ring, k, v):
+    """The K/V shards this rank holds, one ring step after the other: yields (step, source
+    rank, K, V); the next step's transfer is posted before the caller computes on the
+    current one (overlapped) and waited for when the caller comes back."""
+    cur_k, cur_v = k, v
+    for step in range(ring.world):
+        reqs, nxt = [], None
+        if step + 1 < ring.world:
+            n = ring.local_lens[ring.source(step + 1)]
+            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+        yield step, ring.source(step), cur_k, cur_v
+        for r in reqs:
+            r.wait()
+        if nxt is not None:
+            cur_k, cur_v = nxt
+
+
 def _ring_forward(ring, q, k, v, scale, causal, block_size, scaling, softcap=0.0):
     Sq = q.shape[2]
     q_split = ring.split(ring.rank, Sq)
     o_acc = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float32, device=q.device)
     lse_acc = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-    cur_k, cur_v = k, v
-    for step in range(ring.world):
-        src = ring.source(step)
-        reqs, nxt = [], None
-        if step + 1 < ring.world:
-            n = ring.local_lens[ring.source(step + 1)]
-            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+    for _, src, cur_k, cur_v in _kv_ring(ring, k, v):
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
             o, lse = torch.ops.fp8attn.fwd(q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
                                            scale, pc, "fp8", block_size, scaling, softcap=softcap)
             _merge(o_acc.narrow(2, qo, ql), lse_acc.narrow(2, qo, ql), o, lse)
-        for r in reqs:
-            r.wait()
-        if nxt is not None:
-            cur_k, cur_v = nxt
     return o_acc, lse_acc
 
 
@@ -355,23 +362,13 @@ def ring_dm_sums(ring, q, k, v, dout, lse, scale, causal, block_size, grad_forma
     q_split = ring.split(ring.rank, q.shape[2])
     pdp = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
     psum = torch.zeros_like(pdp)
-    cur_k, cur_v = k, v
-    for step in range(ring.world):
-        src = ring.source(step)
-        reqs, nxt = [], None
-        if step + 1 < ring.world:
-            n = ring.local_lens[ring.source(step + 1)]
-            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+    for _, src, cur_k, cur_v in _kv_ring(ring, k, v):
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
             s1, s2 = torch.ops.fp8attn.bwd_dm_sums(
                 dout.narrow(2, qo, ql), q.narrow(2, qo, ql), cur_k.narrow(2, ko, kl), cur_v.narrow(2, ko, kl),
                 lse.narrow(2, qo, ql).contiguous(), scale, pc, block_size, grad_format, scaling, softcap=softcap)
             pdp.narrow(2, qo, ql).add_(s1)
             psum.narrow(2, qo, ql).add_(s2)
-        for r in reqs:
-            r.wait()
-        if nxt is not None:
-            cur_k, cur_v = nxt
     return pdp, psum
 
 
@@ -399,13 +396,8 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
     # at t - 1) while step t's pairs are computed into local buffers; after the last
     # step each goes home (the next rank owns the shard this rank holds then).
     pending = None
-    cur_k, cur_v = k, v
-    for step in range(ring.world):
-        src = ring.source(step)
-        reqs, nxt = [], None
-        n = ring.local_lens[ring.source(step + 1)]
-        if step + 1 < ring.world:
-            reqs, nxt = ring.exchange([cur_k, cur_v], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)])
+    for step, src, cur_k, cur_v in _kv_ring(ring, k, v):
+        n = ring.local_lens[ring.source(step + 1)]   # the shard whose accumulator arrives next
         dk_loc = torch.zeros(cur_k.shape, dtype=torch.float32, device=k.device)
         dv_loc = torch.zeros(cur_v.shape, dtype=torch.float32, device=v.device)
         for qo, ql, ko, kl, pc in _pairs(ring, q_split, ring.split(src, cur_k.shape[2]), causal):
@@ -424,10 +416,6 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, causal, delta_mode, blo
             dk_loc.add_(pending[1][0])
             dv_loc.add_(pending[1][1])
         pending = ring.exchange([dk_loc, dv_loc], [_with_len(k.shape, 2, n), _with_len(v.shape, 2, n)], tag=2)
-        for r in reqs:
-            r.wait()
-        if nxt is not None:
-            cur_k, cur_v = nxt
     for r in pending[0]:
         r.wait()
     dk, dv = pending[1]

@@ -20,17 +20,6 @@ AttnParams exact_params(const Problem& pr) { return pr.params(Precision::kExact)
 
 // ---- Argument errors name the argument -------------------------------------
 
-// Runs fn and checks it throws ArgumentError whose message names `arg`.
-template <class Fn>
-void expect_argument_error(Fn fn, const std::string& arg) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected ArgumentError naming '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
-  }
-}
-
 TEST(ReferenceArgs, BadParametersThrowNamingTheArgument) {
   Problem pr;
   const AttnParams good = exact_params(pr);

@@ -170,16 +170,6 @@ TEST(ShardedKeys, TwoShardsAddUpToTheUnshardedBackward) {
   EXPECT_GT(rel_diff(local.dk, ref.dk), 50 * rel_diff(got.dk, ref.dk) + 1e-2);
 }
 
-template <class Fn>
-void expect_argument_error(Fn fn, const std::string& arg) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected ArgumentError naming '" << arg << "'";
-  } catch (const ArgumentError& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
-  }
-}
-
 TEST(ShardedKeys, RefusesWhatItDoesNotDefine) {
   ShardRun r = make_run(true, Scaling::kRow, 64);
   std::vector<float> delta(r.lse.size(), 0.f), buf(r.lse.size());

@@ -12,6 +12,11 @@
 #include <random>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/error.h"
 #include "common/params.h"
 #include "reference/attention_ref.h"
 
@@ -414,6 +419,17 @@ inline void spread_inputs(Inputs& in, int spread, std::mt19937& rng) {
   spread_binades(in.k, spread / 4, rng);
   spread_binades(in.v, spread, rng);
   spread_binades(in.dout, spread, rng);
+}
+
+// Runs fn and checks it throws ArgumentError whose message names `arg`.
+template <class Fn>
+void expect_argument_error(Fn fn, const std::string& arg) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected ArgumentError naming '" << arg << "'";
+  } catch (const ArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace testutil

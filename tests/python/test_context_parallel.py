@@ -60,24 +60,30 @@ def _inputs(seqlen, seed, D=64, Hq=4, Hkv=2, common_key=False):
     return q, k, v, do
 
 
+def _launch(cmds, timeout):
+    """Runs one process per command (the ranks), OMP_NUM_THREADS=1; returns [(returncode, output)].
+    A rank past the timeout kills them all and fails the test as a hang."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in cmds]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p2 in procs:
+                p2.kill()
+            pytest.fail(f"a rank hung (> {timeout} s): {cmds[0][1:]}")
+        outs.append((p.returncode, out.decode(errors="replace")))
+    return outs
+
+
 def _run(tmp_path, world, case):
     q, k, v, do = _inputs(case["seqlen"], case["seed"], common_key=case.get("transforms", False))
     o, lse = torch.ops.fp8attn.fwd(q, k, v, 64 ** -0.5, case["causal"], "fp8", 128, case["scaling"])
     torch.save(dict(q=q, k=k, v=v, do=do, o=o, lse=lse), tmp_path / "inputs.pt")
     init = tmp_path / "init"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world), str(init), str(tmp_path),
-                               json.dumps(case)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for p2 in procs:
-                p2.kill()
-            raise
-        outs.append((p.returncode, out.decode(errors="replace")))
+    outs = _launch([[sys.executable, WORKER, str(r), str(world), str(init), str(tmp_path), json.dumps(case)]
+                    for r in range(world)], timeout=240)
     for r, (rc, text) in enumerate(outs):
         assert rc == 0, f"rank {r} exited {rc}:\n{text[-3000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
@@ -418,20 +424,11 @@ def test_softcap_around_the_ring(tmp_path):
 
 def _run_errors(tmp_path, world, case):
     worker = os.path.join(HERE, "cp_errors_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, worker, str(r), str(world), str(tmp_path / f"init-{case}"), case],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for p2 in procs:
-                p2.kill()
-            pytest.fail(f"{case}: a rank hung")
-        assert p.returncode == 0, out.decode(errors="replace")[-2000:]
-        outs.append(out.decode(errors="replace").strip().splitlines()[-1])
-    return outs
+    outs = _launch([[sys.executable, worker, str(r), str(world), str(tmp_path / f"init-{case}"), case]
+                    for r in range(world)], timeout=120)
+    for rc, text in outs:
+        assert rc == 0, text[-2000:]
+    return [text.strip().splitlines()[-1] for _, text in outs]
 
 
 @pytest.mark.parametrize("world,case,arg", [(2, "causal", "causal"), (2, "heads", "q"), (3, "lengths", "q"),
