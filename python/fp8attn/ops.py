@@ -309,28 +309,33 @@ def _has_transform(qk_rotation: str, smooth_k: bool) -> bool:
 
 
 def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
-           unfused: Optional[bool] = None, softcap: float = 0.0):
+           unfused: Optional[bool] = None, softcap: float = 0.0, return_lse_t: bool = False):
     """torch.ops.fp8attn.fwd with the outlier transforms (numerics.md section 10)
     wherever they run: fused in the CPU reference (the raw op's qk_rotation /
     smooth_k), or, on CUDA (unfused=None picks by device; True forces it, for
     the CPU consistency tests; fp8 path only), applied around the raw op with
     torch ops: Q', K' = qk_transform.transform_qk, then the kernel, then the LSE
     shifted back to that of the untransformed logits. softcap: numerics.md section 12.
-    Returns (O, LSE)."""
+    Returns (O, LSE), with return_lse_t (O, LSE, LSE_t): LSE_t the LSE of the
+    logits the kernel saw (LSE' of the smoothed logits; LSE itself without
+    smooth_k), what the autograd entry points keep for the backward (bwd_op's
+    lse_t: no FP32 round trip through the shift, section 10.2; the torch path,
+    which equals the fused reference bit for bit, then runs on CPU too)."""
     if not _has_transform(qk_rotation, smooth_k):
-        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap)
+        out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap)
+        return (out, lse, lse) if return_lse_t else (out, lse)
     if unfused is None:
-        unfused = q.device.type == "cuda"
+        unfused = q.device.type == "cuda" or (return_lse_t and smooth_k and precision == "fp8")
     if not unfused:
-        return torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
-                                     softcap)
+        out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation,
+                                         smooth_k, softcap)
+        return (out, lse, lse) if return_lse_t else (out, lse)  # rotation only: no shift, LSE_t = LSE
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
     w = _unfused_dtype(q)
-    out, lse = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
-                                     softcap=softcap)
-    if mean is not None:
-        lse = _qkt.shift_lse(lse, q, mean, scale, +1)
-    return out.to(q.dtype), lse
+    out, lse_t = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
+                                       softcap=softcap)
+    lse = lse_t if mean is None else _qkt.shift_lse(lse_t, q, mean, scale, +1)
+    return (out.to(q.dtype), lse, lse_t) if return_lse_t else (out.to(q.dtype), lse)
 
 
 def _unfused_dtype(q: torch.Tensor):
@@ -344,21 +349,28 @@ def _unfused_dtype(q: torch.Tensor):
 
 
 def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size, grad_format, diagnostics,
-           scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None, softcap: float = 0.0):
+           scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None, softcap: float = 0.0,
+           lse_t: Optional[torch.Tensor] = None):
     """torch.ops.fp8attn.bwd with the outlier transforms, as `fwd_op`: the
     unfused path recomputes Q', K' (deterministic), shifts the LSE to that of
     the smoothed logits, runs the raw op and maps dQ', dK' back
-    (qk_transform.map_grads_back). Returns (dQ, dK, dV, diag)."""
+    (qk_transform.map_grads_back). lse_t: fwd_op's LSE_t; given, it is used as
+    the smoothed logits' LSE as it is (exact) instead of LSE - shift (an FP32
+    round trip: off by one ulp of max(|LSE|, |shift|), which overflows P for
+    logits past ~1e9, numerics.md section 10.2). Returns (dQ, dK, dV, diag)."""
     if not _has_transform(qk_rotation, smooth_k):
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, softcap=softcap)
+    exact_lse_t = lse_t is not None and smooth_k and (precision == "fp8" or q.device.type == "cuda")
     if unfused is None:
-        unfused = q.device.type == "cuda"
+        unfused = q.device.type == "cuda" or exact_lse_t
     if not unfused:
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap)
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
-    if mean is not None:
+    if exact_lse_t:
+        lse = lse_t
+    elif mean is not None:
         lse = _qkt.shift_lse(lse, q, mean, scale, -1)
     w = _unfused_dtype(q)
     dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
@@ -370,23 +382,25 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
 
 def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
              softcap=0.0):
+    """(O, LSE, LSE_t) (fwd_op with return_lse_t)."""
     if _is_empty(q, k):
         # Nothing to compute, or no key at all: every row sees no key, so
         # O = 0 and LSE = -inf (numerics.md section 1).
         B, Hq, Sq, _ = q.shape
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
-        return out, lse
-    return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap=softcap)
+        return out, lse, lse
+    return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap=softcap,
+                  return_lse_t=True)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0):
+              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, lse_t=None):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
     dq, dk, dv, diag = bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                              grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap)
+                              grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap, lse_t=lse_t)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
                                        layer_name, scaling, qk_rotation, smooth_k))
@@ -452,8 +466,10 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
                 scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0):
-        out, lse = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, lse_t = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
+                                   softcap)
+        # The backward gets LSE_t, the LSE of the logits the kernel saw (numerics.md section 10.2).
+        ctx.save_for_backward(q, k, v, out, lse_t)
         ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling,
                     qk_rotation, smooth_k, softcap)
         ctx.mark_non_differentiable(lse)
@@ -462,11 +478,12 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @single_backward("attention")
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse_t = ctx.saved_tensors
         (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling, qk_rotation,
          smooth_k, softcap) = ctx.opts
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode,
-                               block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k, softcap)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse_t, scale, causal, precision, delta_mode,
+                               block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k, softcap,
+                               lse_t=lse_t)
         return (dq, dk, dv) + (None,) * 11
 
 

@@ -461,3 +461,35 @@ def test_trainer_model_passes_the_options_to_the_attention_core(packed):
         assert rec.records and all(r["qk_rotation"] == rot and r["smooth_k"] is sm for r in rec.records)
         grads[rot] = model.blocks[0].attn.wq.weight.grad.clone()
     assert not torch.equal(grads["none"], grads["hadamard"])
+
+
+# ---- smooth_k: the backward keeps the forward's LSE' (no FP32 round trip) -----------------
+
+
+@pytest.mark.parametrize("kscale", [1e10, 1e30])
+def test_smooth_k_huge_keys_have_finite_gradients(kscale):
+    """Keys of magnitude 1e10+ (logits ~1e10: a one-hot softmax): LSE = LSE' + shift and
+    back in FP32 moves LSE' by one ulp of ~1e10 (~1e3 logit units), P = exp(S' - LSE')
+    overflowed and dQ, dK came out NaN. The autograd entry points now hand the backward
+    the forward's own LSE' (numerics.md section 10.2); the lossy path (the raw op's
+    bwd from the public LSE) is shown failing, the guarded failure."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 2, 130, 64, generator=g).bfloat16()
+    k = ((torch.randn(1, 2, 140, 64, generator=g) + 3 * torch.randn(64, generator=g)) * kscale).bfloat16()
+    v = torch.randn(1, 2, 140, 64, generator=g).bfloat16()
+    do = torch.randn(1, 2, 130, 64, generator=g).bfloat16()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    o = fp8attn.attention(qr, kr, vr, smooth_k=True)
+    o.backward(do)
+    for name, t in (("O", o), ("dQ", qr.grad), ("dK", kr.grad), ("dV", vr.grad)):
+        assert torch.isfinite(t).all(), name
+    # One-hot rows: dS = P (dP - delta) ~ 0, so dQ and dK are ~0 next to dV's scale.
+    assert qr.grad.float().abs().max() <= 1e-3 * vr.grad.float().abs().max()
+    # Without smoothing the same inputs were always finite: the same O.
+    o_plain = fp8attn.attention(q, k, v)
+    assert torch.isfinite(o_plain).all()
+    # The guarded failure: LSE' recovered from the public LSE (the round trip).
+    out, lse = ops.fwd_op(q, k, v, 0.125, False, "fp8", 128, "row", "none", True)
+    lossy = ops.bwd_op(do, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False,
+                       "row", "none", True)
+    assert not torch.isfinite(lossy[0]).all()
