@@ -80,7 +80,7 @@ def test_two_key_shards_emulated():
     grp = q.shape[1] // k.shape[1]
     for (a, n), (g1, g2), (c1, c2) in zip(halves, sums, cpu):
         b, s = wgmma_s_bound_entries(qh[0], kh[0, :, a:a + n].repeat_interleave(grp, 0), SCALE_F32)
-        bound = (torch.exp(s - lse[0].double().unsqueeze(-1)) * torch.expm1(b)).sum(-1).cpu() + 1e-5
+        bound = (torch.exp(s - lse[0].double().cpu().unsqueeze(-1)) * torch.expm1(b)).sum(-1).cpu() + 1e-5
         dl = (g2.cpu().double() - c2.double())[0]
         assert torch.isfinite(g2).all() and (dl.abs() <= bound).all(), f"l: max |cuda - cpu| {dl.abs().max():.3g}"
         assert (dl.norm() / c2.double().norm()).item() < 5e-3
