@@ -504,8 +504,15 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, n_inputs = ctx.opts
+    lse_t = None
+    if smooth_k and precision == "fp8" and not _is_empty(q, k):
+        # The raw op returned only the public LSE; LSE - shift is an FP32 round trip
+        # (numerics.md section 10.2), so recompute the forward's own LSE' (deterministic;
+        # costs one forward, on this raw-op path only).
+        lse_t = fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
+                       softcap=softcap, return_lse_t=True)[2]
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
-                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k, softcap)
+                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k, softcap, lse_t=lse_t)
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 

@@ -13,10 +13,12 @@ Implementation: two custom ops, opaque to torch.compile, so that
       max_seqlen_k, softmax_scale, causal, precision, block_size, delta_mode,
       grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False)
                                 -> (out [total_q, Hq, Dv] q.dtype,
-                                   lse float32 [Hq, total_q])
+                                   lse float32 [Hq, total_q],
+                                   lse_t float32 [Hq, total_q] with smooth_k
+                                   (LSE' of the smoothed logits), else [0])
   fp8attn::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
       softmax_scale, causal, precision, delta_mode, block_size, grad_format,
-      diagnostics, scaling="row", qk_rotation="none", smooth_k=False)
+      diagnostics, scaling="row", qk_rotation="none", smooth_k=False, ..., lse_t=None)
                                 -> (dq, dk, dv like q, k, v;
                        diag float32 [4, Hq, total_q] if diagnostics else [0])
 
@@ -159,7 +161,7 @@ def varlen_fwd(
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact")."""
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
@@ -169,15 +171,20 @@ def varlen_fwd(
     # keep these: O = 0, LSE = -inf (numerics.md section 1, a row seeing no key).
     out = q.new_zeros((total_q, hq, dv))
     lse = q.new_full((hq, total_q), float("-inf"), dtype=torch.float32)
+    # smooth_k: also LSE' of the smoothed logits, which the backward takes as it is
+    # (numerics.md section 10.2: no FP32 round trip through the shift).
+    lse_t = lse.clone() if smooth_k else lse.new_empty((0,))
     for qa, qb, ka, kb in spans:
         q_b, k_b, v_b = _seq(q, qa, qb), _seq(k, ka, kb), _seq(v, ka, kb)
         if _is_empty(q_b, k_b):
             continue
-        o_b, lse_b = fwd_op(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling, qk_rotation,
-                            smooth_k, softcap=softcap)
+        o_b, lse_b, lse_tb = fwd_op(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling,
+                                    qk_rotation, smooth_k, softcap=softcap, return_lse_t=True)
         out[qa:qb] = o_b[0].transpose(0, 1)
         lse[:, qa:qb] = lse_b[0]
-    return out, lse
+        if smooth_k:
+            lse_t[:, qa:qb] = lse_tb[0]
+    return out, lse, lse_t
 
 
 @varlen_fwd.register_fake
@@ -185,7 +192,8 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
                      smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0):
     total_q, hq, _ = q.shape
-    return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
+    return (q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32),
+            q.new_empty((hq, total_q) if smooth_k else (0,), dtype=torch.float32))
 
 
 @torch.library.custom_op("fp8attn::varlen_bwd", mutates_args=())
@@ -195,11 +203,16 @@ def varlen_bwd(
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
     qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    lse_t: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
     eps, rowsum_pre, rowsum_post) per token (0 outside the non-empty sequences),
-    else an empty [0]."""
+    else an empty [0]. lse_t: varlen_fwd's third output (smooth_k: LSE' of the
+    smoothed logits, used as it is instead of lse - shift; None or [0]: recovered
+    from lse)."""
+    if lse_t is not None and lse_t.numel() == 0:
+        lse_t = None
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)
@@ -210,7 +223,7 @@ def varlen_bwd(
         dq_b, dk_b, dv_b, diag_b = bwd_op(
             _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
             causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k,
-            softcap=softcap)
+            softcap=softcap, lse_t=None if lse_t is None else lse_t[:, qa:qb].unsqueeze(0))
         dq[qa:qb] = dq_b[0].transpose(0, 1)
         dk[ka:kb] = dk_b[0].transpose(0, 1)
         dv[ka:kb] = dv_b[0].transpose(0, 1)
@@ -222,7 +235,7 @@ def varlen_bwd(
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, lse_t=None):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -240,22 +253,22 @@ def _varlen_setup_context(ctx, inputs, output):
     used_q = inputs[17] if len(inputs) > 17 else None
     used_k = inputs[18] if len(inputs) > 18 else None
     softcap = inputs[19] if len(inputs) > 19 else 0.0
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
+    out, lse, lse_t = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
                 smooth_k, softcap, len(inputs))
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, lse_t)
 
 
 @single_backward(_FN)
-def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+def _varlen_backward(ctx, dout, _dlse, _dlse_t):
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
      softcap, n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
-                                                    scaling, qk_rotation, smooth_k, used_q, used_k, softcap)
+                                                    scaling, qk_rotation, smooth_k, used_q, used_k, softcap, lse_t)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -439,7 +452,7 @@ def varlen_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
-    out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
+    out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
                                             scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap)
     out = _half_out(out, in_dtype)

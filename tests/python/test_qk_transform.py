@@ -493,3 +493,22 @@ def test_smooth_k_huge_keys_have_finite_gradients(kscale):
     lossy = ops.bwd_op(do, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False,
                        "row", "none", True)
     assert not torch.isfinite(lossy[0]).all()
+
+
+@pytest.mark.parametrize("entry", ["varlen", "raw_op"])
+def test_smooth_k_huge_keys_finite_through_varlen_and_the_raw_op(entry):
+    """The same fault through varlen_attention (varlen_fwd's third output LSE' reaches
+    varlen_bwd) and the raw op's autograd (its backward recomputes LSE')."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 2, 130, 64, generator=g).bfloat16()
+    k = ((torch.randn(1, 2, 130, 64, generator=g) + 3 * torch.randn(64, generator=g)) * 1e10).bfloat16()
+    v = torch.randn(1, 2, 130, 64, generator=g).bfloat16()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    if entry == "varlen":
+        cu = torch.tensor([0, 60, 130], dtype=torch.int32)
+        o = varlen_attention(*(t[0].transpose(0, 1) for t in (qr, kr, vr)), cu, cu, smooth_k=True)
+    else:
+        o = torch.ops.fp8attn.fwd(qr, kr, vr, 0.125, False, "fp8", 128, "row", "none", True)[0]
+    o.float().sum().backward()
+    for name, t in (("O", o), ("dQ", qr.grad), ("dK", kr.grad), ("dV", vr.grad)):
+        assert torch.isfinite(t).all(), name

@@ -86,7 +86,7 @@ def test_diagnostics_off_gives_no_records_and_empty_diag():
     lens = [5, 7]
     q, k, v = make_packed(lens, lens, hq=2, hkv=1, d=16)
     cq = cu(lens)
-    out, lse = torch.ops.fp8attn.varlen_fwd(q, k, v, cq, cq, None, None, 0.25, True, "fp8", 32,
+    out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cq, cq, None, None, 0.25, True, "fp8", 32,
                                             "delta_matching", "e4m3", None)
     args = (torch.randn_like(out), q, k, v, out, lse, cq, cq, 0.25, True, "fp8", "stale", 32, "e4m3")
     *_, diag_off = torch.ops.fp8attn.varlen_bwd(*args, False)
@@ -220,7 +220,7 @@ def test_opcheck_varlen_fwd(requires_grad):
 @pytest.mark.parametrize("diagnostics", [False, True])
 def test_opcheck_varlen_bwd(diagnostics):
     q, k, v, cq, ck, *_ = _fwd_args(False)
-    out, lse = torch.ops.fp8attn.varlen_fwd(*_fwd_args(False))
+    out, lse, _ = torch.ops.fp8attn.varlen_fwd(*_fwd_args(False))
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.fp8attn.varlen_bwd.default,
                           (dout, q, k, v, out, lse, cq, ck, 0.25, True, "fp8", "stale", 32, "e4m3", diagnostics))
