@@ -308,6 +308,12 @@ def _has_transform(qk_rotation: str, smooth_k: bool) -> bool:
     return qk_rotation != "none" or smooth_k
 
 
+def _exact_lse_t(q: torch.Tensor, precision: str, smooth_k: bool) -> bool:
+    """Whether LSE_t (fwd_op) differs from the public LSE and bwd_op takes it as it is:
+    smooth_k on the torch path (always on CUDA; the fp8 path on CPU, numerics.md 10.2)."""
+    return smooth_k and (precision == "fp8" or q.device.type == "cuda")
+
+
 def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
            unfused: Optional[bool] = None, softcap: float = 0.0, return_lse_t: bool = False):
     """torch.ops.fp8attn.fwd with the outlier transforms (numerics.md section 10)
@@ -325,7 +331,7 @@ def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rota
         out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap)
         return (out, lse, lse) if return_lse_t else (out, lse)
     if unfused is None:
-        unfused = q.device.type == "cuda" or (return_lse_t and smooth_k and precision == "fp8")
+        unfused = q.device.type == "cuda" or (return_lse_t and _exact_lse_t(q, precision, smooth_k))
     if not unfused:
         out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation,
                                          smooth_k, softcap)
@@ -361,7 +367,7 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
     if not _has_transform(qk_rotation, smooth_k):
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, softcap=softcap)
-    exact_lse_t = lse_t is not None and smooth_k and (precision == "fp8" or q.device.type == "cuda")
+    exact_lse_t = lse_t is not None and _exact_lse_t(q, precision, smooth_k)
     if unfused is None:
         unfused = q.device.type == "cuda" or exact_lse_t
     if not unfused:
@@ -505,7 +511,7 @@ def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, n_inputs = ctx.opts
     lse_t = None
-    if smooth_k and precision == "fp8" and not _is_empty(q, k):
+    if _exact_lse_t(q, precision, smooth_k) and not _is_empty(q, k):
         # The raw op returned only the public LSE; LSE - shift is an FP32 round trip
         # (numerics.md section 10.2), so recompute the forward's own LSE' (deterministic;
         # costs one forward, on this raw-op path only).
