@@ -61,7 +61,10 @@ def mask_bias(Sq, Sk):
     return torch.where(j <= i + (Sk - Sq), 0.0, -math.inf).to(F64)
 
 
-def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128):
+def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None):
+    """qblk: query rows of the in-kernel P (#5) and dS (#7) blocks of `tile` (default T; the
+    v4 backward plan of docs/kernels/bwd_tilescale_e4m3_sm90.md asks for 64)."""
+    qblk = qblk or T
     Sq, d = q.shape
     Sk, dv = v.shape
     row = recipe == "row"
@@ -113,9 +116,9 @@ def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128):
             scale = torch.exp2(-off).repeat_interleave(T)[:Sq, None].expand(Sq, Sk)
             Ph = quant(P, 1, 1, scale=scale.contiguous())
         else:  # tile_amax: per (query tile, key tile), dynamic
-            Ph = quant(P, T, T)
+            Ph = quant(P, qblk, T)
         dvv = Ph.T @ do5
-        dk = tau * quant(dS, T, T).T @ quant(q, T, 0)
+        dk = tau * quant(dS, qblk, T).T @ quant(q, T, 0)
     return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dvv)
 
 
@@ -161,13 +164,14 @@ def rel(a, b):
 
 
 def run(kind, Sq, Sk, d, causal, seed, variants):
+    """variants: (name, recipe, pdv) or (name, recipe, pdv, qblk)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = inputs(kind, Sq, Sk, d, g)
     tau = 1 / math.sqrt(d)
     ex = exact(q, k, v, do, tau, causal)
     out = {}
-    for name, rec, pdv in variants:
-        em = emulate(q, k, v, do, tau, causal, rec, pdv)
+    for name, rec, pdv, *qb in variants:
+        em = emulate(q, k, v, do, tau, causal, rec, pdv, qblk=qb[0] if qb else None)
         fin = torch.isfinite(ex["lse"])
         out[name] = {key: rel(em[key], ex[key]) if key != "lse" else
                      (em[key][fin] - ex[key][fin]).pow(2).mean().sqrt().item() for key in ex}
@@ -249,9 +253,22 @@ def main():
     ap.add_argument("--outliers", action="store_true",
                     help="CPU reference errors, row/tile x qk_rotation / smooth_k (markdown table)")
     ap.add_argument("--seqlen", type=int, default=2048, help="--outliers: seqlen_q = seqlen_k")
+    ap.add_argument("--pds-blocks", action="store_true",
+                    help="tile: P (#5) / dS (#7) blocks of 128 vs 64 queries x 128 keys (the v4 backward plan)")
     ap.add_argument("--blocks", action="store_true",
                     help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
+    if args.pds_blocks:
+        variants = [("row", "row", None), ("tile 128x128", "tile", "tile_amax", 128),
+                    ("tile 64x128", "tile", "tile_amax", 64)]
+        print("| inputs | Sq x Sk, d | causal | recipe (P / dS block) | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for kind, Sq, Sk, d, causal in ([(kind, 2048, 2048, 128, c) for kind in ("gaussian", "training") for c in (False, True)]
+                                        + [(kind, 256, 32768, 128, False) for kind in ("gaussian", "training")]):
+            for name, r in run(kind, Sq, Sk, d, causal, 1, variants).items():
+                print(f"| {kind} | {Sq} x {Sk}, {d} | {'yes' if causal else 'no'} | {name} | " +
+                      " | ".join(f"{r[key]:.4f}" for key in ("o", "lse", "dq", "dk", "dv")) + " |")
+        return
     if args.blocks:
         print("| head_dim | outlier channels | blocks | O | LSE | dQ | dK | dV |")
         print("|---|---|---|---|---|---|---|---|")
