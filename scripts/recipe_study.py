@@ -3,7 +3,9 @@ section 9): O / LSE / dQ / dK / dV error against exact float64 attention, on Gau
 and training-shaped inputs, with variants of the backward's P-for-dV scale; and
 (--outliers) the same errors of the CPU reference (fp8attn.attention on CPU
 tensors) for row / tile x {no transform, qk_rotation="hadamard", smooth_k, both}
-(docs/numerics.md section 10; the table of docs/results.md).
+(docs/numerics.md section 10; the table of docs/results.md), (--captured) that table on
+activations captured from a fp8attn.train checkpoint, and (--pds-blocks) the `tile` P / dS
+block shapes of the v4 backward plan (docs/kernels/bwd_tilescale_e4m3_sm90.md).
 
 The emulation is not part of the test suite (the CPU reference is the oracle; it
 only explores choices before they are fixed in the contract). Every FP8 operand is
@@ -11,7 +13,8 @@ rounded with torch's float8 casts (RNE, subnormals kept) after a power-of-two
 block scale 2^ceil(log2(amax / fp8_max)); all other arithmetic is float64.
 `inputs` is also the generator of the accuracy tests of tests/python/test_qk_transform.py.
 
-    python scripts/recipe_study.py [--long | --outliers [--seqlen N]]
+    python scripts/recipe_study.py [--long | --outliers [--seqlen N] | --pds-blocks |
+                                    --captured CHECKPOINT [--heads N] [--data-root DIR]]
 """
 from __future__ import annotations
 
@@ -189,16 +192,19 @@ def errors(got: dict, ex: dict) -> dict:
             (got[key].double()[fin] - ex[key][fin]).pow(2).mean().sqrt().item() for key in ex}
 
 
-def reference_errors(q, k, v, do, causal, scaling, qk_rotation, smooth_k, ex, block_size=128):
-    """Errors of the CPU reference (fp8attn.attention, BF16 CPU tensors, one head)
-    vs the float64 exact results `ex`."""
+def reference_outputs(q, k, v, do, causal, scaling, qk_rotation, smooth_k, block_size=128):
+    """O, LSE, dQ, dK, dV of the CPU reference (fp8attn.attention, BF16 CPU tensors, one head)."""
     import fp8attn
     qb, kb, vb = (x.to(torch.bfloat16)[None, None].requires_grad_() for x in (q, k, v))
     o, lse = fp8attn.attention(qb, kb, vb, causal=causal, scaling=scaling, qk_rotation=qk_rotation,
                                smooth_k=smooth_k, block_size=block_size, return_lse=True)
     o.backward(do.to(torch.bfloat16)[None, None])
-    got = dict(o=o[0, 0].detach(), lse=lse[0, 0], dq=qb.grad[0, 0], dk=kb.grad[0, 0], dv=vb.grad[0, 0])
-    return errors(got, ex)
+    return dict(o=o[0, 0].detach(), lse=lse[0, 0], dq=qb.grad[0, 0], dk=kb.grad[0, 0], dv=vb.grad[0, 0])
+
+
+def reference_errors(q, k, v, do, causal, scaling, qk_rotation, smooth_k, ex, block_size=128):
+    """Errors of the CPU reference (reference_outputs) vs the float64 exact results `ex`."""
+    return errors(reference_outputs(q, k, v, do, causal, scaling, qk_rotation, smooth_k, block_size), ex)
 
 
 def outlier_table(seqlen=2048, d=128, causal=True, seed=1, kinds=INPUT_KINDS):
@@ -211,6 +217,58 @@ def outlier_table(seqlen=2048, d=128, causal=True, seed=1, kinds=INPUT_KINDS):
         out[kind] = {(sc, name): reference_errors(q, k, v, do, causal, sc, rot, sm, ex)
                      for sc in ("row", "tile") for name, rot, sm in OPTIONS}
     return out
+
+
+def captured_heads(checkpoint, n_heads=2, layers="all", data_root=None):
+    """Q, K, V, dO of real activations: one forward + backward of `checkpoint` (a
+    fp8attn.train checkpoint, CPU, FP32) on its first fixed validation sequence, captured at
+    the attention core (after QK-norm and RoPE; fp8attn.train.probe.capture_activations).
+    Yields (layer, query head, q, k, v, do, o) as float64 [S, D] for the first n_heads query
+    heads of each layer (GQA: the head's kv head; o: the model's own attention output);
+    layers: "all" or "last"."""
+    from pathlib import Path
+    from fp8attn.train.checkpoint import load_checkpoint
+    from fp8attn.train.data import TokenStream
+    from fp8attn.train.probe import capture_activations
+    model, info = load_checkpoint(checkpoint, "cpu")
+    root = Path(data_root or info.get("data_root") or "")
+    seq_len = info["train_config"].get("seq_len") or model.cfg.max_seq_len
+    x, y = TokenStream(root / "val.bin", seq_len).fixed_batches(1, 1)[0]
+    records, _ = capture_activations(model, x, y)
+    names = list(records)
+    for name in (names if layers == "all" else names[-1:]):
+        r = records[name]
+        group = r["q"].shape[1] // r["k"].shape[1]
+        for h in range(min(n_heads, r["q"].shape[1])):
+            yield (name, h, r["q"][0, h].double(), r["k"][0, h // group].double(), r["v"][0, h // group].double(),
+                   r["do"][0, h].double(), r["o"][0, h].double())
+
+
+def captured_table(checkpoint, n_heads=2, layers="all", data_root=None):
+    """{layer: {(scaling, option name): errors}} of the CPU reference on captured
+    activations (causal, tau = 1 / sqrt(head_dim), as the model's attention), errors vs
+    float64 pooled over the layer's first n_heads query heads (relative Frobenius of the
+    concatenation; LSE: rms absolute)."""
+    acc = {}
+    for name, _h, q, k, v, do, _o in captured_heads(checkpoint, n_heads, layers, data_root):
+        # dO of the mean cross-entropy is ~1/(tokens) small: scale it to unit rms (every
+        # error here is relative, and the FP8 dO block scales are powers of two).
+        do = do / do.pow(2).mean().sqrt().clamp_min(1e-30)
+        ex = exact(q, k, v, do, 1 / math.sqrt(q.shape[1]), True)
+        for sc in ("row", "tile"):
+            for opt, rot, sm in OPTIONS:
+                got = reference_outputs(q, k, v, do, True, sc, rot, sm)
+                a = acc.setdefault(name, {}).setdefault((sc, opt), {key: [0.0, 0.0] for key in ex})
+                fin = torch.isfinite(ex["lse"])
+                for key in ex:
+                    if key == "lse":
+                        a[key][0] += (got[key].double()[fin] - ex[key][fin]).pow(2).sum().item()
+                        a[key][1] += int(fin.sum())
+                    else:
+                        a[key][0] += (got[key].double() - ex[key]).pow(2).sum().item()
+                        a[key][1] += ex[key].pow(2).sum().item()
+    return {name: {cfg: {key: math.sqrt(n / d) if d > 0 else float("nan") for key, (n, d) in errs.items()}
+                   for cfg, errs in res.items()} for name, res in acc.items()}
 
 
 def rotation(d, blocks):
@@ -253,11 +311,30 @@ def main():
     ap.add_argument("--outliers", action="store_true",
                     help="CPU reference errors, row/tile x qk_rotation / smooth_k (markdown table)")
     ap.add_argument("--seqlen", type=int, default=2048, help="--outliers: seqlen_q = seqlen_k")
+    ap.add_argument("--captured", metavar="CHECKPOINT",
+                    help="CPU reference errors on activations captured from a fp8attn.train checkpoint "
+                         "(row / tile x the --outliers options, per layer)")
+    ap.add_argument("--heads", type=int, default=2, help="--captured: query heads per layer")
+    ap.add_argument("--data-root", help="--captured: the prepared corpus (default: the checkpoint's)")
     ap.add_argument("--pds-blocks", action="store_true",
                     help="tile: P (#5) / dS (#7) blocks of 128 vs 64 queries x 128 keys (the v4 backward plan)")
     ap.add_argument("--blocks", action="store_true",
                     help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
+    if args.captured:
+        import time
+        t0 = time.time()
+        res = captured_table(args.captured, args.heads, data_root=args.data_root)
+        print(f"CPU reference vs float64 on activations captured from {args.captured} (first validation "
+              f"sequence, first {args.heads} query heads per layer, causal, BF16 inputs, dO scaled to unit rms); "
+              "relative Frobenius error pooled over the heads (LSE: rms absolute)\n")
+        print("| layer | scaling | option | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in res.items():
+            for (sc, opt), e in r.items():
+                print(f"| {name} | {sc} | {opt} | " + " | ".join(f"{e[key]:.4f}" for key in ("o", "lse", "dq", "dk", "dv")) + " |")
+        print(f"\n({time.time() - t0:.0f} s)")
+        return
     if args.pds_blocks:
         variants = [("row", "row", None), ("tile 128x128", "tile", "tile_amax", 128),
                     ("tile 64x128", "tile", "tile_amax", 64)]

@@ -306,3 +306,33 @@ def test_trainer_logs_attention_logit_stats(tmp_path, text_dir):
     st = log["steps"][-1]["attn_logits"]
     assert set(st) == {"layer0", "layer1"} and all(len(v) == 3 and v[2] > 0 for v in st.values())
     assert log["summary"]["entropy_min"] == min(v[2] for v in st.values())
+
+
+def test_recipe_study_captured_activations_table(run_dir):
+    """scripts/recipe_study.py --captured (issue #18 item 4 (b)): the captured Q, K, V are the
+    ones the model attends with, under the float64 reference's assumptions (causal, tau =
+    1 / sqrt(head_dim), GQA head map): exact attention of them reproduces the model's own
+    O to its BF16 rounding. A wrong assumption fails that (shown: the non-causal O, and tau
+    doubled). The error table then has every layer x recipe x option, each error finite
+    and in (0, 0.5) (FP8 is lossy, never exact, and not garbage)."""
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    import recipe_study as rs
+    ckpt = run_dir / "bf16.pt"
+    heads = list(rs.captured_heads(ckpt, n_heads=2))
+    assert [(name, h) for name, h, *_ in heads] == [("layer0", 0), ("layer0", 1), ("layer1", 0), ("layer1", 1)]
+    for name, h, q, k, v, do, o in heads:
+        tau = 1 / math.sqrt(q.shape[1])
+        # The bf16 mode attends in BF16 (inputs and O rounded: ~2^-9 relative each): measured
+        # 2.6e-3; the wrong assumptions give 0.85 (non-causal) and 0.08-0.49 (tau doubled):
+        # at least 4x the bound.
+        assert rs.rel(rs.exact(q, k, v, do, tau, True)["o"], o) < 2 ** -7, (name, h)
+        assert rs.rel(rs.exact(q, k, v, do, tau, False)["o"], o) > 2 ** -5, (name, h)
+        assert rs.rel(rs.exact(q, k, v, do, 2 * tau, True)["o"], o) > 2 ** -5, (name, h)
+    table = rs.captured_table(ckpt, n_heads=1)
+    assert list(table) == ["layer0", "layer1"]
+    for name, res in table.items():
+        assert set(res) == {(sc, opt) for sc in ("row", "tile") for opt, _, _ in rs.OPTIONS}
+        for cfg, errs in res.items():
+            assert set(errs) == {"o", "lse", "dq", "dk", "dv"}
+            assert all(math.isfinite(e) and 0 < e < 0.5 for e in errs.values()), (name, cfg, errs)
