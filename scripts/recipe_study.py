@@ -13,7 +13,7 @@ rounded with torch's float8 casts (RNE, subnormals kept) after a power-of-two
 block scale 2^ceil(log2(amax / fp8_max)); all other arithmetic is float64.
 `inputs` is also the generator of the accuracy tests of tests/python/test_qk_transform.py.
 
-    python scripts/recipe_study.py [--long | --outliers [--seqlen N] | --pds-blocks |
+    python scripts/recipe_study.py [--long | --outliers [--seqlen N] | --long-keys | --pds-blocks |
                                     --captured CHECKPOINT [--heads N] [--data-root DIR]]
 """
 from __future__ import annotations
@@ -271,6 +271,21 @@ def captured_table(checkpoint, n_heads=2, layers="all", data_root=None):
                    for cfg, errs in res.items()} for name, res in acc.items()}
 
 
+def long_keys_table(keys=(1024, 8192, 65536), seqlen_q=256, d=128, seed=1, kinds=INPUT_KINDS):
+    """{(kind, seqlen_k): {(scaling, option name): errors}} of the CPU reference on the
+    synthetic inputs at long key ranges: seqlen_q queries (the last ones of the sequence,
+    causal bottom-right, so every row sees nearly all keys) against each seqlen_k."""
+    out = {}
+    for kind in kinds:
+        for sk in keys:
+            g = torch.Generator().manual_seed(seed)
+            q, k, v, do = inputs(kind, seqlen_q, sk, d, g)
+            ex = exact(q, k, v, do, 1 / math.sqrt(d), True)
+            out[(kind, sk)] = {(sc, name): reference_errors(q, k, v, do, True, sc, rot, sm, ex)
+                               for sc in ("row", "tile") for name, rot, sm in OPTIONS}
+    return out
+
+
 def rotation(d, blocks):
     """R [d, d] = blockdiag(D_b H_b / sqrt(n_b)) for the given block sizes, with the
     fixed signs of numerics.md section 10 (fp8attn.qk_transform)."""
@@ -311,6 +326,8 @@ def main():
     ap.add_argument("--outliers", action="store_true",
                     help="CPU reference errors, row/tile x qk_rotation / smooth_k (markdown table)")
     ap.add_argument("--seqlen", type=int, default=2048, help="--outliers: seqlen_q = seqlen_k")
+    ap.add_argument("--long-keys", action="store_true",
+                    help="CPU reference errors at 1K / 8K / 64K keys (256 queries), row / tile x the --outliers options")
     ap.add_argument("--captured", metavar="CHECKPOINT",
                     help="CPU reference errors on activations captured from a fp8attn.train checkpoint "
                          "(row / tile x the --outliers options, per layer)")
@@ -321,6 +338,19 @@ def main():
     ap.add_argument("--blocks", action="store_true",
                     help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
+    if args.long_keys:
+        import time
+        t0 = time.time()
+        print("CPU reference vs float64, 1 head, 256 queries (the last of the sequence, causal) x seqlen_k keys, "
+              "head_dim 128, BF16 inputs, seed 1; relative Frobenius error (LSE: rms absolute)\n")
+        print("| inputs | seqlen_k | scaling | option | O | LSE | dQ | dK | dV |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for (kind, sk), res in long_keys_table().items():
+            for (sc, name), r in res.items():
+                print(f"| {kind} | {sk} | {sc} | {name} | " + " | ".join(f"{r[key]:.4f}" for key in
+                                                                     ("o", "lse", "dq", "dk", "dv")) + " |")
+        print(f"\n({time.time() - t0:.0f} s)")
+        return
     if args.captured:
         import time
         t0 = time.time()
