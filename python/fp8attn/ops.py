@@ -341,7 +341,15 @@ def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rota
     out, lse_t = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
                                        softcap=softcap)
     lse = lse_t if mean is None else _qkt.shift_lse(lse_t, q, mean, scale, +1)
-    return (out.to(q.dtype), lse, lse_t) if return_lse_t else (out.to(q.dtype), lse)
+    out = out.to(q.dtype)
+    if torch.compiler.is_compiling():
+        # NOTE: under torch.compile (torch 2.11, every backend, eager included) an
+        # autograd.Function forward that returned the raw op's O itself here (q float32 or
+        # CUDA bfloat16: .to() is then a no-op) after the torch transforms gave all-zero
+        # gradients to q, k, v, silently; a copy gives eager's, bit for bit
+        # (test_qk_transform.py::test_torch_compile_fullgraph_with_the_options).
+        out = out.clone()
+    return (out, lse, lse_t) if return_lse_t else (out, lse)
 
 
 def _unfused_dtype(q: torch.Tensor):
