@@ -734,9 +734,12 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
         raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if cap != 0 and not softcap_ok:
         unsupported("softcap", cap, "logit softcapping (softcap != 0)")
-    descales = () if fp8_inputs else (("q_descale", q_descale, "pre-quantized FP8 input"),
-                                      ("k_descale", k_descale, "pre-quantized FP8 input"),
-                                      ("v_descale", v_descale, "pre-quantized FP8 input"))
+    # flash_attn_func takes pre-quantized FP8 q, k, v with their descales; given with other
+    # dtypes a descale has nothing to apply to (varlen_attention takes no FP8 inputs).
+    no_fp8 = ("a descale factor for q, k, v that are not pre-quantized FP8 (descales apply to float8_e4m3fn / "
+              "float8_e5m2 q, k, v)" if fn == "flash_attn_func" else "pre-quantized FP8 input")
+    descales = () if fp8_inputs else (("q_descale", q_descale, no_fp8), ("k_descale", k_descale, no_fp8),
+                                      ("v_descale", v_descale, no_fp8))
     for arg, val, what in (("alibi_slopes", alibi_slopes, "ALiBi"), ("qv", qv, "the qv input"),
                            *descales, ("block_table", block_table, "a paged KV cache")):
         if val is not None:
@@ -888,6 +891,17 @@ def _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale):
         if t.dtype not in _FP8_INPUT_DTYPES:
             raise TypeError(_err(fn, name, f"pre-quantized FP8 inputs: q, k and v must all be float8_e4m3fn or "
                                            f"float8_e5m2, got {q.dtype}, {k.dtype}, {v.dtype}"))
+    # The shapes the descale broadcast relies on, checked first (as the op would check
+    # them: k and v against q); a batch-1 q times a [batch, num_heads_kv] descale would
+    # otherwise broadcast to k's batch silently.
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(_err(fn, name, f"batch size {t.shape[0]} != q's batch size {q.shape[0]}"))
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(_err(fn, "v", f"num_heads_kv {v.shape[2]} != k's num_heads_kv {k.shape[2]}"))
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(_err(fn, "q", f"num_heads_q {q.shape[2]} must be a multiple of num_heads_kv "
+                                       f"{k.shape[2]} (GQA)"))
     b, hkv = k.shape[0], k.shape[2]
     out = []
     for name, t, ds in (("q", q, q_descale), ("k", k, k_descale), ("v", v, v_descale)):
@@ -902,12 +916,7 @@ def _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale):
                                                f"on {ds.device}"))
             if not bool(torch.isfinite(ds).all()) or bool((ds <= 0).any()):
                 raise ValueError(_err(fn, arg, "must be finite and > 0"))
-            s = ds
-            if t.shape[2] != hkv:
-                if hkv == 0 or t.shape[2] % hkv:
-                    raise ValueError(_err(fn, "q", f"num_heads_q {t.shape[2]} must be a multiple of "
-                                                   f"num_heads_kv {hkv} (GQA)"))
-                s = ds.repeat_interleave(t.shape[2] // hkv, dim=1)
+            s = ds if t.shape[2] == hkv else ds.repeat_interleave(t.shape[2] // hkv, dim=1)
             x = x * s[:, None, :, None]
         out.append(x)
     return tuple(out)
@@ -947,6 +956,11 @@ flash_attn_func.__signature__ = _FLASH_SIG
 flash_attn_func.__doc__ = _flash_attn_func.__doc__
 
 
+# What scaled_dot_product_attention passes on to `attention` (its fp8_kwargs).
+_SDPA_FP8_KWARGS = frozenset(("delta_mode", "precision", "block_size", "grad_format", "layer_name", "scaling",
+                              "qk_rotation", "smooth_k", "softcap"))
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -963,7 +977,10 @@ def scaled_dot_product_attention(
 
     fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name,
     scaling ("row" or "tile", numerics.md section 9), qk_rotation ("none" or
-    "hadamard") and smooth_k (bool; section 10), as in `attention`.
+    "hadamard"), smooth_k (bool; section 10) and softcap (section 12), as in
+    `attention`; any other keyword (attention's causal / softmax_scale included:
+    here they are is_causal / scale) is a TypeError naming it, and errors name
+    the arguments as this function calls them.
     Not supported (NotImplementedError): attn_mask, dropout_p != 0, and
     is_causal with seqlen_q != seqlen_k (PyTorch aligns that mask top-left,
     fp8attn bottom-right; call `attention(causal=True)` for the latter).
@@ -976,6 +993,15 @@ def scaled_dot_product_attention(
         raise NotImplementedError(f"fp8attn.{fn}: argument 'dropout_p': dropout is not supported")
     if "return_lse" in fp8_kwargs:
         raise TypeError(f"fp8attn.{fn}: argument 'return_lse' is not accepted here; use fp8attn.attention")
+    for ours, theirs in (("causal", "is_causal"), ("softmax_scale", "scale")):
+        if ours in fp8_kwargs:
+            raise TypeError(f"fp8attn.{fn}: argument '{ours}' is fp8attn.attention's name; this drop-in takes "
+                            f"PyTorch's '{theirs}'")
+    unknown = sorted(set(fp8_kwargs) - _SDPA_FP8_KWARGS)
+    if unknown:
+        raise TypeError(f"fp8attn.{fn}: unexpected argument '{unknown[0]}'; it takes PyTorch's (query, key, value, "
+                        f"attn_mask, dropout_p, is_causal, scale, enable_gqa) and fp8attn's "
+                        f"{', '.join(sorted(_SDPA_FP8_KWARGS))}")
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
         if is_causal and query.shape[2] != key.shape[2]:
             raise NotImplementedError(
@@ -989,7 +1015,8 @@ def scaled_dot_product_attention(
     except (TypeError, ValueError) as exc:
         # Name the arguments as this function calls them (attention's q, k, v).
         msg = str(exc).replace("fp8attn.attention:", f"fp8attn.{fn}:")
-        for a, b in (("q", "query"), ("k", "key"), ("v", "value")):
+        for a, b in (("q", "query"), ("k", "key"), ("v", "value"), ("causal", "is_causal"),
+                     ("softmax_scale", "scale")):
             msg = msg.replace(f"argument '{a}'", f"argument '{b}'").replace(f"{a}'s ", f"{b}'s ")
         if msg == str(exc):
             raise

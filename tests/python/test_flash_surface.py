@@ -321,6 +321,28 @@ def test_fp8_inputs_bad_descale_is_named(kw, exc, arg):
         fp8attn.flash_attn_func(*_fp8_inputs(), **kw)
 
 
+def test_fp8_inputs_shapes_checked_before_the_descale_broadcast():
+    """A batch-1 q against batch-3 k / v with a [3, num_heads_kv] q_descale was broadcast to
+    batch 3 silently (a break test, 2026-12-03), where the same call without descales is
+    refused; a v with other kv heads than k was blamed on q."""
+    q8, k8, v8 = _fp8_inputs()
+    with pytest.raises(ValueError, match=r"argument 'k': batch size 2 != q's batch size 1"):
+        fp8attn.flash_attn_func(q8[:1], k8, v8, q_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"argument 'v': batch size 1 != q's batch size 2"):
+        fp8attn.flash_attn_func(q8, k8, v8[:1], v_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"argument 'v': num_heads_kv 1 != k's num_heads_kv 2"):
+        fp8attn.flash_attn_func(q8, k8, v8[:, :, :1], v_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"argument 'q': num_heads_q 3 must be a multiple of num_heads_kv 2"):
+        fp8attn.flash_attn_func(q8[:, :, :3], k8, v8)
+
+
+def test_descale_without_fp8_inputs_says_what_it_applies_to():
+    q, k, v = (x.float() for x in _fp8_inputs())
+    with pytest.raises(NotImplementedError, match=r"argument 'q_descale': a descale factor for q, k, v that are "
+                                                  r"not pre-quantized FP8"):
+        fp8attn.flash_attn_func(q, k, v, q_descale=torch.ones(2, 2))
+
+
 def test_fp8_inputs_must_all_be_fp8():
     q8, k8, v8 = _fp8_inputs()
     with pytest.raises(TypeError, match="argument 'v'"):

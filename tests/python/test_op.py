@@ -315,6 +315,27 @@ def test_sdpa_unsupported():
         fp8attn.flash_attn_func(q, k, v, dropout_p=0.1)
 
 
+def test_sdpa_errors_name_pytorchs_arguments():
+    """The drop-in's errors name its own (PyTorch's) arguments (a break test, 2026-12-03:
+    attention's causal / softmax_scale passed here gave a bare "multiple values" TypeError,
+    an unknown keyword one without the function's name, is_causal=1 and scale=0.0 errors
+    named 'causal' / 'softmax_scale')."""
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=False)
+    sdpa = fp8attn.scaled_dot_product_attention
+    for kw, arg in ((dict(causal=True), "causal"), (dict(softmax_scale=0.5), "softmax_scale")):
+        with pytest.raises(TypeError, match=rf"scaled_dot_product_attention: argument '{arg}' is "
+                                            r"fp8attn.attention's name"):
+            sdpa(q, k, v, **kw)
+    with pytest.raises(TypeError, match=r"scaled_dot_product_attention: unexpected argument 'foo'"):
+        sdpa(q, k, v, foo=1)
+    with pytest.raises(TypeError, match=r"scaled_dot_product_attention: argument 'is_causal'"):
+        sdpa(q, k, v, is_causal=1)
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: argument 'scale'"):
+        sdpa(q, k, v, scale=0.0)
+    # fp8attn's own options still pass through.
+    assert sdpa(q, k, v, is_causal=True, scale=0.5, delta_mode="stale", softcap=0.0).shape == q.shape
+
+
 @pytest.mark.parametrize("precision", ["fp8", "exact"])
 def test_flash_layout_matches(precision):
     q, k, v = make_qkv(2, 4, 2, 12, 20, 16, 8, dtype=torch.bfloat16)
