@@ -464,7 +464,7 @@ class _RingAttention(torch.autograd.Function):
                 softcap=0.0, local_lens=None):
         ring = _Ring(group, layout, q.shape[2], q.device, align, local_lens)
         o, lse = _ring_forward(ring, q, k, v, scale, causal, block_size, scaling, softcap)
-        out = o.to(q.dtype)
+        out = _ops.as_dtype(o, q.dtype)  # NOTE: not o.to(): ops.as_dtype (torch.compile)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         ctx.opts = (scale, causal, delta_mode, block_size, grad_format, scaling, softcap)

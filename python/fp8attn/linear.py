@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from . import _env
 from . import quant_fp8_block128_triton as _TQ
-from .ops import single_backward
+from .ops import as_dtype, single_backward
 
 __all__ = ["FP8Linear", "fp8_linear", "convert_to_fp8_linear", "quantize_1x128", "quantize_128x128",
            "dequantize_1x128", "dequantize_128x128", "scaled_mm_available", "BACKENDS"]
@@ -391,7 +391,7 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.grad_format, ctx.backend = grad_format, backend
         ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y.to(out_dtype)
+        return as_dtype(y, out_dtype)  # NOTE: not y.to(): ops.as_dtype (torch.compile)
 
     @staticmethod
     @single_backward("FP8Linear")

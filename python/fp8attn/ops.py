@@ -341,15 +341,20 @@ def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rota
     out, lse_t = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
                                        softcap=softcap)
     lse = lse_t if mean is None else _qkt.shift_lse(lse_t, q, mean, scale, +1)
-    out = out.to(q.dtype)
-    if torch.compiler.is_compiling():
-        # NOTE: under torch.compile (torch 2.11, every backend, eager included) an
-        # autograd.Function forward that returned the raw op's O itself here (q float32 or
-        # CUDA bfloat16: .to() is then a no-op) after the torch transforms gave all-zero
-        # gradients to q, k, v, silently; a copy gives eager's, bit for bit
-        # (test_qk_transform.py::test_torch_compile_fullgraph_with_the_options).
-        out = out.clone()
+    out = as_dtype(out, q.dtype)
     return (out, lse, lse_t) if return_lse_t else (out, lse)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: t itself when it has it, else t.to(dtype).
+
+    NOTE: what an autograd.Function forward returns goes through this, never through a
+    bare t.to(dtype): under torch.compile (torch 2.11, every backend, "eager" included)
+    a forward returning t.to(dtype) when that is a no-op (an alias of t) got all-zero
+    gradients for its inputs, silently (float32 inputs of attention with smooth_k, of
+    FP8Linear; a break test, 2026-12-03). Tests: test_qk_transform.py::
+    test_torch_compile_fullgraph_with_the_options, test_linear.py::test_compiled_grads_equal_eager."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _unfused_dtype(q: torch.Tensor):

@@ -625,3 +625,28 @@ def test_convert_warns_about_linear_subclasses_it_leaves_alone():
     with pytest.warns(UserWarning, match="mha.out_proj"):
         done = L.convert_to_fp8_linear(model)
     assert done == ["fc"] and type(model["mha"].out_proj) is not L.FP8Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_grads_equal_eager(dtype, bias):
+    """torch.compile(fullgraph=True) of FP8Linear: forward and every gradient bit for bit
+    eager's. The guarded failure (a break test, 2026-12-03): with float32 in and out the
+    autograd.Function returned y.to(float32), a no-op alias, and under compile (every
+    backend) dx, dW and db came out all zero, silently (ops.as_dtype)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = L.FP8Linear(128, 64, bias=bias, backend="emulated").to(dtype)
+    x = torch.randn(4, 128, dtype=dtype)
+    dy = torch.randn(4, 64, dtype=dtype)
+    grads = []
+    for f in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
+        xx = x.clone().requires_grad_()
+        lin.zero_grad(set_to_none=True)
+        y = f(xx)
+        y.backward(dy)
+        grads.append([y.detach(), xx.grad] + [p.grad for p in lin.parameters()])
+    eager, comp = grads
+    assert all(g.abs().max() > 0 for g in eager[1:])
+    assert all(torch.equal(a, b) for a, b in zip(eager, comp))
+    torch._dynamo.reset()
