@@ -136,15 +136,22 @@ def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 2, 
     """This rank's part of a full-sequence tensor ``x`` (sequence along ``dim``).
 
     ``rank`` / ``world_size`` default to the group's; give both to shard without a
-    process group (tests, data loaders). Returns a contiguous tensor holding the
+    process group (tests, data loaders); one without the other is a ValueError. Returns a contiguous tensor holding the
     rank's chunks (``local_chunks``) concatenated along ``dim``. ``block_size``: the
     chunk alignment of ``chunk_bounds`` (pass ring_attention's ``chunk_align``).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fp8attn.context_parallel.shard: argument 'x': expected a torch.Tensor, got "
                         f"{type(x).__name__}")
-    if rank is None or world_size is None:
+    if (rank is None) != (world_size is None):
+        given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+        raise ValueError(f"fp8attn.context_parallel.shard: argument '{missing}': give it with '{given}' "
+                         f"(both, or neither to use the group's)")
+    if rank is None:
         rank, world_size = _group_info(group)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"fp8attn.context_parallel.shard: argument 'dim': expected an int in "
+                         f"[{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
     local_chunks(rank, world_size, layout)   # checks rank, world_size, layout
     cuts = chunk_bounds(x.shape[dim], _num_chunks(world_size, layout), block_size)
     parts = [x.narrow(dim, cuts[c], cuts[c + 1] - cuts[c]) for c in local_chunks(rank, world_size, layout)]

@@ -54,24 +54,33 @@ FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling"
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 
 
-def _classify_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Optional[bool]:
-    """True if `mask` is exactly the bottom-right causal pattern, False if it masks
-    nothing, None otherwise. mask: bool (True = attend) or additive float (0 = attend),
+def _classify_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Optional[Tuple[bool, int]]:
+    """(causal, n_keys) if `mask` lets every row see only the first n_keys keys, either all
+    of them (causal False) or exactly the bottom-right causal pattern over them (causal
+    True); None for anything else (padding, per-row patterns). n_keys < seqlen_k is a static
+    KV cache's unused tail (HF masks those slots in decode and prefill). mask: bool (True =
+    attend) or additive float (0 = attend; a masked entry must be -inf or below -1e4),
     broadcastable to [batch, heads, seqlen_q, seqlen_k]."""
     if mask.dim() < 2 or mask.shape[-2:] != (seqlen_q, seqlen_k):
         return None
     allowed = mask if mask.dtype == torch.bool else mask == 0
+    # An additive mask must really remove what it masks.
+    if mask.dtype != torch.bool and not bool((mask[~allowed] < -1e4).all()):
+        return None
     if bool(allowed.all()):
-        return False
+        return False, seqlen_k
+    used = allowed.reshape(-1, seqlen_q, seqlen_k).any(dim=0).any(dim=0)   # keys any row sees
+    n = int(used.sum())
+    if n == 0 or not bool(used[:n].all()):
+        return None
+    head = allowed[..., :n]
+    if bool(head.all()):
+        return False, n
     i = torch.arange(seqlen_q, device=mask.device)[:, None]
-    j = torch.arange(seqlen_k, device=mask.device)[None, :]
-    causal = j <= i + (seqlen_k - seqlen_q)
-    if not bool((allowed == causal).all()):
+    j = torch.arange(n, device=mask.device)[None, :]
+    if not bool((head == (j <= i + (n - seqlen_q))).all()):
         return None
-    # An additive mask must also really remove the masked keys (-inf or a huge negative).
-    if mask.dtype != torch.bool and not bool((mask[..., ~causal] < -1e4).all()):
-        return None
-    return True
+    return True, n
 
 
 def make_attention_function(**fp8_kwargs) -> Callable:
@@ -111,9 +120,12 @@ def make_attention_function(**fp8_kwargs) -> Callable:
             kind = _classify_mask(attention_mask, seqlen_q, seqlen_k)
             if kind is None:
                 raise NotImplementedError(
-                    "fp8attn.hf: argument 'attention_mask': only causal or no masking is supported "
-                    "(got a mask with padding or another pattern); pass batches without padding")
-            causal = kind
+                    "fp8attn.hf: argument 'attention_mask': only causal or no masking (over all keys or over a "
+                    "static cache's filled prefix) is supported (got a mask with padding or another pattern); "
+                    "pass batches without padding")
+            causal, n_keys = kind
+            if n_keys < seqlen_k:  # a static cache's unused slots: cut off (as with no mask above)
+                key, value = key[:, :, :n_keys], value[:, :, :n_keys]
         dtype = query.dtype
         if precision == "fp8":
             work = torch.float16 if dtype == torch.float16 else torch.bfloat16

@@ -553,7 +553,8 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         TypeError: model not an nn.Module, include / exclude of another type.
         ValueError: model itself a matching nn.Linear (use FP8Linear.from_linear),
             bad grad_format / backend.
-    The parameters are shared, not copied: optimizer state and weight tying survive.
+    The parameters are shared, not copied: optimizer state and weight tying survive;
+    a module used under several names is converted under each (one FP8Linear for all).
     Subclasses of nn.Linear that match are left alone with a UserWarning naming them.
     """
     def as_match(p, arg):
@@ -572,7 +573,10 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
     inc, exc = as_match(include, "include"), as_match(exclude, "exclude")
-    targets = [(n, m) for n, m in model.named_modules()
+    # NOTE: remove_duplicate=False: a module used in several places (nn.Sequential(s, s),
+    # a shared projection) is converted at every name; all of them get the same
+    # FP8Linear (below), so the sharing survives too.
+    targets = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
                if type(m) is nn.Linear and inc(n) and not exc(n)]
     # NOTE: subclasses of nn.Linear (e.g. nn.MultiheadAttention's out_proj, whose
     # weight the parent reads directly) may not route through forward(): they are
@@ -588,8 +592,11 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         # add a stray child and leave the model an nn.Linear).
         raise ValueError(_err("model", "is itself an nn.Linear and cannot be converted in place; "
                                        "use FP8Linear.from_linear(model)"))
+    new = {}
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_linear(lin, grad_format=grad_format, backend=backend))
+        if id(lin) not in new:
+            new[id(lin)] = FP8Linear.from_linear(lin, grad_format=grad_format, backend=backend)
+        setattr(parent, child, new[id(lin)])
     return sorted(n for n, _ in targets)

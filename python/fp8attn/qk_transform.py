@@ -75,9 +75,27 @@ def _fwht(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _check_head_dim_input(fn: str, arg: str, x) -> None:
+    """x: a floating tensor whose last dim (head_dim) is in [1, 256], as the library's."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"fp8attn.qk_transform.{fn}: argument '{arg}': expected a floating-point tensor, got {got}")
+    if x.dim() == 0 or not 1 <= x.shape[-1] <= 256:
+        raise ValueError(f"fp8attn.qk_transform.{fn}: argument '{arg}': head_dim (the last dim) must be in "
+                         f"[1, 256], got shape {tuple(x.shape)}")
+
+
+def _check_rotation(fn: str, qk_rotation) -> None:
+    if qk_rotation not in QK_ROTATIONS:
+        raise ValueError(f"fp8attn.qk_transform.{fn}: argument 'qk_rotation': expected one of {QK_ROTATIONS}, "
+                         f"got {qk_rotation!r}")
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x R along the last dim (head_dim), in x's dtype (the working precision):
-    per block, times the signs, FWHT, times 1/sqrt(n)."""
+    per block, times the signs, FWHT, times 1/sqrt(n). Raises TypeError for a
+    non-floating x, ValueError for head_dim outside [1, 256]."""
+    _check_head_dim_input("rotate", "x", x)
     d = x.shape[-1]
     s = hadamard_signs(d, x.dtype, x.device)
     x = x * s
@@ -89,7 +107,9 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_transposed(g: torch.Tensor) -> torch.Tensor:
-    """g R^T along the last dim: per block, FWHT, times 1/sqrt(n), times the signs."""
+    """g R^T along the last dim: per block, FWHT, times 1/sqrt(n), times the signs
+    (errors as rotate's)."""
+    _check_head_dim_input("rotate_transposed", "g", g)
     d = g.shape[-1]
     out, o = [], 0
     for n in hadamard_blocks(d):
@@ -116,8 +136,8 @@ def key_mean(k: torch.Tensor, dtype) -> torch.Tensor:
 def lse_shift(q: torch.Tensor, mean: torch.Tensor, softmax_scale: float, dtype) -> torch.Tensor:
     """shift_i = tau <q_i, m> per query row, [batch, num_heads_q, seqlen_q]:
     the smoothed logits are S' = S - shift_i (numerics.md section 10). FP64
-    dot product of q read in `dtype` with the mean; float32 result (fp8 path:
-    tau rounded to FP32 first)."""
+    dot product of q read in `dtype` with the mean, returned in FP64 (fp8 path:
+    tau rounded to FP32 first; the callers round the shift to their dtype)."""
     group = q.shape[1] // mean.shape[1]
     m = mean.repeat_interleave(group, dim=1).double()          # [B, Hq, 1, d]
     u = (q.to(dtype).double() * m).sum(dim=-1)
@@ -135,6 +155,7 @@ def transform_qk(q: torch.Tensor, k: torch.Tensor, qk_rotation: str, smooth_k: b
     """fp8 path: Q', K' computed in FP32 and returned in q's / k's dtype (the
     kernels' input: rounded to it when it is bfloat16), and the FP32 mean key
     [batch, num_heads_kv, 1, head_dim] (None without smooth_k)."""
+    _check_rotation("transform_qk", qk_rotation)
     w = torch.float32
     qw, kw = q.to(w), k.to(w)
     mean = key_mean(k, w) if smooth_k else None
@@ -158,6 +179,7 @@ def map_grads_back(dq_t: torch.Tensor, dk_t: torch.Tensor, qk_rotation: str, smo
                    q_dtype, k_dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """fp8 path: dQ = dQ' R^T and dK = dK' R^T minus its mean over the keys
     (the gradient through the mean key), in FP32, returned in q's / k's dtype."""
+    _check_rotation("map_grads_back", qk_rotation)
     w = torch.float32
     dq, dk = dq_t.to(w), dk_t.to(w)
     if qk_rotation == "hadamard":

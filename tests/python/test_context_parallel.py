@@ -327,6 +327,19 @@ def test_shard_roundtrip_without_group():
     assert torch.equal(_unshard(parts, 700, 4, "zigzag"), x)
 
 
+def test_shard_takes_rank_and_world_size_together_and_checks_dim():
+    """rank or world_size alone was ignored in favour of the group's, silently (a break test,
+    2026-12-03); a bad dim was a raw IndexError."""
+    x = torch.arange(8).view(1, 1, 8, 1)
+    with pytest.raises(ValueError, match="argument 'world_size': give it with 'rank'"):
+        cp.shard(x, rank=1, block_size=1)
+    with pytest.raises(ValueError, match="argument 'rank': give it with 'world_size'"):
+        cp.shard(x, world_size=4, block_size=1)
+    with pytest.raises(ValueError, match="argument 'dim'"):
+        cp.shard(x, rank=0, world_size=2, dim=7)
+    assert cp.shard(x, rank=1, world_size=2, dim=-2, block_size=1).flatten().tolist() == [2, 3, 4, 5]
+
+
 def test_errors_name_the_argument():
     q = torch.randn(1, 2, 256, 64)
     with pytest.raises(RuntimeError, match="not initialized"):

@@ -117,6 +117,24 @@ def test_exact_generation_matches_sdpa(reference):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_exact_static_cache_generation_matches_sdpa(reference):
+    """generate() with a static KV cache: HF masks the cache's unused slots (prefill and every
+    decode step); fp8attn takes that as attention over the filled prefix and generates
+    SDPA's tokens (a break test, 2026-12-03: it refused the decode mask as "padding")."""
+    state, tokens, _ = reference
+    outs = []
+    for impl in ("sdpa", "fp8attn_exact"):
+        model = build(impl)
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            prompt = tokens[:1, :10]
+            outs.append(model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                       cache_implementation="static"))
+    assert outs[0].shape == (1, 15)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_padding_mask_raises(reference):
     state, tokens, _ = reference
     model = build("fp8attn")
@@ -161,9 +179,21 @@ def test_mask_classification():
     full = fn(module, q, k, v, torch.ones(1, 1, 6, 9, dtype=torch.bool), scaling=0.3)[0]
     torch.testing.assert_close(full, fp8attn.attention(q, k, v, softmax_scale=0.3, precision="exact")
                                .transpose(1, 2), rtol=0, atol=0)
-    # Top-left causal (what a padded static cache would need) is not bottom-right: refused.
+    # Top-left causal over 9 keys never lets a row see keys 6..8: it is causal over the first
+    # 6 (a static cache's prefill, its unused slots masked), computed as that.
+    tl = fn(module, q, k, v, (j <= i)[None, None], scaling=0.3)[0]
+    torch.testing.assert_close(tl, fp8attn.attention(q, k[:, :, :6], v[:, :, :6], causal=True, softmax_scale=0.3,
+                                                     precision="exact").transpose(1, 2), rtol=0, atol=0)
+    # A static cache's decode step: one query, the filled prefix of 7 of 9 slots visible.
+    q1 = q[:, :, :1]
+    dec = fn(module, q1, k, v, (j[:, :] < 7)[None, None, :1], scaling=0.3)[0]
+    torch.testing.assert_close(dec, fp8attn.attention(q1, k[:, :, :7], v[:, :, :7], softmax_scale=0.3,
+                                                      precision="exact").transpose(1, 2), rtol=0, atol=0)
+    # Still refused: a per-row pattern that is not causal over a prefix (here: a hole).
+    holed = torch.ones(1, 1, 6, 9, dtype=torch.bool)
+    holed[..., 3] = False
     with pytest.raises(NotImplementedError, match="attention_mask"):
-        fn(module, q, k, v, (j <= i)[None, None], scaling=0.3)
+        fn(module, q, k, v, holed, scaling=0.3)
     with pytest.raises(NotImplementedError, match="softcap"):
         fn(module, q, k[:, :, :6], v[:, :, :6], None, softcap=30.0)
 

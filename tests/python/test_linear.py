@@ -650,3 +650,18 @@ def test_compiled_grads_equal_eager(dtype, bias):
     assert all(g.abs().max() > 0 for g in eager[1:])
     assert all(torch.equal(a, b) for a, b in zip(eager, comp))
     torch._dynamo.reset()
+
+
+def test_convert_converts_every_use_of_a_shared_linear():
+    """A module used twice (nn.Sequential(s, s)) was converted at its first name only, the
+    second use kept running in full precision (a break test, 2026-12-03: named_modules()
+    drops duplicates). Now every use is the same FP8Linear, sharing s's parameters."""
+    s = nn.Linear(128, 128)
+    seq = nn.Sequential(s, nn.ReLU(), s)
+    assert L.convert_to_fp8_linear(seq) == ["0", "2"]
+    assert isinstance(seq[0], L.FP8Linear) and seq[0] is seq[2] and seq[0].weight is s.weight
+    # A shared container: both paths reach the same converted child.
+    blk = nn.Sequential(nn.Linear(128, 128))
+    model = nn.ModuleDict({"a": blk, "b": blk})
+    assert L.convert_to_fp8_linear(model) == ["a.0", "b.0"]
+    assert isinstance(model["a"][0], L.FP8Linear) and model["a"][0] is model["b"][0]

@@ -520,3 +520,25 @@ def test_smooth_k_huge_keys_finite_through_varlen_and_the_raw_op(entry):
     o.float().sum().backward()
     for name, t in (("O", o), ("dQ", qr.grad), ("dK", kr.grad), ("dV", vr.grad)):
         assert torch.isfinite(t).all(), name
+
+
+def test_public_helpers_check_their_arguments():
+    """qk_transform's helpers took an unknown rotation as "none", an int tensor to all zeros
+    and head_dim 300 / 0 to raw shape errors (a break test, 2026-12-03)."""
+    from fp8attn import qk_transform as qkt
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="transform_qk: argument 'qk_rotation'"):
+        qkt.transform_qk(q, q, "foo", False)
+    with pytest.raises(ValueError, match="map_grads_back: argument 'qk_rotation'"):
+        qkt.map_grads_back(q, q, "foo", False, q.dtype, q.dtype)
+    with pytest.raises(TypeError, match="rotate: argument 'x': expected a floating-point tensor"):
+        qkt.rotate(torch.ones(2, 4, dtype=torch.int64))
+    for d in (0, 300):
+        with pytest.raises(ValueError, match=r"rotate: argument 'x': head_dim \(the last dim\) must be in \[1, 256\]"):
+            qkt.rotate(torch.ones(2, d))
+    with pytest.raises(ValueError, match="rotate_transposed: argument 'g'"):
+        qkt.rotate_transposed(torch.ones(2, 257))
+    # The valid range still rotates (orthogonal: norms kept) at its ends.
+    for d in (1, 256):
+        x = torch.randn(3, d, dtype=torch.float64)
+        assert torch.allclose(qkt.rotate(x).norm(dim=-1), x.norm(dim=-1))

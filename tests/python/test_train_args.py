@@ -111,3 +111,23 @@ def test_probe_names_the_missing_step(tmp_path):
 def test_model_override_given_twice_is_refused():
     with pytest.raises(SystemExit, match="--model: head_dim given twice"):   # the last one silently won
         compare.parse_model_overrides(["head_dim=64", "n_heads=2,head_dim=32"])
+
+
+def test_compare_names_bad_init_from_text_dir_and_device_before_any_work(tmp_path, text_dir):
+    """A garbage --init-from file, a missing --text-dir and --device cuda without a GPU ended
+    in tracebacks after the data preparation (a break test, 2026-12-03)."""
+    bad = tmp_path / "bad.pt"
+    bad.write_text("garbage\n")
+    base = ["--preset", "smoke", "--modes", "bf16", "--steps", "2", "--data-dir", str(tmp_path / "data"),
+            "--out", str(tmp_path / "run"), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"--init-from: .*bad.pt is not a readable fp8attn.train.checkpoint/1 "
+                                         r"checkpoint"):
+        compare.run(compare.parse_args(base + ["--device", "cpu", "--text-dir", str(text_dir),
+                                               "--init-from", str(bad)]))
+    with pytest.raises(SystemExit, match=r"--text-dir: .*nope is not a directory"):
+        compare.run(compare.parse_args(base + ["--device", "cpu", "--text-dir", str(tmp_path / "nope")]))
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match=r"--device cuda: no CUDA GPU"):
+            compare.run(compare.parse_args(base + ["--device", "cuda", "--text-dir", str(text_dir)]))
+    assert not (tmp_path / "data").exists()   # no data work was done

@@ -45,8 +45,11 @@ import argparse
 import argparse as _argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
+
+import torch
 
 from . import ddp, provenance, state
 from .data import prepare
@@ -209,12 +212,23 @@ def run(args) -> tuple[Path, str, list[dict]]:
                                  f"into the training state); use DDP (no --fsdp) or one process")
     init_from = getattr(args, "init_from", "") or ""
     if init_from:
+        from .checkpoint import FORMAT
         from .trainer import init_checkpoint
         for m in modes:
             try:
-                init_checkpoint(init_from, m)
+                ck = init_checkpoint(init_from, m)
             except FileNotFoundError as exc:
                 raise SystemExit(f"--init-from: {exc}") from None
+            # A file that is not a checkpoint is named here, before any work (it was a
+            # torch.load traceback after the data preparation).
+            try:
+                obj = torch.load(ck, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001  (any unreadable file: pickle, zip, EOF errors)
+                raise SystemExit(f"--init-from: {ck} is not a readable {FORMAT} checkpoint "
+                                 f"({type(exc).__name__})") from None
+            if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+                raise SystemExit(f"--init-from: {ck} is not an {FORMAT} checkpoint")
+            del obj
     if args.fsdp and getattr(args, "optimizer", "adamw") == "muon":
         raise SystemExit("--optimizer muon: not supported with --fsdp (Muon orthogonalizes whole matrices; "
                          "FSDP2 shards them); use DDP (no --fsdp) or one process")
@@ -266,6 +280,13 @@ def run(args) -> tuple[Path, str, list[dict]]:
                     "fp8_qk_rotation": args.qk_rotation, "fp8_smooth_k": args.smooth_k,
                     "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])}
     model_configs(args.preset, modes, model_fields)   # NOTE: fail before any data or training work
+    # After every other flag check (their tests pass a missing --text-dir on purpose).
+    text_dir = getattr(args, "text_dir", None)
+    if text_dir and not os.path.isdir(text_dir):
+        raise SystemExit(f"--text-dir: {text_dir} is not a directory")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is available to torch (torch.cuda.is_available() is False); "
+                         "use --device cpu or auto")
 
     ctx = ddp.init_from_env(args.device)  # no-op unless started by torchrun with WORLD_SIZE > 1
     say = print if ctx.is_main else (lambda *a, **k: None)
