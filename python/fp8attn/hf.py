@@ -25,7 +25,9 @@ mask (True = attend) otherwise. Supported here:
   * a mask (bool, or additive float with 0 = attend) that is exactly the
     bottom-right causal pattern (key j visible to query i iff
     j <= i + seqlen_k - seqlen_q), or that masks nothing: computed with
-    causal=True / False.
+    causal=True / False; the same over the first n keys only (a static KV
+    cache's filled prefix, its unused slots masked for every row, in prefill
+    and decode): the keys are cut to those n first.
   * anything else (real padding, sliding windows, packed sequences):
     NotImplementedError.
 Dropout > 0 in training, softcap, sliding_window, attention sinks (s_aux) and
