@@ -101,18 +101,23 @@ def test_fp8_close_to_sdpa_but_not_identical(reference):
         assert float(torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0)) > 0.99
 
 
-def test_exact_generation_matches_sdpa(reference):
-    """KV-cache decoding (seqlen_q = 1 against a longer cache) follows HF's semantics."""
-    state, tokens, _ = reference
+def _generate_both(state, prompt, **kw):
+    """Greedy generate() of the reference weights with SDPA and with fp8attn's exact path."""
     outs = []
     for impl in ("sdpa", "fp8attn_exact"):
         model = build(impl)
         model.load_state_dict(state)
         model.eval()
         with torch.no_grad():
-            prompt = tokens[:, :10]
-            outs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
-                                       do_sample=False, pad_token_id=0))
+            outs.append(model.generate(prompt, do_sample=False, pad_token_id=0, **kw))
+    return outs
+
+
+def test_exact_generation_matches_sdpa(reference):
+    """KV-cache decoding (seqlen_q = 1 against a longer cache) follows HF's semantics."""
+    state, tokens, _ = reference
+    prompt = tokens[:, :10]
+    outs = _generate_both(state, prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6)
     assert outs[0].shape == (2, 16)
     assert torch.equal(outs[0], outs[1])
 
@@ -122,15 +127,7 @@ def test_exact_static_cache_generation_matches_sdpa(reference):
     decode step); fp8attn takes that as attention over the filled prefix and generates
     SDPA's tokens (a break test, 2026-12-03: it refused the decode mask as "padding")."""
     state, tokens, _ = reference
-    outs = []
-    for impl in ("sdpa", "fp8attn_exact"):
-        model = build(impl)
-        model.load_state_dict(state)
-        model.eval()
-        with torch.no_grad():
-            prompt = tokens[:1, :10]
-            outs.append(model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                       cache_implementation="static"))
+    outs = _generate_both(state, tokens[:1, :10], max_new_tokens=5, cache_implementation="static")
     assert outs[0].shape == (1, 15)
     assert torch.equal(outs[0], outs[1])
 
