@@ -117,3 +117,31 @@ def test_cuda_errors_drop_on_training_shaped_inputs(kind, option, ratio):
         errs[name] = recipe_study.errors(dict(o=o[0, 0], lse=lse[0, 0], dq=dq[0, 0], dk=dk[0, 0], dv=dv[0, 0]), ex)
     for key in ("o", "dq", "dk", "dv"):
         assert errs[option][key] <= ratio * errs["none"][key], (key, errs)
+
+
+@pytest.mark.parametrize("scaling", ["row", "tile"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_torch_compile_grads_equal_eager(dtype, scaling):
+    """torch.compile(fullgraph=True) of attention with both options on CUDA tensors (the
+    unfused torch path around the kernels, the path the compile zero-gradient bug of
+    2026-12-03 was in): the forward and dQ, dK, dV bit for bit eager's, and nonzero.
+    The guarded failure: an autograd.Function returning a no-op .to() alias of its
+    output gave all-zero gradients under compile for float32 inputs (ops.as_dtype)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 200, 64, generator=g).to(dtype).cuda() for _ in range(3))
+    k = k + 3.0
+
+    def step(q, k, v):
+        o = fp8attn.attention(q, k, v, causal=True, scaling=scaling, qk_rotation="hadamard", smooth_k=True)
+        return (o.float() ** 2).sum()
+
+    got_g, want_g = [], []
+    for fn, out in ((torch.compile(step, fullgraph=True, backend="aot_eager"), got_g), (step, want_g)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        loss = fn(qq, kk, vv)
+        out.append(loss.detach())
+        out.extend(torch.autograd.grad(loss, (qq, kk, vv)))
+    assert all(torch.isfinite(x).all() and x.abs().max() > 0 for x in want_g[1:])
+    assert all(torch.equal(a, b) for a, b in zip(got_g, want_g))
+    torch._dynamo.reset()

@@ -407,6 +407,30 @@ def test_cuda_scaled_mm_matches_emulation(mkn, bias):
 
 
 @cuda_sm90
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_compiled_grads_equal_eager(dtype):
+    """test_compiled_grads_equal_eager on the cuBLASLt path (backend="scaled_mm"): under
+    torch.compile(fullgraph=True) y, dx, dW and db equal eager's bit for bit and are
+    nonzero (the float32 no-op-alias zero-gradient bug of 2026-12-03, ops.as_dtype)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = L.FP8Linear(256, 128, bias=True, backend="scaled_mm").to(dtype).cuda()
+    x = torch.randn(256, 256, dtype=dtype, device="cuda")
+    dy = torch.randn(256, 128, dtype=dtype, device="cuda")
+    grads = []
+    for f in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
+        xx = x.clone().requires_grad_()
+        lin.zero_grad(set_to_none=True)
+        y = f(xx)
+        y.backward(dy)
+        grads.append([y.detach(), xx.grad] + [p.grad for p in lin.parameters()])
+    eager, comp = grads
+    assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in eager[1:])
+    assert all(torch.equal(a, b) for a, b in zip(eager, comp))
+    torch._dynamo.reset()
+
+
+@cuda_sm90
 def test_cuda_autocast_bf16_training_step():
     torch.manual_seed(0)
     lin = L.FP8Linear(512, 256).cuda()
