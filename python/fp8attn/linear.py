@@ -264,20 +264,44 @@ def _outer_major(s: torch.Tensor) -> torch.Tensor:
     return s.t().contiguous().t()
 
 
+@torch.library.custom_op("fp8attn::blockwise_scaled_mm", mutates_args=())
+def _blockwise_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tensor, sb: torch.Tensor,
+                         b_tiles: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] FP8 codes with 1x128 scales sa [M, K/128] times B^T, b_codes [Nout, K] FP8
+    codes with 128x128 scales sb [Nout/128, K/128] (b_tiles) or 1x128 scales [Nout, K/128]:
+    [M, Nout] in out_dtype. On CUDA one cuBLASLt block-scaled GEMM
+    (torch.nn.functional.scaled_mm, FP32 accumulation); on other devices the same product
+    of the dequantized operands in FP32 (the emulation; exact operands, FP32 sums).
+
+    A custom op so that torch.compile(fullgraph=True) traces FP8Linear: dynamo cannot
+    trace torch._scaled_mm_v2 itself (torch 2.11: "Attempted to call function marked as
+    skipped", found on the H200 2026-12-03)."""
+    if a.is_cuda:
+        b_scales, b_kind = ((_l4_major(sb), F.ScalingType.BlockWise128x128) if b_tiles
+                            else (_outer_major(sb), F.ScalingType.BlockWise1x128))
+        return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
+                           b_scales, b_kind, output_dtype=out_dtype)
+    bf = dequantize_128x128(b_codes, sb) if b_tiles else dequantize_1x128(b_codes, sb)
+    return (dequantize_1x128(a, sa) @ bf.t()).to(out_dtype)
+
+
+@_blockwise_scaled_mm.register_fake
+def _(a, sa, b_codes, sb, b_tiles, out_dtype):
+    return a.new_empty((a.shape[0], b_codes.shape[0]), dtype=out_dtype)
+
+
 def _gemm_1x128_128x128(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tensor, sb: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K] row-major codes (1x128 scales sa [M, K/128]) times B^T where
     b_codes [Nout, K] row-major codes with 128x128 scales sb [Nout/128, K/128]: [M, Nout]."""
-    return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
-                       _l4_major(sb), F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return _blockwise_scaled_mm(a, sa, b_codes, sb, True, out_dtype)
 
 
 def _gemm_1x128_1x128(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tensor, sb: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, K] codes (1x128 scales [M, K/128]) times B^T, b_codes [Nout, K] codes (1x128
     scales [Nout, K/128]): [M, Nout]."""
-    return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
-                       _outer_major(sb), F.ScalingType.BlockWise1x128, output_dtype=out_dtype)
+    return _blockwise_scaled_mm(a, sa, b_codes, sb, False, out_dtype)
 
 
 _WARNED: set = set()

@@ -121,12 +121,13 @@ def test_cuda_errors_drop_on_training_shaped_inputs(kind, option, ratio):
 
 @pytest.mark.parametrize("scaling", ["row", "tile"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_torch_compile_grads_equal_eager(dtype, scaling):
+def test_cuda_torch_compile_grads_equal_eager(dtype, scaling, monkeypatch):
     """torch.compile(fullgraph=True) of attention with both options on CUDA tensors (the
     unfused torch path around the kernels, the path the compile zero-gradient bug of
     2026-12-03 was in): the forward and dQ, dK, dV bit for bit eager's, and nonzero.
     The guarded failure: an autograd.Function returning a no-op .to() alias of its
     output gave all-zero gradients under compile for float32 inputs (ops.as_dtype)."""
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")   # the tile backward's opt-in
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 200, 64, generator=g).to(dtype).cuda() for _ in range(3))

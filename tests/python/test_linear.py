@@ -676,6 +676,42 @@ def test_compiled_grads_equal_eager(dtype, bias):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scaled_mm_path_traces_fullgraph(dtype):
+    """The scaled_mm backend's autograd.Function (quantizers, padding, the GEMMs, saved
+    FP8 x^T) traces under torch.compile(fullgraph=True): its GEMMs are the custom op
+    fp8attn::blockwise_scaled_mm, whose CPU kernel (the dequantized product) lets this run
+    here. The guarded failure (the H200, 2026-12-03): F.scaled_mm called directly is
+    torch._scaled_mm_v2, which dynamo refuses ("marked as skipped"), so a compiled model
+    with FP8Linear graph-broke, and fullgraph=True raised. Also: equals the emulated
+    backend up to FP32 summation order (same quantized operands)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 256, generator=g).to(dtype)
+    w = (torch.randn(128, 256, generator=g) / 16).to(dtype)
+    b = torch.randn(128, generator=g).to(dtype)
+    dy = torch.randn(200, 128, generator=g).to(dtype)
+
+    def f(x, w, b):
+        return L._FP8LinearFn.apply(x, w, b, "e4m3", "scaled_mm", dtype, True)
+
+    res = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        xx, ww, bb = (t.clone().requires_grad_() for t in (x, w, b))
+        y = fn(xx, ww, bb)
+        y.backward(dy)
+        res.append([y.detach(), xx.grad, ww.grad, bb.grad])
+    assert all(torch.isfinite(t).all() and t.abs().max() > 0 for t in res[0])
+    assert all(torch.equal(a, c) for a, c in zip(*res))
+    xx, ww, bb = (t.clone().requires_grad_() for t in (x, w, b))
+    ye = L.fp8_linear(xx, ww, bb, backend="emulated")
+    ye.backward(dy)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, e in zip(res[0], [ye.detach(), xx.grad, ww.grad, bb.grad]):
+        assert rel_fro(a.float(), e.float()) < tol
+    torch._dynamo.reset()
+
+
 def test_convert_converts_every_use_of_a_shared_linear():
     """A module used twice (nn.Sequential(s, s)) was converted at its first name only, the
     second use kept running in full precision (a break test, 2026-12-03: named_modules()
