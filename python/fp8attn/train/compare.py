@@ -314,6 +314,17 @@ def run(args) -> tuple[Path, str, list[dict]]:
         data = prepare_data()
     # NOTE: a tiny corpus can give fewer BPE merges than asked; size the model to the tokenizer.
     model_cfg = model_configs(args.preset, modes, {**model_fields, "vocab_size": data.meta["vocab_size"]})
+    if init_from:
+        # NOTE: another architecture is named here, before any training (it was a
+        # ValueError traceback from inside the first mode's training).
+        from .trainer import INIT_FROM_FREE, init_arch_mismatches, init_checkpoint
+        for m in modes:
+            ck = init_checkpoint(init_from, m)
+            saved = torch.load(ck, map_location="cpu", weights_only=True)["model_config"]
+            bad = init_arch_mismatches(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": m}).to_dict(), saved)
+            if bad:
+                raise SystemExit(f"--init-from: {ck} has another architecture: " + "; ".join(bad)
+                                 + f" (a continuation may change only {', '.join(INIT_FROM_FREE)})")
     out = Path(args.out)
     run_cfg = state.run_config(preset=args.preset, modes=modes, train_config=cfg.to_dict(),
                                model_config=model_cfg.to_dict(), data_meta=data.meta,

@@ -205,6 +205,13 @@ def init_checkpoint(init_from: str | os.PathLike, mode: str) -> Path:
     return ck
 
 
+def init_arch_mismatches(mine: dict, theirs: dict) -> list[str]:
+    """The ModelConfig fields outside INIT_FROM_FREE where a run's config (`mine`, a
+    ModelConfig.to_dict()) and a checkpoint's saved one (`theirs`) differ, as
+    "field saved -> wanted" strings ([] = the checkpoint can initialise the run)."""
+    return [f"{k} {theirs.get(k)!r} -> {mine[k]!r}" for k in mine if k not in INIT_FROM_FREE and theirs.get(k) != mine[k]]
+
+
 def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
     """Loads a training checkpoint's weights (checkpoint.py format) into `model`: weights
     only (the optimizer starts fresh), for a continuation at a new seq_len / LR / RoPE
@@ -214,8 +221,7 @@ def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"init_from: {path} is not an {FORMAT} checkpoint")
-    mine, theirs = model.cfg.to_dict(), obj["model_config"]
-    bad = [f"{k} {theirs.get(k)!r} -> {mine[k]!r}" for k in mine if k not in INIT_FROM_FREE and theirs.get(k) != mine[k]]
+    bad = init_arch_mismatches(model.cfg.to_dict(), obj["model_config"])
     if bad:
         raise ValueError(f"init_from: {path} has another architecture: " + "; ".join(bad) +
                          f" (a continuation may change only {', '.join(INIT_FROM_FREE)})")
