@@ -561,6 +561,7 @@ def ring_attention(
     if precision != "fp8":
         raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
                                   f"recomputes LSE from one shard's keys), got {precision!r}")
+    q, k, v = _ops._autocast_in(q, k, v)   # as SDPA under torch.autocast
     _ops.check_inputs(q, k, v, precision, fn=name)
     cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name)
     rank, world = _group_info(group)   # RuntimeError when torch.distributed is not initialized

@@ -217,6 +217,24 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: s
         raise ValueError(_err(fn, "q", f"device must be cpu or cuda, got {q.device}"))
 
 
+def _autocast_in(*ts):
+    """Q, K, V as torch.autocast gives them to SDPA: while autocast is on for their
+    device, float32 / float16 / bfloat16 tensors are cast (differentiably) to the
+    autocast dtype (float64 and pre-quantized FP8 inputs are not), so O comes back in it as SDPA's does; without autocast (or for
+    non-tensors, left to the argument checks) unchanged."""
+    t0 = ts[0]
+    if not isinstance(t0, torch.Tensor) or t0.device.type == "meta":  # NOTE: no autocast on meta
+        return ts
+    dev = t0.device.type
+    if not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CAST else t for t in ts)
+
+
+_AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)   # not float64, not FP8 inputs
+
+
 def _half_in(*ts: torch.Tensor):
     """float16 inputs as float32 (differentiable casts: gradients come back in float16).
     On CUDA the kernels then read them rounded to bfloat16, as any float32 input
@@ -598,10 +616,11 @@ def attention(
         scaling: the FP8 scaling recipe (numerics.md section 9): "row" (default;
             1x128 blocks along each reduction dim, sections 2-3) or "tile" (one
             scale per query row or per tile, folded into per-row coefficients;
-            the same accuracy). On CUDA tensors "tile" has a forward kernel
-            only so far: the forward runs, and a backward through it raises
-            NotImplementedError naming `scaling` (at backward time). Ignored by
-            precision="exact".
+            the same accuracy). On CUDA tensors the "tile" backward kernels are
+            opt-in while they are slower than "row" (FP8ATTN_TILE_BWD=1,
+            docs/architecture.md); without it a backward through a "tile"
+            forward raises NotImplementedError naming `scaling` (at backward
+            time). Ignored by precision="exact".
         qk_rotation: "none" (default) or "hadamard": incoherent processing
             (numerics.md section 10). Q and K are rotated by the same fixed
             orthogonal matrix R (a normalized Hadamard transform with a fixed
@@ -628,6 +647,8 @@ def attention(
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
+        under torch.autocast for q's device, as SDPA: Q, K, V (not float64) are
+        cast to the autocast dtype first, and O comes back in it;
         with return_lse also LSE float32 [batch, num_heads_q, seqlen_q] (natural
         log, not differentiable).
 
@@ -641,13 +662,14 @@ def attention(
             a qk_rotation other than "none" / "hadamard"; smooth_k not a bool
             is a TypeError).
             The message names the argument.
-        NotImplementedError: (in backward) scaling="tile" on CUDA tensors (no
-            backward kernel yet);
+        NotImplementedError: (in backward) scaling="tile" on CUDA tensors
+            without FP8ATTN_TILE_BWD=1;
             precision "exact" on CUDA tensors (the exact reference runs on CPU
             tensors).
         RuntimeError: (in backward) a backward with create_graph=True while an
             input requires grad: double backward is not supported.
     """
+    q, k, v = _autocast_in(q, k, v)
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, check_softcap, fwd_op, single_backward
+from .ops import _autocast_in, _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, check_softcap, fwd_op, single_backward
 
 __all__ = ["varlen_attention"]
 
@@ -436,6 +436,7 @@ def varlen_attention(
         raise ValueError(_err(_FN, "v", f"total_k {v.shape[0]} != k's total_k {k.shape[0]}"))
     # NOTE: the remaining checks (dtype, device, head_dim, GQA heads) are those of
     # `attention`, run on [1, heads, total, head_dim] views.
+    q, k, v = _autocast_in(q, k, v)   # as SDPA under torch.autocast
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     check_inputs(q4, k4, v4, op_precision, fn=_FN)
     cap = check_softcap(softcap, smooth_k, q.device.type, fn=_FN)
