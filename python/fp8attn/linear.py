@@ -281,8 +281,9 @@ def _blockwise_scaled_mm(a: torch.Tensor, sa: torch.Tensor, b_codes: torch.Tenso
                             else (_outer_major(sb), F.ScalingType.BlockWise1x128))
         return F.scaled_mm(a, b_codes.t(), _outer_major(sa), F.ScalingType.BlockWise1x128,
                            b_scales, b_kind, output_dtype=out_dtype)
-    bf = dequantize_128x128(b_codes, sb) if b_tiles else dequantize_1x128(b_codes, sb)
-    return (dequantize_1x128(a, sa) @ bf.t()).to(out_dtype)
+    with _no_autocast(a.device.type):   # FP32 products whatever autocast is on around the op
+        bf = dequantize_128x128(b_codes, sb) if b_tiles else dequantize_1x128(b_codes, sb)
+        return (dequantize_1x128(a, sa) @ bf.t()).to(out_dtype)
 
 
 @_blockwise_scaled_mm.register_fake

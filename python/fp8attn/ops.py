@@ -25,6 +25,7 @@ default backward options (delta_matching, e4m3).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -890,11 +891,16 @@ def _flash_attn_func(
         q, k, v = _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale)
     want_lse = return_lse or return_attn_probs
     want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
-    res = _renamed_errors("flash_attn_func", lambda: attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
-        delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
-        return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k,
-        softcap=softcap))
+    # NOTE: FP8 inputs ignore autocast (FA3's FP8 forward does): the dequantized
+    # float32 x * descale must not be cast again (bf16 rounding; inf under float16).
+    no_ac = (torch.autocast(q.device.type, enabled=False) if fp8_in and q.device.type != "meta"
+             else contextlib.nullcontext())
+    with no_ac:
+        res = _renamed_errors("flash_attn_func", lambda: attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
+            delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
+            return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation,
+            smooth_k=smooth_k, softcap=softcap))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
     if fp8_in:   # FlashAttention-3's FP8 forward returns O in bfloat16
