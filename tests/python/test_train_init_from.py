@@ -59,3 +59,21 @@ def test_init_from_refuses_a_missing_checkpoint_or_another_architecture(base, te
         compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "y", "--init-from", str(base / "short"),
                                              "--model", "d_model=32", steps=2)))
     assert not (tmp_path / "y").exists()
+
+
+def test_init_from_takes_older_checkpoints_and_names_incomplete_ones(base, text_dir, tmp_path):
+    """A checkpoint that predates a ModelConfig field (here arch / gdn_ratio, added after
+    --init-from) continues: missing fields read as their defaults, as load_checkpoint
+    reads them (it was refused as "arch None -> 'gqa'", a break test of 2026-12-03);
+    init_std is init-only and may change; a file without model_config is a SystemExit."""
+    obj = torch.load(checkpoint_path(base / "short", "bf16"), weights_only=True)
+    old = dict(obj, model_config={k: v for k, v in obj["model_config"].items() if k not in ("arch", "gdn_ratio")})
+    torch.save(old, tmp_path / "old.pt")
+    compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "o", "--init-from", str(tmp_path / "old.pt"),
+                                         "--model", "init_std=0.02", steps=1)))
+    assert read_log(tmp_path / "o" / "bf16.jsonl")["summary"]["init_fingerprint"] == \
+        init_fingerprint(load_checkpoint(checkpoint_path(base / "short", "bf16"))[0])
+    torch.save({k: v for k, v in obj.items() if k != "model_config"}, tmp_path / "x.pt")
+    with pytest.raises(SystemExit, match="holds no model_config"):
+        compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "z", "--init-from", str(tmp_path / "x.pt"),
+                                             steps=1)))

@@ -320,7 +320,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
         from .trainer import INIT_FROM_FREE, init_arch_mismatches, init_checkpoint
         for m in modes:
             ck = init_checkpoint(init_from, m)
-            saved = torch.load(ck, map_location="cpu", weights_only=True)["model_config"]
+            saved = torch.load(ck, map_location="cpu", weights_only=True).get("model_config")
+            if not isinstance(saved, dict):
+                raise SystemExit(f"--init-from: {ck} holds no model_config (not a complete checkpoint)")
             bad = init_arch_mismatches(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": m}).to_dict(), saved)
             if bad:
                 raise SystemExit(f"--init-from: {ck} has another architecture: " + "; ".join(bad)

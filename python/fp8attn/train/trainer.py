@@ -61,6 +61,7 @@ bit alike (tests/python/test_fsdp.py says why torch's clip_grad_norm_ did not).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -186,9 +187,9 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
     return Transformer(model_cfg)
 
 
-# ModelConfig fields a continuation may change (context length, RoPE base, the attention
-# backend and its FP8 options, activation checkpointing); every other field must match the checkpoint's.
-INIT_FROM_FREE = ("max_seq_len", "rope_base", "attn_mode", "scope", "packed", "fp8_block_size", "fp8_scaling",
+# ModelConfig fields a continuation may change (context length, RoPE base, the init-only
+# init_std, the attention backend and its FP8 options, activation checkpointing); every other field must match the checkpoint's.
+INIT_FROM_FREE = ("max_seq_len", "rope_base", "init_std", "attn_mode", "scope", "packed", "fp8_block_size", "fp8_scaling",
                   "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing")
 
 
@@ -209,7 +210,11 @@ def init_arch_mismatches(mine: dict, theirs: dict) -> list[str]:
     """The ModelConfig fields outside INIT_FROM_FREE where a run's config (`mine`, a
     ModelConfig.to_dict()) and a checkpoint's saved one (`theirs`) differ, as
     "field saved -> wanted" strings ([] = the checkpoint can initialise the run)."""
-    return [f"{k} {theirs.get(k)!r} -> {mine[k]!r}" for k in mine if k not in INIT_FROM_FREE and theirs.get(k) != mine[k]]
+    # NOTE: a field the checkpoint predates reads as its default (as load_checkpoint's
+    # ModelConfig(**saved) does), so older checkpoints of the same architecture continue.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    saved = {k: theirs.get(k, defaults.get(k)) for k in mine}
+    return [f"{k} {saved[k]!r} -> {mine[k]!r}" for k in mine if k not in INIT_FROM_FREE and saved[k] != mine[k]]
 
 
 def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
