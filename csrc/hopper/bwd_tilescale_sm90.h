@@ -4,8 +4,9 @@
 // shapes). Preconditions: those of run_bwd (bwd_sm90.h); in particular
 // p.block_size == 128 and (head_dim_qk, head_dim_v) in {(64, 64), (128, 128),
 // (192, 128), (256, 256)}. Design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
-// EXPERIMENTAL, not yet validated on a GPU: the op runs them only with
-// FP8ATTN_TILE_BWD=1 (csrc/torch/ops_cuda.cpp).
+// Validated on the H200 (tests/python/test_tile_cuda_bwd.py, compute-sanitizer) but
+// slower than the `row` backward: the op runs them only with FP8ATTN_TILE_BWD=1
+// (csrc/torch/ops_cuda.cpp).
 #pragma once
 
 #include <cuda_runtime.h>

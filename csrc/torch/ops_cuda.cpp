@@ -174,9 +174,9 @@ bool tile_bwd_enabled() {
 Scaling check_bwd_scaling(c10::string_view scaling) {
   const Scaling recipe = parse_scaling(scaling);
   TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kRow || tile_bwd_enabled(),
-                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is experimental and "
-                              "not yet validated on a GPU; set FP8ATTN_TILE_BWD=1 to run it (tests, benchmarks), "
-                              "or use scaling='row' to train on CUDA, or CPU tensors");
+                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is opt-in while it is "
+                              "slower than scaling='row' (docs/kernels/bwd_tilescale_e4m3_sm90.md); set "
+                              "FP8ATTN_TILE_BWD=1 to run it, or use scaling='row' to train on CUDA, or CPU tensors");
   return recipe;
 }
 
