@@ -1,5 +1,7 @@
 """--init-from (issue #22 item 4): a run continues from trained weights with a fresh
 optimizer, at a new seq_len, peak LR and RoPE base (a long-context continuation)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,3 +79,29 @@ def test_init_from_takes_older_checkpoints_and_names_incomplete_ones(base, text_
     with pytest.raises(SystemExit, match="holds no model_config"):
         compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "z", "--init-from", str(tmp_path / "x.pt"),
                                              steps=1)))
+
+
+def test_init_from_refuses_another_tokenizer_and_damaged_bytes(base, text_dir, tmp_path):
+    """Two silent continuations of a break test (2026-12-03), now refused before any
+    training: (1) a checkpoint of another tokenizer with the same vocab_size (byte-level
+    BPE pads every corpus to the size asked, so only the tokenizer's sha1, stored in the
+    checkpoint, tells); (2) bytes damaged inside a tensor (torch.load does not check the
+    zip CRCs: the run trained from other weights)."""
+    ck = checkpoint_path(base / "short", "bf16")
+    obj = torch.load(ck, weights_only=True)
+    from fp8attn.train.data import PreparedData
+    assert obj["tokenizer_sha1"] == PreparedData(Path(obj["data_root"])).tokenizer_sha1()
+    torch.save(dict(obj, tokenizer_sha1="0" * 40), tmp_path / "other_tok.pt")
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "a", "--init-from",
+                                             str(tmp_path / "other_tok.pt"), steps=1)))
+    raw = bytearray(ck.read_bytes())
+    mid = len(raw) // 2
+    raw[mid:mid + 64] = bytes(b ^ 0x5A for b in raw[mid:mid + 64])
+    (tmp_path / "damaged.pt").write_bytes(bytes(raw))
+    with pytest.raises(SystemExit, match="--init-from: checkpoint .*damaged .CRC mismatch"):
+        compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "b", "--init-from",
+                                             str(tmp_path / "damaged.pt"), steps=1)))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="damaged .CRC mismatch"):   # the library's loader too (probe, retrieval)
+        load_checkpoint(tmp_path / "damaged.pt")

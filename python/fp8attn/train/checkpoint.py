@@ -23,6 +23,7 @@ are a different format: see state.py.
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import torch
@@ -40,8 +41,12 @@ def checkpoint_path(run_dir: str | os.PathLike, mode: str, step: int | None = No
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, step: int,
                     train_config: dict | None = None, data_root: str | None = None,
-                    init_fingerprint: str | None = None, state_dict: dict | None = None) -> Path:
+                    init_fingerprint: str | None = None, state_dict: dict | None = None,
+                    tokenizer_sha1: str | None = None) -> Path:
     """Writes the checkpoint atomically (temp file + rename); returns its path.
+
+    tokenizer_sha1: sha1 of the tokenizer.json the model was trained with (a
+    continuation checks it: token ids of another tokenizer mean other strings).
 
     state_dict: the weights to store (default model.state_dict()); a sharded
     model passes its gathered full state dict here."""
@@ -51,7 +56,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, s
         "format": FORMAT, "mode": mode, "step": int(step),
         "model_config": model.cfg.to_dict(), "train_config": dict(train_config or {}),
         "data_root": None if data_root is None else str(data_root),
-        "init_fingerprint": init_fingerprint,
+        "init_fingerprint": init_fingerprint, "tokenizer_sha1": tokenizer_sha1,
         "state_dict": {k: v.detach().to("cpu", copy=True)
                        for k, v in (model.state_dict() if state_dict is None else state_dict).items()},
     }
@@ -59,6 +64,16 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, *, mode: str, s
     torch.save(obj, tmp)
     tmp.replace(path)
     return path
+
+
+def check_intact(path: str | os.PathLike) -> None:
+    """ValueError naming the damaged member when a checkpoint's zip CRCs do not match
+    (torch.load does not check them: damaged bytes inside a tensor load silently as
+    other weights). Reads the whole file once."""
+    with zipfile.ZipFile(path) as zf:
+        bad = zf.testzip()
+    if bad is not None:
+        raise ValueError(f"checkpoint {path}: damaged (CRC mismatch in {bad})")
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
@@ -74,6 +89,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     obj = torch.load(path, map_location="cpu", weights_only=True)
+    check_intact(path)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path}: not an {FORMAT} file")
     cfg = ModelConfig(**obj["model_config"])

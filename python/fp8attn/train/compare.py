@@ -212,7 +212,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                                  f"into the training state); use DDP (no --fsdp) or one process")
     init_from = getattr(args, "init_from", "") or ""
     if init_from:
-        from .checkpoint import FORMAT
+        from .checkpoint import FORMAT, check_intact
         from .trainer import init_checkpoint
         for m in modes:
             try:
@@ -226,6 +226,10 @@ def run(args) -> tuple[Path, str, list[dict]]:
             except Exception as exc:  # noqa: BLE001  (any unreadable file: pickle, zip, EOF errors)
                 raise SystemExit(f"--init-from: {ck} is not a readable {FORMAT} checkpoint "
                                  f"({type(exc).__name__})") from None
+            try:
+                check_intact(ck)   # NOTE: torch.load does not check the zip CRCs
+            except ValueError as exc:
+                raise SystemExit(f"--init-from: {exc}") from None
             if not isinstance(obj, dict) or obj.get("format") != FORMAT:
                 raise SystemExit(f"--init-from: {ck} is not an {FORMAT} checkpoint")
             del obj
@@ -320,9 +324,18 @@ def run(args) -> tuple[Path, str, list[dict]]:
         from .trainer import INIT_FROM_FREE, init_arch_mismatches, init_checkpoint
         for m in modes:
             ck = init_checkpoint(init_from, m)
-            saved = torch.load(ck, map_location="cpu", weights_only=True).get("model_config")
+            obj = torch.load(ck, map_location="cpu", weights_only=True)
+            saved = obj.get("model_config")
             if not isinstance(saved, dict):
                 raise SystemExit(f"--init-from: {ck} holds no model_config (not a complete checkpoint)")
+            # NOTE: same vocab_size is not the same tokenizer (byte-level BPE pads every corpus
+            # to the size asked); checkpoints written before tokenizer_sha1 existed say None.
+            tok = obj.get("tokenizer_sha1")
+            if tok is not None and tok != data.tokenizer_sha1():
+                raise SystemExit(f"--init-from: {ck} was trained with another tokenizer (sha1 {tok[:12]}, this "
+                                 f"corpus's {data.tokenizer_sha1()[:12]} in {data.root}): its token ids mean "
+                                 "other strings; continue on the same --text-dir / --data-dir")
+            del obj
             bad = init_arch_mismatches(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": m}).to_dict(), saved)
             if bad:
                 raise SystemExit(f"--init-from: {ck} has another architecture: " + "; ".join(bad)

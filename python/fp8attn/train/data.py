@@ -262,6 +262,10 @@ class PreparedData:
     def tokenizer_path(self) -> Path:
         return self.root / "tokenizer.json"
 
+    def tokenizer_sha1(self) -> str:
+        """sha1 of tokenizer.json's bytes (which tokenizer the token ids belong to)."""
+        return hashlib.sha1(self.tokenizer_path.read_bytes()).hexdigest()
+
     @property
     def train_path(self) -> Path:
         return self.root / "train.bin"

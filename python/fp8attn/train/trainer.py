@@ -222,10 +222,11 @@ def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
     only (the optimizer starts fresh), for a continuation at a new seq_len / LR / RoPE
     base. Every ModelConfig field outside INIT_FROM_FREE must equal the checkpoint's
     (ValueError naming them). Returns the checkpoint's info (mode, step, configs)."""
-    from .checkpoint import FORMAT
+    from .checkpoint import FORMAT, check_intact
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"init_from: {path} is not an {FORMAT} checkpoint")
+    check_intact(path)
     bad = init_arch_mismatches(model.cfg.to_dict(), obj["model_config"])
     if bad:
         raise ValueError(f"init_from: {path} has another architecture: " + "; ".join(bad) +
@@ -501,7 +502,8 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         if not dctx.is_main:
             return None
         return save_checkpoint(path, model, mode=mode, step=step, train_config=cfg.to_dict(),
-                               data_root=str(data.root), init_fingerprint=fingerprint, state_dict=sd)
+                               data_root=str(data.root), init_fingerprint=fingerprint, state_dict=sd,
+                               tokenizer_sha1=data.tokenizer_sha1())
 
     def save_train_state(step):
         """Full training state after `step` steps (rank 0 writes; every rank holds the same)."""
