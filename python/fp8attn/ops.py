@@ -873,8 +873,10 @@ def _flash_attn_func(
     the op runs on x * descale in FP32 (on CUDA rounded to bfloat16 for the kernels,
     which quantize them again with their own block scales) and O comes back in
     bfloat16. Descale factors without FP8 inputs raise NotImplementedError; a wrong
-    descale shape, dtype, device or a non-positive value ValueError; q, k, v of
-    different dtypes TypeError."""
+    descale shape, dtype, device or a non-positive or non-finite value ValueError (the
+    value check runs in eager mode only: under torch.compile it cannot be traced, and
+    the descale enters as x * descale); q, k, v of different dtypes TypeError. FP8
+    inputs ignore torch.autocast (as FlashAttention-3's FP8 forward)."""
     seqlen_k = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     fp8_in = any(isinstance(t, torch.Tensor) and t.dtype in _FP8_INPUT_DTYPES for t in (q, k, v))
     causal, return_attn_probs = _flash_compat(
@@ -947,7 +949,10 @@ def _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale):
                 raise ValueError(_err(fn, arg, f"expected a float32 tensor of shape [batch, num_heads_kv] = "
                                                f"[{b}, {hkv}] on {t.device}, got {ds.dtype} {tuple(ds.shape)} "
                                                f"on {ds.device}"))
-            if not bool(torch.isfinite(ds).all()) or bool((ds <= 0).any()):
+            # NOTE: a value check (one host sync); torch.compile cannot guard on it
+            # (data-dependent), so compiled code runs without it: the descale enters as
+            # x * descale (a NaN / inf descale gives the NaN / inf the caller put in).
+            if not torch.compiler.is_compiling() and (not bool(torch.isfinite(ds).all()) or bool((ds <= 0).any())):
                 raise ValueError(_err(fn, arg, "must be finite and > 0"))
             s = ds if t.shape[2] == hkv else ds.repeat_interleave(t.shape[2] // hkv, dim=1)
             x = x * s[:, None, :, None]

@@ -378,3 +378,24 @@ def test_varlen_seqused_compiles_fullgraph():
                                                                 seqused_k=used), fullgraph=True)
     assert torch.equal(f(q, k, v), fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, seqused_q=used,
                                                             seqused_k=used))
+
+
+def test_fp8_inputs_with_descales_compile_fullgraph():
+    """flash_attn_func with pre-quantized FP8 q, k, v and descales traces under
+    torch.compile(fullgraph=True) and equals eager. The guarded failure (a break test,
+    2026-12-03): the descale value check (bool(isfinite(ds).all())) is data-dependent and
+    raised under fullgraph; compiled code now runs without it (eager still checks)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 40, 4, 32, generator=g).mul(20).to(torch.float8_e4m3fn) for _ in range(3))
+    ds = torch.rand(1, 4, generator=g) + 0.5
+
+    def f(q, k, v, ds):
+        return fp8attn.flash_attn_func(q, k, v, q_descale=ds, k_descale=ds, v_descale=ds, causal=True)
+
+    want = f(q, k, v, ds)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, ds)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="k_descale.*finite and > 0"):   # eager still checks the values
+        fp8attn.flash_attn_func(q, k, v, k_descale=-ds)
+    torch._dynamo.reset()
