@@ -45,7 +45,6 @@ Backends:
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import re
 import warnings
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 
 from . import _env
 from . import quant_fp8_block128_triton as _TQ
-from .ops import as_dtype, single_backward
+from .ops import as_dtype, no_autocast as _no_autocast, single_backward
 
 __all__ = ["FP8Linear", "fp8_linear", "convert_to_fp8_linear", "quantize_1x128", "quantize_128x128",
            "dequantize_1x128", "dequantize_128x128", "scaled_mm_available", "BACKENDS"]
@@ -340,12 +339,6 @@ def _direct(dt: torch.dtype) -> torch.dtype:
     """Output dtype to ask the 1x128 x 128x128 GEMM for: BF16 and FP32 as asked (both
     measured on the H200), else FP32 (converted afterwards)."""
     return dt if dt in (torch.bfloat16, torch.float32) else torch.float32
-
-
-def _no_autocast(dev: str):
-    """autocast off for `dev`; a no-op context for meta tensors (no autocast there).
-    NOTE: a string test, not torch.amp.is_autocast_available, which dynamo cannot trace."""
-    return torch.autocast(dev, enabled=False) if dev != "meta" else contextlib.nullcontext()
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:

@@ -218,11 +218,19 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: s
         raise ValueError(_err(fn, "q", f"device must be cpu or cuda, got {q.device}"))
 
 
+def no_autocast(dev: str):
+    """autocast off for device type `dev`; a no-op context for meta tensors (no autocast
+    there). NOTE: a string test, not torch.amp.is_autocast_available, which dynamo
+    cannot trace."""
+    return torch.autocast(dev, enabled=False) if dev != "meta" else contextlib.nullcontext()
+
+
 def _autocast_in(*ts):
     """Q, K, V as torch.autocast gives them to SDPA: while autocast is on for their
     device, float32 / float16 / bfloat16 tensors are cast (differentiably) to the
-    autocast dtype (float64 and pre-quantized FP8 inputs are not), so O comes back in it as SDPA's does; without autocast (or for
-    non-tensors, left to the argument checks) unchanged."""
+    autocast dtype (float64 and pre-quantized FP8 inputs are not), so O comes back
+    in it as SDPA's does; without autocast (or for non-tensors, left to the argument
+    checks) unchanged."""
     t0 = ts[0]
     if not isinstance(t0, torch.Tensor) or t0.device.type == "meta":  # NOTE: no autocast on meta
         return ts
@@ -895,9 +903,7 @@ def _flash_attn_func(
     want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
     # NOTE: FP8 inputs ignore autocast (FA3's FP8 forward does): the dequantized
     # float32 x * descale must not be cast again (bf16 rounding; inf under float16).
-    no_ac = (torch.autocast(q.device.type, enabled=False) if fp8_in and q.device.type != "meta"
-             else contextlib.nullcontext())
-    with no_ac:
+    with no_autocast(q.device.type) if fp8_in else contextlib.nullcontext():
         res = _renamed_errors("flash_attn_func", lambda: attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
             delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,

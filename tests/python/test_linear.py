@@ -353,6 +353,19 @@ def test_scaled_mm_call_layout_with_a_stand_in(monkeypatch):
         assert rel_fro(a, e) < 1e-6, name
 
 
+def _eager_and_compiled(lin, x, dy):
+    """[y, dx, dW(, db)] of `lin` on x with upstream dy: eager, then under
+    torch.compile(fullgraph=True, backend="aot_eager")."""
+    grads = []
+    for f in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
+        xx = x.clone().requires_grad_()
+        lin.zero_grad(set_to_none=True)
+        y = f(xx)
+        y.backward(dy)
+        grads.append([y.detach(), xx.grad] + [p.grad for p in lin.parameters()])
+    return grads
+
+
 # ---- CUDA: cuBLASLt block-scaled GEMMs vs the emulation ----------------------------
 
 cuda_sm90 = pytest.mark.skipif(not L.scaled_mm_available(),
@@ -417,14 +430,7 @@ def test_cuda_compiled_grads_equal_eager(dtype):
     lin = L.FP8Linear(256, 128, bias=True, backend="scaled_mm").to(dtype).cuda()
     x = torch.randn(256, 256, dtype=dtype, device="cuda")
     dy = torch.randn(256, 128, dtype=dtype, device="cuda")
-    grads = []
-    for f in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
-        xx = x.clone().requires_grad_()
-        lin.zero_grad(set_to_none=True)
-        y = f(xx)
-        y.backward(dy)
-        grads.append([y.detach(), xx.grad] + [p.grad for p in lin.parameters()])
-    eager, comp = grads
+    eager, comp = _eager_and_compiled(lin, x, dy)
     assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in eager[1:])
     assert all(torch.equal(a, b) for a, b in zip(eager, comp))
     torch._dynamo.reset()
@@ -663,14 +669,7 @@ def test_compiled_grads_equal_eager(dtype, bias):
     lin = L.FP8Linear(128, 64, bias=bias, backend="emulated").to(dtype)
     x = torch.randn(4, 128, dtype=dtype)
     dy = torch.randn(4, 64, dtype=dtype)
-    grads = []
-    for f in (lin, torch.compile(lin, fullgraph=True, backend="aot_eager")):
-        xx = x.clone().requires_grad_()
-        lin.zero_grad(set_to_none=True)
-        y = f(xx)
-        y.backward(dy)
-        grads.append([y.detach(), xx.grad] + [p.grad for p in lin.parameters()])
-    eager, comp = grads
+    eager, comp = _eager_and_compiled(lin, x, dy)
     assert all(g.abs().max() > 0 for g in eager[1:])
     assert all(torch.equal(a, b) for a, b in zip(eager, comp))
     torch._dynamo.reset()

@@ -214,6 +214,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if init_from:
         from .checkpoint import FORMAT, check_intact
         from .trainer import init_checkpoint
+        init_saved = {}   # mode -> (checkpoint, its model_config, its tokenizer_sha1): checked after data prep
         for m in modes:
             try:
                 ck = init_checkpoint(init_from, m)
@@ -232,6 +233,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
                 raise SystemExit(f"--init-from: {exc}") from None
             if not isinstance(obj, dict) or obj.get("format") != FORMAT:
                 raise SystemExit(f"--init-from: {ck} is not an {FORMAT} checkpoint")
+            if not isinstance(obj.get("model_config"), dict):
+                raise SystemExit(f"--init-from: {ck} holds no model_config (not a complete checkpoint)")
+            init_saved[m] = (ck, obj["model_config"], obj.get("tokenizer_sha1"))
             del obj
     if args.fsdp and getattr(args, "optimizer", "adamw") == "muon":
         raise SystemExit("--optimizer muon: not supported with --fsdp (Muon orthogonalizes whole matrices; "
@@ -321,21 +325,14 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if init_from:
         # NOTE: another architecture is named here, before any training (it was a
         # ValueError traceback from inside the first mode's training).
-        from .trainer import INIT_FROM_FREE, init_arch_mismatches, init_checkpoint
-        for m in modes:
-            ck = init_checkpoint(init_from, m)
-            obj = torch.load(ck, map_location="cpu", weights_only=True)
-            saved = obj.get("model_config")
-            if not isinstance(saved, dict):
-                raise SystemExit(f"--init-from: {ck} holds no model_config (not a complete checkpoint)")
+        from .trainer import INIT_FROM_FREE, init_arch_mismatches
+        for m, (ck, saved, tok) in init_saved.items():
             # NOTE: same vocab_size is not the same tokenizer (byte-level BPE pads every corpus
             # to the size asked); checkpoints written before tokenizer_sha1 existed say None.
-            tok = obj.get("tokenizer_sha1")
             if tok is not None and tok != data.tokenizer_sha1():
                 raise SystemExit(f"--init-from: {ck} was trained with another tokenizer (sha1 {tok[:12]}, this "
                                  f"corpus's {data.tokenizer_sha1()[:12]} in {data.root}): its token ids mean "
                                  "other strings; continue on the same --text-dir / --data-dir")
-            del obj
             bad = init_arch_mismatches(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": m}).to_dict(), saved)
             if bad:
                 raise SystemExit(f"--init-from: {ck} has another architecture: " + "; ".join(bad)

@@ -188,9 +188,10 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
 
 
 # ModelConfig fields a continuation may change (context length, RoPE base, the init-only
-# init_std, the attention backend and its FP8 options, activation checkpointing); every other field must match the checkpoint's.
-INIT_FROM_FREE = ("max_seq_len", "rope_base", "init_std", "attn_mode", "scope", "packed", "fp8_block_size", "fp8_scaling",
-                  "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing")
+# init_std, the attention backend and its FP8 options, activation checkpointing); every
+# other field must match the checkpoint's.
+INIT_FROM_FREE = ("max_seq_len", "rope_base", "init_std", "attn_mode", "scope", "packed", "fp8_block_size",
+                  "fp8_scaling", "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing")
 
 
 def init_checkpoint(init_from: str | os.PathLike, mode: str) -> Path:
