@@ -5,7 +5,7 @@ and training-shaped inputs, with variants of the backward's P-for-dV scale; and
 tensors) for row / tile x {no transform, qk_rotation="hadamard", smooth_k, both}
 (docs/numerics.md section 10; the table of docs/results.md), (--captured) that table on
 activations captured from a fp8attn.train checkpoint, and (--pds-blocks) the `tile` P / dS
-block shapes of the v4 backward plan (docs/kernels/bwd_tilescale_e4m3_sm90.md).
+blocks of #5 / #7 of T / 2 = 64 queries (the contract) against whole 128-query tiles.
 
 The emulation is not part of the test suite (the CPU reference is the oracle; it
 only explores choices before they are fixed in the contract). Every FP8 operand is
@@ -65,9 +65,9 @@ def mask_bias(Sq, Sk):
 
 
 def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None):
-    """qblk: query rows of the in-kernel P (#5) and dS (#7) blocks of `tile` (default T; the
-    v4 backward plan of docs/kernels/bwd_tilescale_e4m3_sm90.md asks for 64)."""
-    qblk = qblk or T
+    """qblk: query rows of the P (#5) and dS (#7) blocks of `tile` (default T // 2, the query
+    sub-tile of docs/numerics.md section 9; T gives whole query tiles)."""
+    qblk = qblk or T // 2
     Sq, d = q.shape
     Sk, dv = v.shape
     row = recipe == "row"
@@ -118,7 +118,7 @@ def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None)
             off = 8 + e - e.max()
             scale = torch.exp2(-off).repeat_interleave(T)[:Sq, None].expand(Sq, Sk)
             Ph = quant(P, 1, 1, scale=scale.contiguous())
-        else:  # tile_amax: per (query tile, key tile), dynamic
+        else:  # tile_amax: per (query sub-tile of qblk queries, key tile), dynamic
             Ph = quant(P, qblk, T)
         dvv = Ph.T @ do5
         dk = tau * quant(dS, qblk, T).T @ quant(q, T, 0)
@@ -334,7 +334,8 @@ def main():
     ap.add_argument("--heads", type=int, default=2, help="--captured: query heads per layer")
     ap.add_argument("--data-root", help="--captured: the prepared corpus (default: the checkpoint's)")
     ap.add_argument("--pds-blocks", action="store_true",
-                    help="tile: P (#5) / dS (#7) blocks of 128 vs 64 queries x 128 keys (the v4 backward plan)")
+                    help="tile: P (#5) / dS (#7) blocks of 64 queries x 128 keys (the contract) vs whole "
+                         "128 x 128 tiles")
     ap.add_argument("--blocks", action="store_true",
                     help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
@@ -366,8 +367,8 @@ def main():
         print(f"\n({time.time() - t0:.0f} s)")
         return
     if args.pds_blocks:
-        variants = [("row", "row", None), ("tile 128x128", "tile", "tile_amax", 128),
-                    ("tile 64x128", "tile", "tile_amax", 64)]
+        variants = [("row", "row", None), ("tile 128x128 (whole tiles)", "tile", "tile_amax", 128),
+                    ("tile 64x128 (contract)", "tile", "tile_amax", 64)]
         print("| inputs | Sq x Sk, d | causal | recipe (P / dS block) | O | LSE | dQ | dK | dV |")
         print("|---|---|---|---|---|---|---|---|---|")
         for kind, Sq, Sk, d, causal in ([(kind, 2048, 2048, 128, c) for kind in ("gaussian", "training") for c in (False, True)]

@@ -119,20 +119,14 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
     const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
 
     // The main kernel's instructions and roundings: P and dP_hat bitwise equal.
-    constexpr int kDpC = kPreQ / kDpN;  // dP chunks (the main kernel's chain width)
-    float pt[8][4], dp[8][4];           // dp[(kDpN / 8) qc + jj]: chunk qc
-    auto dp_chunk = [&](int qc) -> float(&)[kDpN / 8][4] {
-      return *reinterpret_cast<float(*)[kDpN / 8][4]>(&dp[(kDpN / 8) * qc][0]);
-    };
+    float pt[8][4], dp[8][4];
     issue_s<DQK, kPreQ, kPreQ>(k_lo, d_base + L::kQ / 16, pt);
-#pragma unroll
-    for (int qc = 0; qc < kDpC; ++qc) issue_dp<DV, FMT, kPreQ>(v_lo, d_base + L::kDO / 16, qc, dp_chunk(qc));
-    wg_wait<kDpC>();
+    issue_dp<DV, FMT, kPreQ, kPreQ>(v_lo, d_base + L::kDO / 16, dp);
+    wg_wait<1>();
     p_from_s<kPreQ>(pt, __fmul_rn(s_k, tg.c2), sf + L::kQs, sf + L::kLse, lane);
     if (!interior) mask_tile<kPreQ>(pt, tg, warp, lane);
     wg_wait<0>();
-#pragma unroll
-    for (int qc = 0; qc < kDpC; ++qc) dp_scale(dp_chunk(qc), s_v, sf + L::kDOs, qc, lane);
+    dp_scale<kPreQ>(dp, s_v, sf + L::kDOs, lane);
     if constexpr (L::kStages == 1) {
       __syncthreads();  // every warpgroup's wgmmas on the stage completed: refill it
       if (it + 1 < n_tiles) issue_keys(it + 1);

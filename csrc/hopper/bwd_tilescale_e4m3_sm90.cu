@@ -16,17 +16,18 @@
 //     per-query Q / dO row scales, LSE, delta). full[s]: 128 cp.async
 //     arrive-ons; empty[s]: 256 consumer arrivals.
 //   * two consumer warpgroups (threads 0..255, setmaxnreg up to 240), warp w
-//     owning key rows [16w, 16w + 16), per tile pair in lockstep (named
-//     barrier kBarConsumers: the P / dS block amax and the #6 row amax span
-//     both warpgroups' keys):
-//       S^T = K Q^T, P                  (SS m64n64k32 x 2)               #3
-//       P block amax -> P^T E4M3 codes to shared memory (one scale per 128 x 128 block)
-//       dP^T = V dO^T (SS m64n16k32 x 8), dS = P (dP_hat - delta)          #4
-//       dS row amax (128 keys), dS block amax (both warpgroups)
-//       dV += P^T dO                     (SS m64n64k32, accumulator in units of 2^e) #5
-//       dS codes [q][k] in shared memory                                    #6 operand
-//       dS block amax -> dS^T codes; dK += dS^T Q (RS, units of 2^e)        #7
-//       dQ partial = dS K (SS), times s_dS(i) s_K per row -> float2 atomics  #6
+//     owning key rows [16w, 16w + 16), walking each stage's 128 queries in two
+//     64-query sub-tiles (FlashAttention-3's 64 x 128 iteration), in lockstep
+//     (named barrier kBarConsumers, three syncs per sub-tile: the amaxes, the
+//     #6 row scales, the dS codes; they span both warpgroups' keys):
+//       S^T = K Q^T, dP^T = V dO^T      (SS m64n64k32, both in flight)       #3, #4
+//       P = exp2(...), dS = P (dP_hat - delta) (P kept)
+//       P / dS block amax (64 x 128), dS row amax (128 keys)
+//       dV += P^T dO, dK += dS^T Q       (RS from the codes in registers,
+//                                         accumulators in units of 2^e)       #5, #7
+//       dS codes [q][k] in shared memory                                      #6 operand
+//       dQ partial = dS K (SS, warpgroup wg: 64 of the columns), times
+//       s_dS(i) s_K per row -> float2 atomics                                 #6
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
 #include <cuda_bf16.h>
@@ -48,6 +49,7 @@ namespace {
 using bwdts::kBarConsumers;
 using bwdts::kConsumerThreads;
 using bwdts::kProducerThreads;
+using bwdts::kSubQ;
 
 template <int DQK, int DV>
 struct MainLayout {
@@ -61,9 +63,8 @@ struct MainLayout {
   static constexpr int kK = 0;                        // key rows (k_of_row order) [block][128][128 B]
   static constexpr int kV = kK + kNbQK * kTileBytes;  // value rows
   static constexpr int kKc = kV + kNbV * kTileBytes;  // K^T [kWk channels][128 keys] (this slice)
-  static constexpr int kDS = kKc + kWk * 128;         // dS codes (#6) [128 queries][128 keys]
-  static constexpr int kPT = kDS + kTileBytes;        // P^T codes (#5 A operand) [128 keys (tile rows)][128 queries]
-  static constexpr int kStage0 = kPT + kTileBytes;    // [kStages] query-side stages:
+  static constexpr int kDS = kKc + kWk * 128;         // dS codes (#6) of one sub-tile [64 queries][128 keys]
+  static constexpr int kStage0 = kDS + bwdts::kSubQ * 128;  // [kStages] query-side stages:
   static constexpr int kSQ = 0;                       //   query rows (q_of_col order) [block][128][128 B]
   static constexpr int kSDO = kSQ + kNbQK * kTileBytes;  // dO rows
   static constexpr int kSQc = kSDO + kNbV * kTileBytes;  // Q^T [kWk][128 queries]
@@ -73,17 +74,17 @@ struct MainLayout {
   // floats from kF
   static constexpr int kBar = 0;                       // mbarriers (8 bytes): full[s], empty[s], kv_full
   static constexpr int kNumBars = 2 * kStages + 1;
-  static constexpr int kAmax = kBar + 16;              // [8 warps][128 columns]: #6 row amax per warp
-  static constexpr int kBlk = kAmax + kWarps * kTile;  // [2][8 warps]: P, dS block amax per warp
-  static constexpr int kRowInv = kBlk + 16;            // [128 columns]: 1 / s_dS(q) (#6)
-  static constexpr int kRowSq = kRowInv + kTile;       // [128 queries, natural order]: s_dS(q)
-  static constexpr int kFStage = kRowSq + kTile;       // [kStages] per-stage floats, per column (q_of_col):
+  static constexpr int kAmax = kBar + 16;                     // [8 warps][64 columns]: #6 row amax per warp
+  static constexpr int kBlk = kAmax + kWarps * bwdts::kSubQ;  // [2][8 warps]: P, dS block amax per warp
+  static constexpr int kRowInv = kBlk + 16;                   // [64 columns]: 1 / s_dS(q) (#6)
+  static constexpr int kRowSq = kRowInv + bwdts::kSubQ;       // [64 queries, natural order]: s_dS(q)
+  static constexpr int kFStage = kRowSq + bwdts::kSubQ;       // [kStages] per-stage floats, per column (q_of_col):
   static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;
   static constexpr int kFStageFloats = 4 * kTile;
   static constexpr int kFloats = kFStage + kStages * kFStageFloats;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
   static_assert(kNumBars * 2 <= 16, "mbarrier slots");
-  static_assert(kKc % 1024 == 0 && kDS % 1024 == 0 && kPT % 1024 == 0 && kStage0 % 1024 == 0 && kStageBytes % 1024 == 0 &&
+  static_assert(kKc % 1024 == 0 && kDS % 1024 == 0 && kStage0 % 1024 == 0 && kStageBytes % 1024 == 0 &&
                     kSQc % 1024 == 0 && kSDOc % 1024 == 0,
                 "1024-byte aligned swizzled tiles");
   static_assert(kWk % 64 == 0 && kWv % 64 == 0, "whole n64 output chunks");
@@ -297,244 +298,204 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     mbar_wait(bar_full(st), (it / kStages) & 1);
     fence_async_smem();
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
-    // Descriptor bases (NOTE: from an opaque copy of the shared base, made in
-    // every iteration: loop-invariant descriptors hoisted out of the loop
-    // took ~40 registers at head_dim 256 (spills)).
-    const uint32_t base = opaque_u32(d_base);
-    const uint32_t k_lo = base + L::kK / 16 + wg * kDesc64Rows;
-    const uint32_t v_lo = base + L::kV / 16 + wg * kDesc64Rows;
-    const uint32_t kc_lo = base + L::kKc / 16;
-    const uint32_t ds_lo = base + L::kDS / 16 + wg * kDesc64Rows;  // dS rows of this warpgroup's 64 queries
-    const uint32_t st_lo = base + (L::kStage0 + st * L::kStageBytes) / 16;
-    const uint32_t q_lo = st_lo + L::kSQ / 16, do_lo = st_lo + L::kSDO / 16;
-    const uint32_t qc_lo = st_lo + L::kSQc / 16, doc_lo = st_lo + L::kSDOc / 16;
     // Q (#7) and dO (#5): one scale per query tile.
     const float s_qc = p.q_col_s[bhq * nblk_q + m_tile], s_doc = p.do_col_s[bhq * nblk_q + m_tile];
-    tg.m0 = m0;
-    const bool interior = tg.interior();
 
-    // ---- S^T and P (#3).
-    float pt[16][4];
-    issue_s<DQK, kTile, kTile>(k_lo, q_lo, pt);
-    wg_wait<0>();
-    p_from_s<kTile>(pt, kc, F + L::kSQs, F + L::kSLse, lane);
-    if (!interior) mask_tile<kTile>(pt, tg, warp, lane);
+    // Two sub-tiles of 64 queries per stage (query rows [64 s, 64 s + 64) of
+    // the stage's row tiles, k32 steps 2s, 2s + 1 of its column tiles).
+#pragma unroll 1
+    for (int s = 0; s < kTile / kSubQ; ++s) {
+      const int m0s = m0 + kSubQ * s;
+      if (m0s >= Sq) break;  // warp-uniform: the rest of the stage is past the sequence
+      // Descriptor bases (NOTE: from an opaque copy of the shared base, made in
+      // every iteration: loop-invariant descriptors hoisted out of the loop
+      // took ~40 registers at head_dim 256 (spills)).
+      const uint32_t base = opaque_u32(d_base);
+      const uint32_t k_lo = base + L::kK / 16 + wg * kDesc64Rows;
+      const uint32_t v_lo = base + L::kV / 16 + wg * kDesc64Rows;
+      const uint32_t st_lo = base + (L::kStage0 + st * L::kStageBytes) / 16;
+      const uint32_t q_lo = st_lo + L::kSQ / 16 + s * kDesc64Rows, do_lo = st_lo + L::kSDO / 16 + s * kDesc64Rows;
+      const uint32_t qc_lo = st_lo + L::kSQc / 16 + s * 2 * kDescK32, doc_lo = st_lo + L::kSDOc / 16 + s * 2 * kDescK32;
+      const float* Fs = F + kSubQ * s;  // this sub-tile's per-column floats
+      tg.m0 = m0s;
+      // Every (key, query) of the 128 x 64 pair is visible: no masks.
+      const bool interior =
+          n0 + kTile <= Sk && m0s + kSubQ <= Sq && (!tg.causal || n0 + kTile - 1 <= m0s + causal_off);
 
-    // ---- P block scale (#5): amax over the 128 x 128 block (both warpgroups).
-    {
-      const float m = warp_amax(pt);
-      if (lane == 0) sBlk[warp] = m;
-    }
-    named_bar_sync(kBarConsumers, kConsumerThreads);
-    float m_p = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m_p = max_nan(m_p, sBlk[w]);
-    const float2 sc_p = fast_scale<kFmtE4M3>(m_p);
-
-    // ---- P^T codes (#5 A operand) into shared memory: row m of the tile is
-    // this thread's accumulator row (16 warp + g, + 8), K = the 128 queries in
-    // natural order (q_of_col), k32 step c / k16 half u at chunk 2c + u, bytes
-    // 4t..4t+3. NOTE: through shared memory (SS wgmma after dS) instead of
-    // registers: P stays live for dS, and register A fragments next to P, dK
-    // and dV spilled. Read by this warpgroup's dV wgmmas after the barrier
-    // below (sc_s); rewritten next pair after its first barrier.
-    {
-      uint8_t* pT = smem + L::kPT;
-      const int r0 = warp * 16 + g;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t a[4];
-        codes_step<kFmtE4M3>(pt, sc_p.y, c, a);
-#pragma unroll
-        for (int u = 0; u < 2; ++u)
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const int r = r0 + 8 * hr;
-            *reinterpret_cast<uint32_t*>(pT + r * 128 + (((2 * c + u) ^ (r & 7)) << 4) + 4 * t) = a[2 * u + hr];
-          }
+      // ---- S^T (#3) and dP^T (#4), both in flight; P = exp2(...) under dP.
+      float pt[8][4], dp[8][4];
+      issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
+      issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
+      wg_wait<1>();
+      p_from_s<kSubQ>(pt, kc, Fs + L::kSQs, Fs + L::kSLse, lane);
+      if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane);
+      {
+        const float m = warp_amax(pt);
+        if (lane == 0) sBlk[warp] = m;
       }
-      fence_async_smem();  // st.shared (generic proxy) -> the dV wgmmas (async proxy)
-    }
+      // ---- dS = P o (dP_hat - delta), in place over dP (P stays for #5).
+      wg_wait<0>();
+      ds_from_dp<kSubQ>(pt, dp, s_v, Fs + L::kSDOs, Fs + L::kSDelta, lane);
+      if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
+      if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, bhq * Sq64, m0s, Sq, lane);
 
-    // ---- dP_hat^T (#4) and dS = P o (dP_hat - delta), in place over P. Two
-    // chunk buffers (v2): chunk qc + 1's wgmma is in flight while chunk qc's dS
-    // FMAs run (v1 waited for every m64n16 chain before its FMAs).
-    {
-      constexpr int kChunks = kTile / kDpN;
-      float dp[2][kDpN / 8][4];
-      issue_dp<DV, FMT, kTile>(v_lo, do_lo, 0, dp[0]);
+      // ---- Block amaxes over both warpgroups' keys: P and dS per 64 x 128
+      // block (#5, #7), dS per query over the 128 keys (#6).
+      {
+        float v[16], m[2];
 #pragma unroll
-      for (int qc = 0; qc < kChunks; ++qc) {
-        if (qc + 1 < kChunks) {
-          issue_dp<DV, FMT, kTile>(v_lo, do_lo, qc + 1, dp[(qc + 1) & 1]);
-          wg_wait<1>();
-        } else {
-          wg_wait<0>();
-        }
-        ds_from_dp(pt, dp[qc & 1], s_v, F + L::kSDOs, F + L::kSDelta, qc, lane);
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) v[2 * j + e] = max_nan(fabsf(dp[j][e]), fabsf(dp[j][e + 2]));
+        reduce_cols(v, m, lane, OpMaxNan());  // m[e]: column 8g + 2t + e
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sAmax[warp * kSubQ + 8 * g + 2 * t + e] = m[e];
+        float mb = max_nan(m[0], m[1]);
+#pragma unroll
+        for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+        if (lane == 0) sBlk[kWarps + warp] = mb;
       }
-    }
-    if (!interior) mask_tile<kTile>(pt, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
-    if (diag) diag_pre<kTile>(pt, p.rowsum_ws, n_rows, bhq * Sq64, m0, Sq, lane);
+      named_bar_sync(kBarConsumers, kConsumerThreads);  // (1) amaxes of both warpgroups
+      if (threadIdx.x < kSubQ) {
+        const int n = threadIdx.x;  // column n = query m0s + q_of_col(n)
+        float m = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kSubQ + n]);
+        const float2 sc = fast_scale<FMT>(m);
+        sRowInv[n] = sc.y;
+        sRowSq[q_of_col(n)] = sc.x;
+      }
+      float m_p = 0.f, m_s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        m_p = max_nan(m_p, sBlk[w]);
+        m_s = max_nan(m_s, sBlk[kWarps + w]);
+      }
+      const float2 sc_p = fast_scale<kFmtE4M3>(m_p), sc_s = fast_scale<FMT>(m_s);
 
-    // ---- dS scales: per query over the tile's 128 keys (#6, across both
-    // warpgroups) and per 128 x 128 block (#7).
-    {
-      float v[32], m[4];
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) v[2 * j + e] = max_nan(fabsf(pt[j][e]), fabsf(pt[j][e + 2]));
-      reduce_cols(v, m, lane, OpMaxNan());
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sAmax[warp * kTile + reduced_col(lane, i)] = m[i];
-      float mb = max_nan(max_nan(m[0], m[1]), max_nan(m[2], m[3]));
-#pragma unroll
-      for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-      if (lane == 0) sBlk[kWarps + warp] = mb;
-    }
-    named_bar_sync(kBarConsumers, kConsumerThreads);
-    if (threadIdx.x < kTile) {
-      const int n = threadIdx.x;  // column n = query m0 + q_of_col(n)
-      float m = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kTile + n]);
-      const float2 sc = fast_scale<FMT>(m);
-      sRowInv[n] = sc.y;
-      sRowSq[q_of_col(n)] = sc.x;
-    }
-    float m_s = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m_s = max_nan(m_s, sBlk[kWarps + w]);
-    const float2 sc_s = fast_scale<FMT>(m_s);
-    named_bar_sync(kBarConsumers, kConsumerThreads);
-
-    // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), straight into the accumulator
-    // (SS: P^T codes from shared memory, written before the barrier above).
-    // v2: issued and left in flight under the #6 dS code stores and the dK issue
-    // (waited with dK); dK's rescale is done first, so no non-wgmma instruction
-    // defines an in-flight accumulator.
-    rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
-    if (wv > 0) {
-      rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
-      const uint32_t pt_lo = base + L::kPT / 16 + wg * kDesc64Rows;
+      // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5) and dK += s_dS s_Q(qt)
+      // dS_hat^T Q_hat (#7), RS (the codes are A fragments in natural query
+      // order), straight into the accumulators, left in flight.
+      // (An all-zero block, e.g. a sub-tile that sees none of the keys, adds
+      // exact zeros: its scale 1 must not move the accumulator's units.)
+      if (m_s != 0.f) rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
+      if (m_p != 0.f) rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
+      uint32_t a_p[2][4], a_s[2][4];
+      codes_block<kFmtE4M3, 8>(pt, sc_p.y, a_p);
+      codes_block<FMT, 8>(dp, sc_s.y, a_s);
       fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-      wg_arrive();
-#pragma unroll
-      for (int h = 0; h < L::kWv / 64; ++h)
-        if (64 * h < wv)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            gmma_ss<kFmtE4M3, FMT, 64>(desc_of(pt_lo + kDescK32 * c),
-                                       desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dv_acc[h][0][0], true);
-      wg_commit();
-    }
-
-    // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows g,
-    // g + 8 are keys 16 warp + 2g, + 1 (k_of_row): one 16-bit store per column;
-    // column 8j + 2t + e is query 16 (j >> 1) + 4t + c, c = 2 (j & 1) + e, whose
-    // swizzled chunk is warp ^ 4 (t & 1) ^ c (the row kernel's addressing).
-    {
-      uint8_t* ds_base[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) ds_base[c] = sDS + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float iv = e ? inv.y : inv.x;
-          const uint32_t two = cvt2<FMT>(pt[j][e] * iv, pt[j][e + 2] * iv);
-          *reinterpret_cast<uint16_t*>(ds_base[2 * (j & 1) + e] + 2048 * (j >> 1)) = static_cast<uint16_t>(two);
-        }
-      }
-    }
-    fence_async_smem();  // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
-    named_bar_sync(kBarConsumers, kConsumerThreads);
-
-    // Diagnostics: post-cast row sums of the #6 operand (codes times s_dS(q)),
-    // two threads per query row (64 keys each).
-    if (diag) {
-      const int ql = threadIdx.x >> 1, hf = threadIdx.x & 1;
-      const float s = sRowSq[ql];
-      float acc[2] = {0.f, 0.f};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * hf + u));
-        const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int hw = 0; hw < 2; ++hw) {
-            const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
-            acc[0] += d.x + d.y;
-            acc[1] += fabsf(d.x) + fabsf(d.y);
-          }
-      }
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const float mine = acc[pass] * s;
-        const float r = mine + __shfl_xor_sync(0xffffffffu, mine, 1);
-        if (hf == 0 && m0 + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0 + ql, r);
-      }
-    }
-
-    // ---- dK += s_dS s_Q(qt) dS_hat^T Q_hat (#7), straight into the accumulator.
-    // (dK's accumulator was rescaled before the dV issue; dV is still in flight:
-    // one wait covers both.)
-    {
-      uint32_t a_s[4][4];
-      codes_block<FMT>(pt, sc_s.y, a_s);
       fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
       wg_arrive();
+      if (wv > 0) {
+#pragma unroll
+        for (int h = 0; h < L::kWv / 64; ++h)
+          if (64 * h < wv)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              gmma_rs<kFmtE4M3, FMT, 64>(a_p[c], desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * c),
+                                         &dv_acc[h][0][0], true);
+      }
 #pragma unroll
       for (int h = 0; h < L::kWk / 64; ++h)
         if (64 * h < wk)
 #pragma unroll
-          for (int c = 0; c < 4; ++c)
+          for (int c = 0; c < 2; ++c)
             gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_of(qc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dk_acc[h][0][0],
                                        true);
       wg_commit();
-      wg_wait<0>();
-      fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
-      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-      fence_regs_u(&a_s[0][0], 16);
-    }
-    // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
-    // completed, the per-column floats read): the producer may refill it.
-    mbar_arrive(bar_empty(st));
+      named_bar_sync(kBarConsumers, kConsumerThreads);  // (2) #6 row scales in sRowInv / sRowSq
 
-    // ---- dQ partial (#6): dS_hat K_hat over the tile's 128 keys, per query row
-    // times s_dS(q) s_K, added into dq_accum (FP32; tau at the convert).
-    {
-      const int q0 = warp * 16 + g;  // accumulator rows q0, q0 + 8: queries of this warpgroup's 64
-      const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
-      float* dq_t = p.dq_accum + (bhq * Sq64 + m0 + q0) * DQK + cb + 2 * t;
+      // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows
+      // g, g + 8 are keys 16 warp + 2g, + 1 (k_of_row): one 16-bit store per
+      // column; column 8j + 2t + e is query 16 (j >> 1) + 4t + c, c = 2 (j & 1) + e,
+      // whose swizzled chunk is warp ^ 4 (t & 1) ^ c (the row kernel's addressing).
+      {
+        uint8_t* ds_base[4];
 #pragma unroll
-      for (int h = 0; h < L::kWk / 64; ++h) {
-        if (64 * h >= wk) continue;
+        for (int c = 0; c < 4; ++c) ds_base[c] = sDS + 128 * (4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 inv = *reinterpret_cast<const float2*>(sRowInv + 8 * j + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float iv = e ? inv.y : inv.x;
+            const uint32_t two = cvt2<FMT>(dp[j][e] * iv, dp[j][e + 2] * iv);
+            *reinterpret_cast<uint16_t*>(ds_base[2 * (j & 1) + e] + 2048 * (j >> 1)) = static_cast<uint16_t>(two);
+          }
+        }
+      }
+      fence_async_smem();  // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
+      named_bar_sync(kBarConsumers, kConsumerThreads);  // (3) both warpgroups' dS codes
+
+      // Diagnostics: post-cast row sums of the #6 operand (codes times s_dS(q)),
+      // four threads per query row (32 keys each).
+      if (diag) {
+        const int ql = threadIdx.x >> 2, qr = threadIdx.x & 3;
+        const float sq = sRowSq[ql];
+        float acc[2] = {0.f, 0.f};
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 2 * qr + u));
+          const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int hw = 0; hw < 2; ++hw) {
+              const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
+              acc[0] += d.x + d.y;
+              acc[1] += fabsf(d.x) + fabsf(d.y);
+            }
+        }
+#pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+          float r = acc[pass] * sq;
+          r += __shfl_xor_sync(0xffffffffu, r, 1);
+          r += __shfl_xor_sync(0xffffffffu, r, 2);
+          if (qr == 0 && m0s + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0s + ql, r);
+        }
+      }
+
+      // ---- dQ partial (#6): dS_hat K_hat over the tile's 128 keys for the
+      // sub-tile's 64 queries; warpgroup wg owns the 64 columns [64 wg, 64 wg +
+      // 64) of this slice, per query row times s_dS(q) s_K, added into dq_accum
+      // (FP32; tau at the convert).
+      const int h_q = wg;  // this warpgroup's 64-column chunk
+      if (64 * h_q < wk) {
+        const uint32_t ds_lo = base + L::kDS / 16;
+        const uint32_t kc_lo = base + L::kKc / 16 + h_q * (64 * 128 / 16);
         float pq[8][4];
         fence_regs<32>(&pq[0][0]);
         wg_arrive();
 #pragma unroll
         for (int k = 0; k < kTile / 32; ++k)
-          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + h * (64 * 128 / 16) + kDescK32 * k),
-                                     &pq[0][0], k > 0);
+          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + kDescK32 * k), &pq[0][0], k > 0);
         wg_commit();
         wg_wait<0>();
         fence_regs<32>(&pq[0][0]);
+        const int q0 = (warp & 3) * 16 + g;  // accumulator rows q0, q0 + 8: queries m0s + q0, + 8
+        const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
+        float* dq_t = p.dq_accum + (bhq * Sq64 + m0s + q0) * DQK + cb + 64 * h_q + 2 * t;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          if (m0 + q0 + 8 * hh >= Sq) continue;
+          if (m0s + q0 + 8 * hh >= Sq) continue;
           const float f = hh ? f1 : f0;
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const float2 v = make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
-            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + 64 * h + 8 * jj), v);
+            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + 8 * jj), v);
           }
         }
+      } else {
+        wg_wait<0>();
       }
+      fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
+      fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
+      fence_regs_u(&a_p[0][0], 8);
+      fence_regs_u(&a_s[0][0], 8);
     }
+    // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
+    // completed, the per-column floats read): the producer may refill it.
+    mbar_arrive(bar_empty(st));
     if (++m_tile == nblk_q) {
       m_tile = m_first;
       ++hq;

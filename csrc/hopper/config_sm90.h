@@ -305,6 +305,11 @@ constexpr int kThreads = kConsumerThreads + kProducerThreads;
 // rounded down to 8); the producer gives back all but 24, the consumers take 240.
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
+// Queries per main-kernel iteration: a stage holds one 128-query tile, the
+// consumers walk it in two sub-tiles of kSubQ queries (FlashAttention-3's
+// 64 x 128 iteration); the P (#5) and dS (#7) blocks are kSubQ x kTile
+// (numerics.md section 9).
+constexpr int kSubQ = 64;
 // Query-side stages of the ring: 2 at head_dim <= 128, 1 above (shared memory).
 constexpr int stages(int d_qk, int d_v) { return d_qk > 128 || d_v > 128 ? 1 : 2; }
 // Output columns of dK / dQ (and dV) per main-kernel CTA: head_dim > 128 runs in
@@ -326,7 +331,8 @@ static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs 
               "setmaxnreg takes multiples of 8 in [24, 256]");
 static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
               "setmaxnreg pool: the registers allocated at launch");
-static_assert(kConsumerThreads == 2 * kTile, "one query column per consumer thread in the per-column passes");
+static_assert(kConsumerThreads >= kSubQ && kTile % kSubQ == 0 && kSubQ == 64,
+              "one m64 chain per sub-tile; one query column per thread in the row-scale pass");
 static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
 static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
               "slices of the instantiated head dims");

@@ -8,10 +8,12 @@
 //             is the per-column (query) coefficient of the exp2 argument (p_from_s).
 //   dP  (#4)  one FP32 wgmma sum over all of dv; s_dO(i) s_V(kt) is the
 //             per-column coefficient of the dS FMA (dp_scale / ds_from_dp).
-//   dV  (#5)  P^T block-quantized per (qt, kt) (one CTA-wide amax, codes_block);
-//             s_P(qt,kt) s_dO(qt) is ONE scalar per step: the accumulator is kept
-//             in units of 2^e (RunScale) and rescaled only when e changes.
-//   dK  (#7)  dS^T per (qt, kt) block, s_dS(qt,kt) s_Q(qt): as dV.
+//   dV  (#5)  P^T block-quantized per (qs, kt): a 64-query sub-tile qs of the
+//             query tile qt times the key tile (both warpgroups' amax combined
+//             through shared memory), codes as RS A fragments (codes_block);
+//             s_P(qs,kt) s_dO(qt) is ONE scalar per step: the accumulator is
+//             kept in units of 2^e (rescale_to) and rescaled only when e changes.
+//   dK  (#7)  dS^T per (qs, kt) block, s_dS(qs,kt) s_Q(qt): as dV.
 //   dQ  (#6)  dS per (row, kt) over the 128 keys of the tile; the FP32 wgmma
 //             partial times s_dS(i,kt) s_K(kt) per row at write-out (main kernel).
 // No scale varies along a reduction dimension, so no partial product is
@@ -24,8 +26,8 @@
 // P^T / dS^T registers are the A fragments of natural query order.
 //
 // Bitwise contract with the pre-pass: S^T and dP^T are issued as one
-// m64n64k32 (S^T) / m64n16k32 (dP^T, kDpN) chain per 64 / 16 columns in both kernels (same instruction per element, same k
-// order: head-dim block 0 then 1), and P, dP_hat are formed by the same
+// m64n64k32 chain per 64 query columns in both kernels (same instruction per
+// element, same k order: head-dim block 0 then 1), and P, dP_hat are formed by the same
 // functions below with explicit roundings (__fmul_rn, fmaf), so P and dP_hat
 // are bitwise equal and the Delta-Matching pre-cast row sums of dS are
 // delta (1 - sum_j P_ij) up to FP32 rounding (numerics.md sections 4, 7).
@@ -43,16 +45,6 @@
 namespace fp8attn {
 namespace sm90 {
 namespace bwd {
-
-// m64n16k32 SS chains for dP^T (the row kernels instantiate n32 / n64 / n128).
-template <>
-struct GmmaOp<kFmtE4M3, kFmtE4M3, 16, false> {
-  using T = GM::MMA_64x16x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct GmmaOp<kFmtE4M3, kFmtE5M2, 16, false> {
-  using T = GM::MMA_64x16x32_F32E4M3E5M2_SS_TN<>;
-};
 
 namespace ts {
 
@@ -111,16 +103,14 @@ __device__ __forceinline__ void issue_s(uint32_t k_lo, uint32_t q_lo, float (&s)
   issue_rows_dot<DQK, 64, NQ, QROWS, kFmtE4M3, kFmtE4M3>(k_lo, q_lo, 0, &s[0][0]);
   wg_commit();
 }
-// dP^T = V dO^T for the kDpN columns [kDpN qc, kDpN qc + kDpN) (one
-// m64n{kDpN}k32 chain, one commit group). NOTE: narrow chunks keep dP at
-// kDpN / 2 registers next to P, dK and dV (the main kernel's register peak:
-// wider chunks found no contiguous accumulator block and spilled P).
-constexpr int kDpN = 16;
-template <int DV, int FMT, int QROWS>
-__device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, int qc, float (&dp)[kDpN / 8][4]) {
-  fence_regs<kDpN / 2>(&dp[0][0]);
+// dP^T = V dO^T for NQ query columns (one m64n64k32 chain per 64 columns, one
+// commit group): the same instruction per element as S^T, in the pre-pass and
+// the main kernel (P and dP_hat bitwise shared).
+template <int DV, int FMT, int NQ, int QROWS>
+__device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, float (&dp)[NQ / 8][4]) {
+  fence_regs<NQ / 2>(&dp[0][0]);
   wg_arrive();
-  issue_rows_dot<DV, kDpN, kDpN, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, kDpN * qc, &dp[0][0]);
+  issue_rows_dot<DV, 64, NQ, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, 0, &dp[0][0]);
   wg_commit();
 }
 
@@ -150,38 +140,38 @@ __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const 
   }
 }
 
-// dP_hat in place: acc (s_dO(q) s_V(kt)) for the n8 tiles of chunk qc
-// (columns kDpN qc + ...). sDOs per column.
-__device__ __forceinline__ void dp_scale(float (&dp)[kDpN / 8][4], float sv, const float* sDOs, int qc, int lane) {
+// dP_hat in place: acc (s_dO(q) s_V(kt)) for NQ columns. sDOs per column.
+template <int NQ>
+__device__ __forceinline__ void dp_scale(float (&dp)[NQ / 8][4], float sv, const float* sDOs, int lane) {
   const int t = lane & 3;
-  fence_regs<kDpN / 2>(&dp[0][0]);
+  fence_regs<NQ / 2>(&dp[0][0]);
 #pragma unroll
-  for (int jj = 0; jj < kDpN / 8; ++jj) {
-    const float2 os = *reinterpret_cast<const float2*>(sDOs + kDpN * qc + 8 * jj + 2 * t);
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
     const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
-    dp[jj][0] = __fmul_rn(dp[jj][0], cx);
-    dp[jj][1] = __fmul_rn(dp[jj][1], cy);
-    dp[jj][2] = __fmul_rn(dp[jj][2], cx);
-    dp[jj][3] = __fmul_rn(dp[jj][3], cy);
+    dp[j][0] = __fmul_rn(dp[j][0], cx);
+    dp[j][1] = __fmul_rn(dp[j][1], cy);
+    dp[j][2] = __fmul_rn(dp[j][2], cx);
+    dp[j][3] = __fmul_rn(dp[j][3], cy);
   }
 }
-// dS = P (dP_hat - delta) over P in place, for chunk qc: dP_hat - delta as
+// dS = P (dP_hat - delta) in place over the dP accumulator: dP_hat - delta as
 // fmaf(acc, s_dO s_V, -delta), the value __fsub_rn(dp_scale's dP_hat, delta)
-// (the coefficient is a power of two: the product is exact).
-__device__ __forceinline__ void ds_from_dp(float (&pt)[16][4], const float (&dp)[kDpN / 8][4], float sv,
-                                           const float* sDOs, const float* sDelta, int qc, int lane) {
+// (the coefficient is a power of two: the product is exact). P stays (#5).
+template <int NQ>
+__device__ __forceinline__ void ds_from_dp(const float (&pt)[NQ / 8][4], float (&dp)[NQ / 8][4], float sv,
+                                           const float* sDOs, const float* sDelta, int lane) {
   const int t = lane & 3;
-  fence_regs<kDpN / 2>(const_cast<float*>(&dp[0][0]));
+  fence_regs<NQ / 2>(&dp[0][0]);
 #pragma unroll
-  for (int jj = 0; jj < kDpN / 8; ++jj) {
-    const int j = (kDpN / 8) * qc + jj;
+  for (int j = 0; j < NQ / 8; ++j) {
     const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
     const float2 dl = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
     const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
-    pt[j][0] = __fmul_rn(pt[j][0], fmaf(dp[jj][0], cx, -dl.x));
-    pt[j][1] = __fmul_rn(pt[j][1], fmaf(dp[jj][1], cy, -dl.y));
-    pt[j][2] = __fmul_rn(pt[j][2], fmaf(dp[jj][2], cx, -dl.x));
-    pt[j][3] = __fmul_rn(pt[j][3], fmaf(dp[jj][3], cy, -dl.y));
+    dp[j][0] = __fmul_rn(pt[j][0], fmaf(dp[j][0], cx, -dl.x));
+    dp[j][1] = __fmul_rn(pt[j][1], fmaf(dp[j][1], cy, -dl.y));
+    dp[j][2] = __fmul_rn(pt[j][2], fmaf(dp[j][2], cx, -dl.x));
+    dp[j][3] = __fmul_rn(pt[j][3], fmaf(dp[j][3], cy, -dl.y));
   }
 }
 
@@ -220,23 +210,23 @@ __device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom&
 
 // ---- block quantization of P^T (#5) and dS^T (#7): one scale per 128 x 128 block -----
 
-// max.NaN of |x| over this thread's 64 values, then over the warp.
-__device__ __forceinline__ float warp_amax(const float (&x)[16][4]) {
+// max.NaN of |x| over this thread's 4 NJ values, then over the warp.
+template <int NJ>
+__device__ __forceinline__ float warp_amax(const float (&x)[NJ][4]) {
   float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) m = max_nan(m, fabsf(x[j][e]));
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
 }
-// The FP8 codes of x * inv as the four k32 A fragments of an RS wgmma (rows g,
-// g + 8 of this warp; K = the 128 query columns in natural order, see q_of_col):
-// a[c][2u] row g, a[c][2u + 1] row g + 8, of k16 step 2c + u.
-// codes_step: the A fragment of k32 step c alone (4 registers).
-template <int F>
-__device__ __forceinline__ void codes_step(const float (&x)[16][4], float inv, int c, uint32_t (&a)[4]) {
+// The FP8 codes of x * inv as the k32 A fragments of an RS wgmma (rows g,
+// g + 8 of this warp; K = the 8 NJ query columns in natural order, see q_of_col):
+// a[2u] row g, a[2u + 1] row g + 8, of k16 step 2c + u of k32 step c.
+template <int F, int NJ>
+__device__ __forceinline__ void codes_step(const float (&x)[NJ][4], float inv, int c, uint32_t (&a)[4]) {
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     const int j = 2 * (2 * c + u);
@@ -244,10 +234,11 @@ __device__ __forceinline__ void codes_step(const float (&x)[16][4], float inv, i
     a[2 * u + 1] = cvt2<F>(x[j][2] * inv, x[j][3] * inv) | (cvt2<F>(x[j + 1][2] * inv, x[j + 1][3] * inv) << 16);
   }
 }
-template <int F>
-__device__ __forceinline__ void codes_block(const float (&x)[16][4], float inv, uint32_t (&a)[4][4]) {
+// All NJ / 4 k32 steps.
+template <int F, int NJ>
+__device__ __forceinline__ void codes_block(const float (&x)[NJ][4], float inv, uint32_t (&a)[NJ / 4][4]) {
 #pragma unroll
-  for (int c = 0; c < 4; ++c) codes_step<F>(x, inv, c, a[c]);
+  for (int c = 0; c < NJ / 4; ++c) codes_step<F, NJ>(x, inv, c, a[c]);
 }
 
 // ---- accumulators in units of a running power of two ---------------------------------

@@ -1187,6 +1187,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
   const int64_t nqt = ceil_div(Sq, B), nkt = ceil_div(Sk, B);
+  const int64_t H = B / 2;  // query sub-tile of the P / dS blocks of #5 / #7
   const ShardedDelta* sd = p.sharded;
   const bool sums_only = sd != nullptr && sd->sum_pdp != nullptr;
   const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
@@ -1207,7 +1208,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
     std::vector<float> qhat(Sq * d), sq(Sq), dohat(Sq * dvd), sdo(Sq);
     std::vector<float> tcap(cap > 0.f ? std::max<int64_t>(Sk, 1) : 0);  // tanh of one row (softcap)
     std::vector<float> Pt(B * Sk), dSt(B * Sk), dProw(std::max<int64_t>(Sk, 1)), dq_acc(d),
-        hat(B), sbv(std::max(d, dvd)), rmP(B), rmS(B), mix, mix_t;
+        hat(B), sbv(std::max(d, dvd)), rmP(B), rmS(B), mix, mix_q, mix_t;
     TileBlocked q_t, do_t;
 
     for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
@@ -1293,8 +1294,11 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
         }
         if (sums_only) continue;
         // Column pass, per key tile this query tile sees: dV (#5), dK (#7).
-        // P and dS: one scale per (query tile, key tile) block, over the
-        // rows that see the key column (a suffix of the query tile).
+        // P and dS: one scale per (query sub-tile of H rows, key tile) block,
+        // over the rows of the sub-tile that see the key column (a suffix of
+        // the sub-tile); dO and Q: one scale per query tile, over the rows of
+        // the tile that see the key column. rmP / rmS: per row, the amax over
+        // the key tile, then the suffix maxima within each sub-tile.
         for (int64_t kt = 0; kt < nkt; ++kt) {
           const int64_t j0 = kt * B, j1 = std::min(Sk, j0 + B);
           if (g.first_query(j0) >= i1) break;  // later tiles are seen by even fewer rows
@@ -1309,28 +1313,33 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
             rmP[i - i0] = ap;
             rmS[i - i0] = as;
           }
-          for (int64_t r = i1 - i0 - 2; r >= 0; --r) {  // suffix maxima
+          for (int64_t r = i1 - i0 - 2; r >= 0; --r) {
+            if ((r + 1) % H == 0) continue;  // row r + 1 starts the next sub-tile
             rmP[r] = nan_max(rmP[r], rmP[r + 1]);
             rmS[r] = nan_max(rmS[r], rmS[r + 1]);
           }
           for (int64_t j = j0; j < j1; ++j) {
-            const int64_t v0 = std::max(i0, g.first_query(j));
-            if (v0 >= i1) break;
-            const int64_t L = i1 - v0;
-            const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
-            const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
-            // #5 dV = P^T dO: P per block (E4M3), dO per query tile (grad_format).
-            const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
-            quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
-            const TileView dot = visible_tile(do_t, qt, v0, i1, mix, mix_t);
-            tile_axpy(hat.data(), sp, dot.hat, dot.ld, dot.scale, L, dvd, sbv.data(),
-                      dv_acc.data() + j * dvd);
-            // #7 dK = dS^T Q: dS per block (grad_format), Q per query tile (E4M3).
-            const float sds = scale_of_amax(rmS[v0 - i0], gf);
-            quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
-            const TileView qv = visible_tile(q_t, qt, v0, i1, mix, mix_t);
-            tile_axpy(hat.data(), sds, qv.hat, qv.ld, qv.scale, L, d, sbv.data(),
-                      dk_acc.data() + j * d);
+            const int64_t vq = std::max(i0, g.first_query(j));  // rows [vq, i1) see j
+            if (vq >= i1) break;
+            const TileView dot = visible_tile(do_t, qt, vq, i1, mix, mix_t);
+            const TileView qv = visible_tile(q_t, qt, vq, i1, mix_q, mix_t);
+            for (int64_t s0 = i0; s0 < i1; s0 += H) {  // sub-tiles in increasing order
+              const int64_t v0 = std::max(s0, vq), s1 = std::min(i1, s0 + H);
+              if (v0 >= s1) continue;  // no row of this sub-tile sees j
+              const int64_t L = s1 - v0;
+              const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
+              const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
+              // #5 dV = P^T dO: P per sub-tile block (E4M3), dO per query tile (grad_format).
+              const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
+              quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
+              tile_axpy(hat.data(), sp, dot.hat + (v0 - vq) * dot.ld, dot.ld, dot.scale, L, dvd,
+                        sbv.data(), dv_acc.data() + j * dvd);
+              // #7 dK = dS^T Q: dS per sub-tile block (grad_format), Q per query tile (E4M3).
+              const float sds = scale_of_amax(rmS[v0 - i0], gf);
+              quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
+              tile_axpy(hat.data(), sds, qv.hat + (v0 - vq) * qv.ld, qv.ld, qv.scale, L, d,
+                        sbv.data(), dk_acc.data() + j * d);
+            }
           }
         }
       }

@@ -62,12 +62,15 @@
 //   query row; K and V one scale per tile of T keys (one K_hat for #1/#3/#6,
 //   one V_hat for #2/#4); P (forward) and dS (#6) one per (row, key tile);
 //   Q (#7) and dO (#5) one per tile of T queries; P (#5) and dS (#7) one per
-//   (query tile, key tile) block. Each partial product is one FP32 sum (over
-//   all of head_dim for #1/#3/#4) times the product of its two scales. The
-//   masking rule is the same: a block a row (key column) reads is quantized
-//   from the keys (query rows) it sees, so K/V tiles of a diagonal tile use
-//   the visible prefix of keys, Q/dO and the P/dS blocks of #5/#7 the rows
-//   of the query tile that see the key column.
+//   (query sub-tile of T/2 queries, key tile) block, the sub-tiles starting
+//   at query 0 (two per query tile; a last tile of at most T/2 queries has
+//   one). Each partial product is one FP32 sum (over all of head_dim for
+//   #1/#3/#4; over the queries of one sub-tile for #5/#7, added in increasing
+//   sub-tile order) times the product of its two scales. The masking rule is
+//   the same: a block a row (key column) reads is quantized from the keys
+//   (query rows) it sees, so K/V tiles of a diagonal tile use the visible
+//   prefix of keys, Q/dO the rows of the query tile that see the key column,
+//   and the P/dS blocks of #5/#7 the rows of the query sub-tile that see it.
 //
 // Outlier transforms (numerics.md section 10; both precisions, both
 // scalings): p.qk_rotation == kHadamard replaces Q, K by Q R, K R (R the

@@ -5,6 +5,8 @@
 //     entries zeroed before quantizing, no tiling tricks);
 //   - error against the exact path within the FP8 budget and within 1.05x of
 //     the `row` recipe's, on Gaussian and on training-shaped inputs;
+//   - the P (#5) and dS (#7) blocks of T/2 queries, shown against whole-tile
+//     blocks on inputs where the two differ;
 //   - the Delta-Matching row-sum invariant, shown against the stale delta.
 // GQA, fully masked rows and the NaN rules run for both recipes in
 // test_reference_common.cpp.
@@ -51,12 +53,18 @@ struct Emulated {
 // one block per query row (all of head_dim); K and V one block per tile of T
 // keys (all of head_dim), restricted to the keys the row sees; P (forward)
 // and dS (#6) one block per (row, key tile); P (#5) and dS (#7) one block per
-// (query tile, key tile) over the rows that see the key column; Q (#7) and
-// dO (#5) one block per tile of T queries over those rows (all of head_dim).
+// (query sub-tile of T/2 queries, key tile) over the rows of the sub-tile
+// that see the key column, one partial per sub-tile in increasing order;
+// Q (#7) and dO (#5) one block per tile of T queries over the rows of the
+// tile that see the key column (all of head_dim).
+// pds_rows: the query rows of the #5 / #7 P and dS blocks, T/2 by the
+// contract; pds_rows = T gives whole-tile blocks (one sub-tile per query
+// tile), the blocking the sub-tile test shows the reference does not use.
 Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format gf,
-                      DeltaMode mode) {
+                      DeltaMode mode, int64_t pds_rows = 0) {
   const int64_t Sq = pr.Sq, Sk = pr.Sk, Hq = pr.Hq, Hkv = pr.Hkv, d = pr.d, dv = pr.dv,
                 G = Hq / Hkv;
+  const int64_t H = pds_rows > 0 ? pds_rows : T / 2;  // query sub-tile
   const float tau = static_cast<float>(pr.tau());
   const Fp8Format e4 = Fp8Format::kE4M3;
   auto qb = [&](int64_t b, int64_t i, int64_t h) { return ((b * Sq + i) * Hq + h) * d; };
@@ -224,34 +232,41 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
           e.pre[lrow + i] = n >= 2 && pa > 0 ? static_cast<float>(std::fabs(ps) / pa) : 0.f;
           e.post[lrow + i] = n >= 2 && qa > 0 ? static_cast<float>(std::fabs(qs) / qa) : 0.f;
         }
-        // Backward columns: dV (#5), dK (#7), per (query tile, key tile).
+        // Backward columns: dV (#5), dK (#7), per (query sub-tile, key tile).
         for (int64_t i0 = 0; i0 < Sq; i0 += T) {
           const int64_t i1 = std::min(Sq, i0 + T);
           for (int64_t j0 = 0; j0 < Sk; j0 += T) {
             const int64_t j1 = std::min(Sk, j0 + T);
             for (int64_t j = j0; j < j1; ++j) {
-              const int64_t v0 = std::max(i0, first_query(j));
-              if (v0 >= i1) continue;
-              const int64_t L = i1 - v0;
-              // The P and dS blocks: rows [v0, i1) x keys [j0, j1), masked entries 0.
-              std::vector<float> pb, sb;
-              for (int64_t i = v0; i < i1; ++i)
-                for (int64_t jj = j0; jj < j1; ++jj) {
-                  pb.push_back(P[i][jj]);
-                  sb.push_back(dS[i][jj]);
+              const int64_t vq = std::max(i0, first_query(j));
+              if (vq >= i1) continue;
+              // The dO and Q blocks: rows [vq, i1) of the query tile, all of head_dim.
+              const std::vector<float> dod = block(in.dout, obase, vq, i1, dv, gf),
+                                       qd = block(in.q, qbase, vq, i1, d, e4);
+              for (int64_t s0 = i0; s0 < i1; s0 += H) {  // query sub-tiles [s0, s1)
+                const int64_t s1 = std::min(i1, s0 + H), v0 = std::max(s0, vq);
+                if (v0 >= s1) continue;
+                // The P and dS blocks: rows [v0, s1) x keys [j0, j1), masked entries 0.
+                std::vector<float> pb, sb;
+                for (int64_t i = v0; i < s1; ++i)
+                  for (int64_t jj = j0; jj < j1; ++jj) {
+                    pb.push_back(P[i][jj]);
+                    sb.push_back(dS[i][jj]);
+                  }
+                const std::vector<float> pd = decoded(pb, e4), sd = decoded(sb, gf);
+                const int64_t w = j1 - j0;
+                for (int64_t c = 0; c < dv; ++c) {
+                  float part = 0.f;
+                  for (int64_t i = v0; i < s1; ++i)
+                    part += pd[(i - v0) * w + j - j0] * dod[(i - vq) * dv + c];
+                  dv_acc[j * dv + c] += part;
                 }
-              const std::vector<float> pd = decoded(pb, e4), sd = decoded(sb, gf);
-              const std::vector<float> dod = block(in.dout, obase, v0, i1, dv, gf),
-                                       qd = block(in.q, qbase, v0, i1, d, e4);
-              for (int64_t c = 0; c < dv; ++c) {
-                float part = 0.f;
-                for (int64_t r = 0; r < L; ++r) part += pd[r * (j1 - j0) + j - j0] * dod[r * dv + c];
-                dv_acc[j * dv + c] += part;
-              }
-              for (int64_t c = 0; c < d; ++c) {
-                float part = 0.f;
-                for (int64_t r = 0; r < L; ++r) part += sd[r * (j1 - j0) + j - j0] * qd[r * d + c];
-                dk_acc[j * d + c] += part;
+                for (int64_t c = 0; c < d; ++c) {
+                  float part = 0.f;
+                  for (int64_t i = v0; i < s1; ++i)
+                    part += sd[(i - v0) * w + j - j0] * qd[(i - vq) * d + c];
+                  dk_acc[j * d + c] += part;
+                }
               }
             }
           }
@@ -337,6 +352,85 @@ TEST(ReferenceFp8Tile, MatchesLiteralEmulationOfTheRecipe) {
   pr.dv = 1;
   pr.causal = true;
   expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
+}
+
+// The P (#5) and dS (#7) blocks are (query sub-tile of T/2 queries, key
+// tile): rows of one half of a query tile whose P / dS are small next to the
+// other half's keep their own scale. T = 128: one query tile of 128 queries,
+// two key tiles, d = dv = 16. Sub-tile 0 (queries 0-63) has Q = 0: P = 1/256
+// at every key, and no dK contribution. Sub-tile 1 (queries 64-127) puts its
+// mass on a sink key 0 (logit 22, FP8-exact: q_0 = 8, k_0 = 11, tau = 1/4),
+// so its P at the keys of tile 1 is ~e^-22 ~ 2^-32 and its dS ~2^-30. Under
+// one scale per 128 x 128 block those codes are set by sub-tile 0's amax
+// (P 2^-8, dS ~2^-4) and flush to zero; under the sub-tile block they are
+// normal. with_do0: dO of sub-tile 0 kept (its dS is large; dK of tile 1's
+// keys comes from sub-tile 1 alone) or zeroed (dS of sub-tile 0 is zero; dV
+// of tile 1's keys comes from sub-tile 1 alone). The reference equals the
+// sub-tile emulation bit for bit, differs from the whole-tile one, and its
+// dV / dK on tile 1's keys are FP8-accurate (~0.06) where the whole-tile
+// blocks give zero (relative error 1).
+void check_subtile_blocks(bool with_do0) {
+  SCOPED_TRACE(with_do0 ? "dS (#7): dO of sub-tile 0 kept" : "P (#5): dO of sub-tile 0 zero");
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = pr.Hkv = 1;
+  pr.Sq = 128;
+  pr.Sk = 256;
+  pr.d = pr.dv = 16;
+  const int64_t T = 128, H = T / 2, d = pr.d, dv = pr.dv;
+  std::mt19937 rng(631 + with_do0);
+  Inputs in = random_inputs(pr, rng);
+  // Sub-tile 0: Q = 0 (and dO = 0 without with_do0); sub-tile 1: q_0 = 8.
+  for (int64_t i = 0; i < pr.Sq; ++i) {
+    double* q = in.q.data() + i * d;
+    if (i < H) {
+      std::fill(q, q + d, 0.0);
+      if (!with_do0) std::fill(in.dout.begin() + i * dv, in.dout.begin() + (i + 1) * dv, 0.0);
+    } else {
+      q[0] = 8.0;
+    }
+  }
+  // Key 0 = 11 e_0 (the sink); the other keys Gaussian with k_0 = 0.
+  for (int64_t j = 0; j < pr.Sk; ++j) {
+    double* k = in.k.data() + j * d;
+    if (j == 0) std::fill(k, k + d, 0.0);
+    k[0] = j == 0 ? 11.0 : 0.0;
+  }
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat64;
+  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+  opt.out_dtype = DType::kFloat32;
+  const Fp8Format gf = Fp8Format::kE4M3;
+  const DeltaMode mode = DeltaMode::kDeltaMatching;
+  const RefOutputs r = run_reference(pr, in, tile_params(pr, mode, static_cast<int>(T), gf), opt);
+  const Emulated sub = emulate_tile(pr, in, T, gf, mode, H);    // the contract
+  const Emulated whole = emulate_tile(pr, in, T, gf, mode, T);  // T x T blocks
+  EXPECT_EQ(max_abs_diff(r.o, sub.o), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dq, sub.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dk, sub.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dv, sub.dv), 0.0);
+  // dV (without dO of sub-tile 0) or dK (with it) of key tile 1, keys 128-255.
+  const int64_t w = with_do0 ? d : dv;
+  auto tile1 = [&](const std::vector<double>& x) {
+    return std::vector<double>(x.begin() + T * w, x.begin() + pr.Sk * w);
+  };
+  const std::vector<double>& r_out = with_do0 ? r.dk : r.dv;
+  const std::vector<double>& ex_out = with_do0 ? ex.dk : ex.dv;
+  const std::vector<double>& whole_out = with_do0 ? whole.dk : whole.dv;
+  EXPECT_GT(max_abs_diff(r_out, whole_out), 0.0);
+  const double err_sub = rel_error(tile1(r_out), tile1(ex_out)),
+               err_whole = rel_error(tile1(whole_out), tile1(ex_out));
+  std::printf("[tile sub-tile blocks] %s of key tile 1: rel err vs exact, reference %.4f, "
+              "whole-tile blocks %.4f\n",
+              with_do0 ? "dK" : "dV", err_sub, err_whole);
+  EXPECT_LT(err_sub, 0.1);
+  EXPECT_GT(err_whole, 0.9);
+}
+
+TEST(ReferenceFp8Tile, PdsBlocksAreQuerySubTiles) {
+  check_subtile_blocks(false);
+  check_subtile_blocks(true);
 }
 
 // ---- Error against exact, tile vs row ----------------------------------------

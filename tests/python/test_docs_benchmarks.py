@@ -55,6 +55,10 @@ CLAIMS = [
 
 # (section date, range) -> what the range refers to, if not this section's table.
 NOT_TABLE_RANGES = {
+    ("2026-12-04 04:07", "0.48-0.54x"): "the section's `tile` backward table (tile DM bwd (op) column)",
+    ("2026-12-04 04:07", "0.50-0.72x"): "the section's `tile` backward table (tile DM kernels only column)",
+    ("2026-12-04 04:07", "0.46-0.55x"): "the v2 tile DM backward (op) in the 2026-12-02 07:06 run",
+    ("2026-12-04 04:07", "0.48-0.76x"): "the v2 tile DM kernels alone in the 2026-12-02 07:06 run",
     ("2026-12-02 18:09", "0.40-0.50x"): "the section's `tile` backward table (tile DM bwd (op) column)",
     ("2026-12-02 18:09", "0.82-1.28x"): "the section's `tile` forward table (tile fwd (op) column)",
     ("2026-11-30 02:24", "0.82-1.37x"): "bench_train single timings of earlier sections (end-to-end)",
