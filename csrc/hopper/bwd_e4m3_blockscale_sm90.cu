@@ -604,10 +604,15 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   if (dm && p.lse_bwd != nullptr && !p.delta_given) pm.lse = p.lse_bwd;
   (tile ? ts::launch_tilescale_main : wg ? launch_wgmma_main : launch_main)(pm, stream);
   // 3. dQ to BF16.
-  const int64_t n_dq = n_rows * p.head_dim_qk;
-  bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(
-      p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n_dq, p.softmax_scale);
-  check_launch("bwd dq convert kernel");
+  // (`tile`: dq_accum in 64-query chunks, kernel_params_sm90.h dq_accum_rows.)
+  if (tile) {
+    ts::launch_tilescale_dq_convert(p, stream);
+  } else {
+    const int64_t n_dq = n_rows * p.head_dim_qk;
+    bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(
+        p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n_dq, p.softmax_scale);
+    check_launch("bwd dq convert kernel");
+  }
   // 4. diagnostics.
   if (p.diag != nullptr) {
     bwd_diag_finish_kernel<<<static_cast<unsigned>((n_rows + 255) / 256), 256, 0, stream>>>(p);

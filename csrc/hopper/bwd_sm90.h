@@ -11,7 +11,8 @@
 //     [1, 2^30); batch * num_heads_q < 2^31 (more than 65535 heads or batch
 //     entries run as several launches, launch_sm90.h).
 //   - p.delta, p.delta_dm: FP32 [B, Hq, Sq], any content (written here).
-//   - p.dq_accum: FP32 [B, Hq, Sq, Dqk], zero-filled.
+//   - p.dq_accum: FP32 [B, Hq, dq_accum_rows(p.scaling, Sq), Dqk] in that recipe's
+//     layout (kernel_params_sm90.h), zero-filled.
 //   - p.diag: FP32 [4, B, Hq, Sq] (delta, eps, rowsum_pre, rowsum_post) or
 //     nullptr; p.rowsum_ws: FP32 [4, B, Hq, Sq], zero-filled, non-null iff
 //     p.diag is.

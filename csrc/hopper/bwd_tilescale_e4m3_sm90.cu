@@ -27,7 +27,9 @@
 //                                         accumulators in units of 2^e)       #5, #7
 //       dS codes [q][k] in shared memory                                      #6 operand
 //       dQ partial = dS K (SS, warpgroup wg: 64 of the columns), times
-//       s_dS(i) s_K per row -> float2 atomics                                 #6
+//       s_dS(i) s_K per row -> a shared FP32 panel -> one TMA bulk
+//       reduce-add per warpgroup into dq_accum (chunk order,
+//       kernel_params_sm90.h dq_accum_rows)                                   #6
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
 #include <cuda_bf16.h>
@@ -70,7 +72,12 @@ struct MainLayout {
   static constexpr int kSQc = kSDO + kNbV * kTileBytes;  // Q^T [kWk][128 queries]
   static constexpr int kSDOc = kSQc + kWk * 128;         // dO^T [kWv][128 queries]
   static constexpr int kStageBytes = kSDOc + kWv * 128;
-  static constexpr int kF = kStage0 + kStages * kStageBytes;
+  // dQ staging (#6 partials, FP32): one 64 x 64 panel per consumer warpgroup in
+  // dq_accum's chunk order (kernel_params_sm90.h), added to global memory by a
+  // TMA bulk reduce-add.
+  static constexpr int kDQ = kStage0 + kStages * kStageBytes;
+  static constexpr int kDQPanelFloats = bwdts::kSubQ * 64;
+  static constexpr int kF = kDQ + bwdts::kConsumerWGs * kDQPanelFloats * 4;
   // floats from kF
   static constexpr int kBar = 0;                       // mbarriers (8 bytes): full[s], empty[s], kv_full
   static constexpr int kNumBars = 2 * kStages + 1;
@@ -257,6 +264,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   float* sBlk = sf + L::kBlk;
   float* sRowInv = sf + L::kRowInv;
   float* sRowSq = sf + L::kRowSq;
+  float* sDQ = reinterpret_cast<float*>(smem + L::kDQ);
+  // One thread per warpgroup issues that warpgroup's dQ bulk reduce-adds.
+  const bool dq_issuer = (threadIdx.x & 127) == 0;
+  const int64_t dq_rows = dq_accum_rows(1, Sq64);
 
   TileGeom tg;
   tg.n0 = n0;
@@ -355,6 +366,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
         if (lane == 0) sBlk[kWarps + warp] = mb;
       }
+      // The dQ panel of the previous sub-tile has been read by its bulk
+      // reduce-add before anyone passes (1) (the panel is rewritten below).
+      if (dq_issuer) bulk_wait_read<0>();
       named_bar_sync(kBarConsumers, kConsumerThreads);  // (1) amaxes of both warpgroups
       if (threadIdx.x < kSubQ) {
         const int n = threadIdx.x;  // column n = query m0s + q_of_col(n)
@@ -457,8 +471,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 
       // ---- dQ partial (#6): dS_hat K_hat over the tile's 128 keys for the
       // sub-tile's 64 queries; warpgroup wg owns the 64 columns [64 wg, 64 wg +
-      // 64) of this slice, per query row times s_dS(q) s_K, added into dq_accum
-      // (FP32; tau at the convert).
+      // 64) of this slice, per query row times s_dS(q) s_K, stored to its
+      // shared panel in dq_accum's chunk order and added to dq_accum (FP32; tau
+      // at the convert) by one TMA bulk reduce-add of the whole panel. Rows past
+      // seqlen_q are zeros (their dS codes are masked), into dq_accum's padding.
       const int h_q = wg;  // this warpgroup's 64-column chunk
       if (64 * h_q < wk) {
         const uint32_t ds_lo = base + L::kDS / 16;
@@ -472,18 +488,23 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         wg_commit();
         wg_wait<0>();
         fence_regs<32>(&pq[0][0]);
-        const int q0 = (warp & 3) * 16 + g;  // accumulator rows q0, q0 + 8: queries m0s + q0, + 8
+        const int w4 = warp & 3, q0 = w4 * 16 + g;  // accumulator rows q0, q0 + 8: queries m0s + q0, + 8
         const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
-        float* dq_t = p.dq_accum + (bhq * Sq64 + m0s + q0) * DQK + cb + 64 * h_q + 2 * t;
+        float* panel = sDQ + L::kDQPanelFloats * h_q;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          if (m0s + q0 + 8 * hh >= Sq) continue;
           const float f = hh ? f1 : f0;
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const float2 v = make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
-            atomicAdd(reinterpret_cast<float2*>(dq_t + 8 * hh * DQK + 8 * jj), v);
-          }
+          for (int jj = 0; jj < 8; ++jj)
+            *reinterpret_cast<float2*>(panel + (((w4 * 2 + hh) * 8 + jj) * 32 + lane) * 2) =
+                make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
+        }
+        fence_async_smem();  // st.shared (generic proxy) -> the bulk reduce's reads (async proxy)
+        named_bar_sync(bwdts::kBarDq + h_q, 128);  // the warpgroup's whole panel
+        if (dq_issuer) {
+          float* dst = p.dq_accum + (bhq * dq_rows + m0s) * DQK + static_cast<int64_t>(cb + 64 * h_q) * 64;
+          bulk_reduce_add_f32(dst, smem_u32(panel), L::kDQPanelFloats * 4);
+          bulk_commit();
         }
       } else {
         wg_wait<0>();
@@ -501,6 +522,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       ++hq;
     }
   }
+
+  // The last dQ reduce-adds are complete before the CTA's shared memory goes.
+  if (dq_issuer) bulk_wait<0>();
 
   // ---- Epilogue: dK = tau 2^ek acc, dV = 2^ev acc (BF16), keys < seqlen_k.
   pow2_scale<L::kWk / 2>(&dk_acc[0][0][0], ek);
@@ -535,7 +559,41 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   }
 }
 
+// dQ = BF16(tau dq_accum) from the `tile` chunk order (kernel_params_sm90.h,
+// dq_accum_rows): one thread per 4 floats, which are lanes 2u, 2u + 1's pairs:
+// 4 consecutive columns of one query. Padding rows (>= seqlen_q) are skipped.
+__global__ void tilescale_dq_convert_kernel(const float* __restrict__ acc, __nv_bfloat16* __restrict__ dq,
+                                            int64_t n4, int64_t Sq, int64_t rows, int dqk, float tau) {
+  const int64_t i4 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i4 >= n4) return;
+  const int64_t f = 4 * i4, chunk_floats = 64 * static_cast<int64_t>(dqk);
+  const int64_t chunk = f / chunk_floats;
+  const int within = static_cast<int>(f - chunk * chunk_floats);
+  const int panel = within >> 12, j = within & 4095;
+  const int lane = (j >> 1) & 31, jj = (j >> 6) & 7, r8 = (j >> 9) & 1, w = j >> 10;
+  const int64_t per_head = rows / 64;
+  const int64_t bh = chunk / per_head;
+  const int64_t q = (chunk - bh * per_head) * 64 + 16 * w + 8 * r8 + (lane >> 2);
+  if (q >= Sq) return;
+  const float4 v = *reinterpret_cast<const float4*>(acc + f);
+  __nv_bfloat162* out =
+      reinterpret_cast<__nv_bfloat162*>(dq + (bh * Sq + q) * dqk + 64 * panel + 8 * jj + 2 * (lane & 3));
+  out[0] = __floats2bfloat162_rn(__fmul_rn(v.x, tau), __fmul_rn(v.y, tau));
+  out[1] = __floats2bfloat162_rn(__fmul_rn(v.z, tau), __fmul_rn(v.w, tau));
+}
+
 }  // namespace
+
+void launch_tilescale_dq_convert(const KernelParams& p, cudaStream_t stream) {
+  const int64_t rows = dq_accum_rows(1, p.seqlen_q);
+  const int64_t n4 = static_cast<int64_t>(p.batch) * p.num_heads_q * rows * p.head_dim_qk / 4;
+  if (n4 == 0) return;
+  tilescale_dq_convert_kernel<<<static_cast<unsigned>((n4 + 255) / 256), 256, 0, stream>>>(
+      p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n4, p.seqlen_q, rows, p.head_dim_qk, p.softmax_scale);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: bwd tile dq convert launch failed: ") + cudaGetErrorString(e));
+}
 
 void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
   dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {

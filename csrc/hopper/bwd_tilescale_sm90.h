@@ -21,8 +21,12 @@ namespace ts {
 // Delta-Matching pre-pass: writes p.delta_dm (and p.delta for delta_matching).
 void launch_tilescale_prepass(const KernelParams& p, cudaStream_t stream);
 // Main backward: dK, dV (BF16, p.dk / p.dv), dQ partials into p.dq_accum
-// (zero-filled before; FP32, without tau), row-sum diagnostics into p.rowsum_ws.
+// (zero-filled before; FP32, without tau; the `tile` layout of dq_accum_rows,
+// added by TMA bulk reduce-adds), row-sum diagnostics into p.rowsum_ws.
 void launch_tilescale_main(const KernelParams& p, cudaStream_t stream);
+// dQ = BF16(tau dq_accum) into p.dq from the chunk order of the `tile`
+// dq_accum (kernel_params_sm90.h, dq_accum_rows).
+void launch_tilescale_dq_convert(const KernelParams& p, cudaStream_t stream);
 
 }  // namespace ts
 }  // namespace bwd

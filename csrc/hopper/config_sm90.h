@@ -322,6 +322,8 @@ constexpr int slices(int d_qk, int d_v) {
 // Named barrier of the consumer warpgroups (0 is __syncthreads; the row kernels'
 // ids are private to them).
 constexpr int kBarConsumers = 1;
+// Named barriers of each consumer warpgroup's dQ panel (kBarDq + wg).
+constexpr int kBarDq = 2;
 // Pre-pass: queries per CTA (both warpgroups see them, each 64 keys of a key tile).
 constexpr int kPreQ = 64;
 constexpr int kPreThreads = 256;
@@ -336,7 +338,8 @@ static_assert(kConsumerThreads >= kSubQ && kTile % kSubQ == 0 && kSubQ == 64,
 static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
 static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
               "slices of the instantiated head dims");
-static_assert(kBarConsumers > 0 && kBarConsumers < 16, "hardware named barriers 1..15");
+static_assert(kBarConsumers > 0 && kBarConsumers < 16 && kBarDq > kBarConsumers && kBarDq + kConsumerWGs <= 16,
+              "hardware named barriers 1..15, distinct");
 
 }  // namespace bwdts
 

@@ -64,7 +64,7 @@ struct KernelParams {
   float* delta_dm;   // [B, Hq, Sq] Delta-Matching delta (diagnostics: eps)
   float* lse_bwd;    // [B, Hq, Sq] or nullptr: the backward-consistent LSE the pre-pass
                      // writes, read by a delta_matching main kernel (prepass_delta_sm90.cuh)
-  float* dq_accum;   // [B, Hq, Sq, Dqk] FP32 accumulation buffer
+  float* dq_accum;   // FP32 accumulation buffer, [B, Hq, dq_accum_rows(scaling, Sq), Dqk] (layout below)
   float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
   float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast
 
@@ -76,6 +76,20 @@ struct KernelParams {
   int delta_given;
   int prepass_sums;
 };
+
+// Rows per (batch, query head) of KernelParams::dq_accum. `row` (scaling 0):
+// seqlen_q, row-major [query][Dqk]. `tile` (scaling 1): seqlen_q rounded up to
+// 64, in 64-query chunks of 64 x Dqk floats (the main kernel adds each one
+// with TMA bulk reduce-adds, bwd_tilescale_e4m3_sm90.cu): chunk c of (b, h) at
+// ((b Hq + h) rows + 64 c) Dqk, 64-column panel P (columns [64 P, 64 P + 64))
+// at 4096 P within it, and inside a panel the order of a warpgroup's m64n64
+// accumulator fragments: float ((((w * 2 + r8) * 8 + j) * 32 + lane) * 2 + e)
+// is query 16 w + 8 r8 + lane / 4, column 8 j + 2 (lane % 4) + e of the panel
+// (conflict-free 8-byte shared-memory stores, whole chunks to reduce).
+// constexpr: callable from device code (--expt-relaxed-constexpr).
+constexpr int64_t dq_accum_rows(int scaling, int64_t seqlen_q) {
+  return scaling == 1 ? (seqlen_q + 63) / 64 * 64 : seqlen_q;
+}
 
 }  // namespace sm90
 }  // namespace fp8attn

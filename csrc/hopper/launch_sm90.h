@@ -158,7 +158,7 @@ inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   adv(r.lse_bwd, rq * Sq);
   adv(r.diag, rq * Sq);
   adv(r.rowsum_ws, rq * Sq);
-  adv(r.dq_accum, rq * Sq * Dqk);
+  adv(r.dq_accum, rq * dq_accum_rows(p.scaling, Sq) * Dqk);
   // Row-blocked codes [B, H, S, D] and scales [B, H, S, nblk(D)] (`tile`: [B, H, S] per
   // token for Q / dO, [B, H, nblk_k] per tile for K / V).
   const bool tile = p.scaling == 1;

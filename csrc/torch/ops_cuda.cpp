@@ -620,7 +620,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   // (numerics.md section 4, "Backward-consistent LSE"); the saved LSE is not touched.
   const bool dm = mode == DeltaMode::kDeltaMatching;
   at::Tensor lse_bwd = dm ? at::empty({pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
-  at::Tensor dq_accum = at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, fopts);
+  // dQ partials (FP32; layout of each recipe: kernel_params_sm90.h, dq_accum_rows).
+  at::Tensor dq_accum =
+      at::zeros({pr.batch, pr.heads_q, sm90::dq_accum_rows(static_cast<int>(recipe), pr.seqlen_q), pr.kqk}, fopts);
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
 
   KernelParams kp{};

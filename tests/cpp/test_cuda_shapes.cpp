@@ -322,7 +322,8 @@ TEST(AttnChunks, AtChunkPointsEveryOperandAtTheChunksFirstRow) {
 int64_t addr_of(const void* ptr) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptr)); }
 
 // scaling = 1 (`tile`): the scale arrays are one per row ([B, H, S]) or per
-// 128-token tile ([B, H, nblk]) over all of head_dim (kernel_params_sm90.h).
+// 128-token tile ([B, H, nblk]) over all of head_dim, and dq_accum has
+// dq_accum_rows(1, S) rows per (b, h) (kernel_params_sm90.h).
 TEST(AttnChunks, AtChunkTileScaleLayouts) {
   for (const auto& [dqk, dv] : std::vector<std::pair<int, int>>{{64, 64}, {192, 128}, {256, 256}}) {
     KernelParams p = problem(5, 12, 3, 300, 200, dqk, dv);
@@ -334,6 +335,11 @@ TEST(AttnChunks, AtChunkTileScaleLayouts) {
     for (float** s : scales) *s = fake<float>(base());
     p.k_row = fake<uint8_t>(base());
     p.v_colT = fake<uint8_t>(base());
+    p.dq_accum = fake<float>(base());
+    // dq_accum: 64-query chunks, seqlen_q 300 padded to 320 rows per (b, h).
+    const int64_t dq_rows = dq_accum_rows(1, Sq);
+    EXPECT_EQ(dq_rows, 320);
+    EXPECT_EQ(dq_accum_rows(0, Sq), Sq);
     const AttnChunk c{2, 3, 4, 8, 1, 2};
     const KernelParams r = at_chunk(p, c);
     for (int64_t b = 0; b < c.nb; ++b)
@@ -349,6 +355,7 @@ TEST(AttnChunks, AtChunkTileScaleLayouts) {
         EXPECT_EQ(addr_of(r.k_col_s + lk * nbk), addr_of(p.k_col_s + gk * nbk));
         EXPECT_EQ(addr_of(r.v_col_s + lk * nbk), addr_of(p.v_col_s + gk * nbk));
         EXPECT_EQ(addr_of(r.k_row + lk * 200 * dqk), addr_of(p.k_row + gk * 200 * dqk));  // codes unchanged
+        EXPECT_EQ(addr_of(r.dq_accum + lq * dq_rows * dqk), addr_of(p.dq_accum + gq * dq_rows * dqk));
         EXPECT_EQ(addr_of(r.v_colT + lk * dv * Skp), addr_of(p.v_colT + gk * dv * Skp));
       }
   }
