@@ -51,12 +51,18 @@ CLAIMS = [
     (r"the delta_matching backward ([\d.]+)-([\d.]+)x", [(("fp8 bwd DM",), _d(64, 128))]),
     (r"the forward is at ([\d.]+)-([\d.]+)x cuDNN BF16", [(FWD, _all)]),
     (r"the backward at ([\d.]+)-([\d.]+)x", [(BWD, _all)]),
+    # the `tile` tables (merged into the rows by bench_rows)
+    (r"tile DM backward as called is at ([\d.]+)-([\d.]+)x", [(("tile DM bwd (op)",), _all)]),
+    (r"its kernels alone at ([\d.]+)-([\d.]+)x", [(("tile DM kernels only",), _all)]),
+    (r"training step \(tile forward \+ DM backward\) at ([\d.]+)-([\d.]+)x",
+     [(("tile step fwd+bwd vs cuDNN",), _all)]),
+    (r"tile\s+forward is unchanged: the op at ([\d.]+)-([\d.]+)x", [(("fp8 tile fwd (op)",), _all)]),
+    (r"its kernel alone at ([\d.]+)-([\d.]+)x", [(("tile fwd kernel only",), _all)]),
 ]
 
 # (section date, range) -> what the range refers to, if not this section's table.
 NOT_TABLE_RANGES = {
-    ("2026-12-04 04:07", "0.48-0.54x"): "the section's `tile` backward table (tile DM bwd (op) column)",
-    ("2026-12-04 04:07", "0.50-0.72x"): "the section's `tile` backward table (tile DM kernels only column)",
+    ("2026-12-04 19:18", "0.48-0.54x"): "the v4 tile DM backward (op) of the 2026-12-04 04:07 run",
     ("2026-12-04 04:07", "0.46-0.55x"): "the v2 tile DM backward (op) in the 2026-12-02 07:06 run",
     ("2026-12-04 04:07", "0.48-0.76x"): "the v2 tile DM kernels alone in the 2026-12-02 07:06 run",
     ("2026-12-02 18:09", "0.40-0.50x"): "the section's `tile` backward table (tile DM bwd (op) column)",
@@ -80,27 +86,36 @@ def sections(text: str):
 
 
 def bench_rows(sec: str) -> list[dict]:
-    """The rows of the section's bench_gpu table (the one with "fp8 bwd DM"):
-    {"S": seqlen, "d": head_dim, "causal": str, column: ratio or None}."""
+    """The rows of the section's bench_gpu tables: the main one (with "fp8 bwd DM"), merged
+    per (shape, causal) with every later table of the same rows (the `tile` forward and
+    backward tables): {"S": seqlen, "d": head_dim, "causal": str, column: ratio or None}.
+    A cell's ratio is "(r x)" or a bare "r x" (the step column)."""
     lines = sec.splitlines()
     for i, ln in enumerate(lines):
         if ln.startswith("|") and "fp8 bwd DM" in ln:
             break
     else:
         return []
-    head = [c.strip() for c in lines[i].strip("|").split("|")]
-    rows = []
-    for ln in lines[i + 2:]:
-        if not ln.startswith("|"):
-            break
-        cells = [c.strip() for c in ln.strip("|").split("|")]
-        m = re.match(r"(\d+)x(\d+)x(\d+), (\d+)", cells[0])
-        row = {"S": int(m.group(3)), "d": int(m.group(4)), "causal": cells[1], "cells": dict(zip(head, cells))}
-        for h, c in zip(head, cells):
-            r = re.search(r"\(([\d.]+)x\)", c)
-            row[h] = float(r.group(1)) if r else None
-        rows.append(row)
-    return rows
+    rows: dict[tuple, dict] = {}
+    while i < len(lines):
+        if not (lines[i].startswith("| B x H x S") and i + 1 < len(lines) and lines[i + 1].startswith("|---")):
+            i += 1
+            continue
+        head = [c.strip() for c in lines[i].strip("|").split("|")]
+        i += 2
+        while i < len(lines) and lines[i].startswith("|"):
+            cells = [c.strip() for c in lines[i].strip("|").split("|")]
+            i += 1
+            m = re.match(r"(\d+)x(\d+)x(\d+), (\d+)", cells[0])
+            if not m:
+                continue
+            row = rows.setdefault((cells[0], cells[1]), {"S": int(m.group(3)), "d": int(m.group(4)),
+                                                           "causal": cells[1], "cells": {}})
+            row["cells"].update(zip(head, cells))
+            for h, c in zip(head[2:], cells[2:]):
+                r = re.search(r"\(([\d.]+)x\)", c) or re.fullmatch(r"([\d.]+)x", c)
+                row.setdefault(h, float(r.group(1)) if r else None)
+    return list(rows.values())
 
 
 def table_ratios(sec: str) -> dict[str, list[float]]:
