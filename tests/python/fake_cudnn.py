@@ -168,3 +168,16 @@ class FakeCudnn:
 
     def backend_version_string(self):
         return "fake"
+
+
+def install_for_training(monkeypatch, cfa, **kw) -> FakeCudnn:
+    """Installs a FakeCudnn(**kw) as fp8attn.cudnn_fp8_attention's (`cfa`) frontend with
+    fresh plan / graph caches, and lets the CPU count as a capable device; returns it."""
+    fake = FakeCudnn(**kw)
+    monkeypatch.setitem(cfa._STATE, "cudnn", fake)
+    monkeypatch.setitem(cfa._STATE, "why", None)
+    monkeypatch.setitem(cfa._STATE, "handles", {})
+    monkeypatch.setattr(cfa, "_PLANS", {})
+    monkeypatch.setattr(cfa, "_TRAIN_GRAPHS", {})
+    monkeypatch.setattr(cfa, "device_reason", lambda device: None)
+    return fake

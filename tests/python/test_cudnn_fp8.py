@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
