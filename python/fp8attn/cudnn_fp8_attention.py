@@ -585,7 +585,8 @@ class _CudnnFP8Fn(torch.autograd.Function):
                           "descale_s": desc[i["s"]], "scale_s": sc[i["s"]], "scale_o": sc[i["o"]]}, dev),
                 **_outs(("amax_s", "amax_o"), dev)}
         _execute(plan.fwd, pack, dev)
-        o = (o8.float() * desc[i["o"]]).to(torch.bfloat16)
+        from .ops import as_dtype   # NOTE: never a bare .to() as a Function's output (test_autograd_aliasing)
+        o = as_dtype(o8.float() * desc[i["o"]], torch.bfloat16)
         if record:
             # NOTE: without a declared Amax_S the bound of P (<= 1) stands in for its amax
             amax_s = pack["amax_s"].reshape(()) if "amax_s" in plan.fwd.t else torch.ones((), device=dev)
