@@ -50,8 +50,9 @@ and recipe kernel, re-implemented here):
   * only a forward with grad enabled on a module in training mode records (a
     no_grad validation forward uses the scales and leaves the state alone).
 fp8_max: E4M3 448 for every tensor (dO / dQ / dK / dV in E5M2, 57344, if the graph
-variant is an E5M2 one). Differences to TE: no amax reduction across ranks (under
-DDP the buffers are rank 0's, broadcast by DDP at every forward), P's first scale.
+variant is an E5M2 one). Differences to TE: E4M3 in the backward too (TE's default
+HYBRID format has E5M2 there), no amax reduction across ranks (under DDP the buffers
+are rank 0's, broadcast by DDP at every forward), P's first scale.
 
 Availability (`unavailable_reason`): cuDNN's FP8 SDPA backward exists on sm_90 at
 head_dim 128 only (the frontend: "hidden_dim shoud be equal to 128"); the op needs
