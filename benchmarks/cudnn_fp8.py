@@ -1,7 +1,11 @@
 """cuDNN FP8 attention baseline for bench_gpu.py: per-tensor-scaled E4M3
 SDPA forward and backward through the cuDNN frontend graph API
 (pip package nvidia-cudnn-frontend, `cudnn.pygraph.sdpa_fp8` /
-`sdpa_fp8_backward`, written against 1.32.0).
+`sdpa_fp8_backward`, written against 1.32.0). The graph declarations, variants,
+quantization helpers and the frontend import live in the package
+(fp8attn.cudnn_fp8_attention, also behind the training harness's fp8-cudnn mode)
+and are re-exported here; this file keeps the benchmark's calibration, self-check,
+timing and the probe.
 
     res = run(q, k, v, dout, causal, time_fn)   # BF16 (B, H, S, d) inputs
     res.fwd_ms, res.bwd_ms                        # None unless built, run and checked
@@ -26,7 +30,8 @@ builds and passes; everything that fails returns None with a one-line reason.
 """
 from __future__ import annotations
 
-import math
+import glob
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,40 +41,17 @@ import torch
 
 from timing import positive_float, time_ms as _time_ms  # benchmarks/timing.py
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
-DEFAULT_TOL = 0.1
-
-FWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
-               "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to declare the graphs; tried in VARIANTS order."""
-    layout: str = "bshd"      # storage of Q/K/V/O/dO/dQ/dK/dV: "bshd" (B, S, H, d) or "bhsd"
-    mask: str = "bounds"      # causal as right_bound=0 ("bounds") or use_causal_mask=True ("flag")
-    amax_s_out: bool = False  # declare the deprecated Amax_S output (older backends wanted it)
-    o_type: str = "e4m3"      # forward O: "e4m3" (scaled) or "bf16" (Blackwell only)
-    do_type: str = "e4m3"     # backward dO / dQ / dK / dV: "e4m3" or "e5m2"
-
-    def label(self) -> str:
-        return (f"{self.layout}/{self.mask}/amax_s={'out' if self.amax_s_out else 'virtual'}"
-                f"/O={self.o_type}/dO={self.do_type}")
-
-
-# NOTE: the first entry is the documented 1.32 form; the rest are fallbacks for
-# backends that reject it (the probe in .wt/cudnnfp8.sh reports which one ran).
-# No BF16-O entry: the frontend refuses it below Blackwell ("sdpa fp8 forward
-# with HALF/BFLOAT16 output is only supported on Blackwell"), checked deviceless.
-VARIANTS = (
-    Variant("bshd", "bounds", False, "e4m3", "e4m3"),
-    Variant("bshd", "flag", True, "e4m3", "e4m3"),
-    Variant("bhsd", "bounds", False, "e4m3", "e4m3"),
-    Variant("bhsd", "flag", True, "e4m3", "e4m3"),
-    Variant("bshd", "flag", True, "e4m3", "e5m2"),
-)
+# NOTE: the graph code lives in the package (fp8attn.cudnn_fp8_attention, shared with the
+# training harness's fp8-cudnn mode); in-tree build first, else the installed package
+# (FP8ATTN_SOURCE_TREE=0: sys.path's), as bench_gpu.py.
+_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+if os.environ.get("FP8ATTN_SOURCE_TREE", "1") != "0" and glob.glob(os.path.join(_PY, "fp8attn", "_C*.so")) \
+        and _PY not in sys.path:
+    sys.path.insert(0, _PY)
+from fp8attn.cudnn_fp8_attention import (  # noqa: E402,F401  (re-exported: bench_gpu.py, tests)
+    BWD_SCALARS, DEFAULT_TOL, E4M3_MAX, E5M2_MAX, FWD_SCALARS, VARIANTS, Variant, _Built, _dt, _empty,
+    _finish, _handle, _mask_kwargs, _scalar_buf, _STATE, _strides, _sync, declare_bwd, declare_fwd,
+    fp8_dtype, fp8_max, load, one_line, quantize, rel_fro, scale_from_amax, version_info)
 
 
 @dataclass
@@ -84,191 +66,11 @@ class Result:
     reasons: list = field(default_factory=list)  # one line per failed attempt
 
 
-# ---- import / handle ---------------------------------------------------------
+# ---- graph cache (the benchmark's own; the training op keeps its plans in the package) ----
 
-_STATE = {"cudnn": None, "handle": None, "why": None}
 _GRAPHS: dict = {}     # (B, H, S, d, causal, Variant, "fwd" | "bwd") -> _Built or the reason string
 _GRAPH_ERRORS: dict = {}  # same key -> the full exception text of a failed build (the probe prints it)
 _PREFERRED: list = []  # variants that worked before, tried first
-
-
-def one_line(e: BaseException, width: int = 160) -> str:
-    """An exception as one line: its type and the first `width` characters of its first line."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:width] if text else ''}"
-
-
-def load():
-    """The cudnn module, or None with _STATE['why'] set."""
-    if _STATE["cudnn"] is None and _STATE["why"] is None:
-        try:
-            import cudnn  # noqa: PLC0415
-            _STATE["cudnn"] = cudnn
-        except Exception as e:  # noqa: BLE001  (missing wheel, missing libcudnn, ...)
-            _STATE["why"] = f"import cudnn failed ({one_line(e)})"
-    return _STATE["cudnn"]
-
-
-def version_info() -> dict:
-    cudnn = load()
-    if cudnn is None:
-        return {"cudnn_frontend": None, "why": _STATE["why"]}
-    info = {"cudnn_frontend": getattr(cudnn, "__version__", "?")}
-    try:
-        info["cudnn_backend"] = cudnn.backend_version_string()
-    except Exception as e:  # noqa: BLE001
-        info["cudnn_backend"] = one_line(e)
-    return info
-
-
-def _handle():
-    cudnn = load()
-    if _STATE["handle"] is None:
-        _STATE["handle"] = cudnn.create_handle()
-    if torch.cuda.is_available():  # NOTE: torch's current stream, so CUDA events around execute time it
-        cudnn.set_stream(_STATE["handle"], torch.cuda.current_stream().cuda_stream)
-    return _STATE["handle"]
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-# ---- layouts and quantization ------------------------------------------------
-
-def _strides(layout: str, b: int, h: int, s: int, d: int) -> list:
-    """Element strides of a logical (B, H, S, d) tensor stored in `layout`."""
-    if layout == "bshd":
-        return [s * h * d, d, h * d, 1]
-    if layout == "bhsd":
-        return [h * s * d, s * d, d, 1]
-    raise ValueError(layout)
-
-
-def _empty(layout: str, b: int, h: int, s: int, d: int, dtype, device="cuda") -> torch.Tensor:
-    """A (B, H, S, d) view whose storage is `layout`."""
-    if layout == "bshd":
-        return torch.empty(b, s, h, d, device=device, dtype=dtype).transpose(1, 2)
-    return torch.empty(b, h, s, d, device=device, dtype=dtype)
-
-
-def fp8_dtype(name: str):
-    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[name]
-
-
-def fp8_max(name: str) -> float:
-    return {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}[name]
-
-
-def scale_from_amax(amax: float, fmt: str = "e4m3") -> float:
-    """scale = max / amax (payload = x * scale); 1 for a zero / non-finite amax."""
-    return fp8_max(fmt) / amax if math.isfinite(amax) and amax > 0 else 1.0
-
-
-def quantize(x: torch.Tensor, layout: str, fmt: str = "e4m3"):
-    """(payload view (B, H, S, d) stored in `layout`, descale) of a BF16 (B, H, S, d) tensor;
-    descale = amax / max, payload = clamp(x / descale) in the FP8 format."""
-    amax = x.abs().amax().float().item()
-    descale = 1.0 / scale_from_amax(amax, fmt)
-    out = _empty(layout, *x.shape, fp8_dtype(fmt), x.device)
-    lim = fp8_max(fmt)
-    out.copy_((x.float() / descale).clamp_(-lim, lim))
-    return out, descale
-
-
-def rel_fro(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref||_F / ||ref||_F in FP32 (inf when ref is zero or x is not finite)."""
-    x, ref = x.float(), ref.float()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num / den if den > 0 and math.isfinite(num) else float("inf")
-
-
-def _scalar_buf(value: float, device="cuda") -> torch.Tensor:
-    return torch.full((1, 1, 1, 1), float(value), device=device, dtype=torch.float32)
-
-
-# ---- graphs ------------------------------------------------------------------
-
-@dataclass
-class _Built:
-    graph: object
-    t: dict            # port name -> graph Tensor
-    workspace: int
-    plan: str
-
-
-def _mask_kwargs(cudnn, var: Variant, causal: bool) -> dict:
-    if not causal:
-        return {}
-    if var.mask == "bounds":
-        return {"diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT, "right_bound": 0}
-    return {"use_causal_mask": True}
-
-
-def _finish(cudnn, g, t: dict) -> _Built:
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans()
-    try:
-        plan = g.get_plan_name_at_index(g._plan_index)  # NOTE: private index; the name is only logged
-    except Exception:  # noqa: BLE001
-        plan = "?"
-    return _Built(g, t, int(g.get_workspace_size()), plan)
-
-
-def _dt(cudnn, name: str):
-    return {"e4m3": cudnn.data_type.FP8_E4M3, "e5m2": cudnn.data_type.FP8_E5M2,
-            "bf16": cudnn.data_type.BFLOAT16, "f32": cudnn.data_type.FLOAT}[name]
-
-
-def declare_fwd(cudnn, shape, causal: bool, var: Variant, **graph_kw):
-    """The forward graph up to declaration (no build): (graph, port -> Tensor)."""
-    b, h, s, d = shape
-    f32, e4m3 = _dt(cudnn, "f32"), _dt(cudnn, "e4m3")
-    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, **graph_kw)
-    dims, st = [b, h, s, d], _strides(var.layout, b, h, s, d)
-    t = {n: g.tensor(name=n, dim=dims, stride=st, data_type=e4m3) for n in ("q", "k", "v")}
-    for n in FWD_SCALARS:
-        t[n] = g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
-    o, stats, amax_s, amax_o = g.sdpa_fp8(
-        q=t["q"], k=t["k"], v=t["v"], **{n: t[n] for n in FWD_SCALARS},
-        generate_stats=True, attn_scale=1.0 / math.sqrt(d), name="sdpa_fp8", **_mask_kwargs(cudnn, var, causal))
-    o.set_output(True).set_dim(dims).set_stride(st).set_data_type(_dt(cudnn, var.o_type))
-    stats.set_output(True).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1]).set_data_type(f32)
-    amax_o.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
-    t.update(o=o, stats=stats, amax_o=amax_o)
-    if var.amax_s_out:
-        amax_s.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
-        t["amax_s"] = amax_s
-    return g, t
-
-
-def declare_bwd(cudnn, shape, causal: bool, var: Variant, **graph_kw):
-    """The backward graph up to declaration (no build): (graph, port -> Tensor)."""
-    b, h, s, d = shape
-    f32, e4m3, gdt = _dt(cudnn, "f32"), _dt(cudnn, "e4m3"), _dt(cudnn, var.do_type)
-    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, **graph_kw)
-    dims, st = [b, h, s, d], _strides(var.layout, b, h, s, d)
-    t = {n: g.tensor(name=n, dim=dims, stride=st, data_type=e4m3) for n in ("q", "k", "v")}
-    t["o"] = g.tensor(name="o", dim=dims, stride=st, data_type=_dt(cudnn, var.o_type))
-    t["dO"] = g.tensor(name="dO", dim=dims, stride=st, data_type=gdt)
-    t["stats"] = g.tensor(name="stats", dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=f32)
-    for n in BWD_SCALARS:
-        t[n] = g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
-    outs = g.sdpa_fp8_backward(
-        **{n: t[n] for n in ("q", "k", "v", "o", "dO", "stats", *BWD_SCALARS)},
-        attn_scale=1.0 / math.sqrt(d), name="sdpa_fp8_backward", **_mask_kwargs(cudnn, var, causal))
-    for n, x in zip(("dQ", "dK", "dV"), outs[:3]):
-        x.set_output(True).set_dim(dims).set_stride(st).set_data_type(gdt)
-        t[n] = x
-    for n, x in zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), outs[3:7]):
-        x.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
-        t[n] = x
-    return g, t
 
 
 def _built(kind: str, shape, causal: bool, var: Variant):

@@ -1,5 +1,7 @@
 """Training harness tests: QK-gain statistics, same init across attention modes,
-and a 20-step smoke comparison of all four modes on real text (no network).
+and a 20-step smoke comparison of every mode on real text (no network): bf16 and
+the three fp8attn modes train; fp8-cudnn (cuDNN FP8, needs CUDA sm_90 and head_dim
+128) is skipped on the CPU with its reason, and the report lists it as skipped.
 
 The corpus is built from real text files present on the machine
 (/usr/share/common-licenses, else a few modules of Python's standard library),
@@ -18,8 +20,8 @@ import torch
 import fp8attn
 from fp8attn.train import compare
 from fp8attn.train.data import TokenStream, prepare, split_documents
-from fp8attn.train.model import (ATTN_MODES, ModelConfig, Transformer, attention_backend, gain_stats,
-                                  preset_model_config)
+from fp8attn.train.model import (ATTN_MODES, CUDNN_MODE, FP8ATTN_MODES, ModelConfig, Transformer,
+                                  attention_backend, gain_stats, is_scaling_state_key, preset_model_config)
 from fp8attn.train.report import read_log
 from fp8attn.train.trainer import build_model, init_fingerprint
 
@@ -39,6 +41,10 @@ def run_dir(tmp_path_factory, text_dir) -> Path:
                                "--device", "cpu", "--no-progress", "--out", str(out)])
     compare.run(args)
     return out
+
+
+# The modes the CPU smoke run trains (fp8-cudnn is skipped there).
+RUN_MODES = ("bf16",) + FP8ATTN_MODES
 
 
 def test_prepare_is_deterministic_and_idempotent(tmp_path, text_dir):
@@ -119,6 +125,9 @@ def test_same_init_for_every_mode():
     ref = models[0].state_dict()
     for m in models[1:]:
         for k, v in m.state_dict().items():
+            if is_scaling_state_key(k):   # fp8-cudnn's delayed-scaling buffers: state, not weights
+                assert m.cfg.attn_mode == CUDNN_MODE
+                continue
             assert torch.equal(v, ref[k]), k
     # The fingerprint does tell different weights apart (what the check guards against).
     assert init_fingerprint(build_model(cfgs[0], seed=12)) not in fps
@@ -159,10 +168,12 @@ def test_attention_backends_compute_attention():
     def rel(a):
         return float((a - exact).norm() / exact.norm())
 
-    outs = {m: attention_backend(q, k, v, mode=m, layer_name="t") for m in ATTN_MODES}
+    outs = {m: attention_backend(q, k, v, mode=m, layer_name="t") for m in RUN_MODES}
     assert all(o.dtype == torch.float32 and o.shape == (2, 4, 64, 32) for o in outs.values())
     assert rel(outs["bf16"]) < 1e-2
-    for m in ATTN_MODES[1:]:
+    with pytest.raises(ValueError, match="delayed-scaling state"):   # stateful: only through AttentionCore
+        attention_backend(q, k, v, mode=CUDNN_MODE, layer_name="t")
+    for m in FP8ATTN_MODES:
         assert 5e-3 < rel(outs[m]) < 1e-1, (m, rel(outs[m]))
         assert torch.equal(outs[m], outs["fp8-stale"])
     # Model level: the same weights give nearly the same loss in every mode.
@@ -170,14 +181,14 @@ def test_attention_backends_compute_attention():
     x = torch.randint(0, 300, (2, 64))
     with torch.no_grad():
         losses = [float(torch.nn.functional.cross_entropy(model.with_attn_mode(m)(x).flatten(0, 1), x.flatten()))
-                  for m in ATTN_MODES]
+                  for m in RUN_MODES]
     assert max(losses) - min(losses) < 0.05, losses
 
 
 # ---- 20-step smoke comparison ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ATTN_MODES)
+@pytest.mark.parametrize("mode", RUN_MODES)
 def test_smoke_loss_falls(run_dir, mode):
     log = read_log(run_dir / f"{mode}.jsonl")
     losses = [r["loss"] for r in log["steps"]]
@@ -202,14 +213,14 @@ def test_smoke_loss_falls(run_dir, mode):
 
 
 def test_smoke_same_start_and_diagnostics_order(run_dir):
-    logs = {m: read_log(run_dir / f"{m}.jsonl") for m in ATTN_MODES}
+    logs = {m: read_log(run_dir / f"{m}.jsonl") for m in RUN_MODES}
     assert len({l["meta"]["init_fingerprint"] for l in logs.values()}) == 1
     # Same weights and the same first batch: step-0 losses agree up to the forward's FP8 rounding.
     l0 = [l["steps"][0]["loss"] for l in logs.values()]
     assert max(l0) - min(l0) < 0.05
     # Step 0 is recorded at identical weights and batch in all fp8 modes, so its
     # diagnostics compare the delta modes directly (numerics.md section 4).
-    d = {m: logs[m]["steps"][0] for m in ATTN_MODES[1:]}
+    d = {m: logs[m]["steps"][0] for m in FP8ATTN_MODES}
     assert d["fp8-delta_matching"]["eps_absmean"] == 0.0
     assert d["fp8-stale"]["eps_absmean"] > 0.0
     assert d["fp8-delta_matching"]["rowsum_pre_mean"] < 1e-5
@@ -221,14 +232,18 @@ def test_smoke_report(run_dir):
     report = run_dir / "report.md"
     text = report.read_text()
     rows = [l for l in text.splitlines() if l.startswith("| ") and not l.startswith("| mode")]
-    assert [r.split("|")[1].strip() for r in rows] == list(ATTN_MODES)
+    assert [r.split("|")[1].strip() for r in rows] == list(RUN_MODES) + [f"{CUDNN_MODE} (skipped)"]
+    assert rows[-1].count("n/a") == 7
+    assert f"{CUDNN_MODE} skipped: needs a CUDA GPU (this run is on cpu); head_dim 32" in text
     assert "Same initial weights in every mode: yes" in text
     assert "nan" not in text.lower()
     for png in ("loss.png", "qk_gain.png", "rowsum.png"):
         p = run_dir / png
         assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [s["mode"] for s in summary["summaries"]] == list(ATTN_MODES)
+    assert [s["mode"] for s in summary["summaries"]] == list(RUN_MODES)
+    assert list(summary["skipped"]) == [CUDNN_MODE] and "head_dim 32" in summary["skipped"][CUDNN_MODE]
+    assert not (run_dir / f"{CUDNN_MODE}.jsonl").exists()
 
 
 @pytest.mark.parametrize("argv, flag", [

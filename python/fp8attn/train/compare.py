@@ -3,6 +3,15 @@
     python -m fp8attn.train.compare --preset cpu-tiny \
         --modes bf16,fp8-stale,fp8-matched_do,fp8-delta_matching --steps 300 --out runs/cpu-tiny
 
+Mode fp8-cudnn (cuDNN's FP8 SDPA with TransformerEngine-style delayed scaling, the
+row "what a user would pick instead"; fp8attn.cudnn_fp8_attention) runs only on a
+CUDA sm_90 GPU at head_dim 128 with the cuDNN frontend (pip install
+nvidia-cudnn-frontend), without --packed / --context-parallel, and once its graphs
+built and passed their self-check at the run's shape. Elsewhere it is skipped: the
+reason is printed ("[compare] fp8-cudnn skipped: ..."), the other modes run, and the
+report lists the mode as skipped with the reason (summary.json "skipped"). Its
+delayed scaling: --model cudnn_amax_history_len=N (default 1024, TE's), cudnn_margin=M.
+
 Data parallel: `torchrun --nproc_per_node N -m fp8attn.train.compare ...` (DDP,
 gloo on CPU / nccl on CUDA; see ddp.py); rank 0 prepares data and writes logs.
 `--fsdp` shards with FSDP2 instead of DDP. `--context-parallel N` shards every sequence
@@ -53,9 +62,9 @@ import torch
 
 from . import ddp, provenance, state
 from .data import prepare
-from .model import ATTN_MODES, PRESETS, SCOPES, ModelConfig, preset_model_config
+from .model import ATTN_MODES, CUDNN_MODE, PRESETS, SCOPES, ModelConfig, preset_model_config
 from .report import write_report
-from .trainer import OPTIMIZERS, StopRule, TrainConfig, resolve_device, train_mode
+from .trainer import OPTIMIZERS, StopRule, TrainConfig, cudnn_unavailable_reason, resolve_device, train_mode
 
 # Corpus cap (MB of text) per preset: enough tokens for the preset's run.
 DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0, "gpu-350m": 32.0, "gpu-1b": 32.0}
@@ -136,7 +145,8 @@ def parse_args(argv=None):
 
 # ModelConfig fields `--model` may set (the others have their own flags or are set from the data).
 _OVERRIDABLE = {"d_model": int, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int,
-                "mlp_hidden": int, "rope_base": float, "fp8_block_size": int, "init_std": float, "gdn_ratio": int}
+                "mlp_hidden": int, "rope_base": float, "fp8_block_size": int, "init_std": float, "gdn_ratio": int,
+                "cudnn_amax_history_len": int, "cudnn_margin": int}
 
 
 def parse_model_overrides(items: list[str]) -> dict:
@@ -170,6 +180,21 @@ def model_configs(preset: str, modes: list[str], fields: dict):
     except ValueError as exc:
         raise SystemExit(f"--model: invalid model configuration: {exc}") from None
     return cfg
+
+
+def skip_unavailable_modes(modes: list[str], model_cfg: ModelConfig, cfg: TrainConfig, say=print):
+    """(modes that can run, {skipped mode: reason}): fp8-cudnn is dropped where it cannot
+    run (no CUDA sm_90 device, head_dim != 128, no cuDNN frontend, --packed,
+    --context-parallel, or its graphs fail to build / self-check at the run's shape),
+    saying why; every other mode runs everywhere."""
+    skipped = {}
+    if CUDNN_MODE in modes:
+        why = cudnn_unavailable_reason(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": CUDNN_MODE}), cfg,
+                                       resolve_device(cfg.device))
+        if why is not None:
+            skipped[CUDNN_MODE] = why
+            say(f"[compare] {CUDNN_MODE} skipped: {why}; the other modes run", flush=True)
+    return [m for m in modes if m not in skipped], skipped
 
 
 def mode_line(s: dict) -> str:
@@ -211,6 +236,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                 raise SystemExit(f"{flag}: not supported with --fsdp (the sharded AdamW state is not gathered "
                                  f"into the training state); use DDP (no --fsdp) or one process")
     init_from = getattr(args, "init_from", "") or ""
+    init_missing = {}   # fp8-cudnn's missing checkpoint: an error only if the mode is not skipped (below)
     if init_from:
         from .checkpoint import FORMAT, check_intact
         from .trainer import init_checkpoint
@@ -219,6 +245,9 @@ def run(args) -> tuple[Path, str, list[dict]]:
             try:
                 ck = init_checkpoint(init_from, m)
             except FileNotFoundError as exc:
+                if m == CUDNN_MODE:   # NOTE: a run whose fp8-cudnn was skipped has no fp8-cudnn.pt
+                    init_missing[m] = f"--init-from: {exc}"
+                    continue
                 raise SystemExit(f"--init-from: {exc}") from None
             # A file that is not a checkpoint is named here, before any work (it was a
             # torch.load traceback after the data preparation).
@@ -304,6 +333,13 @@ def run(args) -> tuple[Path, str, list[dict]]:
     if cp_n > 1 and cfg.seq_len % (2 * cp_n):
         raise SystemExit(f"--context-parallel {cp_n}: seq_len {cfg.seq_len} must be a multiple of {2 * cp_n} "
                          "(equal zigzag chunks)")
+    modes, skipped = skip_unavailable_modes(modes, preset_model_config(args.preset, **model_fields), cfg, say)
+    if not modes:
+        raise SystemExit("--modes: nothing to run: " + "; ".join(f"{m} skipped: {r}" for m, r in skipped.items()))
+    if CUDNN_MODE in init_missing and CUDNN_MODE in modes:
+        raise SystemExit(init_missing[CUDNN_MODE])
+    if init_from:
+        init_saved = {m: v for m, v in init_saved.items() if m in modes}
     if args.fsdp and not ctx.enabled:
         # NOTE: FSDP2 needs a process group; a plain one-process run trains unsharded.
         say("[compare] NOTE: --fsdp has no effect without a process group (start with torchrun); "
@@ -386,7 +422,8 @@ def run(args) -> tuple[Path, str, list[dict]]:
         raise RuntimeError(f"modes started from different weights (fingerprints {fps}); the comparison is invalid")
     if not ctx.is_main:
         return None, "", summaries
-    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "complete": complete,
+    (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "skipped": skipped,
+                                                  "complete": complete,
                                                   "steps": cfg.steps, "scope": args.scope,
                                                   "packed": args.packed, "fsdp": bool(args.fsdp and ctx.enabled),
                                                   "context_parallel": cp_n,
@@ -394,7 +431,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                                                   "summaries": summaries,
                                                   "provenance": provenance.collect(getattr(args, "command", None))},
                                                  indent=1))
-    path, table = write_report(out, modes)
+    path, table = write_report(out, modes, skipped=skipped)
     return path, table, summaries
 
 

@@ -13,7 +13,15 @@ Attention backends (`attn_mode`), all causal, all fed BF16 Q/K/V:
   "bf16"                torch F.scaled_dot_product_attention on BF16 Q/K/V (the
                         baseline users have);
   "fp8-<delta_mode>"    fp8attn.attention(..., precision="fp8", delta_mode=<delta_mode>)
-                        with delta_mode in {stale, matched_do, delta_matching}.
+                        with delta_mode in {stale, matched_do, delta_matching};
+  "fp8-cudnn"           cuDNN's FP8 SDPA (per-tensor E4M3, TransformerEngine-style delayed
+                        scaling; fp8attn.cudnn_fp8_attention): the FP8 attention a user
+                        would pick instead. Each attention core then holds its layer's
+                        delayed-scaling state (AttentionCore.cudnn_fp8, buffers
+                        amax_history [cudnn_amax_history_len, 10] and scale [10], in the
+                        state_dict but not in the weights' fingerprint). Causal rows only
+                        (not packed, not context parallel); on CUDA sm_90 at head_dim 128
+                        (elsewhere compare skips the mode, naming why).
 NOTE: the op contract (numerics.md section 3) has BF16 inputs at the op
 boundary (the stale delta uses the BF16 O), so Q/K/V are cast to bfloat16 for
 every backend, also on CPU, and O is cast back to the compute dtype.
@@ -41,7 +49,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTN_MODES = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+CUDNN_MODE = "fp8-cudnn"   # cuDNN FP8 SDPA with delayed scaling (fp8attn.cudnn_fp8_attention)
+FP8ATTN_MODES = ("fp8-stale", "fp8-matched_do", "fp8-delta_matching")   # fp8attn's op, by delta_mode
+ATTN_MODES = ("bf16",) + FP8ATTN_MODES + (CUDNN_MODE,)
 ARCHS = ("gqa", "gdn-hybrid")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
 FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
@@ -77,6 +87,8 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each block in backward (torch.utils.checkpoint)
     arch: str = "gqa"            # "gqa" | "gdn-hybrid" (Gated DeltaNet layers from fla-core between GQA ones)
     gdn_ratio: int = 3           # gdn-hybrid: Gated DeltaNet layers per attention layer (3: GDN, GDN, GDN, attn, ...)
+    cudnn_amax_history_len: int = 1024  # fp8-cudnn: amax history length (TE DelayedScaling's default 1024)
+    cudnn_margin: int = 0               # fp8-cudnn: scale = fp8_max * 2^-margin / amax (TE's default 0)
 
     def __post_init__(self):
         if self.attn_mode not in ATTN_MODES:
@@ -110,6 +122,10 @@ class ModelConfig:
         if self.arch == "gdn-hybrid" and self.packed:
             raise ValueError("arch gdn-hybrid: packed documents are not supported (the Gated DeltaNet state "
                              "would run across document boundaries)")
+        for name, low in (("cudnn_amax_history_len", 1), ("cudnn_margin", 0)):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
@@ -140,6 +156,10 @@ def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode
     Returns O [B, Hq, S, D] in q's dtype. Q/K/V are cast to BF16 first (op contract).
     layer_name labels this call in fp8attn.diagnostics.record() records (fp8 modes).
     """
+    if mode == CUDNN_MODE:
+        raise ValueError(f"attention mode {CUDNN_MODE!r} keeps per-layer delayed-scaling state: call it through "
+                         "AttentionCore (a Transformer built with that attn_mode) or "
+                         "fp8attn.cudnn_fp8_attention.cudnn_fp8_attention")
     dtype = q.dtype
     qb, kb, vb = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     if mode == "bf16":
@@ -182,6 +202,9 @@ def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """Per-document causal attention on packed rows: q [B, Hq, S, D], k/v [B, Hkv, S, D],
     cu_seqlens from `document_segments` (over the B*S flattened tokens).
     Returns O [B, Hq, S, D] in q's dtype; Q/K/V cast to BF16 as in attention_backend."""
+    if mode == CUDNN_MODE:
+        raise ValueError(f"attention mode {CUDNN_MODE!r}: packed documents are not supported "
+                         "(per-document masks are not implemented for cuDNN's FP8 SDPA here)")
     dtype = q.dtype
     b, hq, s, d = q.shape
     hkv = k.shape[1]
@@ -260,6 +283,8 @@ def context_parallel_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     bf16: SDPA of the local queries against every rank's K/V (a differentiable all-gather,
     O(S) K/V memory per rank; a baseline, not a ring). layer_name is unused (the ring has no
     per-call diagnostics). Returns O [B, Hq, S_local, D] in q's dtype."""
+    if mode == CUDNN_MODE:
+        raise ValueError(f"attention mode {CUDNN_MODE!r}: context parallelism is not supported")
     dtype = q.dtype
     qb, kb, vb = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     if mode == "bf16":
@@ -326,21 +351,58 @@ class AttentionCore(nn.Module):
 
     It exists so that forward hooks can see the attention core's inputs (Q, K, V
     after QK-norm and RoPE, [B, H, S, D]) and its output O, and tensor hooks on O
-    its upstream gradient dO (fp8attn.train.probe). No state_dict entries.
+    its upstream gradient dO (fp8attn.train.probe). No parameters; in mode
+    fp8-cudnn it holds the layer's delayed-scaling state `cudnn_fp8`
+    (fp8attn.cudnn_fp8_attention.DelayedScalingState: buffers, in the state_dict),
+    else no state_dict entries. A state_dict with a `cudnn_fp8` state loads into a
+    core without one (the state is dropped), and one without into a core with one
+    (a fresh state), so checkpoints move between modes.
     """
 
     cp: ContextParallel | None = None   # set by Transformer.set_context_parallel
+
+    def __init__(self, cudnn_state: nn.Module | None = None):
+        super().__init__()
+        self.cudnn_fp8 = cudnn_state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.cudnn_fp8 is None:
+            # NOTE: a checkpoint of the fp8-cudnn mode loaded into another mode: its scaling state is not weights
+            for key in [k for k in state_dict if k.startswith(prefix + "cudnn_fp8.")]:
+                del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
                 cu_seqlens: torch.Tensor | None = None, scaling: str = "row", qk_rotation: str = "none",
                 smooth_k: bool = False, positions: torch.Tensor | None = None):
         opts = dict(mode=mode, layer_name=layer_name, block_size=block_size, scaling=scaling,
                     qk_rotation=qk_rotation, smooth_k=smooth_k)
+        if mode == CUDNN_MODE and self.cp is None and cu_seqlens is None:
+            if self.cudnn_fp8 is None:
+                raise ValueError(f"attention mode {CUDNN_MODE!r}: this core has no delayed-scaling state "
+                                 "(build the model with that attn_mode, or switch with Transformer.with_attn_mode)")
+            from fp8attn.cudnn_fp8_attention import cudnn_fp8_attention
+            return cudnn_fp8_attention(q, k, v, self.cudnn_fp8, causal=True).to(q.dtype)
         if self.cp is not None:
             return context_parallel_backend(q, k, v, self.cp, positions, **opts)
         if cu_seqlens is None:
             return attention_backend(q, k, v, **opts)
         return packed_attention_backend(q, k, v, cu_seqlens, **opts)
+
+
+def cudnn_scaling_state(cfg: ModelConfig) -> nn.Module | None:
+    """A fresh delayed-scaling state for an attention layer of mode fp8-cudnn (None for other modes)."""
+    if cfg.attn_mode != CUDNN_MODE:
+        return None
+    from fp8attn.cudnn_fp8_attention import DelayedScalingState
+    return DelayedScalingState(history_len=cfg.cudnn_amax_history_len, margin=cfg.cudnn_margin)
+
+
+def is_scaling_state_key(name: str) -> bool:
+    """True for the state_dict entries of fp8-cudnn's delayed-scaling state (not weights)."""
+    return ".core.cudnn_fp8." in name or name.startswith("core.cudnn_fp8.")
 
 
 class Attention(nn.Module):
@@ -356,7 +418,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
-        self.core = AttentionCore()
+        self.core = AttentionCore(cudnn_scaling_state(cfg))
 
     def forward(self, x, cos, sin, segments=None):
         b, s, _ = x.shape
@@ -485,8 +547,9 @@ class Transformer(nn.Module):
         self.fp8_linear_names = self._apply_scope()
 
     def _apply_scope(self) -> list:
-        """Converts the scope's nn.Linear layers to FP8Linear (fp8 modes only; same
-        Parameter objects, so the init is untouched). Returns the converted names."""
+        """Converts the scope's nn.Linear layers to FP8Linear (fp8 modes only, fp8-cudnn
+        included: its row differs from the other fp8 modes in the attention core alone;
+        same Parameter objects, so the init is untouched). Returns the converted names."""
         c = self.cfg
         if not c.attn_mode.startswith("fp8-") or c.scope == "attn-core":
             return []
@@ -508,9 +571,16 @@ class Transformer(nn.Module):
         """Switches the attention backend in place (weights untouched); returns self.
         NOTE: the FP8 linear layers of `scope` are fixed at construction."""
         self.cfg = replace(self.cfg, attn_mode=mode)
+        ref = next(self.parameters())
         for blk in self.blocks:
             if blk.attn is not None:
                 blk.attn.cfg = self.cfg
+                # NOTE: fp8-cudnn's per-layer scaling state: a fresh one when switching to it
+                # (kept when already there), none in any other mode
+                if mode != CUDNN_MODE:
+                    blk.attn.core.cudnn_fp8 = None
+                elif blk.attn.core.cudnn_fp8 is None:
+                    blk.attn.core.cudnn_fp8 = cudnn_scaling_state(self.cfg).to(ref.device)
         return self
 
     cp: ContextParallel | None = None

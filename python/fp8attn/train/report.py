@@ -10,7 +10,11 @@ Table columns (one row per mode):
   mean |eps|         mean over rows of |delta_i(mode) - delta_i(delta_matching)|
   max QK gain        max over layers and channels of |g_q|, |g_k| at the last step
   top-4 share        max over layers of the top-4 channels' share of sum_c (g_q[c] g_k[c])^2
-The bf16 baseline (torch SDPA) has no FP8 backward, so its diagnostics read "n/a".
+The bf16 baseline (torch SDPA) has no FP8 backward, so its diagnostics read "n/a";
+neither has fp8-cudnn (cuDNN's FP8 SDPA, no fp8attn diagnostics). Row labels: the
+mode, fp8-cudnn as MODE_LABELS says (the FP8 attention a user would pick instead),
+plus "(diverged)" / "(incomplete: N steps)"; a mode compare skipped (fp8-cudnn where
+it cannot run) is a row "<mode> (skipped)" of n/a cells, its reason under the table.
 """
 from __future__ import annotations
 
@@ -18,6 +22,34 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+
+# Row labels of modes that need more than their name.
+MODE_LABELS = {"fp8-cudnn": "fp8-cudnn (cuDNN FP8, delayed scaling)"}
+
+
+def mode_label(mode: str) -> str:
+    return MODE_LABELS.get(mode, mode)
+
+
+def cudnn_note(s: dict) -> str:
+    """The report's line on an fp8-cudnn row: what it is and how it ran (its summary's "cudnn_fp8")."""
+    c = s.get("cudnn_fp8") or {}
+    plans = c.get("plans") or []
+    how = ""
+    if plans:
+        p = plans[0]
+        gqa = {"native": "cuDNN's native GQA", "repeat": "K / V repeated to the query heads",
+               "none": "no GQA"}.get(p.get("gqa"), p.get("gqa"))
+        how = (f" Graph variant {p.get('variant')}, {gqa}; self-check against SDPA BF16 at the run's shape: "
+               + ", ".join(f"{k} {v:.3f}" for k, v in (p.get("self_check") or {}).items()) + ".")
+    ver = (f" cuDNN frontend {c['cudnn_frontend']}, backend {c.get('cudnn_backend')}."
+           if c.get("cudnn_frontend") else "")
+    return (f"{mode_label('fp8-cudnn')}: cuDNN's FP8 SDPA forward and backward, per-tensor E4M3 with "
+            f"TransformerEngine-style delayed scaling (scale = 448 * 2^-margin / max of the last "
+            f"{c.get('amax_history_len', '?')} amaxes, margin {c.get('margin', '?')}; the amaxes of Q, K, V, dO "
+            f"and those cuDNN returns for P, O, dP, dQ, dK, dV): the FP8 attention a user would pick instead of "
+            f"fp8attn. Same FP8 scope otherwise; no fp8attn diagnostics (n/a).{how}{ver}")
 
 
 # How the reports (this one and seeds.py's) name TrainConfig.optimizer.
@@ -60,7 +92,8 @@ def _fmt(v, spec=".4f"):
     return format(v, spec)
 
 
-def markdown_table(summaries: list[dict]) -> str:
+def markdown_table(summaries: list[dict], skipped: dict | None = None) -> str:
+    """One row per summary, then one "(skipped)" row of n/a per mode in `skipped` ({mode: reason})."""
     base = next((s for s in summaries if s["mode"] == "bf16"), None)
     base_val = base["final_val_loss"] if base else None
     head = ("| mode | final train loss | final val loss | gap to bf16 | rowsum post mean / max "
@@ -70,11 +103,13 @@ def markdown_table(summaries: list[dict]) -> str:
         gap = (s["final_val_loss"] - base_val) if (base_val is not None and s["final_val_loss"] is not None) else None
         rowsum = ("n/a" if s.get("rowsum_post_mean") is None
                   else f"{s['rowsum_post_mean']:.2e} / {s['rowsum_post_max']:.2e}")
-        mode = s["mode"] + (" (diverged)" if s.get("diverged") else "") + (
+        mode = mode_label(s["mode"]) + (" (diverged)" if s.get("diverged") else "") + (
             f" (incomplete: {s.get('steps_done')} steps)" if s.get("complete") is False else "")
         lines.append(f"| {mode} | {_fmt(s['final_train_loss'])} | {_fmt(s['final_val_loss'])} | "
                      f"{_fmt(gap, '+.4f')} | {rowsum} | {_fmt(s.get('eps_absmean'), '.2e')} | "
                      f"{_fmt(s.get('max_gain'), '.3f')} | {_fmt(s.get('top4_share'), '.3f')} |")
+    for mode in (skipped or {}):
+        lines.append(f"| {mode} (skipped) | " + " | ".join(["n/a"] * 7) + " |")
     return "\n".join(lines)
 
 
@@ -171,15 +206,19 @@ def make_plots(logs: dict[str, dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
-    """Builds run_dir/report.md (+ PNGs) from run_dir/<mode>.jsonl; returns (path, table)."""
+def write_report(run_dir: str | Path, modes: list[str], skipped: dict | None = None) -> tuple[Path, str]:
+    """Builds run_dir/report.md (+ PNGs) from run_dir/<mode>.jsonl; returns (path, table).
+    skipped: {mode: reason} of the modes compare skipped (default: summary.json's "skipped")."""
     run_dir = Path(run_dir)
+    if skipped is None and (run_dir / "summary.json").is_file():
+        skipped = json.loads((run_dir / "summary.json").read_text()).get("skipped") or {}
+    skipped = {m: r for m, r in (skipped or {}).items() if m not in modes}
     logs = {m: read_log(run_dir / f"{m}.jsonl") for m in modes}
     missing = [m for m, l in logs.items() if l["summary"] is None]
     if missing:
         raise RuntimeError(f"report: no summary in the logs of {missing} (run incomplete?)")
     summaries = [logs[m]["summary"] for m in modes]
-    table = markdown_table(summaries)
+    table = markdown_table(summaries, skipped)
     plots = make_plots(logs, run_dir)
     meta = logs[modes[0]]["meta"]
     m, t = meta["model"], meta["train"]
@@ -206,6 +245,8 @@ def write_report(run_dir: str | Path, modes: list[str]) -> tuple[Path, str]:
         "",
         table,
         "",
+    ] + [cudnn_note(s) + "\n" for s in summaries if s["mode"] == "fp8-cudnn"] + [
+        f"{mode} skipped: {why.rstrip('.')}.\n" for mode, why in skipped.items()] + [
         "Columns: see fp8attn/train/report.py. NOTE: rows that see fewer than two keys report a "
         "row-sum residual of 0 (docs/numerics.md section 7); the max can still read ~1 on a nearly "
         "one-hot row, whose dS is pure FP32/FP8 rounding noise, so the mean is the informative "

@@ -6,7 +6,8 @@ everything is FP32. In both cases the attention core sees BF16 Q/K/V (see
 model.attention_backend).
 
 Reproducibility across modes: the model is built right after
-torch.manual_seed(seed) and the attention mode adds no parameters, so every
+torch.manual_seed(seed) and the attention mode adds no parameters (fp8-cudnn adds
+buffers: its delayed-scaling state, outside the fingerprint), so every
 mode starts from identical weights (`init_fingerprint` is logged and checked by
 the comparison runner); batch offsets come from numpy's PCG64(data_seed), so
 every mode sees the same batches in the same order; val loss uses the same
@@ -80,7 +81,7 @@ from .capture import ActivationScales
 from .checkpoint import save_checkpoint
 from .state import load_state, restore_rngs, save_state, state_path
 from .data import PreparedData, TokenStream
-from .model import ModelConfig, Transformer, gain_stats
+from .model import CUDNN_MODE, ModelConfig, Transformer, gain_stats, is_scaling_state_key
 
 
 @dataclass
@@ -173,9 +174,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def init_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name and bytes (name order): equal iff same init."""
+    """SHA-256 over every parameter's name and bytes (name order): equal iff same init.
+    fp8-cudnn's delayed-scaling buffers are state, not weights: left out."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
+        if is_scaling_state_key(name):
+            continue
         h.update(name.encode())
         h.update(ddp.full(p).detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
@@ -191,7 +195,8 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
 # init_std, the attention backend and its FP8 options, activation checkpointing); every
 # other field must match the checkpoint's.
 INIT_FROM_FREE = ("max_seq_len", "rope_base", "init_std", "attn_mode", "scope", "packed", "fp8_block_size",
-                  "fp8_scaling", "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing")
+                  "fp8_scaling", "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing",
+                  "cudnn_amax_history_len", "cudnn_margin")
 
 
 def init_checkpoint(init_from: str | os.PathLike, mode: str) -> Path:
@@ -234,6 +239,18 @@ def load_init_weights(model: Transformer, path: str | os.PathLike) -> dict:
                          f" (a continuation may change only {', '.join(INIT_FROM_FREE)})")
     model.load_state_dict(obj["state_dict"])
     return {k: v for k, v in obj.items() if k != "state_dict"}
+
+
+def cudnn_unavailable_reason(model_cfg: ModelConfig, cfg: TrainConfig, device, build: bool = True) -> str | None:
+    """Why mode fp8-cudnn cannot train this run on `device` (None: it can): the static
+    checks of fp8attn.cudnn_fp8_attention.unavailable_reason and, with build, the
+    graphs built and self-checked at the run's attention shape (batch_size, n_heads,
+    n_kv_heads, seq_len, head_dim)."""
+    from fp8attn import cudnn_fp8_attention as cfa
+    c = model_cfg
+    shape = (cfg.batch_size, c.n_heads, c.n_kv_heads, cfg.seq_len, c.head_dim) if build else None
+    return cfa.unavailable_reason(device, c.head_dim, packed=c.packed, context_parallel=cfg.context_parallel,
+                                  shape=shape)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -448,6 +465,11 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
     model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
+    if mode == CUDNN_MODE:
+        # NOTE: compare skips the mode where it cannot run; a direct call is told why here
+        why = cudnn_unavailable_reason(model_cfg, cfg, device)
+        if why is not None:
+            raise ValueError(f"{CUDNN_MODE}: {why}")
     model = build_model(model_cfg, cfg.seed)
     if cfg.init_from:
         load_init_weights(model, init_checkpoint(cfg.init_from, mode))
@@ -641,6 +663,12 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
             summary["final_fingerprints"] = ddp.gather_strings(init_fingerprint(model), dctx)
         if cp_ctx is not None:
             summary["context_parallel"] = cp_ctx.world_size
+        if mode == CUDNN_MODE:
+            from fp8attn import cudnn_fp8_attention as cfa
+            summary["cudnn_fp8"] = {"amax_history_len": model_cfg.cudnn_amax_history_len,
+                                    "margin": model_cfg.cudnn_margin, **cfa.version_info(),
+                                    "plans": [p for p in cfa.plan_info() if p["shape"][1:] == [
+                                        model_cfg.n_heads, model_cfg.n_kv_heads, cfg.seq_len, model_cfg.head_dim]]}
         if summary["complete"] and dctx.is_main and spath.exists():
             spath.unlink()      # NOTE: a finished mode needs no state (it can be ~600 MB)
         if cfg.save_final and losses and summary["complete"]:
