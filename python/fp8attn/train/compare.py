@@ -63,6 +63,10 @@ import torch
 from . import ddp, provenance, state
 from .data import prepare
 from .model import ATTN_MODES, CUDNN_MODE, PRESETS, SCOPES, ModelConfig, preset_model_config
+
+# The modes a plain run trains. NOTE: fp8-cudnn (cuDNN FP8 SDPA) is CPU-tested against an
+# emulated frontend only; it joins the default once its GPU tests have passed on the H200.
+DEFAULT_MODES = tuple(m for m in ATTN_MODES if m != CUDNN_MODE)
 from .report import write_report
 from .trainer import OPTIMIZERS, StopRule, TrainConfig, cudnn_unavailable_reason, resolve_device, train_mode
 
@@ -73,8 +77,9 @@ DATA_MAX_MB = {"smoke": 1.0, "cpu-tiny": 10.0, "gpu-50m": 32.0, "gpu-125m": 32.0
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Compare attention modes on the same training run.")
     ap.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
-    ap.add_argument("--modes", default=",".join(ATTN_MODES),
-                    help=f"comma-separated subset of {','.join(ATTN_MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"comma-separated subset of {','.join(ATTN_MODES)} (default {','.join(DEFAULT_MODES)}: "
+                         f"{CUDNN_MODE} is opt-in until its GPU path has run on the H200)")
     ap.add_argument("--steps", type=int, default=None, help="default: the preset's")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
