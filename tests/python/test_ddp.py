@@ -161,7 +161,9 @@ def _shutdown_workers(mode: str, world: int = 2, check: bool = True) -> list:
 
 
 def _gloo_threads(names: dict) -> int:
-    return sum(n for name, n in names.items() if name.startswith(("pt_gloo", "pt_tcpstore")))
+    """The gloo and TCPStore threads among {thread name: count} (torch 2.11 names them
+    pt_gloo_runloop and pt_tcpstore_uv; 2.15 adds gloo_tcp_loop)."""
+    return sum(n for name, n in names.items() if name.startswith(("pt_gloo", "gloo", "pt_tcpstore")))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc/self/task")

@@ -109,8 +109,8 @@ def init_from_env(device: str = "auto") -> DistContext:
             raise RuntimeError(f"fp8attn.train.ddp: backend {backend} is not available in this torch build")
         # NOTE: imported before the group exists. Imported after it (DDP's constructor
         # imports torch._dynamo, which imports it), the default group's gloo threads
-        # outlived destroy_process_group and gc until the interpreter's exit (measured:
-        # 2 pt_gloo_runloop threads per rank), one way a rank's exit aborted; see shutdown.
+        # outlived destroy_process_group and gc until the interpreter's exit (measured on
+        # torch 2.11: 2 pt_gloo_runloop threads per rank); see shutdown.
         import torch.distributed.nn.functional  # noqa: F401
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     return context()
@@ -377,9 +377,10 @@ def shutdown(wait: bool = True, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
     still writes the report, and can abort ("terminate called ..."). The previous
     shutdown (a barrier, then destroy_process_group() alone) left gloo threads running
     into the interpreter's exit on every rank of a 2-rank CPU compare run (DDP, FSDP2
-    and context-parallel alike: the default group's 2 pt_gloo_runloop threads, see
-    init_from_env), and leaves those of any group still referenced (a ring's group, a
-    mesh's registry); after this shutdown none runs (test_ddp.py::test_shutdown_*)."""
+    and context-parallel alike: the default group's threads, 2 pt_gloo_runloop on
+    torch 2.11, one gloo_tcp_loop more on 2.15; see init_from_env), and leaves those of
+    any group still referenced (a ring's group, a mesh's registry); after this
+    shutdown none runs (test_ddp.py::test_shutdown_*)."""
     if not (dist.is_available() and dist.is_initialized()):
         _GROUPS.clear()
         _MESHES.clear()
