@@ -27,10 +27,17 @@
 # DEVICE_TESTS replaces the GPU test list, DEVICE_TESTS_PART=1|2 runs half of the default list,
 # DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_SAN=0 skips the sanitizers, DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# Exit status: 0 iff every stage that ran passed (a per-stage table ends the output and
+# summary.txt); 1 when one failed or the library did not build / load; 2 for a bad knob.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup device_out
 summary_init
+
+# stage NAME RC: records a stage's exit status for the table at the end (and the exit status).
+STAGE_NAMES=()
+STAGE_RCS=()
+stage() { STAGE_NAMES+=("$1"); STAGE_RCS+=("$2"); }
 
 echo "== versions"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$SUMMARY"
@@ -68,9 +75,12 @@ timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTES
 rc=$?
 tail -25 "$OUT/pytest_gpu.log"
 note "gpu tests: rc=$rc, $(tail -1 "$OUT/pytest_gpu.log")"
+stage "gpu tests" "$rc"
 if [ "${DEVICE_CPU_TESTS:-0}" = 1 ]; then
   timeout 200 python3 -m pytest -q -m "not gpu" tests/python >"$OUT/pytest_cpu.log" 2>&1
-  note "cpu tests: rc=$?, $(tail -1 "$OUT/pytest_cpu.log")"
+  rc=$?
+  note "cpu tests: rc=$rc, $(tail -1 "$OUT/pytest_cpu.log")"
+  stage "cpu tests" "$rc"
 fi
 
 echo "== compute-sanitizer"
@@ -144,6 +154,7 @@ for tool in ${DEVICE_SAN_TOOLS:-memcheck racecheck}; do
   rc=$?
   tail -4 "$OUT/sanitizer_$tool.log"
   note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+  stage "sanitizer $tool" "$rc"
 done
 
 # Optional: the main job's GPU comparison (all four modes), carried data needed:
@@ -154,7 +165,9 @@ if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
   tdir=/tmp/fp8attn_train
   timeout "${DEVICE_T_TRAIN:-240}" python3 -m fp8attn.train.compare --preset "${DEVICE_TRAIN_PRESET:-gpu-50m}" \
     --steps "$DEVICE_TRAIN_STEPS" --out "$tdir" --no-progress >/tmp/fp8attn_train.log 2>&1
-  note "training: rc=$?"
+  rc=$?
+  note "training: rc=$rc"
+  stage "training" "$rc"
   cp /tmp/fp8attn_train.log "$tdir/" 2>/dev/null
   tail -25 /tmp/fp8attn_train.log
   tar czf "$OUT/train.tgz" --exclude="*.pt" -C "$(dirname "$tdir")" "$(basename "$tdir")"  # NOTE: checkpoints (~200 MB each) stay
@@ -176,6 +189,8 @@ if [ "${DEVICE_NCCL:-1}" = 1 ]; then
     rc=$?
     ws=$(python3 -c "import json,sys; from fp8attn.train.report import read_log; s=read_log('/tmp/nccl_run$extra/fp8-delta_matching.jsonl')['summary']; print(s.get('world_size'), s.get('fsdp'), s['final_train_loss'])" 2>&1 | tail -1)
     note "nccl ${extra:-ddp}: rc=$rc (world_size, fsdp, final loss) = $ws"
+    name="${extra#--}"
+    stage "nccl ${name:-ddp}" "$rc"
   done
 fi
 
@@ -190,6 +205,7 @@ if [ "${DEVICE_PACKED:-1}" = 1 ]; then
   rc=$?
   pk=$(python3 -c "from fp8attn.train.report import read_log; s=read_log('/tmp/packed_run/fp8-delta_matching.jsonl')['summary']; print(s.get('packed'), s['final_train_loss'], s['final_val_loss'])" 2>&1 | tail -1)
   note "packed: rc=$rc (packed, final train loss, val loss) = $pk"
+  stage "packed" "$rc"
 fi
 
 # End-to-end training throughput (BF16 cuDNN vs the FP8 scopes), interleaved timed rounds.
@@ -199,7 +215,9 @@ if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
   timeout "${DEVICE_T_BENCH_TRAIN:-180}" python3 benchmarks/bench_train.py --rounds "${DEVICE_TRAIN_ROUNDS:-5}" \
     --steps 10 --json "$OUT/bench_train.json" \
     >/tmp/bench_train.log 2>&1
-  note "bench_train: rc=$?"
+  rc=$?
+  note "bench_train: rc=$rc"
+  stage "bench_train" "$rc"
   tail -12 /tmp/bench_train.log | tee -a "$SUMMARY"
 fi
 
@@ -210,10 +228,32 @@ if [ "$bench" != 0 ]; then
   [ "$bench" = quick ] && flag="--quick"
   [ -n "${DEVICE_BENCH_SHAPES:-}" ] && flag="--shapes $DEVICE_BENCH_SHAPES"
   timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag ${DEVICE_BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
-  note "benchmark: rc=$?"
+  rc=$?
+  note "benchmark: rc=$rc"
+  stage "benchmark ($bench)" "$rc"
 fi
 
 echo
 echo "== summary"
 cat "$SUMMARY"
-[ -f "$OUT/bench_gpu.md" ] && cat "$OUT/bench_gpu.md" || tail -15 "$OUT/bench_gpu.log" 2>/dev/null
+# NOTE: an if, not `[ -f md ] && cat md || tail log`: that list's status (1 when no
+# benchmark ran and so no log exists) was the script's exit status, whatever the stages did.
+if [ -f "$OUT/bench_gpu.md" ]; then
+  cat "$OUT/bench_gpu.md"
+elif [ -f "$OUT/bench_gpu.log" ]; then
+  tail -15 "$OUT/bench_gpu.log"
+fi
+
+echo
+echo "== stages"
+failed=()
+for i in "${!STAGE_NAMES[@]}"; do
+  if [ "${STAGE_RCS[$i]}" = 0 ]; then verdict=ok; else verdict=FAILED; failed+=("${STAGE_NAMES[$i]}"); fi
+  note "$(printf '%-22s rc=%-4s %s' "${STAGE_NAMES[$i]}" "${STAGE_RCS[$i]}" "$verdict")"
+done
+if [ "${#failed[@]}" = 0 ]; then
+  note "device_all: all ${#STAGE_NAMES[@]} stages passed"
+  exit 0
+fi
+note "device_all: ${#failed[@]} of ${#STAGE_NAMES[@]} stages FAILED: $(IFS=,; echo "${failed[*]}")"
+exit 1

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,83 @@ def test_clip_norm_rows_do_not_depend_on_sharding():
         shard_fp32_differs += int(not torch.equal(by_shards, torch.linalg.vector_norm(full)))
     assert shard_fp32_differs > 0
     assert torch.equal(ddp._row_sumsq(torch.tensor(3.0)), torch.tensor([9.0], dtype=torch.float64))
+
+
+# ---- process-group teardown (ddp.shutdown) -------------------------------------------
+
+SHUTDOWN_WORKER = Path(__file__).resolve().parent / "shutdown_worker.py"
+
+
+def _shutdown_workers(mode: str, world: int = 2, check: bool = True) -> list:
+    """shutdown_worker.py MODE on `world` ranks (env:// rendezvous, gloo): each rank's
+    (exit status, JSON record or None, stderr, seconds to exit); check: every rank exits 0."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append((time.monotonic(), subprocess.Popen([sys.executable, str(SHUTDOWN_WORKER), mode], env=env,
+                                                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    outs = []
+    try:
+        for t0, p in procs:
+            out, err = p.communicate(timeout=120)
+            lines = out.strip().splitlines()
+            outs.append((p.returncode, json.loads(lines[-1]) if lines else None, err, time.monotonic() - t0))
+            assert not check or p.returncode == 0, f"rank {len(outs) - 1}: rc {p.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def _gloo_threads(names: dict) -> int:
+    """The gloo and TCPStore threads among {thread name: count} (torch 2.11 names them
+    pt_gloo_runloop and pt_tcpstore_uv; 2.15 adds gloo_tcp_loop)."""
+    return sum(n for name, n in names.items() if name.startswith(("pt_gloo", "gloo", "pt_tcpstore")))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc/self/task")
+def test_shutdown_ends_every_gloo_thread():
+    """ddp.shutdown destroys every group the trainer makes (the default group, the
+    context-parallel subgroups of ddp.new_group, the groups of a ddp.device_mesh) and
+    drops their references: afterwards each rank runs only the threads it ran before
+    the init, no gloo thread among them, and torch holds no group. Threads left to the
+    interpreter's exit are what aborted a torchrun run now and then (ddp.shutdown's
+    NOTE). The control, the previous shutdown (a barrier and
+    dist.destroy_process_group() alone), leaves the gloo threads running: the check
+    sees them."""
+    for _, rec, _, _ in _shutdown_workers("shutdown"):
+        assert rec["groups_before"] >= 3, rec                 # default, a CP pair, the mesh's own groups
+        assert _gloo_threads(rec["before"]) > 0 or sum(rec["before"].values()) > sum(rec["base"].values()), rec
+        assert _gloo_threads(rec["after"]) == 0, rec
+        assert sum(rec["after"].values()) <= sum(rec["base"].values()), rec
+        assert rec["groups_after"] == 0 and not rec["initialized_after"], rec
+    for _, rec, _, _ in _shutdown_workers("default_only"):
+        assert not rec["initialized_after"], rec
+        assert _gloo_threads(rec["after"]) > 0, rec           # still running at exit: what shutdown prevents
+        assert sum(rec["after"].values()) > sum(rec["base"].values()), rec
+
+
+def test_shutdown_is_bounded_when_a_peer_is_late():
+    """A peer that never reaches the barrier cannot hold a rank's exit: rank 0's
+    shutdown(timeout_s=1) gives up after 1 s (False, a line on stderr) and the process
+    exits cleanly; rank 1, 8 s late, finds rank 0 gone and fails at once (the barrier's
+    error, raised after its own teardown), not after gloo's 10-minute timeout."""
+    (rc0, rec0, err0, _), (rc1, rec1, err1, t1) = _shutdown_workers("peer_late", check=False)
+    assert rc0 == 0 and rec0["ok"] is False and 1.0 <= rec0["wait_s"] < 5.0, (rc0, rec0, err0[-2000:])
+    assert "did not finish in 1 s" in err0
+    assert rc1 != 0 and rec1 is None and "dist.barrier()" in err1, (rc1, err1[-2000:])   # its barrier failed
+    assert t1 < 60, t1
+
+
+def test_shutdown_without_a_group_is_a_no_op():
+    assert not dist.is_initialized()
+    assert ddp.shutdown() is True and ddp.shutdown(wait=False) is True
+    assert ddp.live_groups() == []
 
 
 # ---- 2-process smoke run ---------------------------------------------------------------

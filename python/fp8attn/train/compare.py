@@ -442,8 +442,15 @@ def run(args) -> tuple[Path, str, list[dict]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    path, table, _ = run(args)
-    ddp.shutdown()  # NOTE: not in a finally: a barrier after one rank failed would hang
+    ok = False
+    try:
+        path, table, _ = run(args)
+        ok = True
+    finally:
+        # NOTE: every process group torn down on every exit (a group left to the interpreter's
+        # exit aborted it now and then); the barrier only after success: after a failure
+        # the peers may never reach it (ddp.shutdown bounds the teardown at 60 s).
+        ddp.shutdown(wait=ok)
     if path is None:  # a non-zero DDP rank: rank 0 prints
         return
     print()

@@ -29,11 +29,22 @@ rank runs the val loss (FSDP's forward is collective; rank 0 logs it).
 
 clip_grad_norm: the trainer's gradient clipping, with a total norm that does not
 depend on the sharding (DDP and FSDP2 compute it bit for bit alike).
+
+Process groups: the trainer makes its subgroups (context-parallel rings) with
+new_group and its FSDP2 meshes with device_mesh, which record them, and
+shutdown() tears all of them down before the default group (compare.main calls
+it in a finally). NOTE: a group still referenced after destroy_process_group keeps
+its gloo threads running into the interpreter's exit, which then tears them down
+in whatever order it frees things: the suspected cause of rare aborts at the end of
+CI's torchrun tests (a non-zero exit after a complete run); see shutdown.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -96,6 +107,11 @@ def init_from_env(device: str = "auto") -> DistContext:
         backend = "nccl" if cuda else "gloo"
         if not (dist.is_nccl_available() if cuda else dist.is_gloo_available()):
             raise RuntimeError(f"fp8attn.train.ddp: backend {backend} is not available in this torch build")
+        # NOTE: imported before the group exists. Imported after it (DDP's constructor
+        # imports torch._dynamo, which imports it), the default group's gloo threads
+        # outlived destroy_process_group and gc until the interpreter's exit (measured on
+        # torch 2.11: 2 pt_gloo_runloop threads per rank); see shutdown.
+        import torch.distributed.nn.functional  # noqa: F401
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     return context()
 
@@ -112,10 +128,9 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device,
     if not ctx.enabled:
         return model
     if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (ctx.world_size,))
+        mesh = device_mesh(device.type, (ctx.world_size,))
         for blk in getattr(model, "blocks", []):
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -267,13 +282,132 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    """Waits for every rank, then destroys the default process group (if any).
-    NOTE: without the barrier a rank that finishes early tears gloo down while
-    rank 0 still writes the report, and can abort ("terminate called ...")."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+# Every subgroup made by new_group and every mesh made by device_mesh, in creation
+# order, until shutdown() destroys them.
+_GROUPS: list = []
+_MESHES: list = []
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def new_group(ranks, **kwargs):
+    """dist.new_group(ranks, **kwargs), recorded for shutdown(). A collective over the
+    default group: every rank must call it with the same ranks, in the same order
+    (a rank outside `ranks` gets GroupMember.NON_GROUP_MEMBER)."""
+    grp = dist.new_group(list(ranks), **kwargs)
+    _GROUPS.append(grp)
+    return grp
+
+
+def device_mesh(device_type: str, shape: tuple, **kwargs):
+    """torch.distributed.device_mesh.init_device_mesh(device_type, shape, **kwargs),
+    recorded for shutdown() (with its dimension groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, tuple(shape), **kwargs)
+    _MESHES.append(mesh)
+    return mesh
+
+
+def live_groups() -> list:
+    """The process groups this process still holds (torch's registry; the default group
+    included): [] once shutdown() has run."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    from torch.distributed.distributed_c10d import _world
+    return list(_world.pg_map)
+
+
+def _mesh_groups(mesh) -> list:
+    """The process groups of a DeviceMesh's dimensions (none if it made none)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = []
+    for name in getattr(mesh, "_dim_group_names", None) or []:
+        try:
+            out.append(_resolve_process_group(name))
+        except (RuntimeError, ValueError, KeyError):   # already gone
+            pass
+    return out
+
+
+def _destroy_all(errors: list) -> None:
+    """Destroys the recorded subgroups and mesh groups (newest first), then the default
+    group (each attempted; errors appended to `errors`), and drops the references this
+    module and the recorded meshes hold to them."""
+    doomed = list(_GROUPS)
+    for mesh in _MESHES:
+        doomed += _mesh_groups(mesh)
+    default, done = dist.group.WORLD, set()
+    for grp in reversed(doomed):
+        if grp is None or grp is default or grp == dist.GroupMember.NON_GROUP_MEMBER or id(grp) in done:
+            continue
+        done.add(id(grp))
+        try:
+            if grp in live_groups():
+                dist.destroy_process_group(grp)
+        except Exception as e:
+            errors.append(e)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:
+        errors.append(e)
+    for mesh in _MESHES:
+        if hasattr(mesh, "_pg_registry"):
+            mesh._pg_registry.clear()
+    _GROUPS.clear()
+    _MESHES.clear()
+
+
+def shutdown(wait: bool = True, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+    """Tears down every process group of this process: with wait, a barrier first (every
+    rank has finished before any tears gloo down), then the subgroups and mesh groups
+    (new_group, device_mesh), then the default group; then their references are dropped
+    (module lists, the meshes' group registries) and gc.collect() frees them, so none is
+    left for the interpreter's exit. Nothing to do without a default group.
+
+    wait=False skips the barrier: after this rank failed, its peers may never reach it.
+    The teardown runs in a daemon thread joined for at most timeout_s seconds, so a hung
+    barrier (a peer gone) cannot block the exit: then a line on stderr and False. An
+    error of the barrier or the teardown is raised after the teardown finished with
+    wait; without it (an exit after a failure, whose error is the one to see) it is
+    printed on stderr and False returned. True when every group was destroyed.
+
+    NOTE: without the barrier a rank that finishes early tears gloo down while rank 0
+    still writes the report, and can abort ("terminate called ..."). The previous
+    shutdown (a barrier, then destroy_process_group() alone) left gloo threads running
+    into the interpreter's exit on every rank of a 2-rank CPU compare run (DDP, FSDP2
+    and context-parallel alike: the default group's threads, 2 pt_gloo_runloop on
+    torch 2.11, one gloo_tcp_loop more on 2.15; see init_from_env), and leaves those of
+    any group still referenced (a ring's group, a mesh's registry); after this
+    shutdown none runs (test_ddp.py::test_shutdown_*)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        _GROUPS.clear()
+        _MESHES.clear()
+        return True
+    errors = []
+
+    def teardown():
+        try:
+            if wait:
+                dist.barrier()
+        except Exception as e:   # the teardown still runs: a peer may have gone
+            errors.append(e)
+        _destroy_all(errors)
+        gc.collect()   # the ProcessGroup objects die here, not at the interpreter's exit
+
+    t = threading.Thread(target=teardown, name="fp8attn-ddp-shutdown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"[ddp] shutdown: the process-group teardown did not finish in {timeout_s:g} s; exiting without it",
+              file=sys.stderr, flush=True)
+        return False
+    if errors and wait:
+        raise errors[0]
+    for e in errors:
+        print(f"[ddp] shutdown: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return not errors
 
 
 def main(argv=None) -> None:

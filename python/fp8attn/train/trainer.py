@@ -408,11 +408,10 @@ def setup_context_parallel(cfg: "TrainConfig", model_cfg: ModelConfig, dctx: ddp
                          "(equal zigzag chunks)")
     if model_cfg.packed:
         raise ValueError("context_parallel: not supported with --packed")
-    import torch.distributed as dist
     from .model import ContextParallel
     mine = None
     for g in range(dctx.world_size // n):   # every rank creates every group (new_group is collective)
-        grp = dist.new_group(list(range(g * n, (g + 1) * n)))
+        grp = ddp.new_group(range(g * n, (g + 1) * n))   # recorded: ddp.shutdown destroys it
         if g == dctx.rank // n:
             mine = grp
     cp_ctx = ContextParallel(mine, dctx.rank % n, n)
