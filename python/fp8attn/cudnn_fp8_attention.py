@@ -347,6 +347,12 @@ GRAD_TENSORS = ("dO", "dQ", "dK", "dV")      # in the variant's do_type (dP is E
 DEFAULT_HISTORY_LEN = 1024                   # TE DelayedScaling(amax_history_len=1024)
 DEFAULT_MARGIN = 0                           # TE DelayedScaling(margin=0)
 FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN = torch.finfo(torch.float32).tiny      # smallest normal FP32
+# Bounds of the delayed-scaling knobs: a margin past MAX_MARGIN makes 448 * 2^-margin
+# leave FP32's normal range (scale 0, descale inf: NaN training); a history past
+# MAX_HISTORY_LEN is an allocation error, not a recipe (TE's default is 1024).
+MAX_MARGIN = 64
+MAX_HISTORY_LEN = 1 << 20
 
 
 def initial_scales() -> torch.Tensor:
@@ -370,13 +376,14 @@ def update_scales(history: torch.Tensor, scale: torch.Tensor, fp8_max_t: torch.T
     (rolled history, new scales) from history [N, T] (row 0: the step that just
     ended), scale [T] (the scales it used) and fp8_max_t [T].
     amax = max over the N rows, NaN ignored; scale = fp8_max * 2^-margin / amax when
-    amax is finite and > 0, else the old scale; capped at FP32's max; the history is
+    amax is finite and > 0, else the old scale; clamped to FP32's normal range; the history is
     rolled by -1 (row 0 to the end) and row 0 zeroed. Pure (returns new tensors)."""
     h = torch.where(torch.isnan(history), torch.zeros_like(history), history)
     amax = h.amax(dim=0)
     cand = fp8_max_t.to(amax) * (2.0 ** -float(margin)) / amax
     ok = torch.isfinite(amax) & (amax > 0)
-    new_scale = torch.where(ok, cand, scale.to(amax)).clamp(max=FLT_MAX)
+    # NOTE: clamped to FP32's normal range both ways: a scale of 0 would make the descale inf.
+    new_scale = torch.where(ok, cand, scale.to(amax)).clamp(min=FLT_MIN, max=FLT_MAX)
     rolled = torch.roll(history, shifts=-1, dims=0).clone()
     rolled[0].zero_()
     return rolled, new_scale
@@ -392,10 +399,10 @@ class DelayedScalingState(nn.Module):
 
     def __init__(self, history_len: int = DEFAULT_HISTORY_LEN, margin: int = DEFAULT_MARGIN):
         super().__init__()
-        if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
-            raise ValueError(f"history_len must be an int >= 1, got {history_len!r}")
-        if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-            raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+        if isinstance(history_len, bool) or not isinstance(history_len, int) or not 1 <= history_len <= MAX_HISTORY_LEN:
+            raise ValueError(f"history_len must be an int in [1, {MAX_HISTORY_LEN}], got {history_len!r}")
+        if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= MAX_MARGIN:
+            raise ValueError(f"margin must be an int in [0, {MAX_MARGIN}], got {margin!r}")
         self.history_len, self.margin = history_len, margin
         self.register_buffer("amax_history", torch.zeros(history_len, len(TENSORS), dtype=torch.float32))
         self.register_buffer("scale", initial_scales())
@@ -681,6 +688,8 @@ def unavailable_reason(device, head_dim: int, *, packed: bool = False, context_p
     plan builds and passes its self-check (plan_for) at that shape."""
     dev = torch.device(device)
     reasons = [r for r in (device_reason(dev),) if r]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int):
+        raise TypeError(f"unavailable_reason: head_dim must be an int, got {head_dim!r}")
     if head_dim != HEAD_DIM:
         reasons.append(f"head_dim {head_dim}: cuDNN's FP8 SDPA backward supports head_dim {HEAD_DIM} only "
                        "(presets gpu-125m / gpu-350m / gpu-1b, or --model head_dim=128)")
@@ -708,14 +717,21 @@ def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state
     q [B, Hq, S, d], k / v [B, Hkv, S, d] (cast to BF16), returns O [B, Hq, S, d] in
     BF16 (differentiable). Records amaxes and updates `state` (after the backward)
     only when grad is enabled and state.training. Raises CudnnFP8Unavailable (with
-    the reason) where the op cannot run, ValueError for bad shapes."""
+    the reason) where the op cannot run, TypeError for a non-tensor q / k / v or a
+    state that is not a DelayedScalingState, ValueError for bad shapes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"cudnn_fp8_attention: argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(state, DelayedScalingState):
+        raise TypeError(f"cudnn_fp8_attention: argument 'state' must be a DelayedScalingState, got "
+                        f"{type(state).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"cudnn_fp8_attention: q [B, Hq, S, d], k / v [B, Hkv, S, d], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, hq, s, d = q.shape
     hkv = k.shape[1]
-    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d or hq % hkv:
-        raise ValueError(f"cudnn_fp8_attention: self-attention with Hq a multiple of Hkv, got q "
+    if hkv < 1 or s < 1 or k.shape[0] != b or k.shape[2] != s or k.shape[3] != d or hq % hkv:
+        raise ValueError(f"cudnn_fp8_attention: self-attention with S >= 1 and Hq a multiple of Hkv >= 1, got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")
     why = unavailable_reason(q.device, d, causal=causal)
     if why is not None:

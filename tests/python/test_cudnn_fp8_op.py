@@ -76,6 +76,10 @@ def test_margin_zero_and_nonfinite_amaxes():
     assert s[I["q"]].item() == 7.0
     _, s = cfa.update_scales(_hist([1e-45]), prev, fmax)                 # 448 / 1e-45 overflows FP32
     assert s[I["q"]].item() == torch.finfo(torch.float32).max
+    # ... and never underflows to 0 (a zero scale is an infinite descale): the largest margin on
+    # FP32's largest amax stays at FP32's smallest normal.
+    _, s = cfa.update_scales(_hist([torch.finfo(torch.float32).max]), prev, fmax, margin=cfa.MAX_MARGIN)
+    assert s[I["q"]].item() == torch.finfo(torch.float32).tiny
     # an inf stays in the window for N steps and freezes the scale while it does
     st = cfa.DelayedScalingState(history_len=2)
     st.record(["q"], torch.tensor([float("inf")]))
@@ -107,6 +111,13 @@ def test_first_step_and_record():
         cfa.DelayedScalingState(history_len=0)
     with pytest.raises(ValueError, match="margin"):
         cfa.DelayedScalingState(margin=-1)
+    # Upper bounds (break test, 2026-12-04): margin 200 gave scale 0 / descale inf (NaN training),
+    # a history of 1e13 rows a bare allocator error.
+    with pytest.raises(ValueError, match=r"margin must be an int in \[0, 64\]"):
+        cfa.DelayedScalingState(margin=cfa.MAX_MARGIN + 1)
+    with pytest.raises(ValueError, match="history_len must be an int in"):
+        cfa.DelayedScalingState(history_len=cfa.MAX_HISTORY_LEN + 1)
+    cfa.DelayedScalingState(history_len=1, margin=cfa.MAX_MARGIN)  # the bounds themselves are fine
 
 
 def test_state_dict_round_trip_and_history_resize():
@@ -261,6 +272,26 @@ def test_broken_backend_is_refused_with_the_reason(fake):
 
 
 # ---- availability --------------------------------------------------------------------
+
+def test_bad_arguments_name_themselves():
+    """Bad inputs to the op are errors naming the argument (break test, 2026-12-04: zero kv
+    heads gave a bare ZeroDivisionError, a list q an AttributeError), checked before the
+    availability check so they read the same on every machine."""
+    st = cfa.DelayedScalingState(history_len=2)
+    x = torch.randn(1, 2, 8, 128)
+    with pytest.raises(TypeError, match="argument 'q' must be a torch.Tensor, got list"):
+        cfa.cudnn_fp8_attention([1.0], x, x, st)
+    with pytest.raises(TypeError, match="argument 'state' must be a DelayedScalingState, got NoneType"):
+        cfa.cudnn_fp8_attention(x, x, x, None)
+    empty = torch.randn(1, 0, 8, 128)
+    with pytest.raises(ValueError, match="Hq a multiple of Hkv >= 1"):
+        cfa.cudnn_fp8_attention(x, empty, empty, st)
+    with pytest.raises(ValueError, match="S >= 1"):
+        z = torch.randn(1, 2, 0, 128)
+        cfa.cudnn_fp8_attention(z, z, z, st)
+    with pytest.raises(TypeError, match="head_dim must be an int"):
+        cfa.unavailable_reason("cpu", "128")
+
 
 def test_unavailable_reasons(monkeypatch):
     monkeypatch.setitem(cfa._STATE, "cudnn", None)

@@ -78,15 +78,43 @@ def test_fp8_cudnn_is_opt_in_until_validated_on_the_gpu():
     assert CUDNN_MODE in compare.parse_args(["--out", "unused", "--modes", f"bf16,{CUDNN_MODE}"]).modes.split(",")
 
 
+def _agree_worker(rank, world, init_file, out_dir):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        why = None if rank == 0 else "needs a CUDA GPU (test: rank 1 only)"
+        Path(out_dir, f"{rank}.txt").write_text(repr(compare.agreed_reason(why)))
+        Path(out_dir, f"none{rank}.txt").write_text(repr(compare.agreed_reason(None)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ranks_agree_on_skipping_fp8_cudnn(tmp_path):
+    """Under torchrun every rank takes one decision: where one rank cannot run fp8-cudnn, all
+    skip it, naming that rank (break test, 2026-12-04: rank 0 trained bf16 while rank 1
+    trained fp8-cudnn, DDP averaging their gradients). Without a process group the local
+    reason is the answer."""
+    assert compare.agreed_reason("x") == "x" and compare.agreed_reason(None) is None
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    mp.spawn(_agree_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for r in (0, 1):
+        assert (tmp_path / f"{r}.txt").read_text() == repr("rank 1: needs a CUDA GPU (test: rank 1 only)")
+        assert (tmp_path / f"none{r}.txt").read_text() == "None"
+
+
 def test_model_overrides_for_the_scaling_state():
     assert compare.parse_model_overrides(["cudnn_amax_history_len=16,cudnn_margin=1"]) == {
         "cudnn_amax_history_len": 16, "cudnn_margin": 1}
     with pytest.raises(SystemExit, match="--model: cudnn_amax_history_len needs an int"):
         compare.parse_model_overrides(["cudnn_amax_history_len=1.5"])
-    with pytest.raises(ValueError, match="cudnn_amax_history_len must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"cudnn_amax_history_len must be an int in \[1, 1048576\], got 0"):
         ModelConfig(cudnn_amax_history_len=0)
-    with pytest.raises(ValueError, match="cudnn_margin must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"cudnn_margin must be an int in \[0, 64\], got -1"):
         ModelConfig(cudnn_margin=-1)
+    # the upper bounds (break test, 2026-12-04: margin 200 trained to NaN, 1e13 rows were accepted)
+    with pytest.raises(ValueError, match="cudnn_margin must be an int in"):
+        ModelConfig(cudnn_margin=200)
+    with pytest.raises(ValueError, match="cudnn_amax_history_len must be an int in"):
+        ModelConfig(cudnn_amax_history_len=10 ** 13)
 
 
 def test_report_rows_and_labels():

@@ -196,10 +196,29 @@ def skip_unavailable_modes(modes: list[str], model_cfg: ModelConfig, cfg: TrainC
     if CUDNN_MODE in modes:
         why = cudnn_unavailable_reason(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": CUDNN_MODE}), cfg,
                                        resolve_device(cfg.device))
+        why = agreed_reason(why)
         if why is not None:
             skipped[CUDNN_MODE] = why
-            say(f"[compare] {CUDNN_MODE} skipped: {why}; the other modes run", flush=True)
+            rest = [m for m in modes if m != CUDNN_MODE]
+            say(f"[compare] {CUDNN_MODE} skipped: {why}" + ("; the other modes run" if rest else ""), flush=True)
     return [m for m in modes if m not in skipped], skipped
+
+
+def agreed_reason(why):
+    """Under torchrun, one decision for every rank: the mode is skipped on all ranks if any
+    rank cannot run it (ranks training different modes would average unrelated gradients),
+    the reason naming each such rank; without a process group, `why` itself."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return why
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, why)
+    bad = [(r, w) for r, w in enumerate(reasons) if w is not None]
+    if not bad:
+        return None
+    if len(bad) == len(reasons) and len({w for _, w in bad}) == 1:
+        return bad[0][1]  # every rank, the same reason
+    return "; ".join(f"rank {r}: {w}" for r, w in bad)
 
 
 def mode_line(s: dict) -> str:

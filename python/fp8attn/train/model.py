@@ -122,10 +122,11 @@ class ModelConfig:
         if self.arch == "gdn-hybrid" and self.packed:
             raise ValueError("arch gdn-hybrid: packed documents are not supported (the Gated DeltaNet state "
                              "would run across document boundaries)")
-        for name, low in (("cudnn_amax_history_len", 1), ("cudnn_margin", 0)):
+        from fp8attn.cudnn_fp8_attention import MAX_HISTORY_LEN, MAX_MARGIN  # noqa: PLC0415 (lazy, as its op)
+        for name, low, high in (("cudnn_amax_history_len", 1, MAX_HISTORY_LEN), ("cudnn_margin", 0, MAX_MARGIN)):
             val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+            if isinstance(val, bool) or not isinstance(val, int) or not low <= val <= high:
+                raise ValueError(f"{name} must be an int in [{low}, {high}], got {val!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
