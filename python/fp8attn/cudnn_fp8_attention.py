@@ -281,9 +281,10 @@ def _dt(cudnn, name: str):
             "bf16": cudnn.data_type.BFLOAT16, "f32": cudnn.data_type.FLOAT}[name]
 
 
-def declare_fwd(cudnn, shape, causal: bool, var: Variant, h_kv: Optional[int] = None, **graph_kw):
-    """The forward graph up to declaration (no build): (graph, port -> Tensor).
-    shape = (B, H, S, d) of Q; h_kv: K / V heads (GQA; default H)."""
+def _declare_inputs(cudnn, shape, var: Variant, h_kv: Optional[int], scalars, graph_kw):
+    """What both graphs start with: the FP8 graph, its E4M3 Q [B, H, S, d] and K / V
+    [B, h_kv, S, d] (var.layout strides) and the FP32 scalars `scalars`. Returns
+    (graph, port -> Tensor, (Q's dims, strides), (K / V's dims, strides))."""
     b, h, s, d = shape
     hk = h if h_kv is None else h_kv
     f32, e4m3 = _dt(cudnn, "f32"), _dt(cudnn, "e4m3")
@@ -293,8 +294,17 @@ def declare_fwd(cudnn, shape, causal: bool, var: Variant, h_kv: Optional[int] = 
     t = {"q": g.tensor(name="q", dim=dims, stride=st, data_type=e4m3)}
     for n in ("k", "v"):
         t[n] = g.tensor(name=n, dim=kv_dims, stride=kv_st, data_type=e4m3)
-    for n in FWD_SCALARS:
+    for n in scalars:
         t[n] = g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+    return g, t, (dims, st), (kv_dims, kv_st)
+
+
+def declare_fwd(cudnn, shape, causal: bool, var: Variant, h_kv: Optional[int] = None, **graph_kw):
+    """The forward graph up to declaration (no build): (graph, port -> Tensor).
+    shape = (B, H, S, d) of Q; h_kv: K / V heads (GQA; default H)."""
+    b, h, s, d = shape
+    f32 = _dt(cudnn, "f32")
+    g, t, (dims, st), _ = _declare_inputs(cudnn, shape, var, h_kv, FWD_SCALARS, graph_kw)
     o, stats, amax_s, amax_o = g.sdpa_fp8(
         q=t["q"], k=t["k"], v=t["v"], **{n: t[n] for n in FWD_SCALARS},
         generate_stats=True, attn_scale=1.0 / math.sqrt(d), name="sdpa_fp8", **_mask_kwargs(cudnn, var, causal))
@@ -312,19 +322,11 @@ def declare_bwd(cudnn, shape, causal: bool, var: Variant, h_kv: Optional[int] = 
     """The backward graph up to declaration (no build): (graph, port -> Tensor).
     shape = (B, H, S, d) of Q; h_kv: K / V / dK / dV heads (GQA; default H)."""
     b, h, s, d = shape
-    hk = h if h_kv is None else h_kv
-    f32, e4m3, gdt = _dt(cudnn, "f32"), _dt(cudnn, "e4m3"), _dt(cudnn, var.do_type)
-    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, **graph_kw)
-    dims, st = [b, h, s, d], _strides(var.layout, b, h, s, d)
-    kv_dims, kv_st = [b, hk, s, d], _strides(var.layout, b, hk, s, d)
-    t = {"q": g.tensor(name="q", dim=dims, stride=st, data_type=e4m3)}
-    for n in ("k", "v"):
-        t[n] = g.tensor(name=n, dim=kv_dims, stride=kv_st, data_type=e4m3)
+    f32, gdt = _dt(cudnn, "f32"), _dt(cudnn, var.do_type)
+    g, t, (dims, st), (kv_dims, kv_st) = _declare_inputs(cudnn, shape, var, h_kv, BWD_SCALARS, graph_kw)
     t["o"] = g.tensor(name="o", dim=dims, stride=st, data_type=_dt(cudnn, var.o_type))
     t["dO"] = g.tensor(name="dO", dim=dims, stride=st, data_type=gdt)
     t["stats"] = g.tensor(name="stats", dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=f32)
-    for n in BWD_SCALARS:
-        t[n] = g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
     outs = g.sdpa_fp8_backward(
         **{n: t[n] for n in ("q", "k", "v", "o", "dO", "stats", *BWD_SCALARS)},
         attn_scale=1.0 / math.sqrt(d), name="sdpa_fp8_backward", **_mask_kwargs(cudnn, var, causal))
