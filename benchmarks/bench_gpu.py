@@ -16,7 +16,8 @@ What is measured, per (shape, causal):
     CUDA time of the fwd_tilescale kernels per call, torch.profiler: compare
     with cuDNN FP8's graph time, which excludes its quantization too);
     tile_pingpong in the list also times the pingpong order
-    (FP8ATTN_TILE_PINGPONG=1), tile_persistent the persistent scheduler
+    (FP8ATTN_TILE_PINGPONG=1; the backward's main kernel with
+    FP8ATTN_TILE_BWD_PINGPONG=1), tile_persistent the persistent scheduler
     (FP8ATTN_TILE_PERSISTENT=1); the quantization kernels' time and bandwidth;
     a table of its own, ratios to cuDNN BF16 in the same run.
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
@@ -293,7 +294,8 @@ def markdown(rows, info):
             lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cb)} | "
                          f"{fmt_t(r.get('fp8_bwd_delta_matching'))}{fmt_r(r.get('fp8_bwd_delta_matching'), cb)} | "
                          + " | ".join(f"{fmt_t(r.get(n))}{fmt_r(r.get(n), cb)}"
-                                      for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels"))
+                                      for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels",
+                                                "tile_bwd_kernels_pingpong"))
                          + f" | {share} | {'n/a' if st is None else f'{st:.2f}x'} | "
                          + " / ".join(fmt_e(err.get(n)) for n in ("dQ", "dK", "dV")) + " |")
     failed = [r for r in rows if r.get("error")]
@@ -319,7 +321,8 @@ TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (
 
 
 TILE_BWD_HEAD = ("| B x H x S, d | causal | cuDNN bwd | fp8 row DM bwd | tile DM bwd (op) | tile stale bwd (op) | "
-                 "tile DM kernels only | pre-pass share | tile step fwd+bwd vs cuDNN | tile dQ / dK / dV err |")
+                 "tile DM kernels only | tile DM kernels pingpong | pre-pass share | tile step fwd+bwd vs cuDNN | "
+                 "tile dQ / dK / dV err |")
 
 
 def _fmt_quant(r):
@@ -538,6 +541,16 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
         r["tile_bwd_main_ms"], r["tile_bwd_prepass_ms"] = main_ms, pre_ms
         r["tile_bwd_kernels"] = (None if main_ms is None or pre_ms is None
                                  else tflops(bwd_flops, main_ms + pre_ms))
+        if "tile_pingpong" in getattr(args, "scaling", ()):
+            # The main kernel with the warpgroups' pingpong turns (read by the launch on every call).
+            os.environ["FP8ATTN_TILE_BWD_PINGPONG"] = "1"
+            try:
+                pp_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
+            finally:
+                del os.environ["FP8ATTN_TILE_BWD_PINGPONG"]
+            r["tile_bwd_main_pingpong_ms"] = pp_ms
+            r["tile_bwd_kernels_pingpong"] = (None if pp_ms is None or pre_ms is None
+                                              else tflops(bwd_flops, pp_ms + pre_ms))
         f_ms, b_ms = r.get("tile_fwd_ms"), r.get("tile_bwd_delta_matching_ms")
         r["tile_step_ms"] = None if f_ms is None or b_ms is None else f_ms + b_ms
         if ref is not None and ref.grads is not None:

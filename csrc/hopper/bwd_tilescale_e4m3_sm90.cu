@@ -16,20 +16,25 @@
 //     per-query Q / dO row scales, LSE, delta). full[s]: 128 cp.async
 //     arrive-ons; empty[s]: 256 consumer arrivals.
 //   * two consumer warpgroups (threads 0..255, setmaxnreg up to 240), warp w
-//     owning key rows [16w, 16w + 16), walking each stage's 128 queries in two
-//     64-query sub-tiles (FlashAttention-3's 64 x 128 iteration), in lockstep
-//     (named barrier kBarConsumers, three syncs per sub-tile: the amaxes, the
-//     #6 row scales, the dS codes; they span both warpgroups' keys):
+//     owning key rows [16w, 16w + 16), i.e. warpgroup wg the 64 keys
+//     [64 wg, 64 wg + 64) of the tile, walking each stage's 128 queries in two
+//     64-query sub-tiles (FlashAttention-3's 64 x 128 iteration). v5: the two
+//     warpgroups never sync with each other (numerics.md section 9: the P / dS
+//     blocks are 64 x 64 and the #6 dS scale is per 64-key half, so every
+//     exchange stays inside a warpgroup: its own named barrier kBarWg + wg,
+//     three syncs per sub-tile plus one per extra dQ panel); they drift up to
+//     a stage apart, so one's elementwise work runs under the other's wgmmas:
 //       S^T = K Q^T, dP^T = V dO^T      (SS m64n64k32, both in flight)       #3, #4
 //       P = exp2(...), dS = P (dP_hat - delta) (P kept)
-//       P / dS block amax (64 x 128), dS row amax (128 keys)
+//       P / dS block amax (64 x 64), dS row amax (64 keys)
 //       dV += P^T dO, dK += dS^T Q       (RS from the codes in registers,
 //                                         accumulators in units of 2^e)       #5, #7
-//       dS codes [q][k] in shared memory                                      #6 operand
-//       dQ partial = dS K (SS, warpgroup wg: 64 of the columns), times
-//       s_dS(i) s_K per row -> a shared FP32 panel -> one TMA bulk
-//       reduce-add per warpgroup into dq_accum (chunk order,
-//       kernel_params_sm90.h dq_accum_rows)                                   #6
+//       dS codes [q][k] in the warpgroup's half of shared memory             #6 operand
+//       dQ partial = dS K over its 64 keys (SS, every 64-column panel of the
+//       slice in turn), times s_dS(i, half) s_K per row -> the warpgroup's
+//       shared FP32 panel -> one TMA bulk reduce-add per panel into dq_accum
+//       (chunk order, kernel_params_sm90.h dq_accum_rows; both warpgroups add
+//       into the same chunk)                                                 #6
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
 #include <cuda_bf16.h>
@@ -38,6 +43,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/env_choice.h"
 #include "hopper/bwd_tilescale_sm90.h"
 #include "hopper/launch_sm90.h"
 #include "hopper/mainloop_bwd_tilescale_sm90.cuh"
@@ -48,7 +54,6 @@ namespace bwd {
 namespace ts {
 namespace {
 
-using bwdts::kBarConsumers;
 using bwdts::kConsumerThreads;
 using bwdts::kProducerThreads;
 using bwdts::kSubQ;
@@ -83,9 +88,9 @@ struct MainLayout {
   static constexpr int kNumBars = 2 * kStages + 1;
   static constexpr int kAmax = kBar + 16;                     // [8 warps][64 columns]: #6 row amax per warp
   static constexpr int kBlk = kAmax + kWarps * bwdts::kSubQ;  // [2][8 warps]: P, dS block amax per warp
-  static constexpr int kRowInv = kBlk + 16;                   // [64 columns]: 1 / s_dS(q) (#6)
-  static constexpr int kRowSq = kRowInv + bwdts::kSubQ;       // [64 queries, natural order]: s_dS(q)
-  static constexpr int kFStage = kRowSq + bwdts::kSubQ;       // [kStages] per-stage floats, per column (q_of_col):
+  static constexpr int kRowInv = kBlk + 16;  // [2 warpgroups][64 columns]: 1 / s_dS(q, half) (#6)
+  static constexpr int kRowSq = kRowInv + bwdts::kConsumerWGs * bwdts::kSubQ;  // [2][64 queries, natural order]
+  static constexpr int kFStage = kRowSq + bwdts::kConsumerWGs * bwdts::kSubQ;  // [kStages] per-stage floats, per column (q_of_col):
   static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;
   static constexpr int kFStageFloats = 4 * kTile;
   static constexpr int kFloats = kFStage + kStages * kFStageFloats;
@@ -160,7 +165,12 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   return w;
 }
 
-template <int DQK, int DV, int FMT>
+// kPingpong (FP8ATTN_TILE_BWD_PINGPONG=1): the two consumer warpgroups take
+// turns to issue their S^T / dP^T chains (FlashAttention-3's pingpong order:
+// named barriers kBarPingpong + wg), so one's elementwise work is pinned
+// under the other's wgmmas; without it the tensor core's own serialization
+// sets their offset.
+template <int DQK, int DV, int FMT, bool kPingpong>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
   using L = MainLayout<DQK, DV>;
   constexpr int kStages = L::kStages;
@@ -262,9 +272,12 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   uint8_t* sDS = smem + L::kDS;
   float* sAmax = sf + L::kAmax;
   float* sBlk = sf + L::kBlk;
-  float* sRowInv = sf + L::kRowInv;
-  float* sRowSq = sf + L::kRowSq;
-  float* sDQ = reinterpret_cast<float*>(smem + L::kDQ);
+  // This warpgroup's #6 row scales and dQ panel (v5: per warpgroup).
+  float* sRowInv = sf + L::kRowInv + kSubQ * wg;
+  float* sRowSq = sf + L::kRowSq + kSubQ * wg;
+  float* panel = reinterpret_cast<float*>(smem + L::kDQ) + L::kDQPanelFloats * wg;
+  const int bar_wg = bwdts::kBarWg + wg;  // this warpgroup's named barrier (128 threads)
+  const int wt = threadIdx.x & 127;        // thread within the warpgroup
   // One thread per warpgroup issues that warpgroup's dQ bulk reduce-adds.
   const bool dq_issuer = (threadIdx.x & 127) == 0;
   const int64_t dq_rows = dq_accum_rows(1, Sq64);
@@ -301,6 +314,18 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     fence_async_smem();  // NOTE (proxy order): cp.async writes -> this thread's wgmma reads, as the row kernel
   }
 
+  // Pingpong turns (kPingpong): warpgroup wg waits on kBarPingpong + wg before
+  // its S^T / dP^T issue and hands the turn over after it; warpgroup 1 hands
+  // warpgroup 0 the first turn, warpgroup 0 takes one last turn after the loop
+  // (both walk the same sub-tiles), so every arrival is consumed.
+  auto turn_wait = [&] {
+    if constexpr (kPingpong) named_bar_sync(bwdts::kBarPingpong + wg, 256);
+  };
+  auto turn_pass = [&] {
+    if constexpr (kPingpong) named_bar_arrive(bwdts::kBarPingpong + (wg ^ 1), 256);
+  };
+  if (wg == 1 && n_iters > 0) turn_pass();
+
   int hq = hk * group, m_tile = m_first;
   for (int it = 0; it < n_iters; ++it) {
     const int st = it % kStages;
@@ -335,8 +360,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 
       // ---- S^T (#3) and dP^T (#4), both in flight; P = exp2(...) under dP.
       float pt[8][4], dp[8][4];
+      turn_wait();
       issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
       issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
+      turn_pass();
       wg_wait<1>();
       p_from_s<kSubQ>(pt, kc, Fs + L::kSQs, Fs + L::kSLse, lane);
       if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane);
@@ -350,8 +377,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
       if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, bhq * Sq64, m0s, Sq, lane);
 
-      // ---- Block amaxes over both warpgroups' keys: P and dS per 64 x 128
-      // block (#5, #7), dS per query over the 128 keys (#6).
+      // ---- Block amaxes over this warpgroup's 64 keys (v5: nothing crosses
+      // warpgroups): P and dS per 64 x 64 block (#5, #7), dS per query over
+      // the 64 keys (#6).
       {
         float v[16], m[2];
 #pragma unroll
@@ -366,24 +394,24 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
         if (lane == 0) sBlk[kWarps + warp] = mb;
       }
-      // The dQ panel of the previous sub-tile has been read by its bulk
-      // reduce-add before anyone passes (1) (the panel is rewritten below).
+      // This warpgroup's dQ panel has been read by its last bulk reduce-add
+      // before anyone passes (1) (the panel is rewritten below).
       if (dq_issuer) bulk_wait_read<0>();
-      named_bar_sync(kBarConsumers, kConsumerThreads);  // (1) amaxes of both warpgroups
-      if (threadIdx.x < kSubQ) {
-        const int n = threadIdx.x;  // column n = query m0s + q_of_col(n)
+      named_bar_sync(bar_wg, 128);  // (1) the amaxes of this warpgroup's 4 warps
+      if (wt < kSubQ) {
+        const int n = wt;  // column n = query m0s + q_of_col(n)
         float m = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) m = max_nan(m, sAmax[w * kSubQ + n]);
+        for (int w = 0; w < 4; ++w) m = max_nan(m, sAmax[(4 * wg + w) * kSubQ + n]);
         const float2 sc = fast_scale<FMT>(m);
         sRowInv[n] = sc.y;
         sRowSq[q_of_col(n)] = sc.x;
       }
       float m_p = 0.f, m_s = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        m_p = max_nan(m_p, sBlk[w]);
-        m_s = max_nan(m_s, sBlk[kWarps + w]);
+      for (int w = 0; w < 4; ++w) {
+        m_p = max_nan(m_p, sBlk[4 * wg + w]);
+        m_s = max_nan(m_s, sBlk[kWarps + 4 * wg + w]);
       }
       const float2 sc_p = fast_scale<kFmtE4M3>(m_p), sc_s = fast_scale<FMT>(m_s);
 
@@ -417,12 +445,14 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
             gmma_rs<FMT, kFmtE4M3, 64>(a_s[c], desc_of(qc_lo + h * (64 * 128 / 16) + kDescK32 * c), &dk_acc[h][0][0],
                                        true);
       wg_commit();
-      named_bar_sync(kBarConsumers, kConsumerThreads);  // (2) #6 row scales in sRowInv / sRowSq
+      named_bar_sync(bar_wg, 128);  // (2) this warpgroup's #6 row scales in sRowInv / sRowSq
 
-      // ---- dS codes of #6 into sDS [query][key] (natural orders). Thread rows
-      // g, g + 8 are keys 16 warp + 2g, + 1 (k_of_row): one 16-bit store per
-      // column; column 8j + 2t + e is query 16 (j >> 1) + 4t + c, c = 2 (j & 1) + e,
-      // whose swizzled chunk is warp ^ 4 (t & 1) ^ c (the row kernel's addressing).
+      // ---- dS codes of #6 into sDS [query][key] (natural orders): this
+      // warpgroup's 64 keys are the 16-byte chunks 4 wg .. 4 wg + 3 of each
+      // row (before the swizzle). Thread rows g, g + 8 are keys 16 warp + 2g, + 1
+      // (k_of_row): one 16-bit store per column; column 8j + 2t + e is query
+      // 16 (j >> 1) + 4t + c, c = 2 (j & 1) + e, whose swizzled chunk is
+      // warp ^ 4 (t & 1) ^ c (the row kernel's addressing).
       {
         uint8_t* ds_base[4];
 #pragma unroll
@@ -438,18 +468,19 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           }
         }
       }
-      fence_async_smem();  // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
-      named_bar_sync(kBarConsumers, kConsumerThreads);  // (3) both warpgroups' dS codes
+      fence_async_smem();           // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
+      named_bar_sync(bar_wg, 128);  // (3) this warpgroup's dS codes
 
-      // Diagnostics: post-cast row sums of the #6 operand (codes times s_dS(q)),
-      // four threads per query row (32 keys each).
+      // Diagnostics: post-cast row sums of the #6 operand (codes times
+      // s_dS(q, half)) over this warpgroup's 64 keys, two threads per query
+      // row (32 keys each).
       if (diag) {
-        const int ql = threadIdx.x >> 2, qr = threadIdx.x & 3;
+        const int ql = wt >> 1, qr = wt & 1;
         const float sq = sRowSq[ql];
         float acc[2] = {0.f, 0.f};
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 2 * qr + u));
+          const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * wg + 2 * qr + u));
           const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
 #pragma unroll
           for (int k = 0; k < 4; ++k)
@@ -464,50 +495,59 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         for (int pass = 0; pass < 2; ++pass) {
           float r = acc[pass] * sq;
           r += __shfl_xor_sync(0xffffffffu, r, 1);
-          r += __shfl_xor_sync(0xffffffffu, r, 2);
           if (qr == 0 && m0s + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0s + ql, r);
         }
       }
 
-      // ---- dQ partial (#6): dS_hat K_hat over the tile's 128 keys for the
-      // sub-tile's 64 queries; warpgroup wg owns the 64 columns [64 wg, 64 wg +
-      // 64) of this slice, per query row times s_dS(q) s_K, stored to its
-      // shared panel in dq_accum's chunk order and added to dq_accum (FP32; tau
-      // at the convert) by one TMA bulk reduce-add of the whole panel. Rows past
+      // ---- dQ partial (#6): dS_hat K_hat over this warpgroup's 64 keys (k32
+      // steps 2 wg, 2 wg + 1 of the dS and K^T tiles) for the sub-tile's 64
+      // queries, every 64-column panel h of the slice in turn, per query row
+      // times s_dS(q, half) s_K, stored to the warpgroup's shared panel in
+      // dq_accum's chunk order and added to dq_accum (FP32; tau at the
+      // convert) by one TMA bulk reduce-add per panel. Both warpgroups add into
+      // the same chunk (the bulk reduce-adds are atomic per element). Panel
+      // h + 1's wgmma runs while panel h's bulk read is in flight. Rows past
       // seqlen_q are zeros (their dS codes are masked), into dq_accum's padding.
-      const int h_q = wg;  // this warpgroup's 64-column chunk
-      if (64 * h_q < wk) {
-        const uint32_t ds_lo = base + L::kDS / 16;
-        const uint32_t kc_lo = base + L::kKc / 16 + h_q * (64 * 128 / 16);
-        float pq[8][4];
-        fence_regs<32>(&pq[0][0]);
-        wg_arrive();
-#pragma unroll
-        for (int k = 0; k < kTile / 32; ++k)
-          gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + kDescK32 * k), &pq[0][0], k > 0);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs<32>(&pq[0][0]);
+      {
+        const uint32_t ds_lo = base + L::kDS / 16 + 2 * kDescK32 * wg;
         const int w4 = warp & 3, q0 = w4 * 16 + g;  // accumulator rows q0, q0 + 8: queries m0s + q0, + 8
         const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
-        float* panel = sDQ + L::kDQPanelFloats * h_q;
+        int h_done = 0;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const float f = hh ? f1 : f0;
+        for (int h = 0; h < L::kWk / 64; ++h) {
+          if (64 * h >= wk) break;  // CTA-uniform
+          const uint32_t kc_lo = base + L::kKc / 16 + h * (64 * 128 / 16) + 2 * kDescK32 * wg;
+          float pq[8][4];
+          fence_regs<32>(&pq[0][0]);
+          wg_arrive();
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj)
-            *reinterpret_cast<float2*>(panel + (((w4 * 2 + hh) * 8 + jj) * 32 + lane) * 2) =
-                make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
+          for (int k = 0; k < 2; ++k)
+            gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + kDescK32 * k), &pq[0][0], k > 0);
+          wg_commit();
+          wg_wait<0>();
+          fence_regs<32>(&pq[0][0]);
+          if (h_done > 0) {  // the panel's previous bulk read is done before it is rewritten
+            if (dq_issuer) bulk_wait_read<0>();
+            named_bar_sync(bar_wg, 128);
+          }
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float f = hh ? f1 : f0;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+              *reinterpret_cast<float2*>(panel + (((w4 * 2 + hh) * 8 + jj) * 32 + lane) * 2) =
+                  make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
+          }
+          fence_async_smem();           // st.shared (generic proxy) -> the bulk reduce's reads (async proxy)
+          named_bar_sync(bar_wg, 128);  // the warpgroup's whole panel
+          if (dq_issuer) {
+            float* dst = p.dq_accum + (bhq * dq_rows + m0s) * DQK + static_cast<int64_t>(cb + 64 * h) * 64;
+            bulk_reduce_add_f32(dst, smem_u32(panel), L::kDQPanelFloats * 4);
+            bulk_commit();
+          }
+          ++h_done;
         }
-        fence_async_smem();  // st.shared (generic proxy) -> the bulk reduce's reads (async proxy)
-        named_bar_sync(bwdts::kBarDq + h_q, 128);  // the warpgroup's whole panel
-        if (dq_issuer) {
-          float* dst = p.dq_accum + (bhq * dq_rows + m0s) * DQK + static_cast<int64_t>(cb + 64 * h_q) * 64;
-          bulk_reduce_add_f32(dst, smem_u32(panel), L::kDQPanelFloats * 4);
-          bulk_commit();
-        }
-      } else {
-        wg_wait<0>();
+        if (h_done == 0) wg_wait<0>();  // the dV / dK wgmmas
       }
       fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
       fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
@@ -524,6 +564,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   }
 
   // The last dQ reduce-adds are complete before the CTA's shared memory goes.
+  if (wg == 0 && n_iters > 0) turn_wait();  // warpgroup 1's last hand-over
   if (dq_issuer) bulk_wait<0>();
 
   // ---- Epilogue: dK = tau 2^ek acc, dV = 2^ev acc (BF16), keys < seqlen_k.
@@ -599,7 +640,11 @@ void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
   dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
     constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
     using L = MainLayout<DQK, DV>;
-    auto kernel = bwd_tilescale_main_kernel<DQK, DV, FMT>;
+    // NOTE: FP8ATTN_TILE_BWD_PINGPONG=0|1 picks the issue order (default
+    // bwdts::kBwdPingpongDefault; a bad value throws std::invalid_argument).
+    const int pp_env = env_choice("FP8ATTN_TILE_BWD_PINGPONG", {"0", "1"});
+    const bool pp = pp_env < 0 ? bwdts::kBwdPingpongDefault : pp_env == 1;
+    auto kernel = pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true> : bwd_tilescale_main_kernel<DQK, DV, FMT, false>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: bwd tile main: cudaFuncSetAttribute failed: ") +

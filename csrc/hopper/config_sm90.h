@@ -307,8 +307,9 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 // Queries per main-kernel iteration: a stage holds one 128-query tile, the
 // consumers walk it in two sub-tiles of kSubQ queries (FlashAttention-3's
-// 64 x 128 iteration); the P (#5) and dS (#7) blocks are kSubQ x kTile
-// (numerics.md section 9).
+// 64 x 128 iteration); the P (#5) and dS (#7) blocks are kSubQ x kKeyHalf,
+// the #6 dS scale one per (query, kKeyHalf keys) (numerics.md section 9).
+constexpr int kKeyHalf = kTile / kConsumerWGs;  // keys of one consumer warpgroup
 constexpr int kSubQ = 64;
 // Query-side stages of the ring: 2 at head_dim <= 128, 1 above (shared memory).
 constexpr int stages(int d_qk, int d_v) { return d_qk > 128 || d_v > 128 ? 1 : 2; }
@@ -319,11 +320,18 @@ constexpr int kSliceCols = 128;
 constexpr int slices(int d_qk, int d_v) {
   return d_qk > kSliceCols || d_v > kSliceCols ? ((d_qk > d_v ? d_qk : d_v) + kSliceCols - 1) / kSliceCols : 1;
 }
-// Named barrier of the consumer warpgroups (0 is __syncthreads; the row kernels'
-// ids are private to them).
-constexpr int kBarConsumers = 1;
-// Named barriers of each consumer warpgroup's dQ panel (kBarDq + wg).
-constexpr int kBarDq = 2;
+// Named barrier of each consumer warpgroup (kBarWg + wg, 128 threads; 0 is
+// __syncthreads, the row kernels' ids are private to them). NOTE (v5): the two
+// consumer warpgroups never sync with each other: every exchange of the main
+// kernel (block amaxes, #6 row scales, dS codes, dQ panel) stays inside one
+// warpgroup, which the contract's 64 x 64 P / dS blocks and #6 scales per
+// 64-key half allow (numerics.md section 9).
+constexpr int kBarWg = 1;
+// Named barriers of the pingpong turns (kBarPingpong + wg, 256 threads), and
+// whether the turns are on by default (FP8ATTN_TILE_BWD_PINGPONG overrides;
+// off until measured).
+constexpr int kBarPingpong = kBarWg + kConsumerWGs;
+constexpr bool kBwdPingpongDefault = false;
 // Pre-pass: queries per CTA (both warpgroups see them, each 64 keys of a key tile).
 constexpr int kPreQ = 64;
 constexpr int kPreThreads = 256;
@@ -333,12 +341,12 @@ static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs 
               "setmaxnreg takes multiples of 8 in [24, 256]");
 static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs) * (65536 / kThreads / 8 * 8),
               "setmaxnreg pool: the registers allocated at launch");
-static_assert(kConsumerThreads >= kSubQ && kTile % kSubQ == 0 && kSubQ == 64,
+static_assert(kKeyHalf == 64 && kSubQ == 64 && kTile % kSubQ == 0,
               "one m64 chain per sub-tile; one query column per thread in the row-scale pass");
 static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
 static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
               "slices of the instantiated head dims");
-static_assert(kBarConsumers > 0 && kBarConsumers < 16 && kBarDq > kBarConsumers && kBarDq + kConsumerWGs <= 16,
+static_assert(kBarWg > 0 && kBarPingpong >= kBarWg + kConsumerWGs && kBarPingpong + kConsumerWGs <= 16,
               "hardware named barriers 1..15, distinct");
 
 }  // namespace bwdts

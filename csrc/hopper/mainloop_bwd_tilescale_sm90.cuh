@@ -8,14 +8,16 @@
 //             is the per-column (query) coefficient of the exp2 argument (p_from_s).
 //   dP  (#4)  one FP32 wgmma sum over all of dv; s_dO(i) s_V(kt) is the
 //             per-column coefficient of the dS FMA (dp_scale / ds_from_dp).
-//   dV  (#5)  P^T block-quantized per (qs, kt): a 64-query sub-tile qs of the
-//             query tile qt times the key tile (both warpgroups' amax combined
-//             through shared memory), codes as RS A fragments (codes_block);
-//             s_P(qs,kt) s_dO(qt) is ONE scalar per step: the accumulator is
+//   dV  (#5)  P^T block-quantized per (qs, kh, kt): a 64-query sub-tile qs of
+//             the query tile qt times the 64-key half kh of the key tile (one
+//             consumer warpgroup's keys: its 4 warps' amaxes combined through
+//             shared memory), codes as RS A fragments (codes_block);
+//             s_P(qs,kh,kt) s_dO(qt) is ONE scalar per step: the accumulator is
 //             kept in units of 2^e (rescale_to) and rescaled only when e changes.
-//   dK  (#7)  dS^T per (qs, kt) block, s_dS(qs,kt) s_Q(qt): as dV.
-//   dQ  (#6)  dS per (row, kt) over the 128 keys of the tile; the FP32 wgmma
-//             partial times s_dS(i,kt) s_K(kt) per row at write-out (main kernel).
+//   dK  (#7)  dS^T per (qs, kh, kt) block, s_dS(qs,kh,kt) s_Q(qt): as dV.
+//   dQ  (#6)  dS per (row, kh, kt) over the 64 keys of a half; the FP32 wgmma
+//             partial of each half times s_dS(i,kh,kt) s_K(kt) per row at
+//             write-out (main kernel); the halves' partials add in dq_accum.
 // No scale varies along a reduction dimension, so no partial product is
 // promoted element by element.
 //

@@ -140,6 +140,32 @@ def test_tile_bwd_head_dims(shape, causal, fmt):
     check_grads(cuda, cpu, exact, f"tile {shape} causal={causal} {fmt}")
 
 
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_pingpong_order(monkeypatch, shape, causal):
+    """FP8ATTN_TILE_BWD_PINGPONG=1 (the consumer warpgroups take turns to issue S^T / dP^T)
+    changes only when the wgmmas run, not what they compute: dK and dV (each CTA's own
+    accumulators) are bitwise those of the default order, dQ (FP32 bulk reduce-adds of
+    both warpgroups and every key tile, in whatever order they land) equal to FP32
+    reassociation, and both pass the reference checks. A bad value is refused naming it."""
+    inp = make_inputs(*shape, causal, seed=seed_of("pingpong", shape, causal))
+    got = {}
+    for pp in ("0", "1"):
+        monkeypatch.setenv("FP8ATTN_TILE_BWD_PINGPONG", pp)
+        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+        check_grads(cuda, cpu, exact, f"tile pingpong={pp} {shape} causal={causal}")
+        got[pp] = cuda
+    assert torch.equal(got["0"][1], got["1"][1]) and torch.equal(got["0"][2], got["1"][2])
+    dq0, dq1 = got["0"][0].float(), got["1"][0].float()
+    assert torch.isfinite(dq1).all()
+    assert (dq0 - dq1).norm() <= 1e-2 * dq0.norm()
+    q, k, v, out, lse, dout = (t.cuda() for t in inp)
+    monkeypatch.setenv("FP8ATTN_TILE_BWD_PINGPONG", "2")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_BWD_PINGPONG='2' is not one of 0, 1"):
+        OPS.bwd(dout, q, k, v, out, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+
+
 def check_mode(dims, mode, fmt, causal):
     shape = (2, 6, 2, 290, 260) + dims  # GQA 3:1, partial tiles
     inp = make_inputs(*shape, causal, seed=seed_of("modes", dims, mode, fmt, causal))
