@@ -307,6 +307,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
         if (!interior) mask_tile<kSubQ>(pt, tg, 4 * h + w4, lane);  // rows of main-kernel warp 4 h + w4
         wg_wait<0>();
         dp_scale<kSubQ>(dp, s_v, sDOs, lane);
+        if (!interior) mask_tile<kSubQ>(dp, tg, 4 * h + w4, lane);  // P = 0 there, but dP_hat may be NaN
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -314,11 +315,6 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
             float& l = cp[2 * j + (e & 1)];
             l = __fadd_rn(l, pt[j][e]);  // P is 0 where masked (mask_tile)
           }
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(pt[j][e], dp[j][e]);
-        if (!interior) mask_tile<kSubQ>(dp, tg, 4 * h + w4, lane);  // P = 0 there, but dP_hat may be NaN
       }
       if constexpr (L::kStages == 1) {
         if (h == 1) {
@@ -328,12 +324,16 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
         }
       }
       if (run) {
+        // NOTE: sum P dP_hat by FMA (v1: a rounded product, then the add): P and
+        // dP_hat are the contract's, the rounding of the row sum is free (it is
+        // not bitwise v1's either way: v2 sums in another order); one
+        // instruction less per element.
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float& c = cs[2 * j + (e & 1)];
-            c = __fadd_rn(c, dp[j][e]);
+            c = fmaf(pt[j][e], dp[j][e], c);
           }
       }
     }
