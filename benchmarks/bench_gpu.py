@@ -19,7 +19,10 @@ What is measured, per (shape, causal):
     (FP8ATTN_TILE_PINGPONG=1; the backward's main kernel with
     FP8ATTN_TILE_BWD_PINGPONG=1), tile_persistent the persistent scheduler
     (FP8ATTN_TILE_PERSISTENT=1); the quantization kernels' time and bandwidth;
-    a table of its own, ratios to cuDNN BF16 in the same run.
+    a table of its own, ratios to cuDNN BF16 in the same run. Unless --no-bwd,
+    also the `tile` backward (bench_tile_bwd), including its two
+    Delta-Matching pre-passes side by side (FP8ATTN_TILE_PREPASS_Q=64 and
+    128: the kernel time of each, same process).
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
     excluded), after a self-check against SDPA BF16: "bad" when the relative
     Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
@@ -280,11 +283,17 @@ def markdown(rows, info):
                                                 "tile_fwd_persistent"))
                          + f" | {_fmt_quant(r)} | {fmt_e(r.get('tile_fwd_err'))} |")
     if any(r.get("tile_bwd_delta_matching") is not None for r in rows):
+        # NOTE: the pre-pass A/B column only where a run measured it (older JSON renders as before).
+        pre_ab = any(r.get("tile_bwd_prepass_q64_ms") is not None or r.get("tile_bwd_prepass_q128_ms") is not None
+                     for r in rows)
+        bwd_head = TILE_BWD_HEAD + (" pre-pass ms v1 / v2 |" if pre_ab else "")
         lines += ["", "scaling=\"tile\" backward (FP8ATTN_TILE_BWD=1), TFLOP/s (x = ratio to cuDNN BF16 bwd above): "
                   "op = the op as called (Q / K / V / dO quantization included); kernels = main + pre-pass "
                   "kernels' CUDA time alone (torch.profiler); pre-pass share of the kernels; step = tile fwd + "
-                  "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||.", "",
-                  TILE_BWD_HEAD, "|" + "---|" * (TILE_BWD_HEAD.count("|") - 1)]
+                  "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||"
+                  + ("; pre-pass v1 / v2 = the pre-pass kernel's CUDA time with FP8ATTN_TILE_PREPASS_Q=64 / 128 "
+                     "(64 / 128 queries per CTA)." if pre_ab else "."), "",
+                  bwd_head, "|" + "---|" * (bwd_head.count("|") - 1)]
         for r in rows:
             cb = r.get("cudnn_bwd")
             mm, pm = r.get("tile_bwd_main_ms"), r.get("tile_bwd_prepass_ms")
@@ -297,7 +306,9 @@ def markdown(rows, info):
                                       for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels",
                                                 "tile_bwd_kernels_pingpong"))
                          + f" | {share} | {'n/a' if st is None else f'{st:.2f}x'} | "
-                         + " / ".join(fmt_e(err.get(n)) for n in ("dQ", "dK", "dV")) + " |")
+                         + " / ".join(fmt_e(err.get(n)) for n in ("dQ", "dK", "dV")) + " |"
+                         + (" " + " / ".join(_fmt_ms(r.get(f"tile_bwd_prepass_q{n}_ms")) for n in (64, 128)) + " |"
+                            if pre_ab else ""))
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -323,6 +334,10 @@ TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (
 TILE_BWD_HEAD = ("| B x H x S, d | causal | cuDNN bwd | fp8 row DM bwd | tile DM bwd (op) | tile stale bwd (op) | "
                  "tile DM kernels only | tile DM kernels pingpong | pre-pass share | tile step fwd+bwd vs cuDNN | "
                  "tile dQ / dK / dV err |")
+
+
+def _fmt_ms(ms):
+    return "n/a" if ms is None else f"{ms:.3f}"
 
 
 def _fmt_quant(r):
@@ -539,6 +554,18 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
         main_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
         pre_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
         r["tile_bwd_main_ms"], r["tile_bwd_prepass_ms"] = main_ms, pre_ms
+        # The two pre-passes side by side (FP8ATTN_TILE_PREPASS_Q, read at every call): v1 64, v2 128
+        # queries per CTA; the rows above ran the default.
+        old_q = os.environ.get("FP8ATTN_TILE_PREPASS_Q")
+        try:
+            for qpc in ("64", "128"):
+                os.environ["FP8ATTN_TILE_PREPASS_Q"] = qpc
+                r[f"tile_bwd_prepass_q{qpc}_ms"] = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
+        finally:
+            if old_q is None:
+                del os.environ["FP8ATTN_TILE_PREPASS_Q"]
+            else:
+                os.environ["FP8ATTN_TILE_PREPASS_Q"] = old_q
         r["tile_bwd_kernels"] = (None if main_ms is None or pre_ms is None
                                  else tflops(bwd_flops, main_ms + pre_ms))
         if "tile_pingpong" in getattr(args, "scaling", ()):

@@ -4,19 +4,35 @@
 // same operands, the same m64n64k32 chains over all of head_dim, the same
 // FP32 roundings (mainloop_bwd_tilescale_sm90.cuh). Writes p.delta_dm, and
 // p.delta too when delta_mode is delta_matching. Design:
-// docs/kernels/bwd_tilescale_e4m3_sm90.md.
+// docs/kernels/bwd_tilescale_e4m3_sm90.md. Two variants (FP8ATTN_TILE_PREPASS_Q,
+// default bwdts::kPreQ2Default), both 256 threads = two warpgroups, all of
+// which fill shared memory with cp.async (Q / dO rows once, K / V rows per key
+// tile), __syncthreads between key tiles; K / V tile scales are read from
+// global memory (one scalar each per tile):
 //
-// One CTA per (64-query tile, query head, batch), two warpgroups: both see the
-// 64 queries, warpgroup wg the keys [64 wg, 64 wg + 64) of each 128-key tile
-// (the main kernel's rows). All 256 threads fill shared memory with cp.async
-// (Q / dO rows once, K / V rows per key tile: two stages at head_dim <= 128,
-// one above), __syncthreads between tiles. K / V tile scales are read from
-// global memory (one scalar each per tile).
+// v1 (64): one CTA per (64-query tile, query head, batch): both warpgroups see
+// the 64 queries, warpgroup wg the keys [64 wg, 64 wg + 64) of each 128-key
+// tile (the main kernel's rows). K / V stages: two at head_dim <= 128, one
+// above; two CTAs per SM. Each K / V tile is read once per 64 queries: at
+// 2x16x8192 d = 128 that is ~4.8 TB/s from L2, about the L2's rate.
+//
+// v2 (128): one CTA per (128-query tile, query head, batch): warpgroup wg takes
+// the queries [64 wg, 64 wg + 64) (the main kernel's sub-tile wg) and walks
+// BOTH 64-key halves of each key tile, one after the other, each with the
+// main kernel's chain for that half (bitwise the same P and dP_hat; the
+// mainloop header's contract note), so the per-query sums complete inside one
+// warpgroup and each K / V tile is read once per 128 queries (half of v1's
+// L2 traffic). Stages and CTAs per SM: bwdts::pre2_stages / pre2_ctas_per_sm.
+// A warpgroup skips a key half none of its queries sees (causal, ragged
+// seqlen_k, sub-tile past seqlen_q): warpgroup-uniform, so its wgmmas stay
+// collective; it changes no sum (a masked element adds exact zeros: P = 0
+// and P dP_hat masked).
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
 
+#include "common/env_choice.h"
 #include "hopper/bwd_tilescale_sm90.h"
 #include "hopper/launch_sm90.h"
 #include "hopper/mainloop_bwd_tilescale_sm90.cuh"
@@ -28,7 +44,11 @@ namespace ts {
 namespace {
 
 using bwdts::kPreQ;
+using bwdts::kPreQ2;
 using bwdts::kPreThreads;
+using bwdts::kSubQ;
+
+// ---- v1: 64 queries per CTA ------------------------------------------------------------
 
 template <int DQK, int DV>
 struct PrepassLayout {
@@ -157,26 +177,205 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   prepass_store_delta<kPreQ, kPreThreads>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq, p);
 }
 
+// ---- v2: 128 queries per CTA ----------------------------------------------------------
+
+template <int DQK, int DV>
+struct Prepass2Layout {
+  static constexpr int kNbQK = nb_of<DQK>(), kNbV = nb_of<DV>();
+  static constexpr int kStages = bwdts::pre2_stages(DQK, DV);
+  static constexpr int kCtasPerSm = bwdts::pre2_ctas_per_sm(DQK, DV);
+  static constexpr int kKStage = (kNbQK + kNbV) * kTileBytes;  // bytes of one key stage: K rows, then V rows
+  // The main kernel's query-side row tiles: [block][128][128 B], q_of_col order.
+  static constexpr int kQ = 0;                          // query rows
+  static constexpr int kDO = kQ + kNbQK * kTileBytes;   // dO rows
+  static constexpr int kK = kDO + kNbV * kTileBytes;    // [stages] key rows (k_of_row order), value rows
+  static constexpr int kV = kNbQK * kTileBytes;         //   (value rows at kK + st * kKStage + kV)
+  static constexpr int kF = kK + kStages * kKStage;
+  // floats from kF: per column (q_of_col order, 128) Q and dO row scales, LSE; the reduction.
+  static constexpr int kQs = 0, kDOs = kQs + kPreQ2, kLse = kDOs + kPreQ2, kRed = kLse + kPreQ2;
+  static constexpr int kRedP = kRed + kWarps * 64;  // the P row sums' partials
+  static constexpr int kFloats = kRedP + kWarps * 64;
+  static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
+  static_assert(kQ % 1024 == 0 && kDO % 1024 == 0 && kK % 1024 == 0 && kKStage % 1024 == 0, "1024-byte swizzle atoms");
+  static_assert(kNbQK + kNbV == bwdts::pre2_tiles(DQK, DV), "the config's tile count");
+  // 228 KB of shared memory per SM, 1 KB of it reserved per CTA.
+  static_assert(kCtasPerSm * (kBytes + 1024) <= 228 * 1024 && kBytes <= 227 * 1024, "CTAs per SM");
+};
+
+// NOTE: register budget of v2 at two CTAs per SM is v1's (128): one key half
+// in flight per warpgroup (S^T, dP^T: 32 + 32 accumulator registers, the 32
+// sums); both halves in flight would need 64 more.
+template <int DQK, int DV, int FMT>
+__global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
+    bwd_tilescale_prepass_q128_kernel(const KernelParams p) {
+  using L = Prepass2Layout<DQK, DV>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_aligned_1024(smem_raw);
+  float* sf = reinterpret_cast<float*>(smem + L::kF);
+
+  const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
+  const SeqLens sl = seq_lens(p, b);
+  const int Sq = sl.q, Sk = sl.k;
+  const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
+  const int nblk_k = (Sk + kTile - 1) / kTile;
+  const int m0 = m_tile * kPreQ2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wg = warpgroup_uniform(), w4 = warp & 3;
+  const uint32_t d_base = desc_lo(smem);
+  const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
+  const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+  const int causal_off = Sk - Sq;
+
+  // The CTA's key tiles: those any of its 128 queries sees.
+  const int last_q = min(m0 + kPreQ2 - 1, Sq - 1);
+  const int n_end = p.causal ? max(0, min(Sk, last_q + causal_off + 1)) : Sk;
+  const int n_tiles = (n_end + kTile - 1) / kTile;
+  // This warpgroup's sub-tile: queries [m0s, m0s + 64); keys >= n_end_wg are
+  // masked for all of them (0: the sub-tile is past seqlen_q).
+  const int m0s = m0 + kSubQ * wg;
+  const int last_qs = min(m0s + kSubQ - 1, Sq - 1);
+  const int n_end_wg = m0s >= Sq ? 0 : p.causal ? max(0, min(Sk, last_qs + causal_off + 1)) : Sk;
+  TileGeom tg;
+  tg.m0 = m0s;
+  tg.seqlen_q = Sq;
+  tg.seqlen_k = Sk;
+  tg.causal_off = causal_off;
+  tg.causal = p.causal;
+  tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
+
+  auto issue_keys = [&](int it) {
+    uint8_t* st = smem + L::kK + (it % L::kStages) * L::kKStage;
+    cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
+    cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
+  };
+  // Query side (once: the main kernel's stage layout) + the first key tile: group 0.
+  cp_rows<DQK, true, kPreQ2>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
+  cp_rows<DV, true, kPreQ2>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
+  auto q_idx = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i);
+    return r < Sq ? bhq * Sq + r : -1;
+  };
+  cp_floats(sf + L::kQs, p.q_row_s, kPreQ2, q_idx);
+  cp_floats(sf + L::kDOs, p.do_row_s, kPreQ2, q_idx);
+  cp_floats(sf + L::kLse, p.lse, kPreQ2, q_idx);
+  if (n_tiles > 0) issue_keys(0);
+  cp_commit();
+
+  // This sub-tile's per-column floats (the main kernel's Fs + L::kSQs etc.).
+  const float* sQs = sf + L::kQs + kSubQ * wg;
+  const float* sDOs = sf + L::kDOs + kSubQ * wg;
+  const float* sLse = sf + L::kLse + kSubQ * wg;
+
+  float cs[16];  // per thread: sum over its keys of P * dP_hat; column 8j + 2t + e at [2j + e]
+  float cp[16];  // the same of P (the row sums l, prepass_delta_sm90.cuh)
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_wait<0>();
+    fence_async_smem();
+    __syncthreads();  // tile it visible; everyone is done with the other stage
+    if constexpr (L::kStages == 2) {
+      if (it + 1 < n_tiles) issue_keys(it + 1);
+      cp_commit();
+    }
+    const int st = it % L::kStages;
+    const int n0 = it * kTile;
+    const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
+    const float kc = __fmul_rn(s_k, tg.c2);
+    // Descriptor bases from an opaque copy of the shared base (the main kernel's NOTE).
+    const uint32_t base = opaque_u32(d_base);
+    const uint32_t q_lo = base + L::kQ / 16 + wg * kDesc64Rows, do_lo = base + L::kDO / 16 + wg * kDesc64Rows;
+    const uint32_t st_lo = base + (L::kK + st * L::kKStage) / 16;
+
+    // Key half h = the main kernel's warpgroup h: its keys [n0 + 64 h, n0 + 64 h + 64).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int nh = n0 + 64 * h;
+      const bool run = nh < n_end_wg;  // warpgroup-uniform: some query of the sub-tile sees a key of the half
+      float pt[8][4], dp[8][4];
+      if (run) {
+        tg.n0 = n0;
+        // Every (key, query) of the 64 x 64 block is visible: no masks.
+        const bool interior = nh + 64 <= Sk && m0s + kSubQ <= Sq && (!p.causal || nh + 63 <= m0s + causal_off);
+        const uint32_t k_lo = st_lo + h * kDesc64Rows, v_lo = k_lo + L::kV / 16;
+        // The main kernel's instructions and roundings: P and dP_hat bitwise equal.
+        issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
+        issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
+        wg_wait<1>();
+        p_from_s<kSubQ>(pt, kc, sQs, sLse, lane);
+        if (!interior) mask_tile<kSubQ>(pt, tg, 4 * h + w4, lane);  // rows of main-kernel warp 4 h + w4
+        wg_wait<0>();
+        dp_scale<kSubQ>(dp, s_v, sDOs, lane);
+        if (!interior) mask_tile<kSubQ>(dp, tg, 4 * h + w4, lane);  // P = 0 there, but dP_hat may be NaN
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& l = cp[2 * j + (e & 1)];
+            l = __fadd_rn(l, pt[j][e]);  // P is 0 where masked (mask_tile)
+          }
+      }
+      if constexpr (L::kStages == 1) {
+        if (h == 1) {
+          __syncthreads();  // every warpgroup's wgmmas on the stage completed: refill it
+          if (it + 1 < n_tiles) issue_keys(it + 1);
+          cp_commit();
+        }
+      }
+      if (run) {
+        // NOTE: sum P dP_hat by FMA (v1: a rounded product, then the add): P and
+        // dP_hat are the contract's, the rounding of the row sum is free (it is
+        // not bitwise v1's either way: v2 sums in another order); one
+        // instruction less per element.
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& c = cs[2 * j + (e & 1)];
+            c = fmaf(pt[j][e], dp[j][e], c);
+          }
+      }
+    }
+  }
+  cp_wait<0>();
+
+  prepass_store_delta<kPreQ2, kPreThreads, 2>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq, p);
+}
+
+template <class L, class K>
+void launch_prepass_kernel(const KernelParams& p, K kernel, int queries_per_cta, cudaStream_t stream) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: bwd tile pre-pass: cudaFuncSetAttribute failed: ") +
+                             cudaGetErrorString(err));
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  launch_attn_chunks(p, (p.seqlen_q + queries_per_cta - 1) / queries_per_cta, GridHeads::kQuery, 1,
+                     "bwd tile pre-pass",
+                     [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
+                       kernel<<<dim3(gx, gy, gz), kPreThreads, L::kBytes, stream>>>(pc);
+                       const cudaError_t e = cudaGetLastError();
+                       if (e != cudaSuccess)
+                         throw std::runtime_error(std::string("fp8attn: bwd tile pre-pass launch failed: ") +
+                                                  cudaGetErrorString(e));
+                     });
+}
+
 }  // namespace
 
 void launch_tilescale_prepass(const KernelParams& p, cudaStream_t stream) {
+  // NOTE: FP8ATTN_TILE_PREPASS_Q=64|128 picks v1 / v2 (queries per CTA; default
+  // bwdts::kPreQ2Default; a bad value throws std::invalid_argument, ValueError in
+  // Python), read at every call so one process can time both.
+  const int env = env_choice("FP8ATTN_TILE_PREPASS_Q", {"64", "128"});
+  const bool v2 = env < 0 ? bwdts::kPreQ2Default : env == 1;
   dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
     constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
-    using L = PrepassLayout<DQK, DV>;
-    auto kernel = bwd_tilescale_prepass_kernel<DQK, DV, FMT>;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
-    if (err != cudaSuccess)
-      throw std::runtime_error(std::string("fp8attn: bwd tile pre-pass: cudaFuncSetAttribute failed: ") +
-                               cudaGetErrorString(err));
-    // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
-    launch_attn_chunks(p, (p.seqlen_q + kPreQ - 1) / kPreQ, GridHeads::kQuery, 1, "bwd tile pre-pass",
-                       [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
-                         kernel<<<dim3(gx, gy, gz), kPreThreads, L::kBytes, stream>>>(pc);
-                         const cudaError_t e = cudaGetLastError();
-                         if (e != cudaSuccess)
-                           throw std::runtime_error(std::string("fp8attn: bwd tile pre-pass launch failed: ") +
-                                                    cudaGetErrorString(e));
-                       });
+    if (v2)
+      launch_prepass_kernel<Prepass2Layout<DQK, DV>>(p, bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT>, kPreQ2,
+                                                     stream);
+    else
+      launch_prepass_kernel<PrepassLayout<DQK, DV>>(p, bwd_tilescale_prepass_kernel<DQK, DV, FMT>, kPreQ, stream);
   });
 }
 

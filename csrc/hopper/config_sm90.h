@@ -335,6 +335,23 @@ constexpr bool kBwdPingpongDefault = false;
 // Pre-pass: queries per CTA (both warpgroups see them, each 64 keys of a key tile).
 constexpr int kPreQ = 64;
 constexpr int kPreThreads = 256;
+// Pre-pass v2 (FP8ATTN_TILE_PREPASS_Q=128): kPreQ2 queries per CTA, warpgroup wg
+// = query sub-tile wg (kSubQ queries, the main kernel's sub-tile), walking both
+// 64-key halves of every key tile, so K / V rows are read from L2 once per 128
+// queries (v1: per 64). kPreThreads threads (two warpgroups).
+constexpr int kPreQ2 = 2 * kSubQ;
+// Its shared memory in [128][128 B] tiles of 16 KB: the Q + dO rows of the 128
+// queries are pre2_tiles tiles, one K / V stage as many again. Stages and CTAs
+// per SM (two CTAs: <= 113 KB each, the v1 budget): head_dim <= 128: 2 tiles,
+// 2 stages, 96 KB, 2 CTAs; (192, 128): 3 tiles, 1 stage, 96 KB, 2 CTAs; 256: 4
+// tiles, 128 KB with one stage already, so 1 CTA per SM and then 2 stages (192 KB).
+constexpr int pre2_tiles(int d_qk, int d_v) { return num_dim_blocks(d_qk) + num_dim_blocks(d_v); }
+constexpr int pre2_ctas_per_sm(int d_qk, int d_v) { return pre2_tiles(d_qk, d_v) <= 3 ? 2 : 1; }
+constexpr int pre2_stages(int d_qk, int d_v) { return pre2_tiles(d_qk, d_v) == 3 ? 1 : 2; }
+// Default pre-pass (FP8ATTN_TILE_PREPASS_Q=64|128 overrides): v2. NOTE: compiled,
+// not yet run on a GPU (docs/kernels/bwd_tilescale_e4m3_sm90.md, "Pre-pass v2");
+// FP8ATTN_TILE_PREPASS_Q=64 is v1, as validated.
+constexpr bool kPreQ2Default = true;
 
 static_assert(kTile == 128, "fragment maps: 8 warps x 16 key rows, one 128-byte swizzle row per 128 codes");
 static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
@@ -344,6 +361,12 @@ static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (1 + kConsumerWGs)
 static_assert(kKeyHalf == 64 && kSubQ == 64 && kTile % kSubQ == 0,
               "one m64 chain per sub-tile; one query column per thread in the row-scale pass");
 static_assert(kPreQ == 64 && kPreThreads == 256, "pre-pass: one m64n64 chain per warpgroup, as the main kernel's halves");
+static_assert(kPreQ2 == kTile && kPreQ2 == 2 * kSubQ && kPreThreads == 2 * 128,
+              "pre-pass v2: one query sub-tile of the main kernel per warpgroup, both key halves");
+static_assert(pre2_stages(64, 64) == 2 && pre2_stages(128, 128) == 2 && pre2_stages(192, 128) == 1 &&
+                  pre2_stages(256, 256) == 2 && pre2_ctas_per_sm(128, 128) == 2 && pre2_ctas_per_sm(192, 128) == 2 &&
+                  pre2_ctas_per_sm(256, 256) == 1,
+              "pre-pass v2 stages / CTAs per SM of the instantiated head dims (sizes asserted in its layout)");
 static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
               "slices of the instantiated head dims");
 static_assert(kBarWg > 0 && kBarPingpong >= kBarWg + kConsumerWGs && kBarPingpong + kConsumerWGs <= 16,

@@ -33,6 +33,12 @@
 // functions below with explicit roundings (__fmul_rn, fmaf), so P and dP_hat
 // are bitwise equal and the Delta-Matching pre-cast row sums of dS are
 // delta (1 - sum_j P_ij) up to FP32 rounding (numerics.md sections 4, 7).
+// Pre-pass v2 (128 queries per CTA) keeps this per element: its warpgroup wg
+// issues the chain of main-kernel warpgroup h (A = key rows [64 h, 64 h + 64))
+// for both h against query sub-tile wg (B = query rows [64 wg, 64 wg + 64) of
+// a 128-row tile, QROWS = kTile as in the main kernel), each half its own
+// accumulator, so key row 64 h + 16 w + r and query column c land in the same
+// (warp-row, column) fragment slot as in the main kernel's warp 4 h + w.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -373,18 +379,24 @@ __device__ __forceinline__ void fill_cols(uint8_t* dst, const uint8_t* src, int6
 // ---- the pre-pass tail -----------------------------------------------------------------
 
 // cs[2j + e]: this thread's sum over its keys of P dP_hat for column 8j + 2t + e
-// of the NQ = 64 query columns (column n is query m0 + q_of_col(n)), cp[2j + e]
-// the same of P. Sums over the 8 lanes g of a warp (its 16 keys), then over the
-// 8 warps (sRed, sRedP: 8 x 64 floats of shared memory each), and finishes the
-// queries < Sq (prepass_finish_row: delta_dm = sum P dP_hat / sum P, delta for
+// of its warp's 64 query columns, cp[2j + e] the same of P. The 8 warps form
+// kGroups groups of kWarps / kGroups consecutive warps; group G's columns are
+// columns [64 G, 64 G + 64) of the NQ = 64 kGroups columns (column n is query
+// m0 + q_of_col(n)). v1 (kGroups = 1): all 8 warps see the same 64 queries (16
+// keys each); v2 (kGroups = 2): warpgroup G = query sub-tile G, whose 4 warps
+// (16 keys of each 64-key half each) hold every key of its queries. Sums over
+// the 8 lanes g of a warp, then over the warps of the group (sRed, sRedP: 8 x 64
+// floats of shared memory each), and finishes the queries < Sq
+// (prepass_finish_row: delta_dm = sum P dP_hat / sum P, delta for
 // delta_matching, the backward-consistent LSE). Contains a __syncthreads (NT threads).
 // NOTE: the row wgmma pre-pass has the same tail inline; calling this from it
 // changed its SASS (more spills at d >= 192 under nvcc 13.0), so it keeps its copy.
-template <int NQ, int NT>
+template <int NQ, int NT, int kGroups = 1>
 __device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float (&cp)[16], float* sRed, float* sRedP,
                                                     int warp, int lane, int m0, int Sq, int64_t bhq,
                                                     const KernelParams& p) {
-  static_assert(NQ == 64, "16 sums per thread: 8 n8 tiles of 64 columns");
+  static_assert(NQ == 64 * kGroups && kWarps % kGroups == 0, "16 sums per thread: 8 n8 tiles of 64 columns per group");
+  constexpr int kGroupWarps = kWarps / kGroups;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
@@ -398,19 +410,21 @@ __device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float (&cp)
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        sRed[warp * NQ + 8 * j + 2 * t + e] = cs[2 * j + e];
-        sRedP[warp * NQ + 8 * j + 2 * t + e] = cp[2 * j + e];
+        sRed[warp * 64 + 8 * j + 2 * t + e] = cs[2 * j + e];
+        sRedP[warp * 64 + 8 * j + 2 * t + e] = cp[2 * j + e];
       }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < NQ; i += NT) {
-    const int q = m0 + q_of_col(i);
+    const int q = m0 + q_of_col(i);  // q_of_col permutes within 16 columns: group i / 64's column i % 64
     if (q >= Sq) continue;
+    const float* r = sRed + (i / 64) * kGroupWarps * 64 + i % 64;
+    const float* rp = sRedP + (i / 64) * kGroupWarps * 64 + i % 64;
     float s = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      s += sRed[w * NQ + i];
-      l += sRedP[w * NQ + i];
+    for (int w = 0; w < kGroupWarps; ++w) {
+      s += r[w * 64];
+      l += rp[w * 64];
     }
     prepass_finish_row(p, bhq * Sq + q, s, l);
   }

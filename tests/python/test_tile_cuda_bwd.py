@@ -76,6 +76,13 @@ def run_bwd(inp, causal, mode, fmt, diagnostics=False, exact=True):
     if exact:
         ex = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal,
                      "exact", mode, 128, fmt, False)
+    return run_cuda_bwd(inp, causal, mode, fmt, diagnostics), cpu, ex
+
+
+def run_cuda_bwd(inp, causal, mode, fmt, diagnostics=False):
+    """The CUDA `tile` backward of run_bwd alone: (dq, dk, dv, diag) on the CPU."""
+    q, k, v, out, lse, dout = inp
+    tau = f32_scale(q.shape[-1])
     dev = [t.cuda() for t in (dout, q, k, v, out)]
     # The kernel's LSE: the CUDA `tile` forward's (its S is the backward's wgmma chain),
     # so each side's P sums to 1 against its own S; the reference keeps the CPU forward's.
@@ -88,7 +95,7 @@ def run_bwd(inp, causal, mode, fmt, diagnostics=False, exact=True):
                            ((4,) + tuple(lse.shape), torch.float32)])
     cuda = OPS.bwd(*dev, lse_cuda, tau, causal, "fp8", mode, 128, fmt, diagnostics, "tile")
     torch.cuda.synchronize()
-    return tuple(t.cpu() for t in cuda), cpu, ex
+    return tuple(t.cpu() for t in cuda)
 
 
 def tile_refs_by_mode(inp, causal, fmt):
@@ -118,6 +125,11 @@ def test_tile_bwd_knob(monkeypatch):
     # The row recipe never reads it.
     dq, dk, dv, _ = OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
     assert all(torch.isfinite(t.float()).all() for t in (dq, dk, dv))
+    # The pre-pass variant (queries per CTA), checked at each call of the tile backward.
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")
+    monkeypatch.setenv("FP8ATTN_TILE_PREPASS_Q", "96")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_PREPASS_Q='96' is not one of 64, 128"):
+        OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False, "tile")
 
 
 # ---- dQ, dK, dV vs the CPU `tile` reference ----------------------------------------------
@@ -312,6 +324,49 @@ def test_tile_bwd_nan_never_passes(where, causal):
             seen = seen or bool(nan_r.any())
             assert torch.isnan(c)[nan_r].all(), f"{where} {mode} causal={causal} {name}: NaN was lost"
         assert seen, f"{where} {mode}: the planted NaN did not reach the reference's gradients"
+
+
+# ---- the two pre-passes (FP8ATTN_TILE_PREPASS_Q: v1 64, v2 128 queries per CTA) ---------
+
+PREPASS_CASES = [  # (b, hq, hkv, sq, sk)
+    (1, 4, 2, 130, 333),  # the last 128-query CTA: sub-tile 0 partial (2 queries), sub-tile 1 past seqlen_q
+    (2, 3, 1, 200, 130),  # sub-tile 1 partial; causal: the first 70 queries see no key
+    (1, 2, 2, 384, 384),  # whole tiles; causal: diagonal tiles, sub-tile 0 skips key half 1
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dims", DIMS, ids=lambda x: "%dx%d" % x)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_tile_prepass_variants(monkeypatch, dims, causal, fmt):
+    # Both pre-passes form the main kernel's P and dP_hat bitwise; only the order of the
+    # FP32 row sums differs (v1: 8 warps of 16 keys per 128-key tile; v2: 4 warps, two
+    # key halves each), so their delta_dm agree to FP32 rounding, each backward passes
+    # the reference checks and the Delta-Matching invariant holds with either. Ragged
+    # sub-tiles, GQA, causal both ways (queries that see no key), every head_dim, both
+    # grad formats (the dP^T chain's B operand).
+    for case in PREPASS_CASES:
+        inp = make_inputs(*case, *dims, causal, seed=seed_of("prepass", case, dims, causal, fmt))
+        q, k, v, out, lse, dout = inp
+        tau = f32_scale(dims[0])
+        cpu = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", "delta_matching", 128, fmt, True, "tile")
+        ex = OPS.bwd(dout.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal,
+                     "exact", "delta_matching", 128, fmt, False)
+        res = {}
+        for qpc in ("64", "128"):
+            monkeypatch.setenv("FP8ATTN_TILE_PREPASS_Q", qpc)
+            cuda = run_cuda_bwd(inp, causal, "delta_matching", fmt, diagnostics=True)
+            label = f"tile pre-pass {qpc} {case} {dims} causal={causal} {fmt}"
+            check_grads(cuda, cpu, ex, label)
+            diag = cuda[3].double()
+            assert torch.isfinite(diag).all(), label
+            assert (diag[0] - cpu[3][0].double()).norm() <= 1e-3 * cpu[3][0].double().norm(), label
+            assert diag[2].mean().item() < 1e-6, (label, diag[2].mean().item())
+            res[qpc] = diag[0]
+        d1, d2 = res["64"], res["128"]
+        assert torch.equal(d1 == 0, d2 == 0), "rows that see no key: delta 0 in both"
+        assert (d2 - d1).norm() <= 1e-5 * d1.norm() + 1e-30, ((d2 - d1).norm().item(), d1.norm().item())
 
 
 # ---- diagnostics and the Delta-Matching invariant -----------------------------------------
