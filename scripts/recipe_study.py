@@ -5,7 +5,9 @@ and training-shaped inputs, with variants of the backward's P-for-dV scale; and
 tensors) for row / tile x {no transform, qk_rotation="hadamard", smooth_k, both}
 (docs/numerics.md section 10; the table of docs/results.md), (--captured) that table on
 activations captured from a fp8attn.train checkpoint, and (--pds-blocks) the `tile` P / dS
-blocks of #5 / #7 of T / 2 = 64 queries (the contract) against whole 128-query tiles.
+blocks of #5 / #7 of T / 2 = 64 queries x T / 2 = 64 keys with the dS of #6 per (row, 64 keys)
+(the contract) against 64 x 128 blocks with #6 per (row, 128 keys), and against whole 128 x 128
+tiles.
 
 The emulation is not part of the test suite (the CPU reference is the oracle; it
 only explores choices before they are fixed in the contract). Every FP8 operand is
@@ -64,10 +66,13 @@ def mask_bias(Sq, Sk):
     return torch.where(j <= i + (Sk - Sq), 0.0, -math.inf).to(F64)
 
 
-def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None):
+def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None, kblk=None):
     """qblk: query rows of the P (#5) and dS (#7) blocks of `tile` (default T // 2, the query
-    sub-tile of docs/numerics.md section 9; T gives whole query tiles)."""
+    sub-tile of docs/numerics.md section 9; T gives whole query tiles). kblk: keys of those
+    blocks and of the per-row dS blocks of #6 (default T // 2, the key half of section 9;
+    T gives whole key tiles)."""
     qblk = qblk or T // 2
+    kblk = kblk or T // 2
     Sq, d = q.shape
     Sk, dv = v.shape
     row = recipe == "row"
@@ -106,7 +111,7 @@ def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None)
         dvv = quant(P, T, 1).T @ quant(do, T, 1)
         dk = tau * quant(dS, T, 1).T @ quant(q, T, 1)
     else:
-        dq = tau * quant(dS, 1, T) @ kh
+        dq = tau * quant(dS, 1, kblk) @ kh
         do5 = quant(do, T, 0)
         if pdv == "fixed":
             Ph = (P * 256).to(torch.float8_e4m3fn).to(F64) / 256
@@ -118,10 +123,10 @@ def emulate(q, k, v, do, tau, causal, recipe, pdv="tile_amax", T=128, qblk=None)
             off = 8 + e - e.max()
             scale = torch.exp2(-off).repeat_interleave(T)[:Sq, None].expand(Sq, Sk)
             Ph = quant(P, 1, 1, scale=scale.contiguous())
-        else:  # tile_amax: per (query sub-tile of qblk queries, key tile), dynamic
-            Ph = quant(P, qblk, T)
+        else:  # tile_amax: per (query sub-tile of qblk queries, key half of kblk keys), dynamic
+            Ph = quant(P, qblk, kblk)
         dvv = Ph.T @ do5
-        dk = tau * quant(dS, qblk, T).T @ quant(q, T, 0)
+        dk = tau * quant(dS, qblk, kblk).T @ quant(q, T, 0)
     return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dvv)
 
 
@@ -167,14 +172,15 @@ def rel(a, b):
 
 
 def run(kind, Sq, Sk, d, causal, seed, variants):
-    """variants: (name, recipe, pdv) or (name, recipe, pdv, qblk)."""
+    """variants: (name, recipe, pdv), (name, recipe, pdv, qblk) or (name, recipe, pdv, qblk, kblk)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = inputs(kind, Sq, Sk, d, g)
     tau = 1 / math.sqrt(d)
     ex = exact(q, k, v, do, tau, causal)
     out = {}
-    for name, rec, pdv, *qb in variants:
-        em = emulate(q, k, v, do, tau, causal, rec, pdv, qblk=qb[0] if qb else None)
+    for name, rec, pdv, *blk in variants:
+        blk = blk + [None] * (2 - len(blk))
+        em = emulate(q, k, v, do, tau, causal, rec, pdv, qblk=blk[0], kblk=blk[1])
         fin = torch.isfinite(ex["lse"])
         out[name] = {key: rel(em[key], ex[key]) if key != "lse" else
                      (em[key][fin] - ex[key][fin]).pow(2).mean().sqrt().item() for key in ex}
@@ -334,8 +340,8 @@ def main():
     ap.add_argument("--heads", type=int, default=2, help="--captured: query heads per layer")
     ap.add_argument("--data-root", help="--captured: the prepared corpus (default: the checkpoint's)")
     ap.add_argument("--pds-blocks", action="store_true",
-                    help="tile: P (#5) / dS (#7) blocks of 64 queries x 128 keys (the contract) vs whole "
-                         "128 x 128 tiles")
+                    help="tile: P (#5) / dS (#7) blocks of 64 queries x 64 keys and dS (#6) per (row, 64 keys) "
+                         "(the contract) vs 64 x 128 blocks with #6 per (row, 128 keys) and whole 128 x 128 tiles")
     ap.add_argument("--blocks", action="store_true",
                     help="Hadamard block choices for head_dim 192 / 80 / 96 (CPU reference, training-shaped)")
     args = ap.parse_args()
@@ -367,8 +373,9 @@ def main():
         print(f"\n({time.time() - t0:.0f} s)")
         return
     if args.pds_blocks:
-        variants = [("row", "row", None), ("tile 128x128 (whole tiles)", "tile", "tile_amax", 128),
-                    ("tile 64x128 (contract)", "tile", "tile_amax", 64)]
+        variants = [("row", "row", None), ("tile 128x128, #6 per 128 keys", "tile", "tile_amax", 128, 128),
+                    ("tile 64x128, #6 per 128 keys", "tile", "tile_amax", 64, 128),
+                    ("tile 64x64, #6 per 64 keys (contract)", "tile", "tile_amax", 64, 64)]
         print("| inputs | Sq x Sk, d | causal | recipe (P / dS block) | O | LSE | dQ | dK | dV |")
         print("|---|---|---|---|---|---|---|---|---|")
         for kind, Sq, Sk, d, causal in ([(kind, 2048, 2048, 128, c) for kind in ("gaussian", "training") for c in (False, True)]

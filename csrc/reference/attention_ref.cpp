@@ -1187,7 +1187,8 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
   const int64_t nqt = ceil_div(Sq, B), nkt = ceil_div(Sk, B);
-  const int64_t H = B / 2;  // query sub-tile of the P / dS blocks of #5 / #7
+  const int64_t H = B / 2;   // query sub-tile of the P / dS blocks of #5 / #7
+  const int64_t KH = B / 2;  // key half of a key tile: the P / dS blocks of #5 / #7, dS of #6
   const ShardedDelta* sd = p.sharded;
   const bool sums_only = sd != nullptr && sd->sum_pdp != nullptr;
   const bool want_pre = diag && diag->rowsum_pre, want_post = diag && diag->rowsum_post;
@@ -1271,18 +1272,23 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
             // is what matmuls #6 and #7 quantize.
             if (cap > 0.f)
               for (int64_t j = 0; j < nvis; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
-            // #6 dQ = dS K: dS one scale per (row, key tile), K per key tile.
+            // #6 dQ = dS K: dS one scale per (row, key half of KH keys), K per key
+            // tile; each half's partial is added to dQ on its own, in key order.
             for (int64_t t = 0; t * B < nvis; ++t) {
               const int64_t j0 = t * B, L = std::min(B, nvis - j0);
-              const float sds = quant_hat(dS + j0, L, 1, gf, hat.data(), 1);
-              if (want_post)
-                for (int64_t j = 0; j < L; ++j) {
-                  const float dec = hat[j] * sds;
-                  post_sum += dec;
-                  post_abs += std::fabs(dec);
-                }
               const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
-              tile_axpy(hat.data(), sds, kt.hat, kt.ld, kt.scale, L, d, sbv.data(), dq_acc.data());
+              for (int64_t h0 = 0; h0 < L; h0 += KH) {  // key halves [j0 + h0, j0 + h0 + Lh)
+                const int64_t Lh = std::min(KH, L - h0);
+                const float sds = quant_hat(dS + j0 + h0, Lh, 1, gf, hat.data(), 1);
+                if (want_post)
+                  for (int64_t j = 0; j < Lh; ++j) {
+                    const float dec = hat[j] * sds;
+                    post_sum += dec;
+                    post_abs += std::fabs(dec);
+                  }
+                tile_axpy(hat.data(), sds, kt.hat + h0 * kt.ld, kt.ld, kt.scale, Lh, d, sbv.data(),
+                          dq_acc.data());
+              }
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
           }
@@ -1293,52 +1299,58 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
                                   post_abs, nvis);
         }
         if (sums_only) continue;
-        // Column pass, per key tile this query tile sees: dV (#5), dK (#7).
-        // P and dS: one scale per (query sub-tile of H rows, key tile) block,
-        // over the rows of the sub-tile that see the key column (a suffix of
-        // the sub-tile); dO and Q: one scale per query tile, over the rows of
-        // the tile that see the key column. rmP / rmS: per row, the amax over
-        // the key tile, then the suffix maxima within each sub-tile.
+        // Column pass, per key half this query tile sees: dV (#5), dK (#7).
+        // P and dS: one scale per (query sub-tile of H rows, key half of KH
+        // keys) block, over the rows of the sub-tile that see the key column
+        // (a suffix of the sub-tile); dO and Q: one scale per query tile, over
+        // the rows of the tile that see the key column. rmP / rmS: per row,
+        // the amax over the key half, then the suffix maxima within each sub-tile.
         for (int64_t kt = 0; kt < nkt; ++kt) {
           const int64_t j0 = kt * B, j1 = std::min(Sk, j0 + B);
           if (g.first_query(j0) >= i1) break;  // later tiles are seen by even fewer rows
-          for (int64_t i = i0; i < i1; ++i) {
-            const float* P = Pt.data() + (i - i0) * Sk;
-            const float* dS = dSt.data() + (i - i0) * Sk;
-            float ap = 0.f, as = 0.f;
-            for (int64_t j = j0; j < j1; ++j) {
-              ap = nan_max(ap, std::fabs(P[j]));
-              as = nan_max(as, std::fabs(dS[j]));
+          for (int64_t h0 = j0; h0 < j1; h0 += KH) {  // key halves [h0, h1) of tile kt
+            const int64_t h1 = std::min(j1, h0 + KH);
+            if (g.first_query(h0) >= i1) break;
+            for (int64_t i = i0; i < i1; ++i) {
+              const float* P = Pt.data() + (i - i0) * Sk;
+              const float* dS = dSt.data() + (i - i0) * Sk;
+              float ap = 0.f, as = 0.f;
+              for (int64_t j = h0; j < h1; ++j) {
+                ap = nan_max(ap, std::fabs(P[j]));
+                as = nan_max(as, std::fabs(dS[j]));
+              }
+              rmP[i - i0] = ap;
+              rmS[i - i0] = as;
             }
-            rmP[i - i0] = ap;
-            rmS[i - i0] = as;
-          }
-          for (int64_t r = i1 - i0 - 2; r >= 0; --r) {
-            if ((r + 1) % H == 0) continue;  // row r + 1 starts the next sub-tile
-            rmP[r] = nan_max(rmP[r], rmP[r + 1]);
-            rmS[r] = nan_max(rmS[r], rmS[r + 1]);
-          }
-          for (int64_t j = j0; j < j1; ++j) {
-            const int64_t vq = std::max(i0, g.first_query(j));  // rows [vq, i1) see j
-            if (vq >= i1) break;
-            const TileView dot = visible_tile(do_t, qt, vq, i1, mix, mix_t);
-            const TileView qv = visible_tile(q_t, qt, vq, i1, mix_q, mix_t);
-            for (int64_t s0 = i0; s0 < i1; s0 += H) {  // sub-tiles in increasing order
-              const int64_t v0 = std::max(s0, vq), s1 = std::min(i1, s0 + H);
-              if (v0 >= s1) continue;  // no row of this sub-tile sees j
-              const int64_t L = s1 - v0;
-              const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
-              const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
-              // #5 dV = P^T dO: P per sub-tile block (E4M3), dO per query tile (grad_format).
-              const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
-              quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
-              tile_axpy(hat.data(), sp, dot.hat + (v0 - vq) * dot.ld, dot.ld, dot.scale, L, dvd,
-                        sbv.data(), dv_acc.data() + j * dvd);
-              // #7 dK = dS^T Q: dS per sub-tile block (grad_format), Q per query tile (E4M3).
-              const float sds = scale_of_amax(rmS[v0 - i0], gf);
-              quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
-              tile_axpy(hat.data(), sds, qv.hat + (v0 - vq) * qv.ld, qv.ld, qv.scale, L, d,
-                        sbv.data(), dk_acc.data() + j * d);
+            for (int64_t r = i1 - i0 - 2; r >= 0; --r) {
+              if ((r + 1) % H == 0) continue;  // row r + 1 starts the next sub-tile
+              rmP[r] = nan_max(rmP[r], rmP[r + 1]);
+              rmS[r] = nan_max(rmS[r], rmS[r + 1]);
+            }
+            for (int64_t j = h0; j < h1; ++j) {
+              const int64_t vq = std::max(i0, g.first_query(j));  // rows [vq, i1) see j
+              if (vq >= i1) break;
+              const TileView dot = visible_tile(do_t, qt, vq, i1, mix, mix_t);
+              const TileView qv = visible_tile(q_t, qt, vq, i1, mix_q, mix_t);
+              for (int64_t s0 = i0; s0 < i1; s0 += H) {  // sub-tiles in increasing order
+                const int64_t v0 = std::max(s0, vq), s1 = std::min(i1, s0 + H);
+                if (v0 >= s1) continue;  // no row of this sub-tile sees j
+                const int64_t L = s1 - v0;
+                const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
+                const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
+                // #5 dV = P^T dO: P per (sub-tile, key half) block (E4M3), dO per query tile
+                // (grad_format).
+                const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
+                quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
+                tile_axpy(hat.data(), sp, dot.hat + (v0 - vq) * dot.ld, dot.ld, dot.scale, L, dvd,
+                          sbv.data(), dv_acc.data() + j * dvd);
+                // #7 dK = dS^T Q: dS per (sub-tile, key half) block (grad_format), Q per query
+                // tile (E4M3).
+                const float sds = scale_of_amax(rmS[v0 - i0], gf);
+                quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
+                tile_axpy(hat.data(), sds, qv.hat + (v0 - vq) * qv.ld, qv.ld, qv.scale, L, d,
+                          sbv.data(), dk_acc.data() + j * d);
+              }
             }
           }
         }

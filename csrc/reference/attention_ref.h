@@ -60,13 +60,15 @@
 //   section 9) keeps everything but the blocking, with T = p.block_size as
 //   the tile edge and head_dim never split: Q and dO (#3, #4) one scale per
 //   query row; K and V one scale per tile of T keys (one K_hat for #1/#3/#6,
-//   one V_hat for #2/#4); P (forward) and dS (#6) one per (row, key tile);
+//   one V_hat for #2/#4); P (forward) one per (row, key tile); dS (#6) one
+//   per (row, key half of T/2 keys), each half's dQ partial summed on its own;
 //   Q (#7) and dO (#5) one per tile of T queries; P (#5) and dS (#7) one per
-//   (query sub-tile of T/2 queries, key tile) block, the sub-tiles starting
-//   at query 0 (two per query tile; a last tile of at most T/2 queries has
-//   one). Each partial product is one FP32 sum (over all of head_dim for
-//   #1/#3/#4; over the queries of one sub-tile for #5/#7, added in increasing
-//   sub-tile order) times the product of its two scales. The masking rule is
+//   (query sub-tile of T/2 queries, key half of T/2 keys) block, sub-tiles
+//   and halves starting at token 0 of the tile (two per tile; a last tile of
+//   at most T/2 queries / keys has one). Each partial product is one FP32 sum
+//   (over all of head_dim for #1/#3/#4; over the keys of one half for #6;
+//   over the queries of one sub-tile for #5/#7, added in increasing sub-tile
+//   order) times the product of its two scales. The masking rule is
 //   the same: a block a row (key column) reads is quantized from the keys
 //   (query rows) it sees, so K/V tiles of a diagonal tile use the visible
 //   prefix of keys, Q/dO the rows of the query tile that see the key column,

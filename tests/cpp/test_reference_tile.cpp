@@ -5,8 +5,9 @@
 //     entries zeroed before quantizing, no tiling tricks);
 //   - error against the exact path within the FP8 budget and within 1.05x of
 //     the `row` recipe's, on Gaussian and on training-shaped inputs;
-//   - the P (#5) and dS (#7) blocks of T/2 queries, shown against whole-tile
-//     blocks on inputs where the two differ;
+//   - the P (#5) and dS (#7) blocks of T/2 queries, shown against whole
+//     query tiles, and the P / dS blocks of #5 / #7 and the dS (#6) blocks
+//     of T/2 keys, shown against whole key tiles, on inputs where they differ;
 //   - the Delta-Matching row-sum invariant, shown against the stale delta.
 // GQA, fully masked rows and the NaN rules run for both recipes in
 // test_reference_common.cpp.
@@ -52,19 +53,26 @@ struct Emulated {
 // The `tile` recipe of numerics.md section 9, literally: Q and dO (#3, #4)
 // one block per query row (all of head_dim); K and V one block per tile of T
 // keys (all of head_dim), restricted to the keys the row sees; P (forward)
-// and dS (#6) one block per (row, key tile); P (#5) and dS (#7) one block per
-// (query sub-tile of T/2 queries, key tile) over the rows of the sub-tile
-// that see the key column, one partial per sub-tile in increasing order;
-// Q (#7) and dO (#5) one block per tile of T queries over the rows of the
-// tile that see the key column (all of head_dim).
+// one block per (row, key tile); dS (#6) one block per (row, key half of T/2
+// keys), one dQ partial per half in key order; P (#5) and dS (#7) one block
+// per (query sub-tile of T/2 queries, key half of T/2 keys) over the rows of
+// the sub-tile that see the key column, one partial per sub-tile in
+// increasing order; Q (#7) and dO (#5) one block per tile of T queries over
+// the rows of the tile that see the key column (all of head_dim). Sub-tiles
+// and halves start at the tile's first query / key.
 // pds_rows: the query rows of the #5 / #7 P and dS blocks, T/2 by the
-// contract; pds_rows = T gives whole-tile blocks (one sub-tile per query
+// contract; pds_rows = T gives whole query tiles (one sub-tile per query
 // tile), the blocking the sub-tile test shows the reference does not use.
+// pds_keys: the keys of the #5 / #7 P and dS blocks and of the #6 dS blocks,
+// T/2 by the contract; pds_keys = T gives whole key tiles (the blocking
+// before the key halves), which the key-half test shows the reference does
+// not use.
 Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format gf,
-                      DeltaMode mode, int64_t pds_rows = 0) {
+                      DeltaMode mode, int64_t pds_rows = 0, int64_t pds_keys = 0) {
   const int64_t Sq = pr.Sq, Sk = pr.Sk, Hq = pr.Hq, Hkv = pr.Hkv, d = pr.d, dv = pr.dv,
                 G = Hq / Hkv;
-  const int64_t H = pds_rows > 0 ? pds_rows : T / 2;  // query sub-tile
+  const int64_t H = pds_rows > 0 ? pds_rows : T / 2;   // query sub-tile
+  const int64_t KH = pds_keys > 0 ? pds_keys : T / 2;  // key half
   const float tau = static_cast<float>(pr.tau());
   const Fp8Format e4 = Fp8Format::kE4M3;
   auto qb = [&](int64_t b, int64_t i, int64_t h) { return ((b * Sq + i) * Hq + h) * d; };
@@ -213,17 +221,20 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
           std::vector<float> acc(d, 0.f);
           for (int64_t j0 = 0; j0 < n; j0 += T) {
             const int64_t L = std::min(T, n - j0);
-            const std::vector<float> dsd =
-                decoded(std::vector<float>(dS[i].begin() + j0, dS[i].begin() + j0 + L), gf);
             const std::vector<float> kd = kv_block(i, j0, true);
-            for (float x : dsd) {
-              qs += x;
-              qa += std::fabs(x);
-            }
-            for (int64_t c = 0; c < d; ++c) {
-              float part = 0.f;
-              for (int64_t j = 0; j < L; ++j) part += dsd[j] * kd[j * d + c];
-              acc[c] += part;
+            for (int64_t h0 = 0; h0 < L; h0 += KH) {  // key halves [j0 + h0, j0 + h1)
+              const int64_t h1 = std::min(L, h0 + KH);
+              const std::vector<float> dsd = decoded(
+                  std::vector<float>(dS[i].begin() + j0 + h0, dS[i].begin() + j0 + h1), gf);
+              for (float x : dsd) {
+                qs += x;
+                qa += std::fabs(x);
+              }
+              for (int64_t c = 0; c < d; ++c) {
+                float part = 0.f;
+                for (int64_t j = h0; j < h1; ++j) part += dsd[j - h0] * kd[j * d + c];
+                acc[c] += part;
+              }
             }
           }
           for (int64_t c = 0; c < d; ++c) e.dq[qb(b, i, h) + c] = acc[c] * tau;
@@ -232,40 +243,43 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
           e.pre[lrow + i] = n >= 2 && pa > 0 ? static_cast<float>(std::fabs(ps) / pa) : 0.f;
           e.post[lrow + i] = n >= 2 && qa > 0 ? static_cast<float>(std::fabs(qs) / qa) : 0.f;
         }
-        // Backward columns: dV (#5), dK (#7), per (query sub-tile, key tile).
+        // Backward columns: dV (#5), dK (#7), per (query sub-tile, key half).
         for (int64_t i0 = 0; i0 < Sq; i0 += T) {
           const int64_t i1 = std::min(Sq, i0 + T);
-          for (int64_t j0 = 0; j0 < Sk; j0 += T) {
-            const int64_t j1 = std::min(Sk, j0 + T);
-            for (int64_t j = j0; j < j1; ++j) {
-              const int64_t vq = std::max(i0, first_query(j));
-              if (vq >= i1) continue;
-              // The dO and Q blocks: rows [vq, i1) of the query tile, all of head_dim.
-              const std::vector<float> dod = block(in.dout, obase, vq, i1, dv, gf),
-                                       qd = block(in.q, qbase, vq, i1, d, e4);
-              for (int64_t s0 = i0; s0 < i1; s0 += H) {  // query sub-tiles [s0, s1)
-                const int64_t s1 = std::min(i1, s0 + H), v0 = std::max(s0, vq);
-                if (v0 >= s1) continue;
-                // The P and dS blocks: rows [v0, s1) x keys [j0, j1), masked entries 0.
-                std::vector<float> pb, sb;
-                for (int64_t i = v0; i < s1; ++i)
-                  for (int64_t jj = j0; jj < j1; ++jj) {
-                    pb.push_back(P[i][jj]);
-                    sb.push_back(dS[i][jj]);
+          for (int64_t t0 = 0; t0 < Sk; t0 += T) {
+            const int64_t t1 = std::min(Sk, t0 + T);
+            for (int64_t j0 = t0; j0 < t1; j0 += KH) {  // key halves [j0, j1) of tile [t0, t1)
+              const int64_t j1 = std::min(t1, j0 + KH);
+              for (int64_t j = j0; j < j1; ++j) {
+                const int64_t vq = std::max(i0, first_query(j));
+                if (vq >= i1) continue;
+                // The dO and Q blocks: rows [vq, i1) of the query tile, all of head_dim.
+                const std::vector<float> dod = block(in.dout, obase, vq, i1, dv, gf),
+                                         qd = block(in.q, qbase, vq, i1, d, e4);
+                for (int64_t s0 = i0; s0 < i1; s0 += H) {  // query sub-tiles [s0, s1)
+                  const int64_t s1 = std::min(i1, s0 + H), v0 = std::max(s0, vq);
+                  if (v0 >= s1) continue;
+                  // The P and dS blocks: rows [v0, s1) x keys [j0, j1), masked entries 0.
+                  std::vector<float> pb, sb;
+                  for (int64_t i = v0; i < s1; ++i)
+                    for (int64_t jj = j0; jj < j1; ++jj) {
+                      pb.push_back(P[i][jj]);
+                      sb.push_back(dS[i][jj]);
+                    }
+                  const std::vector<float> pd = decoded(pb, e4), sd = decoded(sb, gf);
+                  const int64_t w = j1 - j0;
+                  for (int64_t c = 0; c < dv; ++c) {
+                    float part = 0.f;
+                    for (int64_t i = v0; i < s1; ++i)
+                      part += pd[(i - v0) * w + j - j0] * dod[(i - vq) * dv + c];
+                    dv_acc[j * dv + c] += part;
                   }
-                const std::vector<float> pd = decoded(pb, e4), sd = decoded(sb, gf);
-                const int64_t w = j1 - j0;
-                for (int64_t c = 0; c < dv; ++c) {
-                  float part = 0.f;
-                  for (int64_t i = v0; i < s1; ++i)
-                    part += pd[(i - v0) * w + j - j0] * dod[(i - vq) * dv + c];
-                  dv_acc[j * dv + c] += part;
-                }
-                for (int64_t c = 0; c < d; ++c) {
-                  float part = 0.f;
-                  for (int64_t i = v0; i < s1; ++i)
-                    part += sd[(i - v0) * w + j - j0] * qd[(i - vq) * d + c];
-                  dk_acc[j * d + c] += part;
+                  for (int64_t c = 0; c < d; ++c) {
+                    float part = 0.f;
+                    for (int64_t i = v0; i < s1; ++i)
+                      part += sd[(i - v0) * w + j - j0] * qd[(i - vq) * d + c];
+                    dk_acc[j * d + c] += part;
+                  }
                 }
               }
             }
@@ -355,20 +369,21 @@ TEST(ReferenceFp8Tile, MatchesLiteralEmulationOfTheRecipe) {
 }
 
 // The P (#5) and dS (#7) blocks are (query sub-tile of T/2 queries, key
-// tile): rows of one half of a query tile whose P / dS are small next to the
+// half): rows of one half of a query tile whose P / dS are small next to the
 // other half's keep their own scale. T = 128: one query tile of 128 queries,
 // two key tiles, d = dv = 16. Sub-tile 0 (queries 0-63) has Q = 0: P = 1/256
 // at every key, and no dK contribution. Sub-tile 1 (queries 64-127) puts its
 // mass on a sink key 0 (logit 22, FP8-exact: q_0 = 8, k_0 = 11, tau = 1/4),
 // so its P at the keys of tile 1 is ~e^-22 ~ 2^-32 and its dS ~2^-30. Under
-// one scale per 128 x 128 block those codes are set by sub-tile 0's amax
-// (P 2^-8, dS ~2^-4) and flush to zero; under the sub-tile block they are
-// normal. with_do0: dO of sub-tile 0 kept (its dS is large; dK of tile 1's
-// keys comes from sub-tile 1 alone) or zeroed (dS of sub-tile 0 is zero; dV
-// of tile 1's keys comes from sub-tile 1 alone). The reference equals the
-// sub-tile emulation bit for bit, differs from the whole-tile one, and its
-// dV / dK on tile 1's keys are FP8-accurate (~0.06) where the whole-tile
-// blocks give zero (relative error 1).
+// one scale per block of the whole 128-query tile (x 64 keys) those codes
+// are set by sub-tile 0's amax (P 2^-8, dS ~2^-4) and flush to zero; under
+// the sub-tile block they are normal. with_do0: dO of sub-tile 0 kept (its
+// dS is large; dK of tile 1's keys comes from sub-tile 1 alone) or zeroed
+// (dS of sub-tile 0 is zero; dV of tile 1's keys comes from sub-tile 1
+// alone). The reference equals the sub-tile emulation bit for bit, differs
+// from the whole-query-tile one, and its dV / dK on tile 1's keys are
+// FP8-accurate (~0.06) where the whole-query-tile blocks give zero
+// (relative error 1).
 void check_subtile_blocks(bool with_do0) {
   SCOPED_TRACE(with_do0 ? "dS (#7): dO of sub-tile 0 kept" : "P (#5): dO of sub-tile 0 zero");
   Problem pr;
@@ -405,7 +420,7 @@ void check_subtile_blocks(bool with_do0) {
   const DeltaMode mode = DeltaMode::kDeltaMatching;
   const RefOutputs r = run_reference(pr, in, tile_params(pr, mode, static_cast<int>(T), gf), opt);
   const Emulated sub = emulate_tile(pr, in, T, gf, mode, H);    // the contract
-  const Emulated whole = emulate_tile(pr, in, T, gf, mode, T);  // T x T blocks
+  const Emulated whole = emulate_tile(pr, in, T, gf, mode, T);  // T x T/2 blocks
   EXPECT_EQ(max_abs_diff(r.o, sub.o), 0.0);
   EXPECT_EQ(max_abs_diff(r.dq, sub.dq), 0.0);
   EXPECT_EQ(max_abs_diff(r.dk, sub.dk), 0.0);
@@ -422,7 +437,7 @@ void check_subtile_blocks(bool with_do0) {
   const double err_sub = rel_error(tile1(r_out), tile1(ex_out)),
                err_whole = rel_error(tile1(whole_out), tile1(ex_out));
   std::printf("[tile sub-tile blocks] %s of key tile 1: rel err vs exact, reference %.4f, "
-              "whole-tile blocks %.4f\n",
+              "whole-query-tile blocks %.4f\n",
               with_do0 ? "dK" : "dV", err_sub, err_whole);
   EXPECT_LT(err_sub, 0.1);
   EXPECT_GT(err_whole, 0.9);
@@ -431,6 +446,94 @@ void check_subtile_blocks(bool with_do0) {
 TEST(ReferenceFp8Tile, PdsBlocksAreQuerySubTiles) {
   check_subtile_blocks(false);
   check_subtile_blocks(true);
+}
+
+// The P (#5) / dS (#7) blocks are (query sub-tile, key half of T/2 keys) and
+// the dS (#6) blocks (row, key half): a key half whose P / dS are small next
+// to the other half's keeps its own scale (the CUDA backward's two consumer
+// warpgroups each own one half). T = 128: one query tile of 128 queries, two
+// key tiles, d = dv = 16, non-causal. Every query has q_0 = 8; the near half
+// of each key tile (keys j % 128 < 64) has k_0 = 11 (logit 22 + N(0, ~1),
+// FP8-exact as in check_subtile_blocks) and k_1 = 0; the far half (j % 128
+// >= 64) has k_0 = 0. So P of the far halves is ~e^-22 ~ 2^-32 of the near
+// halves' (~2^-7) and their dS likewise; under one scale per 64 x 128 block
+// (#5 / #7) or per (row, 128 keys) (#6) the far codes are set by the near
+// half's amax and flush to zero. dV / dK of the far keys come from the far
+// halves' P / dS alone, and dQ channel 1 from the far halves' #6 dS alone
+// (k_1 = 0 on the near halves). The reference equals the key-half emulation
+// bit for bit (diagnostics included: the post-cast row sums use the #6
+// codes), differs from the whole-key-tile one, and is FP8-accurate (~0.06)
+// on those outputs where whole key tiles give zero (relative error 1).
+TEST(ReferenceFp8Tile, PdsBlocksAreKeyHalves) {
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = pr.Hkv = 1;
+  pr.Sq = 128;
+  pr.Sk = 256;
+  pr.d = pr.dv = 16;
+  pr.causal = false;
+  const int64_t T = 128, KH = T / 2, d = pr.d, dv = pr.dv;
+  std::mt19937 rng(641);
+  Inputs in = random_inputs(pr, rng);
+  for (int64_t i = 0; i < pr.Sq; ++i) in.q[i * d] = 8.0;
+  for (int64_t j = 0; j < pr.Sk; ++j) {
+    double* k = in.k.data() + j * d;
+    const bool near = j % T < KH;
+    k[0] = near ? 11.0 : 0.0;
+    if (near) k[1] = 0.0;
+  }
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = DType::kFloat64;
+  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+  opt.out_dtype = DType::kFloat32;
+  const Fp8Format gf = Fp8Format::kE4M3;
+  const DeltaMode mode = DeltaMode::kDeltaMatching;
+  const RefOutputs r = run_reference(pr, in, tile_params(pr, mode, static_cast<int>(T), gf), opt);
+  const Emulated half = emulate_tile(pr, in, T, gf, mode);             // the contract: 64 x 64
+  const Emulated whole = emulate_tile(pr, in, T, gf, mode, T / 2, T);  // 64 x 128, #6 per 128
+  EXPECT_EQ(max_abs_diff(r.o, half.o), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dq, half.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dk, half.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dv, half.dv), 0.0);
+  for (size_t i = 0; i < half.lse.size(); ++i) {
+    EXPECT_EQ(r.lse[i], half.lse[i]) << i;
+    EXPECT_EQ(r.rowsum_post[i], half.post[i]) << i;
+  }
+  EXPECT_GT(max_abs_diff(r.dq, whole.dq), 0.0);
+  EXPECT_GT(max_abs_diff(r.dk, whole.dk), 0.0);
+  EXPECT_GT(max_abs_diff(r.dv, whole.dv), 0.0);
+  // The outputs the far halves alone make: dV / dK rows of the far keys,
+  // dQ channel 1 of every query.
+  auto far_keys = [&](const std::vector<double>& x, int64_t w) {
+    std::vector<double> out;
+    for (int64_t j = 0; j < pr.Sk; ++j)
+      if (j % T >= KH) out.insert(out.end(), x.begin() + j * w, x.begin() + (j + 1) * w);
+    return out;
+  };
+  auto channel1 = [&](const std::vector<double>& x) {
+    std::vector<double> out;
+    for (int64_t i = 0; i < pr.Sq; ++i) out.push_back(x[i * d + 1]);
+    return out;
+  };
+  struct Case {
+    const char* name;
+    std::vector<double> ref, whole, exact;
+  };
+  const Case cases[] = {
+      {"dV (#5) of the far keys", far_keys(r.dv, dv), far_keys(whole.dv, dv), far_keys(ex.dv, dv)},
+      {"dK (#7) of the far keys", far_keys(r.dk, d), far_keys(whole.dk, d), far_keys(ex.dk, d)},
+      {"dQ (#6) channel 1", channel1(r.dq), channel1(whole.dq), channel1(ex.dq)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const double err_half = rel_error(c.ref, c.exact), err_whole = rel_error(c.whole, c.exact);
+    std::printf("[tile key-half blocks] %s: rel err vs exact, reference %.4f, whole-key-tile "
+                "blocks %.4f\n",
+                c.name, err_half, err_whole);
+    EXPECT_LT(err_half, 0.1);
+    EXPECT_GT(err_whole, 0.9);
+  }
 }
 
 // ---- Error against exact, tile vs row ----------------------------------------
