@@ -286,13 +286,18 @@ def markdown(rows, info):
         # NOTE: the pre-pass A/B column only where a run measured it (older JSON renders as before).
         pre_ab = any(r.get("tile_bwd_prepass_q64_ms") is not None or r.get("tile_bwd_prepass_q128_ms") is not None
                      for r in rows)
-        bwd_head = TILE_BWD_HEAD + (" pre-pass ms v1 / v2 |" if pre_ab else "")
+        # The pingpong column likewise (tile_pingpong in --scaling).
+        bwd_pp = any(r.get("tile_bwd_kernels_pingpong") is not None for r in rows)
+        bwd_head = (TILE_BWD_HEAD + (" pre-pass ms v1 / v2 |" if pre_ab else "")
+                    + (" tile DM kernels pingpong |" if bwd_pp else ""))
         lines += ["", "scaling=\"tile\" backward (FP8ATTN_TILE_BWD=1), TFLOP/s (x = ratio to cuDNN BF16 bwd above): "
                   "op = the op as called (Q / K / V / dO quantization included); kernels = main + pre-pass "
                   "kernels' CUDA time alone (torch.profiler); pre-pass share of the kernels; step = tile fwd + "
                   "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||"
                   + ("; pre-pass v1 / v2 = the pre-pass kernel's CUDA time with FP8ATTN_TILE_PREPASS_Q=64 / 128 "
-                     "(64 / 128 queries per CTA)." if pre_ab else "."), "",
+                     "(64 / 128 queries per CTA)" if pre_ab else "")
+                  + ("; kernels pingpong = main kernel with FP8ATTN_TILE_BWD_PINGPONG=1 + pre-pass." if bwd_pp
+                     else "."), "",
                   bwd_head, "|" + "---|" * (bwd_head.count("|") - 1)]
         for r in rows:
             cb = r.get("cudnn_bwd")
@@ -303,12 +308,13 @@ def markdown(rows, info):
             lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cb)} | "
                          f"{fmt_t(r.get('fp8_bwd_delta_matching'))}{fmt_r(r.get('fp8_bwd_delta_matching'), cb)} | "
                          + " | ".join(f"{fmt_t(r.get(n))}{fmt_r(r.get(n), cb)}"
-                                      for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels",
-                                                "tile_bwd_kernels_pingpong"))
+                                      for n in ("tile_bwd_delta_matching", "tile_bwd_stale", "tile_bwd_kernels"))
                          + f" | {share} | {'n/a' if st is None else f'{st:.2f}x'} | "
                          + " / ".join(fmt_e(err.get(n)) for n in ("dQ", "dK", "dV")) + " |"
                          + (" " + " / ".join(_fmt_ms(r.get(f"tile_bwd_prepass_q{n}_ms")) for n in (64, 128)) + " |"
-                            if pre_ab else ""))
+                            if pre_ab else "")
+                         + (f" {fmt_t(r.get('tile_bwd_kernels_pingpong'))}"
+                            f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else ""))
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -332,8 +338,7 @@ TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (
 
 
 TILE_BWD_HEAD = ("| B x H x S, d | causal | cuDNN bwd | fp8 row DM bwd | tile DM bwd (op) | tile stale bwd (op) | "
-                 "tile DM kernels only | tile DM kernels pingpong | pre-pass share | tile step fwd+bwd vs cuDNN | "
-                 "tile dQ / dK / dV err |")
+                 "tile DM kernels only | pre-pass share | tile step fwd+bwd vs cuDNN | tile dQ / dK / dV err |")
 
 
 def _fmt_ms(ms):
