@@ -26,7 +26,7 @@
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_TESTS replaces the GPU test list, DEVICE_TESTS_PART=1|2 runs half of the default list,
 # DEVICE_PYTEST_ARGS extra pytest arguments,
-# DEVICE_SAN=0 skips the sanitizers, DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# DEVICE_SAN=0 skips the sanitizers, DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 # Exit status: 0 iff every stage that ran passed (a per-stage table ends the output and
 # summary.txt); 1 when one failed or the library did not build / load; 2 for a bad knob.
 set -uo pipefail
@@ -232,6 +232,18 @@ if [ "$bench" != 0 ]; then
   note "benchmark: rc=$rc"
   stage "benchmark ($bench)" "$rc"
 fi
+
+# Optional: Nsight Compute of kernels of the library just built (device_common.sh
+# ncu_profile): DEVICE_NCU="tag:kernel-regex:extra ncu_target.py args(comma-separated) ..."
+# at NCU_SHAPE (default 2x16x8192x128), e.g.
+# DEVICE_NCU="tfwd:fwd_tilescale:--scaling,tile tbwd:bwd_tilescale_main:--bwd,--scaling,tile"
+# (NCU_NO_SASS=1 keeps the returned files to details + stalls per kernel: 8 files at most).
+for spec in ${DEVICE_NCU:-}; do
+  IFS=: read -r tag kre extra <<<"$spec"
+  # shellcheck disable=SC2086
+  ncu_profile "$tag" "$kre" "${NCU_SHAPE:-2x16x8192x128}" ${extra//,/ }
+  stage "ncu $tag" "$?"
+done
 
 echo
 echo "== summary"

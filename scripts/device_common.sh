@@ -140,3 +140,32 @@ study_corpus() {
     note "data/linux-doc-6.1-bpe16384-32mb is missing: carry it (the device has no network)"; return 1
   fi
 }
+
+# ncu_profile TAG KERNEL_REGEX SHAPE [TARGET ARGS...]: Nsight Compute (`--set full
+# --import-source yes`) of the last of NCU_WARMUP + 1 (default 3) launches of the
+# kernel matching KERNEL_REGEX in benchmarks/ncu_target.py at SHAPE (BxHxSxd);
+# writes $OUT/TAG_details.txt (all sections), $OUT/TAG_stalls.md (top SASS lines by
+# stall samples, benchmarks/ncu_stalls.py), $OUT/TAG_sass.csv.gz unless
+# NCU_NO_SASS=1, the report itself only with NCU_KEEP_REP=1 (the device returns
+# at most 8 files); notes the headline metrics. Time limit NCU_T (default 150 s).
+ncu_profile() {
+  local tag="$1" kre="$2" shape="$3" warm="${NCU_WARMUP:-2}" rep
+  shift 3
+  rep="/tmp/$tag"
+  note "== ncu $tag ($kre, $shape $*)"
+  timeout "${NCU_T:-150}" ncu --set full --import-source yes -k "regex:$kre" --launch-skip "$warm" --launch-count 1 \
+    -f -o "$rep" python3 benchmarks/ncu_target.py --shape "$shape" --warmup "$warm" "$@" >"/tmp/${tag}_ncu.log" 2>&1
+  note "ncu rc=$?"
+  tail -3 "/tmp/${tag}_ncu.log"
+  [ -f "$rep.ncu-rep" ] || return 1
+  ncu --import "$rep.ncu-rep" --page details >"$OUT/${tag}_details.txt" 2>&1
+  ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"/tmp/${tag}_sass.csv" 2>/tmp/${tag}_sass.err
+  note "source page rc=$? ($(wc -l <"/tmp/${tag}_sass.csv") lines)"
+  python3 benchmarks/ncu_stalls.py "/tmp/${tag}_sass.csv" --top "${NCU_TOP:-45}" >"$OUT/${tag}_stalls.md" 2>&1
+  [ "${NCU_NO_SASS:-0}" = 1 ] || gzip -c "/tmp/${tag}_sass.csv" >"$OUT/${tag}_sass.csv.gz"
+  head -60 "$OUT/${tag}_stalls.md"
+  grep -E "Duration|Issue Slots Busy|Executed Ipc A|Compute \(SM\) Throughput|Registers Per|Warp Cycles Per Issued" \
+    "$OUT/${tag}_details.txt" | head -12 | tee -a "$SUMMARY"
+  [ "${NCU_KEEP_REP:-0}" = 1 ] && cp "$rep.ncu-rep" "$OUT/"
+  return 0
+}

@@ -24,31 +24,13 @@ note "$LIB_NOTE"
 note "$(ncu --version | tail -1); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
 SHAPE="${NCU_SHAPE:-4x16x4096x128}"
-WARM="${NCU_WARMUP:-2}"
 causal=(); [ "${NCU_CAUSAL:-0}" = 1 ] && causal=(--causal)
 # tag:kernel-regex:extra target args
 KERNELS="${NCU_KERNELS:-fwd:fwd_wgmma_kernel: bwd:bwd_wgmma_main_kernel:--bwd}"
 for spec in $KERNELS; do
   IFS=: read -r tag kre extra <<<"$spec"
-  note "== $tag ($kre, $SHAPE ${causal[*]})"
   # shellcheck disable=SC2086
-  timeout "${NCU_T:-150}" ncu --set full --import-source yes -k "regex:$kre" --launch-skip "$WARM" --launch-count 1 \
-    -f -o "$OUT/$tag" python3 benchmarks/ncu_target.py --shape "$SHAPE" --warmup "$WARM" "${causal[@]}" $extra ${NCU_EXTRA:-} \
-    >"$OUT/${tag}_ncu.log" 2>&1
-  note "ncu rc=$?"
-  tail -3 "$OUT/${tag}_ncu.log"
-  if [ -f "$OUT/$tag.ncu-rep" ]; then
-    ncu --import "$OUT/$tag.ncu-rep" --page details >"$OUT/${tag}_details.txt" 2>&1
-    ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass >"/tmp/${tag}_sass.csv" 2>/tmp/${tag}_sass.err
-    note "source page rc=$? ($(wc -l <"/tmp/${tag}_sass.csv") lines)"
-    python3 benchmarks/ncu_stalls.py "/tmp/${tag}_sass.csv" --top "${NCU_TOP:-45}" >"$OUT/${tag}_stalls.md" 2>&1
-    gzip -c "/tmp/${tag}_sass.csv" >"$OUT/${tag}_sass.csv.gz"
-    head -60 "$OUT/${tag}_stalls.md"
-    grep -E "Duration|Issue Slots Busy|Executed Ipc A|Compute \(SM\) Throughput|Registers Per|Warp Cycles Per Issued" \
-      "$OUT/${tag}_details.txt" | head -12 | tee -a "$SUMMARY"
-    # NOTE: only 8 files come back from a device call: keep the report only when asked.
-    [ "${NCU_KEEP_REP:-0}" = 1 ] || rm -f "$OUT/$tag.ncu-rep"
-  fi
+  ncu_profile "$tag" "$kre" "$SHAPE" "${causal[@]}" $extra ${NCU_EXTRA:-}
 done
 rm -f "$OUT"/*_ncu.log
 ls -la "$OUT"
