@@ -63,7 +63,7 @@ struct AttnParams {
   double softmax_scale = 0.0;  // tau; callers pass 1/sqrt(head_dim_qk) for the default.
                                // NOTE: double so the exact path is FP64-exact; the fp8 path rounds it to FP32.
   bool causal = false;         // bottom-right aligned: j <= i + (seqlen_k - seqlen_q)
-  // Sliding window (numerics.md section 1, FlashAttention's window_size): query i sees key j
+  // Sliding window (numerics.md section 14, FlashAttention's window_size): query i sees key j
   // iff j >= i + (seqlen_k - seqlen_q) - window_left (window_left >= 0) and
   // j <= i + (seqlen_k - seqlen_q) + window_right (window_right >= 0); a negative bound is
   // unbounded. causal forces window_right = 0 (FlashAttention's rule); causal = (-1, 0).
@@ -89,7 +89,7 @@ struct AttnParams {
   const ShardedDelta* sharded = nullptr;
 };
 
-// The mask of a problem as window bounds (numerics.md section 1, "Sliding window"):
+// The mask of a problem as window bounds (numerics.md section 14):
 // left / right >= 0 bound the keys a row sees on that side, -1 = unbounded. Normalized
 // as FlashAttention-3 does (hopper/flash_api.cpp), which changes no row's key set: a
 // negative bound is -1; causal sets right = 0; left >= seqlen_k - 1 or right >=

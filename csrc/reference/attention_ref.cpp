@@ -172,7 +172,7 @@ void check_view(const TensorView& t, const char* name, bool nonempty) {
   FP8ATTN_CHECK_ARG(!nonempty || t.data != nullptr, name, "data pointer is null");
 }
 
-// Shared geometry of one problem. The mask (numerics.md section 1: causal, sliding
+// Shared geometry of one problem. The mask (numerics.md sections 1 and 14: causal, sliding
 // window) as effective window bounds: row i sees the contiguous keys
 // [key_begin(i), key_end(i)) (empty when equal) and key j is seen by the contiguous
 // rows [query_begin(j), query_end(j)). All four are non-decreasing in their argument,

@@ -1,5 +1,6 @@
 // fp8attn: CPU reference attention, the oracle for every test and the path
-// that runs where there is no GPU. Math: numerics.md sections 1 (exact path)
+// that runs where there is no GPU. Math: numerics.md sections 1 (exact path; masks:
+// also section 14, sliding windows)
 // and 2-5 (fp8 path, delta modes, diagnostics).
 //
 // Conventions shared by every function below
@@ -14,7 +15,7 @@
 //   dk/dv are the sums over the query heads of the group.
 // - causal (bottom-right): query i sees key j iff j <= i + (seqlen_k - seqlen_q).
 //   Sliding window (p.window_left / p.window_right, FlashAttention's window_size;
-//   numerics.md section 1): query i sees key j iff j >= i + (seqlen_k - seqlen_q) -
+//   numerics.md section 14): query i sees key j iff j >= i + (seqlen_k - seqlen_q) -
 //   window_left (window_left >= 0) and j <= i + (seqlen_k - seqlen_q) + window_right
 //   (window_right >= 0); a negative bound is unbounded; causal forces window_right =
 //   0, so causal is the window (-1, 0). A row sees a contiguous range of keys.

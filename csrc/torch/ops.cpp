@@ -30,7 +30,7 @@ TORCH_LIBRARY(fp8attn, m) {
   // shard: the FP32 partial row sums sum_j P_ij dP_hat_ij and sum_j P_ij, P from
   // the forward's (global) lse.
   // window_left / window_right (every attention op; appended last so positional
-  // callers keep working): FlashAttention's window_size, numerics.md section 1;
+  // callers keep working): FlashAttention's window_size, numerics.md section 14;
   // -1 = unbounded, causal forces window_right = 0. CUDA: NotImplementedError
   // naming window_size unless the window masks nothing beyond causal.
   m.def(

@@ -413,7 +413,7 @@ void check_no_softcap(double softcap) {
                               "yet (CPU tensors run it on the reference), got ", softcap);
 }
 
-// Sliding windows (numerics.md section 1) have no CUDA kernel yet. A window whose
+// Sliding windows (numerics.md section 14) have no CUDA kernel yet. A window whose
 // bounds reach every key of every row is no window, and (-1, 0) is the causal mask
 // (effective_window, common/params.h, FlashAttention-3's normalization): those run
 // the kernels as no mask / causal, and the causal flag to run with is returned; any

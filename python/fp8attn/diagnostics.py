@@ -145,7 +145,7 @@ def name_layers(model: torch.nn.Module, overwrite: bool = False) -> int:
 def row_sees_key_mask(seqlen_q: int, seqlen_k: int, causal: bool, device=None,
                       window_size: Tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """Bool [seqlen_q]: query row i sees at least one key. With the bottom-right
-    masks of numerics.md section 1 (diagonal key i + seqlen_k - seqlen_q): causal,
+    masks of numerics.md sections 1 and 14 (diagonal key i + seqlen_k - seqlen_q): causal,
     row i sees key j iff j <= diagonal; a sliding window (left, right) (-1 =
     unbounded; causal forces right = 0), iff diagonal - left <= j <= diagonal + right."""
     i = torch.arange(seqlen_q, device=device)
@@ -164,7 +164,7 @@ def diag_stats(diag: torch.Tensor, seqlen_k: int, causal: bool,
                window_size: Tuple[int, int] = (-1, -1)) -> Dict[str, Any]:
     """Statistics of a bwd diag tensor float32 [4, batch, num_heads_q, seqlen_q]
     (delta, eps, rowsum_pre, rowsum_post) over the rows that see >= 1 key
-    (causal / window_size: the call's mask, numerics.md section 1)."""
+    (causal / window_size: the call's mask, numerics.md sections 1 and 14)."""
     seqlen_q = diag.shape[-1]
     mask = row_sees_key_mask(seqlen_q, seqlen_k, causal, diag.device, window_size)
     rows = diag[..., mask].reshape(4, -1).double()

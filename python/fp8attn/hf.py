@@ -67,7 +67,7 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 def _window_mask(seqlen_q: int, seqlen_k: int, window: Tuple[int, int], device) -> torch.Tensor:
-    """Bool [seqlen_q, seqlen_k]: the bottom-right window mask of numerics.md section 1
+    """Bool [seqlen_q, seqlen_k]: the bottom-right window mask of numerics.md section 14
     (key j visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
     seqlen_q + right; -1 = unbounded)."""
     left, right = window

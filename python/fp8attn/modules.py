@@ -20,7 +20,7 @@ class FP8Attention(torch.nn.Module):
         scaling ("row" or "tile": the FP8 scaling recipe, numerics.md section 9),
         qk_rotation ("none" or "hadamard") and smooth_k (bool): the outlier
         transforms of Q and K (numerics.md section 10);
-        window_size ((left, right), FlashAttention's sliding window, section 1:
+        window_size ((left, right), FlashAttention's sliding window, section 14:
         -1 = unbounded, causal forces right = 0; CPU tensors, CUDA raises
         NotImplementedError naming it).
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)

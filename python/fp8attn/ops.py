@@ -13,8 +13,8 @@ Public functions (all tensors are torch tensors on one device):
             is_causal=False, scale=None, enable_gqa=False, **fp8_kwargs)
       drop-in for torch.nn.functional.scaled_dot_product_attention.
 
-Math: docs/numerics.md (section 1 exact attention, the bottom-right causal
-mask and the sliding window, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
+Math: docs/numerics.md (section 1 exact attention and the bottom-right causal
+mask, section 14 the sliding window, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
 `tile` scaling recipe, section 10 the Q/K rotation and K smoothing). The ops are
 torch.ops.fp8attn.fwd / bwd (schemas in csrc/torch/ops.cpp, docs/architecture.md).
 
@@ -150,7 +150,7 @@ def _causal_window(causal, left: int, right: int) -> Tuple[int, int]:
 
 
 def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
-    """window_size (FlashAttention's sliding window, numerics.md section 1) as a pair
+    """window_size (FlashAttention's sliding window, numerics.md section 14) as a pair
     of Python ints (left, right), each negative bound returned as -1 (unbounded).
     Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
     j <= i + seqlen_k - seqlen_q + right (right >= 0). Raises ValueError naming
@@ -380,7 +380,7 @@ def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rota
     the CPU consistency tests; fp8 path only), applied around the raw op with
     torch ops: Q', K' = qk_transform.transform_qk, then the kernel, then the LSE
     shifted back to that of the untransformed logits. softcap: numerics.md section 12;
-    window: (left, right), the sliding window of section 1 (-1 = unbounded), the raw
+    window: (left, right), the sliding window of section 14 (-1 = unbounded), the raw
     op's window_left / window_right. Returns (O, LSE), with return_lse_t (O, LSE, LSE_t): LSE_t the LSE of the
     logits the kernel saw (LSE' of the smoothed logits; LSE itself without
     smooth_k), what the autograd entry points keep for the backward (bwd_op's
@@ -699,7 +699,7 @@ def attention(
             A real number >= 0. CPU tensors only so far (CUDA:
             NotImplementedError naming it); not with smooth_k (ValueError).
         window_size: (left, right), FlashAttention's sliding window
-            (numerics.md section 1), bottom-right aligned like causal: query i
+            (numerics.md section 14), bottom-right aligned like causal: query i
             sees key j iff j >= i + seqlen_k - seqlen_q - left (when left >= 0)
             and j <= i + seqlen_k - seqlen_q + right (when right >= 0); a
             negative bound (-1) is unbounded. (-1, -1) (default) is no window,
@@ -797,7 +797,7 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     unbounded, causal=True sets the right bound to 0; so (-1, -1) is no window and
     (-1, 0) the causal mask, returned as causal=True with window (-1, -1). Bounds
     that reach every key (FA3 sets them to -1) need no rule here: the op's window
-    is exact for any bound (numerics.md section 1). Raises ValueError for a
+    is exact for any bound (numerics.md section 14). Raises ValueError for a
     malformed value, NotImplementedError for a well-formed unsupported one."""
     def unsupported(arg, value, what):
         raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
@@ -924,7 +924,7 @@ def _flash_attn_func(
     values FlashAttention treats the same. `num_splits` and
     `pack_gqa` are scheduling hints that do not change the result; fp8attn keeps its
     own schedule. window_size=(left, right): FlashAttention's sliding window, as
-    `attention`'s window_size (numerics.md section 1: bottom-right aligned, a negative
+    `attention`'s window_size (numerics.md section 14: bottom-right aligned, a negative
     bound unbounded, causal=True sets the right bound to 0; so (-1, 0) is the causal
     mask and (-1, -1) none); CPU tensors run any window, CUDA tensors raise
     NotImplementedError naming window_size for a window that masks more than causal
@@ -1081,7 +1081,7 @@ def scaled_dot_product_attention(
     fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name,
     scaling ("row" or "tile", numerics.md section 9), qk_rotation ("none" or
     "hadamard"), smooth_k (bool; section 10), softcap (section 12) and
-    window_size (FlashAttention's sliding window, section 1), as in `attention`; any other keyword (attention's causal / softmax_scale included:
+    window_size (FlashAttention's sliding window, section 14), as in `attention`; any other keyword (attention's causal / softmax_scale included:
     here they are is_causal / scale) is a TypeError naming it, and errors name
     the arguments as this function calls them.
     Not supported (NotImplementedError): attn_mask, dropout_p != 0, and

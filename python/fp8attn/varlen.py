@@ -30,7 +30,7 @@ torch.ops.fp8attn.fwd / bwd (through ops.fwd_op / bwd_op, which apply
 qk_rotation / smooth_k around them on CUDA) on [1, heads, len, head_dim] views
 of each sequence's slices: bit-identical to calling `attention` per sequence
 (so smooth_k subtracts each sequence's own mean key, numerics.md section 10, and
-a sliding window is bottom-right aligned per sequence, section 1). The
+a sliding window is bottom-right aligned per sequence, section 14). The
 outputs start as O = 0, LSE = -inf, zero gradients, so tokens outside every
 sequence and empty sequences keep those values. The fake kernels give the
 output shapes from the input shapes alone. varlen_fwd is differentiable
@@ -387,7 +387,7 @@ def varlen_attention(
         softcap: logit softcapping as in `fp8attn.attention` (numerics.md section
             12; CPU tensors only, CUDA NotImplementedError naming it).
         window_size: (left, right), FlashAttention's sliding window as in
-            `fp8attn.attention` (numerics.md section 1), bottom-right aligned per
+            `fp8attn.attention` (numerics.md section 14), bottom-right aligned per
             sequence (on its used lengths with seqused_q / seqused_k); -1 =
             unbounded, causal=True sets right = 0, (-1, 0) is the causal mask.
             A pair of ints (ValueError otherwise); CPU tensors run any window,

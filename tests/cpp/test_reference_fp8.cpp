@@ -368,7 +368,7 @@ TEST(ReferenceFp8, MatchesLiteralEmulationOfTheRecipe) {
   expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
 }
 
-// Sliding windows (numerics.md section 1): the visible keys of a row are a range
+// Sliding windows (numerics.md section 14): the visible keys of a row are a range
 // [i + Sk - Sq - left, i + Sk - Sq + right], so the partially visible tiles are
 // prefixes, suffixes and (windows narrower than a tile) middle ranges, quantized
 // from their visible part; edges inside and across tiles, seqlen_q != seqlen_k both

@@ -1,6 +1,6 @@
 // Tests of sliding windows in the CPU reference (AttnParams::window_left /
-// window_right, FlashAttention's window_size; numerics.md section 1 "Sliding
-// window" and the masking rules of sections 3, 7 and 9):
+// window_right, FlashAttention's window_size; numerics.md section 14, with the
+// masking rules of sections 3, 7 and 9):
 //   - the exact path against a brute-force masked FP64 attention (test_util.h's
 //     naive_attention over Problem::sees, written from the definition), for
 //     bounds in {-1, 0, 1, small, crossing tile edges}, seqlen_q != seqlen_k both

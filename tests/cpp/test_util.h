@@ -179,7 +179,7 @@ inline std::vector<double> random_normal(int64_t n, std::mt19937& rng, bool bf16
 struct Problem {
   int64_t B = 1, Sq = 8, Sk = 8, Hq = 2, Hkv = 2, d = 16, dv = 16;
   bool causal = false;
-  // Sliding window (numerics.md section 1): -1 = unbounded; causal forces right = 0.
+  // Sliding window (numerics.md section 14): -1 = unbounded; causal forces right = 0.
   int64_t window_left = -1, window_right = -1;
   double scale = 0.0;  // 0 = 1/sqrt(d)
   Scaling scaling = Scaling::kRow;  // FP8 recipe (numerics.md section 9)

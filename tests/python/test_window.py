@@ -1,4 +1,4 @@
-"""Sliding windows (FlashAttention's window_size, numerics.md section 1) through the
+"""Sliding windows (FlashAttention's window_size, numerics.md section 14) through the
 op layer on CPU tensors: attention, flash_attn_func, varlen_attention, FP8Attention,
 scaled_dot_product_attention, the raw ops, torch.compile, diagnostics and the
 context-parallel ring's refusal. (The HF integration's sliding-window layers:
@@ -30,7 +30,7 @@ BOUNDS = (-1, 0, 1, 5, 100, 129, 200)
 
 
 def window_mask(sq, sk, window, causal=False):
-    """Bool [sq, sk]: the mask from its definition (numerics.md section 1)."""
+    """Bool [sq, sk]: the mask from its definition (numerics.md section 14)."""
     left, right = window
     if causal:
         right = 0
@@ -146,7 +146,8 @@ def fp8_budget(name, delta_mode):
 @pytest.mark.parametrize("delta_mode", ["delta_matching", "matched_do", "stale"])
 @pytest.mark.parametrize("window,sq,sk", [((100, 0), 300, 300), ((129, 129), 200, 330), ((64, 30), 330, 200)])
 def test_fp8_within_the_error_budget(scaling, delta_mode, window, sq, sk):
-    # 1.25 x the budget, as test_op.py's rows of tens of keys (these see 64-259 keys).
+    # 1.12 x the budget, as test_op.py::test_fp8_error_budget (measured / model 0.85-1.05 here;
+    # rows of 64-259 keys).
     q, k, v, do = make(b=1, hq=2, hkv=1, sq=sq, sk=sk, d=64, dv=64, dtype=torch.bfloat16, seed=sum(window))
     kw = dict(window_size=window, scaling=scaling, return_lse=True)
     f8 = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, delta_mode=delta_mode, block_size=64, **kw),
@@ -154,11 +155,46 @@ def test_fp8_within_the_error_budget(scaling, delta_mode, window, sq, sk):
     ex = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, precision="exact", **kw), q, k, v, do)
     for name, a, e in zip(("O", "dQ", "dK", "dV"), f8[:1] + f8[2:], ex[:1] + ex[2:]):
         assert torch.isfinite(a).all(), name
-        bound = 1.25 * fp8_budget(name, delta_mode)
+        bound = 1.12 * fp8_budget(name, delta_mode)
         assert 0.25 * bound < rel_err(a, e) < bound, (name, rel_err(a, e), bound)
     seen = torch.isfinite(ex[1])
     assert torch.equal(seen, torch.isfinite(f8[1]))
     assert rel_err(f8[1][seen], ex[1][seen]) < 0.01
+
+
+@pytest.mark.parametrize("scaling", ["row", "tile"])
+def test_window_with_the_outlier_transforms_and_softcap(scaling):
+    """Windows compose with qk_rotation / smooth_k (section 10: exact in exact arithmetic,
+    smooth_k's mean over all keys is one shift per row, which every window's softmax
+    ignores) and softcap (section 12: the cap before the mask)."""
+    q, k, v, do = make(sq=100, sk=130, seed=21)
+    window, scale = (30, 4), 0.25
+    mask = window_mask(100, 130, window)
+    want = fwd_bwd(lambda q, k, v: sdpa_ref(q, k, v, mask, scale), q, k, v, do)
+    got = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, precision="exact", window_size=window, scaling=scaling,
+                                                    qk_rotation="hadamard", smooth_k=True), q, k, v, do)
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    cap = 2.0
+
+    def capped(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        x = scale * q @ k.repeat_interleave(g, 1).transpose(-1, -2)
+        x = (cap * torch.tanh(x / cap)).masked_fill(~mask, -math.inf)
+        return torch.softmax(x, -1) @ v.repeat_interleave(g, 1)
+
+    want = fwd_bwd(capped, q, k, v, do)
+    got = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, precision="exact", window_size=window, softcap=cap),
+                  q, k, v, do)
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # fp8 with the transforms: finite, close to exact
+    qb, kb, vb, dob = (t.bfloat16() for t in (q, k, v, do))
+    f8 = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, window_size=window, scaling=scaling,
+                                                   qk_rotation="hadamard", smooth_k=True), qb, kb, vb, dob)
+    ex = fwd_bwd(lambda q, k, v: fp8attn.attention(q, k, v, window_size=window, precision="exact"), qb, kb, vb, dob)
+    for name, a, e in zip(("O", "dQ", "dK", "dV"), f8[:1] + f8[2:], ex[:1] + ex[2:]):
+        assert torch.isfinite(a).all() and rel_err(a, e) < 1.25 * fp8_budget(name, "delta_matching"), name
 
 
 # ---- identities, bit for bit ----------------------------------------------------
