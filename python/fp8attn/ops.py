@@ -163,7 +163,9 @@ def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
             or not all(is_int(w) for w in window_size)):
         raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), -1 = unbounded, got "
                                                  f"{window_size!r}"))
-    left, right = (int(w) for w in window_size)
+    # NOTE: a bound of 2^62 keys reaches every key of any sequence, so larger ones (which
+    # the op schema's int64 could not hold) are passed on as 2^62, the same mask.
+    left, right = (min(int(w), 2**62) for w in window_size)
     return (left if left >= 0 else -1, right if right >= 0 else -1)
 
 

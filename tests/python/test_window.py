@@ -214,7 +214,8 @@ def test_windows_that_mean_no_window_or_causal(precision, scaling, sq, sk):
     assert not torch.equal(plain[0], causal[0])   # the masks differ on these inputs
     cases = [((-1, -1), False, plain), ((-5, -100), False, plain), ([-1, -1], False, plain),
              ((-1, 0), False, causal), ((-7, 0), False, causal), ((-1, 37), True, causal),
-             ((sk - 1, sq - 1), False, plain), ((sk + 10, 10**6), False, plain), ((sk - 1, 0), False, causal),
+             ((sk - 1, sq - 1), False, plain), ((sk + 10, 10**6), False, plain), ((2**80, 2**70), False, plain),
+             ((sk - 1, 0), False, causal),
              ((sk - 1, 5), True, causal)]
     for window, c, want in cases:
         got = run(c, window)
