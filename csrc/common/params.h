@@ -63,6 +63,13 @@ struct AttnParams {
   double softmax_scale = 0.0;  // tau; callers pass 1/sqrt(head_dim_qk) for the default.
                                // NOTE: double so the exact path is FP64-exact; the fp8 path rounds it to FP32.
   bool causal = false;         // bottom-right aligned: j <= i + (seqlen_k - seqlen_q)
+  // Sliding window (numerics.md section 14, FlashAttention's window_size): query i sees key j
+  // iff j >= i + (seqlen_k - seqlen_q) - window_left (window_left >= 0) and
+  // j <= i + (seqlen_k - seqlen_q) + window_right (window_right >= 0); a negative bound is
+  // unbounded. causal forces window_right = 0 (FlashAttention's rule); causal = (-1, 0).
+  // effective_window() gives the bounds every implementation uses.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
 
   Precision precision = Precision::kFP8;
   DeltaMode delta_mode = DeltaMode::kDeltaMatching;
@@ -81,6 +88,31 @@ struct AttnParams {
   // transforms and without diagnostics takes it.
   const ShardedDelta* sharded = nullptr;
 };
+
+// The mask of a problem as window bounds (numerics.md section 14):
+// left / right >= 0 bound the keys a row sees on that side, -1 = unbounded. Normalized
+// as FlashAttention-3 does (hopper/flash_api.cpp), which changes no row's key set: a
+// negative bound is -1; causal sets right = 0; left >= seqlen_k - 1 or right >=
+// seqlen_q - 1 reaches past every key of every row, so it is -1. So (-1, -1) is no mask,
+// (-1, 0) exactly the causal mask, anything else a sliding window (local()).
+struct WindowBounds {
+  int64_t left = -1, right = -1;
+  bool masked() const { return left >= 0 || right >= 0; }
+  bool causal() const { return left < 0 && right == 0; }
+  bool local() const { return masked() && !causal(); }
+};
+
+inline WindowBounds effective_window(bool causal, int64_t window_left, int64_t window_right,
+                                     int64_t seqlen_q, int64_t seqlen_k) {
+  WindowBounds w;
+  w.left = window_left < 0 || window_left >= seqlen_k - 1 ? -1 : window_left;
+  w.right = causal ? 0 : window_right < 0 || window_right >= seqlen_q - 1 ? -1 : window_right;
+  return w;
+}
+
+inline WindowBounds effective_window(const AttnParams& p) {
+  return effective_window(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k);
+}
 
 // The Delta-Matching delta over a sharded key axis (numerics.md section 11).
 // Every pointer is a contiguous FP32 array [batch, num_heads_q, seqlen_q].

@@ -172,11 +172,16 @@ void check_view(const TensorView& t, const char* name, bool nonempty) {
   FP8ATTN_CHECK_ARG(!nonempty || t.data != nullptr, name, "data pointer is null");
 }
 
-// Shared geometry of one problem.
+// Shared geometry of one problem. The mask (numerics.md sections 1 and 14: causal, sliding
+// window) as effective window bounds: row i sees the contiguous keys
+// [key_begin(i), key_end(i)) (empty when equal) and key j is seen by the contiguous
+// rows [query_begin(j), query_end(j)). All four are non-decreasing in their argument,
+// so the keys a run of rows sees (and the rows a run of keys is seen by) are the
+// range from its first member's begin to its last member's end.
 struct Geometry {
   int64_t B, Sq, Sk, Hq, Hkv, group, d, dv;
-  int64_t offset;  // causal diagonal: query i sees key j iff j <= i + offset
-  bool causal;
+  int64_t offset;  // bottom-right alignment: the diagonal of row i is key i + offset
+  WindowBounds win;  // effective bounds (params.h): -1 = unbounded; causal = (-1, 0)
 
   explicit Geometry(const AttnParams& p)
       : B(p.batch),
@@ -188,17 +193,30 @@ struct Geometry {
         d(p.head_dim_qk),
         dv(p.head_dim_v),
         offset(p.seqlen_k - p.seqlen_q),
-        causal(p.causal) {}
+        win(effective_window(p)) {}
 
-  // Number of keys row i sees: keys [0, visible_keys(i)).
-  int64_t visible_keys(int64_t i) const {
-    if (!causal) return Sk;
-    return std::max<int64_t>(0, std::min<int64_t>(Sk, i + offset + 1));
+  // A bound on the key side cuts a key tile (prefix: right bound; suffix: left bound).
+  bool has_left() const { return win.left >= 0; }
+  bool has_right() const { return win.right >= 0; }
+  bool masked() const { return win.masked(); }
+
+  static int64_t clamp(int64_t x, int64_t lo, int64_t hi) { return std::max(lo, std::min(hi, x)); }
+  // Keys row i sees: [key_begin(i), key_end(i)).
+  int64_t key_end(int64_t i) const {
+    return has_right() ? clamp(i + offset + win.right + 1, 0, Sk) : Sk;
   }
-  // First query row that sees key j (rows [first_query(j), Sq) see it).
-  int64_t first_query(int64_t j) const {
-    if (!causal) return 0;
-    return std::max<int64_t>(0, j - offset);
+  int64_t key_begin(int64_t i) const {
+    const int64_t lo = has_left() ? clamp(i + offset - win.left, 0, Sk) : 0;
+    return std::min(lo, key_end(i));
+  }
+  int64_t visible_keys(int64_t i) const { return key_end(i) - key_begin(i); }
+  // Rows that see key j: [query_begin(j), query_end(j)).
+  int64_t query_end(int64_t j) const {
+    return has_left() ? clamp(j - offset + win.left + 1, 0, Sq) : Sq;
+  }
+  int64_t query_begin(int64_t j) const {
+    const int64_t lo = has_right() ? clamp(j - offset - win.right, 0, Sq) : 0;
+    return std::min(lo, query_end(j));
   }
   int64_t lse_index(int64_t b, int64_t hq, int64_t i) const { return (b * Hq + hq) * Sq + i; }
 };
@@ -333,10 +351,13 @@ void make_row_blocked(const float* x, int64_t n, int64_t w, int64_t B, Fp8Format
 // row 0): hat[r * w + c], scale[t * w + c] for tile t. Used for V (#2) and K
 // (#6) along keys, and Q (#7) and dO (#5) along queries.
 //
-// Masking before quantization: a row (query) that sees only a prefix of a key
-// tile, or a key column seen only by a suffix of a query tile, must get a
-// block quantized from its visible part alone. prefix[r * w + c] is the scale
-// of column c over rows [tile start, r]; suffix[r * w + c] over [r, tile end).
+// Masking before quantization: a row (query) that sees only part of a key tile
+// (a prefix under a right bound, a suffix under a left one, a middle range when
+// a sliding window is narrower than the tile), or a key column seen by only part
+// of a query tile (a suffix under a right bound, a prefix under a left one),
+// must get a block quantized from its visible part alone. prefix[r * w + c] is
+// the scale of column c over rows [tile start, r]; suffix[r * w + c] over [r,
+// tile end); a middle range's scales are computed when it is read.
 // When the visible scale equals the tile's scale the FP8 codes are identical,
 // so the shared block is reused; otherwise that column is requantized.
 // NOTE: with finite data the two blockings give the same products unless a
@@ -400,10 +421,11 @@ void make_col_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp8
   }
 }
 
-// The block of tile t of `op` restricted to the visible rows [v0, v1), a
-// prefix or a suffix of the tile (or all of it). Returns the FP8 values of row
-// v0 (row stride w; rows up to v1) and sets *scale to the w column scales.
-// mix_hat [kMaxBlock * w] and mix_scale [w] are scratch for requantized columns.
+// The block of tile t of `op` restricted to the visible rows [v0, v1): all of the
+// tile, a prefix (the prefix table), a suffix (the suffix table) or, for a window
+// narrower than the tile, a middle range (scales computed here). Returns the FP8
+// values of row v0 (row stride w; rows up to v1) and sets *scale to the w column
+// scales. mix_hat [kMaxBlock * w] and mix_scale [w] are scratch for requantized columns.
 const float* visible_block(const ColBlocked& op, int64_t t, int64_t v0, int64_t v1, float* mix_hat,
                            float* mix_scale, const float** scale) {
   const int64_t w = op.w, r0 = t * op.B, r1 = std::min(r0 + op.B, op.n);
@@ -411,15 +433,28 @@ const float* visible_block(const ColBlocked& op, int64_t t, int64_t v0, int64_t 
   const float* shared_hat = op.hat.data() + v0 * w;
   *scale = shared_scale;
   if (v0 == r0 && v1 == r1) return shared_hat;
-  // A partial block: either a prefix (v0 == r0) or a suffix (v1 == r1). Only
-  // causal masks make partial blocks, and then the tables exist.
-  const float* vis = v0 == r0 ? op.prefix.data() + (v1 - 1) * w : op.suffix.data() + v0 * w;
+  // A partial block. Masks make them, and then the tables they need exist (a prefix
+  // needs a bound that ends the range inside the tile, a suffix one that starts it there).
+  const int64_t len = v1 - v0;
+  const float* vis;
+  if (v0 == r0) {
+    vis = op.prefix.data() + (v1 - 1) * w;
+  } else if (v1 == r1) {
+    vis = op.suffix.data() + v0 * w;
+  } else {
+    for (int64_t c = 0; c < w; ++c) {
+      float a = 0.f;
+      for (int64_t r = v0; r < v1; ++r) a = nan_max(a, std::fabs(op.raw[r * w + c]));
+      mix_scale[c] = scale_of_amax(a, op.fmt);
+    }
+    vis = mix_scale;
+  }
   bool same = true;
   for (int64_t c = 0; c < w; ++c) same &= (vis[c] == shared_scale[c]);
   if (same) return shared_hat;
-  const int64_t len = v1 - v0;
   std::memcpy(mix_hat, shared_hat, static_cast<size_t>(len * w) * sizeof(float));
   for (int64_t c = 0; c < w; ++c) {
+    // NOTE: vis may alias mix_scale; each column reads its own entry before writing it.
     if (vis[c] == shared_scale[c]) {
       mix_scale[c] = shared_scale[c];
     } else {
@@ -566,19 +601,20 @@ float quant_hat_n(const float* x, int64_t n, Fp8Format fmt, float* hat) {
 // An operand x[n][w] (n along the sequence, w = head_dim) blocked in tiles of
 // B rows times all w columns: one scale per tile. hat[r * w + c] (row-major)
 // and, with want_t, hat_t[c * n + r] (transposed, for the row-dot kernels).
-// Masking before quantization as for ColBlocked: prefix[r] is the scale of the
-// tile's rows [tile start, r], suffix[r] of [r, tile end), all w columns; a
-// row (column) that sees only a prefix (suffix) of a tile reads a block
-// requantized with that scale when it differs from the tile's.
+// Masking before quantization as for ColBlocked: a row (column) that sees only
+// the rows [v0, v1) of a tile (a prefix, a suffix, or a middle range under a
+// sliding window) reads a block requantized with the scale of those rows when it
+// differs from the tile's; row_amax[r] (amax of row r over all w columns, NaN
+// sticking) gives that scale.
 struct TileBlocked {
   int64_t n = 0, w = 0, B = 0;
   Fp8Format fmt = Fp8Format::kE4M3;
   bool has_t = false;
-  std::vector<float> raw, hat, hat_t, scale, prefix, suffix;
+  std::vector<float> raw, hat, hat_t, scale, row_amax;
 };
 
 void make_tile_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp8Format fmt,
-                       bool want_t, bool want_prefix, bool want_suffix, TileBlocked& out) {
+                       bool want_t, TileBlocked& out) {
   out.n = n;
   out.w = w;
   out.B = B;
@@ -587,28 +623,16 @@ void make_tile_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp
   out.raw = std::move(x);
   const float* raw = out.raw.data();
   const int64_t nt = ceil_div(n, B);
-  std::vector<float> row_amax(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) row_amax[r] = amax_of(raw + r * w, w);
+  out.row_amax.assign(static_cast<size_t>(n), 0.f);
+  for (int64_t r = 0; r < n; ++r) out.row_amax[r] = amax_of(raw + r * w, w);
   out.hat.assign(static_cast<size_t>(n * w), 0.f);
   out.scale.assign(static_cast<size_t>(nt), 0.f);
-  if (want_prefix) out.prefix.assign(static_cast<size_t>(n), 0.f);
-  if (want_suffix) out.suffix.assign(static_cast<size_t>(n), 0.f);
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t r0 = t * B, r1 = std::min(n, r0 + B);
     float a = 0.f;
-    for (int64_t r = r0; r < r1; ++r) {
-      a = nan_max(a, row_amax[r]);
-      if (want_prefix) out.prefix[r] = scale_of_amax(a, fmt);
-    }
+    for (int64_t r = r0; r < r1; ++r) a = nan_max(a, out.row_amax[r]);
     out.scale[t] = scale_of_amax(a, fmt);
     quant_with_scale(raw + r0 * w, (r1 - r0) * w, 1, out.scale[t], fmt, out.hat.data() + r0 * w, 1);
-    if (want_suffix) {
-      float b = 0.f;
-      for (int64_t r = r1 - 1; r >= r0; --r) {
-        b = nan_max(b, row_amax[r]);
-        out.suffix[r] = scale_of_amax(b, fmt);
-      }
-    }
   }
   if (want_t) {
     out.hat_t.assign(static_cast<size_t>(n * w), 0.f);
@@ -618,9 +642,9 @@ void make_tile_blocked(std::vector<float> x, int64_t n, int64_t w, int64_t B, Fp
 }
 
 // Rows [v0, v1) of tile t of `op` as the block a row / column that sees only
-// them reads (the whole tile, a prefix or a suffix): FP8 values row-major
-// (hat, row stride ld), transposed (hat_t, row stride ld_t; only if op.has_t)
-// and the one scale. mix / mix_t are scratch for a requantized block.
+// them reads (the whole tile, a prefix, a suffix or a middle range): FP8 values
+// row-major (hat, row stride ld), transposed (hat_t, row stride ld_t; only if
+// op.has_t) and the one scale. mix / mix_t are scratch for a requantized block.
 struct TileView {
   const float* hat;
   int64_t ld;
@@ -635,8 +659,9 @@ TileView visible_tile(const TileBlocked& op, int64_t t, int64_t v0, int64_t v1,
   TileView tv{op.hat.data() + v0 * w, w, op.has_t ? op.hat_t.data() + v0 : nullptr, op.n,
               op.scale[t]};
   if (v0 == r0 && v1 == r1) return tv;
-  // Only causal masks make partial tiles, and then the tables exist.
-  const float vis = v0 == r0 ? op.prefix[v1 - 1] : op.suffix[v0];
+  float a = 0.f;
+  for (int64_t r = v0; r < v1; ++r) a = nan_max(a, op.row_amax[r]);
+  const float vis = scale_of_amax(a, op.fmt);
   if (vis == tv.scale) return tv;
   const int64_t len = v1 - v0;
   mix.resize(static_cast<size_t>(len * w));
@@ -757,7 +782,8 @@ inline void write_row_diagnostics(const BackwardDiagnostics& diag, int64_t idx, 
 // 4. Exact path (numerics.md section 1, FP64)
 // ---------------------------------------------------------------------------
 
-// One row of logits S_j = tau * q . k_j for j < L, with k_t = K^T [d][Sk].
+// One row of logits S_j = tau * q . k_j for j < L, with k_t = K^T [d][Sk] (offset by
+// the first key: columns j of k_t are keys first + j).
 void exact_logits(const double* q, const double* k_t, int64_t Sk, int64_t d, int64_t L, double tau,
                   double* s) {
   gemv_t(q, d, k_t, Sk, L, s);
@@ -796,7 +822,7 @@ void exact_forward(const AttnParams& p, const Geometry& g, const TensorView& q, 
     load_seq(v, b, hkv, g.Sk, g.dv, vf.data());
     transpose(kf.data(), g.Sk, g.d, k_t.data());
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t L = g.visible_keys(i);
+      const int64_t j0 = g.key_begin(i), L = g.visible_keys(i);  // keys [j0, j0 + L)
       std::fill(orow.begin(), orow.end(), 0.0);
       if (L == 0) {
         lse[g.lse_index(b, hq, i)] = -kInfF;
@@ -804,10 +830,10 @@ void exact_forward(const AttnParams& p, const Geometry& g, const TensorView& q, 
         continue;
       }
       load_row(q, b, i, hq, g.d, qrow.data());
-      exact_logits(qrow.data(), k_t.data(), g.Sk, g.d, L, tau, s.data());
+      exact_logits(qrow.data(), k_t.data() + j0, g.Sk, g.d, L, tau, s.data());
       softcap_logits<double>(s.data(), L, p.softcap, nullptr);
       const double lse_i = exact_softmax(s.data(), L);
-      gemv_t(s.data(), L, vf.data(), g.dv, g.dv, orow.data());  // O = P V
+      gemv_t(s.data(), L, vf.data() + j0 * g.dv, g.dv, g.dv, orow.data());  // O = P V
       lse[g.lse_index(b, hq, i)] = static_cast<float>(lse_i);
       store_row(o, b, i, hq, g.dv, orow.data());
     }
@@ -832,17 +858,17 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
         dP(std::max<int64_t>(Sk, 1)), tcap(p.softcap > 0.0 ? std::max<int64_t>(Sk, 1) : 0);
     for (int64_t hq = hkv * g.group; hq < (hkv + 1) * g.group; ++hq) {
       for (int64_t i = 0; i < g.Sq; ++i) {
-        const int64_t L = g.visible_keys(i);
+        const int64_t j0 = g.key_begin(i), L = g.visible_keys(i);  // keys [j0, j0 + L)
         std::fill(dqrow.begin(), dqrow.end(), 0.0);
         double delta = 0.0, sum_ds = 0.0, sum_abs_ds = 0.0;
         if (L > 0) {
           load_row(q, b, i, hq, d, qrow.data());
           load_row(dout, b, i, hq, dvd, dorow.data());
-          // S, P (LSE recomputed in FP64), dP = dO V^T.
-          exact_logits(qrow.data(), k_t.data(), Sk, d, L, tau, P.data());
+          // S, P (LSE recomputed in FP64), dP = dO V^T; index j is key j0 + j.
+          exact_logits(qrow.data(), k_t.data() + j0, Sk, d, L, tau, P.data());
           softcap_logits<double>(P.data(), L, p.softcap, tcap.data());
           exact_softmax(P.data(), L);
-          gemv_t(dorow.data(), dvd, v_t.data(), Sk, L, dP.data());
+          gemv_t(dorow.data(), dvd, v_t.data() + j0, Sk, L, dP.data());
           for (int64_t j = 0; j < L; ++j) delta += P[j] * dP[j];
           // dS = P o (dP - delta) (stored in dP); dQ = tau dS K, dK += dS^T q, dV += P^T dO.
           for (int64_t j = 0; j < L; ++j) {
@@ -853,12 +879,12 @@ void exact_backward(const AttnParams& p, const Geometry& g, const TensorView& q,
             sum_abs_ds += std::fabs(ds);
             dP[j] = p.softcap > 0.0 ? ds * (1.0 - tcap[j] * tcap[j]) : ds;
           }
-          gemv_t(dP.data(), L, kf.data(), d, d, dqrow.data());
+          gemv_t(dP.data(), L, kf.data() + j0 * d, d, d, dqrow.data());
           for (int64_t c = 0; c < d; ++c) dqrow[c] *= tau;
           for (int64_t j = 0; j < L; ++j) {
             const double ds = dP[j], pj = P[j];
-            double* __restrict dkr = dk_acc.data() + j * d;
-            double* __restrict dvr = dv_acc.data() + j * dvd;
+            double* __restrict dkr = dk_acc.data() + (j0 + j) * d;
+            double* __restrict dvr = dv_acc.data() + (j0 + j) * dvd;
             for (int64_t c = 0; c < d; ++c) dkr[c] += ds * qrow[c];
             for (int64_t c = 0; c < dvd; ++c) dvr[c] += pj * dorow[c];
           }
@@ -910,7 +936,8 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
     load_seq(k, b, hkv, Sk, d, kf.data());
     load_seq(v, b, hkv, Sk, dvd, vf.data());
     make_row_blocked_t(kf.data(), Sk, d, B, e4m3, kv[task].k_rows);
-    make_col_blocked(std::move(vf), Sk, dvd, B, e4m3, g.causal, false, kv[task].v_cols);
+    // Visible parts of V's key tiles: prefixes under a right bound, suffixes under a left one.
+    make_col_blocked(std::move(vf), Sk, dvd, B, e4m3, g.has_right(), g.has_left(), kv[task].v_cols);
   });
 
   const int64_t chunks = ceil_div(g.Sq, kFwdRowChunk);
@@ -922,9 +949,9 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
     std::vector<float> qrow(d), qhat(d), qscale(nbd), s(B), pexp(B), phat(B), acc(dvd),
         mix_hat(B * dvd), mix_scale(dvd);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t nvis = g.visible_keys(i);
+      const int64_t kb0 = g.key_begin(i), kb1 = g.key_end(i);  // the keys row i sees
       std::fill(acc.begin(), acc.end(), 0.f);
-      if (nvis == 0) {
+      if (kb0 == kb1) {
         lse[g.lse_index(b, hq, i)] = -kInfF;
         store_row(o, b, i, hq, dvd, acc.data());
         continue;
@@ -935,10 +962,11 @@ void fp8_forward(const AttnParams& p, const Geometry& g, const TensorView& q, co
         const int64_t k0 = kb * B;
         qscale[kb] = quant_hat(qrow.data() + k0, std::min(B, d - k0), 1, e4m3, qhat.data() + k0, 1);
       }
-      // Online softmax over key tiles of B, in increasing order.
+      // Online softmax over the key tiles of B the row sees, in increasing order;
+      // each tile's visible keys [j0, j0 + L).
       float m = -kInfF, l = 0.f;
-      for (int64_t t = 0; t * B < nvis; ++t) {
-        const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+      for (int64_t t = kb0 / B; t * B < kb1; ++t) {
+        const int64_t j0 = std::max(t * B, kb0), L = std::min(t * B + B, kb1) - j0;
         rowblock_dots(qhat.data(), qscale.data(), kvh.k_rows.hat_t.data() + j0,
                       kvh.k_rows.scale_t.data() + j0, Sk, d, B, L, s.data());
         online_softmax_tile(s.data(), L, tau, cap, m, l, acc.data(), dvd, pexp.data());
@@ -985,7 +1013,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
       load_seq(v, b, hkv, Sk, dvd, vf.data());
       make_row_blocked_t(kf.data(), Sk, d, B, e4m3, k_rows);
       make_row_blocked_t(vf.data(), Sk, dvd, B, e4m3, v_rows);
-      make_col_blocked(std::move(kf), Sk, d, B, e4m3, g.causal, false, k_cols);
+      make_col_blocked(std::move(kf), Sk, d, B, e4m3, g.has_right(), g.has_left(), k_cols);
     }
     std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
     // Per-head and per-tile scratch.
@@ -1004,33 +1032,43 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
       // dO: per query row along dv (#4), per channel along queries (#5).
       make_row_blocked(qf.data(), Sq, d, B, e4m3, q_rows);
       make_row_blocked(dof.data(), Sq, dvd, B, gf, do_rows);
-      make_col_blocked(qf, Sq, d, B, e4m3, false, g.causal, q_cols);
-      make_col_blocked(dof, Sq, dvd, B, gf, false, g.causal, do_cols);
+      // The rows that see a key column: a suffix of a query tile under a right bound,
+      // a prefix under a left one.
+      make_col_blocked(qf, Sq, d, B, e4m3, g.has_left(), g.has_right(), q_cols);
+      make_col_blocked(dof, Sq, dvd, B, gf, g.has_left(), g.has_right(), do_cols);
       const float* lse_h = lse + g.lse_index(b, hq, 0);
 
       for (int64_t qt = 0; qt < nqt; ++qt) {
         const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
         // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
         for (int64_t i = i0; i < i1; ++i) {
+          // Full rows of P and dS (exact zeros outside the keys [kb0, kb0 + nvis) row i
+          // sees); Pv, dSv, dPv point at key kb0.
           float* P = Pt.data() + (i - i0) * Sk;
           float* dS = dSt.data() + (i - i0) * Sk;
-          const int64_t nvis = g.visible_keys(i);
-          std::fill(P + nvis, P + Sk, 0.f);
-          std::fill(dS + nvis, dS + Sk, 0.f);
+          const int64_t kb0 = g.key_begin(i), nvis = g.visible_keys(i), kb1 = kb0 + nvis;
+          float* Pv = P + kb0;
+          float* dSv = dS + kb0;
+          const float* dPv = dProw.data() + kb0;
+          std::fill(P, Pv, 0.f);
+          std::fill(P + kb1, P + Sk, 0.f);
+          std::fill(dS, dSv, 0.f);
+          std::fill(dS + kb1, dS + Sk, 0.f);
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
           if (sums_only) sd->sum_p[g.lse_index(b, hq, i)] = sd->sum_pdp[g.lse_index(b, hq, i)] = 0.f;
           if (nvis > 0) {
             rowblock_dots(q_rows.hat.data() + i * d, q_rows.scale.data() + i * nbd,
-                          k_rows.hat_t.data(), k_rows.scale_t.data(), Sk, d, B, nvis, P);
-            for (int64_t j = 0; j < nvis; ++j) P[j] *= tau;
-            softcap_logits<float>(P, nvis, cap, tcap.data());  // numerics.md section 12
+                          k_rows.hat_t.data() + kb0, k_rows.scale_t.data() + kb0, Sk, d, B, nvis, Pv);
+            for (int64_t j = 0; j < nvis; ++j) Pv[j] *= tau;
+            softcap_logits<float>(Pv, nvis, cap, tcap.data());  // numerics.md section 12
             rowblock_dots(do_rows.hat.data() + i * dvd, do_rows.scale.data() + i * nbv,
-                          v_rows.hat_t.data(), v_rows.scale_t.data(), Sk, dvd, B, nvis,
-                          dProw.data());
-            // P and delta (numerics.md sections 4 and 11), all FP32 sums; dS's row is scratch.
-            if (!row_probs(sd, g.lse_index(b, hq, i), P, dS, dProw.data(), nvis, lse_h[i],
+                          v_rows.hat_t.data() + kb0, v_rows.scale_t.data() + kb0, Sk, dvd, B, nvis,
+                          dProw.data() + kb0);
+            // P and delta (numerics.md sections 4 and 11), all FP32 sums over the keys the
+            // row sees; dS's row is scratch.
+            if (!row_probs(sd, g.lse_index(b, hq, i), Pv, dSv, dPv, nvis, lse_h[i],
                            mode == DeltaMode::kDeltaMatching, delta_dm))
               continue;
             if (sd != nullptr || mode == DeltaMode::kDeltaMatching) {
@@ -1042,35 +1080,37 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                 delta +=
                     do_rows.hat[i * dvd + c] * do_rows.scale[i * nbv + c / B] * of[i * dvd + c];
             }
-            for (int64_t j = 0; j < nvis; ++j) dS[j] = P[j] * (dProw[j] - delta);
+            for (int64_t j = 0; j < nvis; ++j) dSv[j] = Pv[j] * (dPv[j] - delta);
             if (want_pre)
               for (int64_t j = 0; j < nvis; ++j) {
-                pre_sum += dS[j];
-                pre_abs += std::fabs(dS[j]);
+                pre_sum += dSv[j];
+                pre_abs += std::fabs(dSv[j]);
               }
             // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
             // is what matmuls #6 and #7 quantize.
             if (cap > 0.f)
-              for (int64_t j = 0; j < nvis; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
-            // #6 dQ = dS K: K per channel along keys in B-blocks (visible
-            // prefix of the last one only); dS per query row along keys in
-            // sub-blocks of Bds = min(B, 64) keys (grad_format), each promoted
-            // with its own scale times the K block's (numerics.md section 3).
-            for (int64_t t = 0; t * B < nvis; ++t) {
-              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+              for (int64_t j = 0; j < nvis; ++j) dSv[j] *= 1.f - tcap[j] * tcap[j];
+            // #6 dQ = dS K: K per channel along keys in B-blocks (the visible part
+            // [j0, j1) of each); dS per query row along keys in sub-blocks of Bds =
+            // min(B, 64) keys aligned at multiples of Bds from key 0 (grad_format), each
+            // over its visible keys [u0, u1) and promoted with its own scale times the K
+            // block's (numerics.md section 3).
+            for (int64_t t = kb0 / B; t * B < kb1; ++t) {
+              const int64_t j0 = std::max(t * B, kb0), j1 = std::min(t * B + B, kb1);
               const float* kscale = nullptr;
               const float* kblk =
-                  visible_block(k_cols, t, j0, j0 + L, mix_hat.data(), mix_scale.data(), &kscale);
-              for (int64_t u0 = 0; u0 < L; u0 += Bds) {
-                const int64_t Lu = std::min(Bds, L - u0);
-                const float sds = quant_hat(dS + j0 + u0, Lu, 1, gf, hat.data(), 1);
+                  visible_block(k_cols, t, j0, j1, mix_hat.data(), mix_scale.data(), &kscale);
+              for (int64_t u0 = j0; u0 < j1;) {
+                const int64_t u1 = std::min(j1, (u0 / Bds + 1) * Bds), Lu = u1 - u0;
+                const float sds = quant_hat(dS + u0, Lu, 1, gf, hat.data(), 1);
                 if (want_post)
                   for (int64_t j = 0; j < Lu; ++j) {
                     const float dec = hat[j] * sds;
                     post_sum += dec;
                     post_abs += std::fabs(dec);
                   }
-                colblock_axpy(hat.data(), sds, kblk + u0 * d, d, kscale, Lu, d, dq_acc.data());
+                colblock_axpy(hat.data(), sds, kblk + (u0 - j0) * d, d, kscale, Lu, d, dq_acc.data());
+                u0 = u1;
               }
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
@@ -1082,11 +1122,12 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                                   post_abs, nvis);
         }
         if (sums_only) continue;
-        // Column pass over the keys this query tile sees: dV (#5), dK (#7).
-        for (int64_t j = 0; j < Sk; ++j) {
-          const int64_t v0 = std::max(i0, g.first_query(j));
-          if (v0 >= i1) break;  // later keys are seen by even fewer rows (causal)
-          const int64_t L = i1 - v0;
+        // Column pass over the keys this query tile sees: dV (#5), dK (#7); key j is
+        // seen by the tile's rows [v0, v1).
+        for (int64_t j = g.key_begin(i0); j < g.key_end(i1 - 1); ++j) {
+          const int64_t v0 = std::max(i0, g.query_begin(j)), v1 = std::min(i1, g.query_end(j));
+          if (v0 >= v1) continue;
+          const int64_t L = v1 - v0;
           const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
           const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
           // #5 dV = P^T dO: P per key column along queries (E4M3), dO per
@@ -1094,14 +1135,14 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
           const float sp = quant_hat(Pcol, L, Sk, e4m3, hat.data(), 1);
           const float* dscale = nullptr;
           const float* dblk =
-              visible_block(do_cols, qt, v0, i1, mix_hat.data(), mix_scale.data(), &dscale);
+              visible_block(do_cols, qt, v0, v1, mix_hat.data(), mix_scale.data(), &dscale);
           colblock_axpy(hat.data(), sp, dblk, dvd, dscale, L, dvd, dv_acc.data() + j * dvd);
           // #7 dK = dS^T Q: dS per key column along queries (grad_format), Q
           // per channel along queries (E4M3).
           const float sds = quant_hat(dScol, L, Sk, gf, hat.data(), 1);
           const float* qscale = nullptr;
           const float* qblk =
-              visible_block(q_cols, qt, v0, i1, mix_hat.data(), mix_scale.data(), &qscale);
+              visible_block(q_cols, qt, v0, v1, mix_hat.data(), mix_scale.data(), &qscale);
           colblock_axpy(hat.data(), sds, qblk, d, qscale, L, d, dk_acc.data() + j * d);
         }
       }
@@ -1135,8 +1176,8 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
     std::vector<float> kf(Sk * d), vf(Sk * dvd);
     load_seq(k, b, hkv, Sk, d, kf.data());
     load_seq(v, b, hkv, Sk, dvd, vf.data());
-    make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, g.causal, false, kv[task].k);
-    make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, false, g.causal, false, kv[task].v);
+    make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, kv[task].k);
+    make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, false, kv[task].v);
   });
 
   const int64_t chunks = ceil_div(g.Sq, kFwdRowChunk);
@@ -1146,9 +1187,9 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
     const int64_t i0 = chunk * kFwdRowChunk, i1 = std::min(g.Sq, i0 + kFwdRowChunk);
     std::vector<float> qrow(d), qhat(d), s(B), pexp(B), phat(B), acc(dvd), sbv(dvd), mix, mix_t;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t nvis = g.visible_keys(i);
+      const int64_t kb0 = g.key_begin(i), kb1 = g.key_end(i);  // the keys row i sees
       std::fill(acc.begin(), acc.end(), 0.f);
-      if (nvis == 0) {
+      if (kb0 == kb1) {
         lse[g.lse_index(b, hq, i)] = -kInfF;
         store_row(o, b, i, hq, dvd, acc.data());
         continue;
@@ -1157,8 +1198,8 @@ void fp8_forward_tile(const AttnParams& p, const Geometry& g, const TensorView& 
       load_row(q, b, i, hq, d, qrow.data());
       const float sq = quant_hat_n(qrow.data(), d, e4m3, qhat.data());
       float m = -kInfF, l = 0.f;
-      for (int64_t t = 0; t * B < nvis; ++t) {
-        const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+      for (int64_t t = kb0 / B; t * B < kb1; ++t) {  // visible keys [j0, j0 + L) of tile t
+        const int64_t j0 = std::max(t * B, kb0), L = std::min(t * B + B, kb1) - j0;
         const TileView kt = visible_tile(kvh.k, t, j0, j0 + L, mix, mix_t);
         tile_dots(qhat.data(), sq, kt.hat_t, kt.ld_t, d, kt.scale, L, s.data());
         online_softmax_tile(s.data(), L, tau, cap, m, l, acc.data(), dvd, pexp.data());
@@ -1201,8 +1242,8 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
       std::vector<float> kf(Sk * d), vf(Sk * dvd);
       load_seq(k, b, hkv, Sk, d, kf.data());
       load_seq(v, b, hkv, Sk, dvd, vf.data());
-      make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, g.causal, false, k_t);
-      make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, true, g.causal, false, v_t);
+      make_tile_blocked(std::move(kf), Sk, d, B, e4m3, true, k_t);
+      make_tile_blocked(std::move(vf), Sk, dvd, B, e4m3, true, v_t);
     }
     std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dvd, 0.f);
     std::vector<float> qf(Sq * d), dof(Sq * dvd), of(need_o ? Sq * dvd : 0);
@@ -1222,26 +1263,33 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
         sq[i] = quant_hat_n(qf.data() + i * d, d, e4m3, qhat.data() + i * d);
         sdo[i] = quant_hat_n(dof.data() + i * dvd, dvd, gf, dohat.data() + i * dvd);
       }
-      make_tile_blocked(qf, Sq, d, B, e4m3, false, false, g.causal, q_t);
-      make_tile_blocked(dof, Sq, dvd, B, gf, false, false, g.causal, do_t);
+      make_tile_blocked(qf, Sq, d, B, e4m3, false, q_t);
+      make_tile_blocked(dof, Sq, dvd, B, gf, false, do_t);
       const float* lse_h = lse + g.lse_index(b, hq, 0);
 
       for (int64_t qt = 0; qt < nqt; ++qt) {
         const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
         // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
         for (int64_t i = i0; i < i1; ++i) {
+          // Full rows of P and dS (exact zeros outside the keys [kb0, kb1) row i sees);
+          // Pv, dSv, dPv point at key kb0.
           float* P = Pt.data() + (i - i0) * Sk;
           float* dS = dSt.data() + (i - i0) * Sk;
-          const int64_t nvis = g.visible_keys(i);
-          std::fill(P + nvis, P + Sk, 0.f);
-          std::fill(dS + nvis, dS + Sk, 0.f);
+          const int64_t kb0 = g.key_begin(i), nvis = g.visible_keys(i), kb1 = kb0 + nvis;
+          float* Pv = P + kb0;
+          float* dSv = dS + kb0;
+          const float* dPv = dProw.data() + kb0;
+          std::fill(P, Pv, 0.f);
+          std::fill(P + kb1, P + Sk, 0.f);
+          std::fill(dS, dSv, 0.f);
+          std::fill(dS + kb1, dS + Sk, 0.f);
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
           if (sums_only) sd->sum_p[g.lse_index(b, hq, i)] = sd->sum_pdp[g.lse_index(b, hq, i)] = 0.f;
           if (nvis > 0) {
-            for (int64_t t = 0; t * B < nvis; ++t) {
-              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
+            for (int64_t t = kb0 / B; t * B < kb1; ++t) {  // visible keys [j0, j0 + L) of tile t
+              const int64_t j0 = std::max(t * B, kb0), L = std::min(t * B + B, kb1) - j0;
               const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
               tile_dots(qhat.data() + i * d, sq[i], kt.hat_t, kt.ld_t, d, kt.scale, L, P + j0);
               for (int64_t j = j0; j < j0 + L; ++j) P[j] *= tau;
@@ -1249,9 +1297,10 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               tile_dots(dohat.data() + i * dvd, sdo[i], vt.hat_t, vt.ld_t, dvd, vt.scale, L,
                         dProw.data() + j0);
             }
-            softcap_logits<float>(P, nvis, cap, tcap.data());  // numerics.md section 12
-            // P and delta (numerics.md sections 4 and 11); dS's row is scratch.
-            if (!row_probs(sd, g.lse_index(b, hq, i), P, dS, dProw.data(), nvis, lse_h[i],
+            softcap_logits<float>(Pv, nvis, cap, tcap.data());  // numerics.md section 12
+            // P and delta (numerics.md sections 4 and 11) over the keys the row sees;
+            // dS's row is scratch.
+            if (!row_probs(sd, g.lse_index(b, hq, i), Pv, dSv, dPv, nvis, lse_h[i],
                            mode == DeltaMode::kDeltaMatching, delta_dm))
               continue;
             if (sd != nullptr || mode == DeltaMode::kDeltaMatching) {
@@ -1262,32 +1311,34 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               for (int64_t c = 0; c < dvd; ++c)
                 delta += dohat[i * dvd + c] * sdo[i] * of[i * dvd + c];
             }
-            for (int64_t j = 0; j < nvis; ++j) dS[j] = P[j] * (dProw[j] - delta);
+            for (int64_t j = 0; j < nvis; ++j) dSv[j] = Pv[j] * (dPv[j] - delta);
             if (want_pre)
               for (int64_t j = 0; j < nvis; ++j) {
-                pre_sum += dS[j];
-                pre_abs += std::fabs(dS[j]);
+                pre_sum += dSv[j];
+                pre_abs += std::fabs(dSv[j]);
               }
             // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
             // is what matmuls #6 and #7 quantize.
             if (cap > 0.f)
-              for (int64_t j = 0; j < nvis; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
-            // #6 dQ = dS K: dS one scale per (row, key half of KH keys), K per key
-            // tile; each half's partial is added to dQ on its own, in key order.
-            for (int64_t t = 0; t * B < nvis; ++t) {
-              const int64_t j0 = t * B, L = std::min(B, nvis - j0);
-              const TileView kt = visible_tile(k_t, t, j0, j0 + L, mix, mix_t);
-              for (int64_t h0 = 0; h0 < L; h0 += KH) {  // key halves [j0 + h0, j0 + h0 + Lh)
-                const int64_t Lh = std::min(KH, L - h0);
-                const float sds = quant_hat(dS + j0 + h0, Lh, 1, gf, hat.data(), 1);
+              for (int64_t j = 0; j < nvis; ++j) dSv[j] *= 1.f - tcap[j] * tcap[j];
+            // #6 dQ = dS K: dS one scale per (row, key half of KH keys), over the half's
+            // visible keys [h0, h1); K per key tile (its visible part [j0, j1)); each
+            // half's partial is added to dQ on its own, in key order.
+            for (int64_t t = kb0 / B; t * B < kb1; ++t) {
+              const int64_t j0 = std::max(t * B, kb0), j1 = std::min(t * B + B, kb1);
+              const TileView kt = visible_tile(k_t, t, j0, j1, mix, mix_t);
+              for (int64_t h0 = j0; h0 < j1;) {  // key halves start at t * B and t * B + KH
+                const int64_t h1 = std::min(j1, t * B + ((h0 - t * B) / KH + 1) * KH), Lh = h1 - h0;
+                const float sds = quant_hat(dS + h0, Lh, 1, gf, hat.data(), 1);
                 if (want_post)
                   for (int64_t j = 0; j < Lh; ++j) {
                     const float dec = hat[j] * sds;
                     post_sum += dec;
                     post_abs += std::fabs(dec);
                   }
-                tile_axpy(hat.data(), sds, kt.hat + h0 * kt.ld, kt.ld, kt.scale, Lh, d, sbv.data(),
+                tile_axpy(hat.data(), sds, kt.hat + (h0 - j0) * kt.ld, kt.ld, kt.scale, Lh, d, sbv.data(),
                           dq_acc.data());
+                h0 = h1;
               }
             }
             for (int64_t c = 0; c < d; ++c) dq_acc[c] *= tau;
@@ -1302,15 +1353,16 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
         // Column pass, per key half this query tile sees: dV (#5), dK (#7).
         // P and dS: one scale per (query sub-tile of H rows, key half of KH
         // keys) block, over the rows of the sub-tile that see the key column
-        // (a suffix of the sub-tile); dO and Q: one scale per query tile, over
-        // the rows of the tile that see the key column. rmP / rmS: per row,
-        // the amax over the key half, then the suffix maxima within each sub-tile.
-        for (int64_t kt = 0; kt < nkt; ++kt) {
+        // (a range of it: a suffix under a right bound, a prefix under a left
+        // one); dO and Q: one scale per query tile, over the rows of the tile
+        // that see the key column. rmP / rmS: per row, the amax over the key
+        // half (masked entries are exact zeros), maximized over those rows.
+        const int64_t kc0 = g.key_begin(i0), kc1 = g.key_end(i1 - 1);  // keys the tile sees
+        for (int64_t kt = kc0 / B; kt < nkt && kt * B < kc1; ++kt) {
           const int64_t j0 = kt * B, j1 = std::min(Sk, j0 + B);
-          if (g.first_query(j0) >= i1) break;  // later tiles are seen by even fewer rows
           for (int64_t h0 = j0; h0 < j1; h0 += KH) {  // key halves [h0, h1) of tile kt
             const int64_t h1 = std::min(j1, h0 + KH);
-            if (g.first_query(h0) >= i1) break;
+            if (h1 <= kc0 || h0 >= kc1) continue;  // no row of the query tile sees this half
             for (int64_t i = i0; i < i1; ++i) {
               const float* P = Pt.data() + (i - i0) * Sk;
               const float* dS = dSt.data() + (i - i0) * Sk;
@@ -1322,31 +1374,32 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               rmP[i - i0] = ap;
               rmS[i - i0] = as;
             }
-            for (int64_t r = i1 - i0 - 2; r >= 0; --r) {
-              if ((r + 1) % H == 0) continue;  // row r + 1 starts the next sub-tile
-              rmP[r] = nan_max(rmP[r], rmP[r + 1]);
-              rmS[r] = nan_max(rmS[r], rmS[r + 1]);
-            }
-            for (int64_t j = h0; j < h1; ++j) {
-              const int64_t vq = std::max(i0, g.first_query(j));  // rows [vq, i1) see j
-              if (vq >= i1) break;
-              const TileView dot = visible_tile(do_t, qt, vq, i1, mix, mix_t);
-              const TileView qv = visible_tile(q_t, qt, vq, i1, mix_q, mix_t);
+            for (int64_t j = std::max(h0, kc0); j < std::min(h1, kc1); ++j) {
+              // rows [vq, vq1) of the query tile see j
+              const int64_t vq = std::max(i0, g.query_begin(j)), vq1 = std::min(i1, g.query_end(j));
+              if (vq >= vq1) continue;
+              const TileView dot = visible_tile(do_t, qt, vq, vq1, mix, mix_t);
+              const TileView qv = visible_tile(q_t, qt, vq, vq1, mix_q, mix_t);
               for (int64_t s0 = i0; s0 < i1; s0 += H) {  // sub-tiles in increasing order
-                const int64_t v0 = std::max(s0, vq), s1 = std::min(i1, s0 + H);
-                if (v0 >= s1) continue;  // no row of this sub-tile sees j
-                const int64_t L = s1 - v0;
+                const int64_t v0 = std::max(s0, vq), v1 = std::min(std::min(i1, s0 + H), vq1);
+                if (v0 >= v1) continue;  // no row of this sub-tile sees j
+                const int64_t L = v1 - v0;
+                float ap = 0.f, as = 0.f;
+                for (int64_t r = v0; r < v1; ++r) {
+                  ap = nan_max(ap, rmP[r - i0]);
+                  as = nan_max(as, rmS[r - i0]);
+                }
                 const float* Pcol = Pt.data() + (v0 - i0) * Sk + j;
                 const float* dScol = dSt.data() + (v0 - i0) * Sk + j;
                 // #5 dV = P^T dO: P per (sub-tile, key half) block (E4M3), dO per query tile
                 // (grad_format).
-                const float sp = scale_of_amax(rmP[v0 - i0], e4m3);
+                const float sp = scale_of_amax(ap, e4m3);
                 quant_with_scale(Pcol, L, Sk, sp, e4m3, hat.data(), 1);
                 tile_axpy(hat.data(), sp, dot.hat + (v0 - vq) * dot.ld, dot.ld, dot.scale, L, dvd,
                           sbv.data(), dv_acc.data() + j * dvd);
                 // #7 dK = dS^T Q: dS per (sub-tile, key half) block (grad_format), Q per query
                 // tile (E4M3).
-                const float sds = scale_of_amax(rmS[v0 - i0], gf);
+                const float sds = scale_of_amax(as, gf);
                 quant_with_scale(dScol, L, Sk, sds, gf, hat.data(), 1);
                 tile_axpy(hat.data(), sds, qv.hat + (v0 - vq) * qv.ld, qv.ld, qv.scale, L, d,
                           sbv.data(), dk_acc.data() + j * d);

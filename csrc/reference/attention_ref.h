@@ -1,5 +1,6 @@
 // fp8attn: CPU reference attention, the oracle for every test and the path
-// that runs where there is no GPU. Math: numerics.md sections 1 (exact path)
+// that runs where there is no GPU. Math: numerics.md sections 1 (exact path; masks:
+// also section 14, sliding windows)
 // and 2-5 (fp8 path, delta modes, diagnostics).
 //
 // Conventions shared by every function below
@@ -13,6 +14,11 @@
 // - GQA: query head h uses key/value head h / (num_heads_q / num_heads_kv);
 //   dk/dv are the sums over the query heads of the group.
 // - causal (bottom-right): query i sees key j iff j <= i + (seqlen_k - seqlen_q).
+//   Sliding window (p.window_left / p.window_right, FlashAttention's window_size;
+//   numerics.md section 14): query i sees key j iff j >= i + (seqlen_k - seqlen_q) -
+//   window_left (window_left >= 0) and j <= i + (seqlen_k - seqlen_q) + window_right
+//   (window_right >= 0); a negative bound is unbounded; causal forces window_right =
+//   0, so causal is the window (-1, 0). A row sees a contiguous range of keys.
 //   A row that sees no key gets O = 0, LSE = -inf and zero gradients.
 // - Multi-threaded with p.num_threads std::threads (0 = all cores); results
 //   are bitwise identical for every thread count.
@@ -38,10 +44,11 @@
 //   - Each per-block partial product is summed in FP32 over the FP8 values
 //     (unscaled), then multiplied by the two block scales and added to an FP32
 //     accumulator; tau = softmax_scale multiplies the finished S, dQ, dK.
-//   - Masking happens before quantization: masked (causal) entries are exact
-//     zeros in P and dS, and a K/V (Q/dO) block feeding output row i (output
+//   - Masking happens before quantization: masked (causal, window) entries are
+//     exact zeros in P and dS, and a K/V (Q/dO) block feeding output row i (output
 //     key column j) is quantized from the positions that row (column) sees
-//     only. So a NaN in K/V at key j never reaches O/dQ of a query row that
+//     only (the visible part of a tile: a prefix, a suffix, or a middle range
+//     under a window narrower than the tile). So a NaN in K/V at key j never reaches O/dQ of a query row that
 //     does not see j, and a NaN in Q/dO of row i never reaches dK/dV of a key
 //     that row i does not see. NaN/inf anywhere else in a block makes that
 //     block's contributions NaN (propagated, never saturated). On finite data
@@ -70,9 +77,10 @@
 //   over the queries of one sub-tile for #5/#7, added in increasing sub-tile
 //   order) times the product of its two scales. The masking rule is
 //   the same: a block a row (key column) reads is quantized from the keys
-//   (query rows) it sees, so K/V tiles of a diagonal tile use the visible
-//   prefix of keys, Q/dO the rows of the query tile that see the key column,
+//   (query rows) it sees, so K/V tiles of a partially visible tile use the
+//   visible keys, Q/dO the rows of the query tile that see the key column,
 //   and the P/dS blocks of #5/#7 the rows of the query sub-tile that see it.
+//   Delta-Matching's delta (and every row sum) is over the keys the row sees.
 //
 // Outlier transforms (numerics.md section 10; both precisions, both
 // scalings): p.qk_rotation == kHadamard replaces Q, K by Q R, K R (R the

@@ -14,13 +14,14 @@
 TORCH_LIBRARY(fp8attn, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, str precision, "
-      "int block_size, str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, float softcap=0.0) "
+      "int block_size, str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, float softcap=0.0, "
+      "int window_left=-1, int window_right=-1) "
       "-> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
       "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None, "
-      "float softcap=0.0) "
+      "float softcap=0.0, int window_left=-1, int window_right=-1) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
   // Context parallelism (numerics.md section 11): `bwd` with `delta` (float32
   // [B, Hq, Sq], delta_mode "delta_matching", precision "fp8") takes that delta for
@@ -28,9 +29,14 @@ TORCH_LIBRARY(fp8attn, m) {
   // shard of the key axis; bwd_dm_sums is the Delta-Matching pre-pass of one key
   // shard: the FP32 partial row sums sum_j P_ij dP_hat_ij and sum_j P_ij, P from
   // the forward's (global) lse.
+  // window_left / window_right (every attention op; appended last so positional
+  // callers keep working): FlashAttention's window_size, numerics.md section 14;
+  // -1 = unbounded, causal forces window_right = 0. CUDA: NotImplementedError
+  // naming window_size unless the window masks nothing beyond causal.
   m.def(
       "bwd_dm_sums(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, float softmax_scale, bool causal, "
-      "int block_size, str grad_format, str scaling=\"row\", float softcap=0.0) -> (Tensor sum_pdp, Tensor sum_p)");
+      "int block_size, str grad_format, str scaling=\"row\", float softcap=0.0, int window_left=-1, "
+      "int window_right=-1) -> (Tensor sum_pdp, Tensor sum_p)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");

@@ -150,12 +150,15 @@ void check_sharded_args(const AttnParams& p, bool diagnostics) {
 // ---- ops ----------------------------------------------------------------------
 
 // fwd: out [B,Hq,Sq,Dv] in q's dtype, lse float32 [B,Hq,Sq] (numerics.md s.1/3;
-// scaling "row" or "tile": s.9; qk_rotation / smooth_k: s.10, applied by the reference).
+// scaling "row" or "tile": s.9; qk_rotation / smooth_k: s.10, applied by the reference;
+// softcap: s.12; window_left / window_right: the sliding window of s.1, any int, a
+// negative bound unbounded, causal forcing window_right = 0). Every op below takes them.
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                            const at::Tensor& v_in, double softmax_scale,
                                            bool causal, c10::string_view precision,
                                            int64_t block_size, c10::string_view scaling,
-                                           c10::string_view qk_rotation, bool smooth_k, double softcap) {
+                                           c10::string_view qk_rotation, bool smooth_k, double softcap,
+                                           int64_t window_left, int64_t window_right) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -165,6 +168,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
   p.smooth_k = smooth_k;
   check_softcap(softcap);
   p.softcap = softcap;
+  p.window_left = window_left;
+  p.window_right = window_right;
 
   at::Tensor out = at::empty({p.batch, p.num_heads_q, p.seqlen_q, p.head_dim_v}, q.options());
   at::Tensor lse = at::empty({p.batch, p.num_heads_q, p.seqlen_q}, q.options().dtype(at::kFloat));
@@ -189,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in, double softcap) {
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in, double softcap,
+    int64_t window_left, int64_t window_right) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -200,6 +206,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   p.delta_mode = parse_delta_mode(delta_mode);
   check_softcap(softcap);
   p.softcap = softcap;
+  p.window_left = window_left;
+  p.window_right = window_right;
   at::Tensor delta_given;
   ShardedDelta sharded;
   if (delta_in.has_value() && delta_in->defined()) {
@@ -275,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cpu(const at::Tensor& dout_in, co
                                                    const at::Tensor& k_in, const at::Tensor& v_in,
                                                    const at::Tensor& lse_in, double softmax_scale, bool causal,
                                                    int64_t block_size, c10::string_view grad_format,
-                                                   c10::string_view scaling, double softcap) {
+                                                   c10::string_view scaling, double softcap,
+                                                   int64_t window_left, int64_t window_right) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");
@@ -284,6 +293,8 @@ std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cpu(const at::Tensor& dout_in, co
   p.grad_format = parse_grad_format(grad_format);
   check_softcap(softcap);
   p.softcap = softcap;
+  p.window_left = window_left;
+  p.window_right = window_right;
   const at::Tensor dout = prepare(dout_in, "dout");
   TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type(), "fp8attn: argument 'dout': expected q's dtype ",
                    q.scalar_type(), ", got ", dout.scalar_type());

@@ -413,11 +413,29 @@ void check_no_softcap(double softcap) {
                               "yet (CPU tensors run it on the reference), got ", softcap);
 }
 
+// Sliding windows (numerics.md section 14) have no CUDA kernel yet. A window whose
+// bounds reach every key of every row is no window, and (-1, 0) is the causal mask
+// (effective_window, common/params.h, FlashAttention-3's normalization): those run
+// the kernels as no mask / causal, and the causal flag to run with is returned; any
+// other window raises NotImplementedError naming window_size.
+bool cuda_causal_of_window(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left,
+                           int64_t window_right) {
+  const int64_t sq = q.dim() == 4 ? q.size(2) : 0, sk = k.dim() == 4 ? k.size(2) : 0;
+  const WindowBounds w = effective_window(causal, window_left, window_right, sq, sk);
+  TORCH_CHECK_NOT_IMPLEMENTED(!w.local(), "fp8attn: argument 'window_size': the CUDA kernels do not take sliding "
+                              "windows yet (window_left=", window_left, ", window_right=", window_right,
+                              ", causal=", causal, ", seqlen_q=", sq, ", seqlen_k=", sk,
+                              "); the CPU reference runs them: pass CPU tensors");
+  return w.causal();
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, bool causal, c10::string_view precision,
                                             int64_t block_size, c10::string_view scaling,
-                                            c10::string_view qk_rotation, bool smooth_k, double softcap) {
+                                            c10::string_view qk_rotation, bool smooth_k, double softcap,
+                                            int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
+  causal = cuda_causal_of_window(q_in, k_in, causal, window_left, window_right);
   const Scaling recipe = parse_scaling(scaling);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
@@ -674,8 +692,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap) {
+    c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap,
+    int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
+  causal = cuda_causal_of_window(q, k, causal, window_left, window_right);
   return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size, grad_format,
                        diagnostics, scaling, qk_rotation, smooth_k, delta, false);
 }
@@ -686,8 +706,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& lse, double softmax_scale,
                                                     bool causal, int64_t block_size, c10::string_view grad_format,
-                                                    c10::string_view scaling, double softcap) {
+                                                    c10::string_view scaling, double softcap,
+                                                    int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
+  causal = cuda_causal_of_window(q, k, causal, window_left, window_right);
   auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, causal, "fp8", "delta_matching", block_size,
                          grad_format, false, scaling, "none", false, c10::nullopt, true);
   return {std::get<0>(r), std::get<1>(r)};

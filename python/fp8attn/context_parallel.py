@@ -507,6 +507,7 @@ def ring_attention(
     smooth_k: bool = False,
     chunk_align: Optional[int] = None,
     softcap: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
 ):
     """FP8 attention over a sequence sharded across ``group`` (numerics.md section 11).
 
@@ -540,6 +541,12 @@ def ring_attention(
         softcap: logit softcapping as in ``fp8attn.attention`` (numerics.md
             section 12; CPU tensors only so far), in every shard's calls and
             pre-pass.
+        window_size: FlashAttention's sliding window as in ``fp8attn.attention``;
+            the ring takes only the windows that mean no window ((-1, -1), any
+            negative bounds) or the causal mask ((-1, 0), or any window with
+            causal=True and no left bound). A sliding window raises
+            NotImplementedError naming window_size (a global window over the
+            shards is not implemented yet; unsharded calls take it).
 
     Returns:
         O: this rank's shard of the output, [batch, num_heads_q, seqlen_local,
@@ -549,7 +556,8 @@ def ring_attention(
         RuntimeError: torch.distributed not initialized.
         ValueError: bad option values, shards that do not match ``layout`` and
             ``block_size`` for the total length, q and k of different lengths.
-        NotImplementedError: precision other than "fp8".
+        NotImplementedError: precision other than "fp8"; a sliding window
+            (window_size).
         TypeError: as ``fp8attn.attention`` for dtypes and option types.
     """
     fn = "fp8attn.context_parallel.ring_attention"
@@ -561,6 +569,14 @@ def ring_attention(
     if precision != "fp8":
         raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
                                   f"recomputes LSE from one shard's keys), got {precision!r}")
+    left, right = _ops.check_window_size(window_size, name)
+    if causal is True:
+        right = 0
+    if left >= 0 or right > 0:
+        raise NotImplementedError(f"{fn}: argument 'window_size': a sliding window over the sharded sequence is not "
+                                  f"implemented (got {tuple(window_size)!r}, causal={causal}); the unsharded "
+                                  "fp8attn.attention takes it")
+    causal = causal or right == 0
     q, k, v = _ops._autocast_in(q, k, v)   # as SDPA under torch.autocast
     _ops.check_inputs(q, k, v, precision, fn=name)
     cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name)

@@ -142,22 +142,31 @@ def name_layers(model: torch.nn.Module, overwrite: bool = False) -> int:
     return count
 
 
-def row_sees_key_mask(seqlen_q: int, seqlen_k: int, causal: bool, device=None) -> torch.Tensor:
+def row_sees_key_mask(seqlen_q: int, seqlen_k: int, causal: bool, device=None,
+                      window_size: Tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """Bool [seqlen_q]: query row i sees at least one key. With the bottom-right
-    causal mask (numerics.md section 1) row i sees key j iff j <= i + seqlen_k - seqlen_q."""
+    masks of numerics.md sections 1 and 14 (diagonal key i + seqlen_k - seqlen_q): causal,
+    row i sees key j iff j <= diagonal; a sliding window (left, right) (-1 =
+    unbounded; causal forces right = 0), iff diagonal - left <= j <= diagonal + right."""
     i = torch.arange(seqlen_q, device=device)
     if seqlen_k == 0:
         return torch.zeros(seqlen_q, dtype=torch.bool, device=device)
-    if not causal:
-        return torch.ones(seqlen_q, dtype=torch.bool, device=device)
-    return i + (seqlen_k - seqlen_q) >= 0
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    diag = i + (seqlen_k - seqlen_q)
+    hi = (diag + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(i, seqlen_k - 1)
+    lo = (diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    return lo <= hi
 
 
-def diag_stats(diag: torch.Tensor, seqlen_k: int, causal: bool) -> Dict[str, Any]:
+def diag_stats(diag: torch.Tensor, seqlen_k: int, causal: bool,
+               window_size: Tuple[int, int] = (-1, -1)) -> Dict[str, Any]:
     """Statistics of a bwd diag tensor float32 [4, batch, num_heads_q, seqlen_q]
-    (delta, eps, rowsum_pre, rowsum_post) over the rows that see >= 1 key."""
+    (delta, eps, rowsum_pre, rowsum_post) over the rows that see >= 1 key
+    (causal / window_size: the call's mask, numerics.md sections 1 and 14)."""
     seqlen_q = diag.shape[-1]
-    mask = row_sees_key_mask(seqlen_q, seqlen_k, causal, diag.device)
+    mask = row_sees_key_mask(seqlen_q, seqlen_k, causal, diag.device, window_size)
     rows = diag[..., mask].reshape(4, -1).double()
     n = rows.shape[1]
     if n == 0:
@@ -186,10 +195,11 @@ def _record(diag: torch.Tensor, meta: Dict[str, Any]) -> None:
     if not targets:
         return
     entry = dict(meta)
-    entry.update(diag_stats(diag, meta["shape"]["seqlen_k"], meta["causal"]))
+    window = meta.get("window_size", (-1, -1))
+    entry.update(diag_stats(diag, meta["shape"]["seqlen_k"], meta["causal"], window))
     raw = None
     if any(t.keep_raw for t in targets):
-        mask = row_sees_key_mask(diag.shape[-1], meta["shape"]["seqlen_k"], meta["causal"], diag.device)
+        mask = row_sees_key_mask(diag.shape[-1], meta["shape"]["seqlen_k"], meta["causal"], diag.device, window)
         sel = diag[..., mask].reshape(4, -1).float().cpu()
         raw = dict(zip(_STAT_NAMES, sel.unbind(0)))
     for t in targets:

@@ -24,14 +24,24 @@ mask (True = attend) otherwise. Supported here:
     to the first seqlen_q, as HF's SDPA path does.
   * a mask (bool, or additive float with 0 = attend) that is exactly the
     bottom-right causal pattern (key j visible to query i iff
-    j <= i + seqlen_k - seqlen_q), or that masks nothing: computed with
-    causal=True / False; the same over the first n keys only (a static KV
-    cache's filled prefix, its unused slots masked for every row, in prefill
-    and decode): the keys are cut to those n first.
-  * anything else (real padding, sliding windows, packed sequences):
-    NotImplementedError.
-Dropout > 0 in training, softcap, sliding_window, attention sinks (s_aux) and
-position_bias raise NotImplementedError.
+    j <= i + seqlen_k - seqlen_q), a bottom-right sliding-window pattern (key j
+    visible iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q
+    + right, either bound possibly absent), or that masks nothing: computed with
+    causal=True / window_size=(left, right) / neither; the same over the first n
+    keys only (a static KV cache's filled prefix, its unused slots masked for
+    every row, in prefill and decode): the keys are cut to those n first.
+  * anything else (real padding, packed sequences): NotImplementedError.
+Sliding windows (models whose config has `sliding_window`: Mistral, Qwen2 with
+use_sliding_window, Gemma 2's local layers; HF passes the layer's
+`sliding_window` W): HF's masks let a causal query see keys q - W < k <= q, i.e.
+fp8attn's window_size (W - 1, 0) (FlashAttention's convention, which HF's
+flash-attention integration uses too); the mask, when HF builds one, is
+classified as above, and with no mask (the window reaches every key) the window
+is applied as (W - 1, 0) (causal) or (W, W) (bidirectional, HF's |q - k| <= W).
+CPU tensors only so far: on CUDA the op raises NotImplementedError naming
+window_size for a window that masks more than causal.
+Dropout > 0 in training, softcap, attention sinks (s_aux) and position_bias
+raise NotImplementedError.
 
 Dtypes: with precision "fp8" Q/K/V are cast to bfloat16 (as the trainer does),
 except float16, which the op takes as it is (it runs float16 as float32); O goes
@@ -53,16 +63,37 @@ __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling", "qk_rotation", "smooth_k")
 
 # HF attention kwargs this integration cannot honour when set (not None / not False).
-_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
 
 
-def _classify_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Optional[Tuple[bool, int]]:
-    """(causal, n_keys) if `mask` lets every row see only the first n_keys keys, either all
-    of them (causal False) or exactly the bottom-right causal pattern over them (causal
-    True); None for anything else (padding, per-row patterns). n_keys < seqlen_k is a static
-    KV cache's unused tail (HF masks those slots in decode and prefill). mask: bool (True =
-    attend) or additive float (0 = attend; a masked entry must be -inf or below -1e4),
-    broadcastable to [batch, heads, seqlen_q, seqlen_k]."""
+def _window_mask(seqlen_q: int, seqlen_k: int, window: Tuple[int, int], device) -> torch.Tensor:
+    """Bool [seqlen_q, seqlen_k]: the bottom-right window mask of numerics.md section 14
+    (key j visible to query i iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+    seqlen_q + right; -1 = unbounded)."""
+    left, right = window
+    diag = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= j <= diag + right
+    if left >= 0:
+        ok &= j >= diag - left
+    return ok
+
+
+def _classify_mask(mask: torch.Tensor, seqlen_q: int,
+                   seqlen_k: int) -> Optional[Tuple[bool, int, Tuple[int, int]]]:
+    """(causal, n_keys, window_size) if `mask` lets the rows see only keys among the
+    first n_keys, in exactly the bottom-right pattern of fp8attn.attention over them:
+    all of them (causal False, window (-1, -1)), the causal mask (causal True, window
+    (-1, -1)), or a sliding window (causal False, window (left, right); HF's sliding
+    window layers, e.g. Mistral, Qwen2 with use_sliding_window, Gemma 2's local layers,
+    whose causal sliding window of W tokens is (W - 1, 0)); None for anything else
+    (padding, other per-row patterns). n_keys < seqlen_k: keys no row sees are cut off
+    (a static KV cache's unused tail, masked by HF in decode and prefill); the pattern
+    is then judged against the first n_keys keys. mask: bool (True = attend) or additive
+    float (0 = attend; a masked entry must be -inf or below -1e4), broadcastable to
+    [batch, heads, seqlen_q, seqlen_k]; the same pattern for every batch row and head."""
     if mask.dim() < 2 or mask.shape[-2:] != (seqlen_q, seqlen_k):
         return None
     allowed = mask if mask.dtype == torch.bool else mask == 0
@@ -70,19 +101,34 @@ def _classify_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> Optional
     if mask.dtype != torch.bool and not bool((mask[~allowed] < -1e4).all()):
         return None
     if bool(allowed.all()):
-        return False, seqlen_k
+        return False, seqlen_k, (-1, -1)
     used = allowed.reshape(-1, seqlen_q, seqlen_k).any(dim=0).any(dim=0)   # keys any row sees
-    n = int(used.sum())
-    if n == 0 or not bool(used[:n].all()):
+    if not bool(used.any()):
         return None
+    n = int(torch.nonzero(used)[-1]) + 1
     head = allowed[..., :n]
     if bool(head.all()):
-        return False, n
-    i = torch.arange(seqlen_q, device=mask.device)[:, None]
-    j = torch.arange(n, device=mask.device)[None, :]
-    if not bool((head == (j <= i + (n - seqlen_q))).all()):
+        return False, n, (-1, -1)
+    # The window bounds the first (batch, head) pattern implies, then the whole mask
+    # checked against the pattern of those bounds.
+    rows = head.reshape(-1, seqlen_q, n)[0]
+    seen = rows.any(dim=1)
+    i = torch.arange(seqlen_q, device=mask.device)
+    j = torch.arange(n, device=mask.device)
+    first = torch.where(rows, j[None, :], n).min(dim=1).values
+    last = torch.where(rows, j[None, :], -1).max(dim=1).values
+    diag = i + (n - seqlen_q)
+    cut_right = seen & (last < n - 1)   # rows whose visible keys end before the last key
+    cut_left = seen & (first > 0)
+    right = int((last - diag)[cut_right].max()) if bool(cut_right.any()) else -1
+    left = int((diag - first)[cut_left].max()) if bool(cut_left.any()) else -1
+    if (bool(cut_right.any()) and right < 0) or (bool(cut_left.any()) and left < 0):
+        return None  # a bound on the far side of the diagonal: not a window
+    if not bool((head == _window_mask(seqlen_q, n, (left, right), mask.device)).all()):
         return None
-    return True, n
+    if left < 0 and right == 0:
+        return True, n, (-1, -1)
+    return False, n, (left, right)
 
 
 def make_attention_function(**fp8_kwargs) -> Callable:
@@ -105,6 +151,11 @@ def make_attention_function(**fp8_kwargs) -> Callable:
         for name in _UNSUPPORTED_KWARGS:
             if kwargs.get(name) is not None and kwargs.get(name) is not False:
                 raise NotImplementedError(f"fp8attn.hf: argument '{name}' is not supported")
+        sliding_window = kwargs.get("sliding_window")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"fp8attn.hf: argument 'sliding_window': must be None or an int >= 1, got "
+                             f"{sliding_window!r}")
         if dropout > 0 and (module is None or module.training):
             raise NotImplementedError(f"fp8attn.hf: argument 'dropout': attention dropout ({dropout}) is not "
                                       "supported; set the config's attention_dropout to 0")
@@ -118,14 +169,21 @@ def make_attention_function(**fp8_kwargs) -> Callable:
                 # NOTE: HF passes no mask here only for a prefill into an empty static cache
                 # (the tail keys are unused slots); its SDPA path cuts them off, so do we.
                 key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
+            # HF's sliding window of W tokens (masking_utils: a causal query sees keys
+            # q - W < k <= q; bidirectional |q - k| <= W) as fp8attn's window_size;
+            # its flash-attention integration passes (W - 1, W - 1) with causal, i.e.
+            # (W - 1, 0). (HF builds no mask only where the window reaches every key.)
+            window = (-1, -1)
+            if sliding_window is not None:
+                window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
         else:
             kind = _classify_mask(attention_mask, seqlen_q, seqlen_k)
             if kind is None:
                 raise NotImplementedError(
-                    "fp8attn.hf: argument 'attention_mask': only causal or no masking (over all keys or over a "
-                    "static cache's filled prefix) is supported (got a mask with padding or another pattern); "
-                    "pass batches without padding")
-            causal, n_keys = kind
+                    "fp8attn.hf: argument 'attention_mask': only causal, sliding-window or no masking (over all "
+                    "keys or over a static cache's filled prefix) is supported (got a mask with padding or "
+                    "another pattern); pass batches without padding")
+            causal, n_keys, window = kind
             if n_keys < seqlen_k:  # a static cache's unused slots: cut off (as with no mask above)
                 key, value = key[:, :, :n_keys], value[:, :, :n_keys]
         dtype = query.dtype
@@ -135,7 +193,8 @@ def make_attention_function(**fp8_kwargs) -> Callable:
             work = torch.float32 if dtype == torch.float16 else dtype
         layer_idx = getattr(module, "layer_idx", None)
         out = attention(query.to(work), key.to(work), value.to(work), causal=causal, softmax_scale=scaling,
-                        layer_name=None if layer_idx is None else f"layer{layer_idx}", **fp8_kwargs)
+                        layer_name=None if layer_idx is None else f"layer{layer_idx}", window_size=window,
+                        **fp8_kwargs)
         return out.to(dtype).transpose(1, 2).contiguous(), None
 
     return fp8attn_attention_forward

@@ -1,11 +1,11 @@
 """nn.Module wrapper of `fp8attn.attention`."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from .ops import attention, check_options, flash_attn_func
+from .ops import attention, check_options, check_window_size, flash_attn_func
 
 __all__ = ["FP8Attention"]
 
@@ -19,7 +19,10 @@ class FP8Attention(torch.nn.Module):
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
         scaling ("row" or "tile": the FP8 scaling recipe, numerics.md section 9),
         qk_rotation ("none" or "hadamard") and smooth_k (bool): the outlier
-        transforms of Q and K (numerics.md section 10).
+        transforms of Q and K (numerics.md section 10);
+        window_size ((left, right), FlashAttention's sliding window, section 14:
+        -1 = unbounded, causal forces right = 0; CPU tensors, CUDA raises
+        NotImplementedError naming it).
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
             or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
             O comes back in the same layout.
@@ -42,12 +45,13 @@ class FP8Attention(torch.nn.Module):
         scaling: str = "row",
         qk_rotation: str = "none",
         smooth_k: bool = False,
+        window_size: Tuple[int, int] = (-1, -1),
     ):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                       precision=precision, block_size=block_size, grad_format=grad_format,
                       layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k,
-                      fn="FP8Attention")
+                      window_size=window_size, fn="FP8Attention")
         if layout not in _LAYOUTS:
             raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
         self.causal = causal
@@ -61,18 +65,22 @@ class FP8Attention(torch.nn.Module):
         self.scaling = scaling
         self.qk_rotation = qk_rotation
         self.smooth_k = smooth_k
+        self.window_size = check_window_size(window_size, "FP8Attention")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = attention if self.layout == "bhsd" else flash_attn_func
         return fn(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                   delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
                   grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling,
-                  qk_rotation=self.qk_rotation, smooth_k=self.smooth_k)
+                  qk_rotation=self.qk_rotation, smooth_k=self.smooth_k,
+                  window_size=self.window_size)
 
     def extra_repr(self) -> str:
         s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
              f"block_size={self.block_size}, grad_format={self.grad_format!r}, scaling={self.scaling!r}, "
              f"qk_rotation={self.qk_rotation!r}, smooth_k={self.smooth_k}, layout={self.layout!r}")
+        if self.window_size != (-1, -1):
+            s += f", window_size={self.window_size}"
         if self.softmax_scale is not None:
             s += f", softmax_scale={self.softmax_scale}"
         if self.layer_name is not None:

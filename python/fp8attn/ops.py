@@ -4,7 +4,8 @@ Public functions (all tensors are torch tensors on one device):
 
   attention(q, k, v, *, causal=False, softmax_scale=None, delta_mode="delta_matching",
             precision="fp8", block_size=128, grad_format="e4m3", return_lse=False,
-            layer_name=None, scaling="row", qk_rotation="none", smooth_k=False)
+            layer_name=None, scaling="row", qk_rotation="none", smooth_k=False,
+            softcap=0.0, window_size=(-1, -1))
       SDPA layout [batch, heads, seqlen, head_dim].
   flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, ...)
       flash_attn layout [batch, seqlen, heads, head_dim].
@@ -13,7 +14,7 @@ Public functions (all tensors are torch tensors on one device):
       drop-in for torch.nn.functional.scaled_dot_product_attention.
 
 Math: docs/numerics.md (section 1 exact attention and the bottom-right causal
-mask, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
+mask, section 14 the sliding window, section 3 the seven FP8 matmuls, section 4 the delta modes, section 9 the
 `tile` scaling recipe, section 10 the Q/K rotation and K smoothing). The ops are
 torch.ops.fp8attn.fwd / bwd (schemas in csrc/torch/ops.cpp, docs/architecture.md).
 
@@ -103,10 +104,12 @@ def check_options(
     scaling: str = "row",
     qk_rotation: str = "none",
     smooth_k: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
     fn: str = "attention",
 ) -> str:
     """Checks the non-tensor options and returns the op-level precision
-    ("fp8" or "exact"). Raises TypeError / ValueError naming the argument."""
+    ("fp8" or "exact"). Raises TypeError / ValueError naming the argument
+    (window_size: check_window_size)."""
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("smooth_k", smooth_k)):
         if not isinstance(flag, bool):
             t = type(flag)
@@ -134,7 +137,36 @@ def check_options(
         raise ValueError(_err(fn, "scaling", f"must be one of {SCALINGS}, got {scaling!r}"))
     if not isinstance(qk_rotation, str) or qk_rotation not in QK_ROTATIONS:
         raise ValueError(_err(fn, "qk_rotation", f"must be one of {QK_ROTATIONS}, got {qk_rotation!r}"))
+    check_window_size(window_size, fn)
     return PRECISIONS[precision]
+
+
+def _causal_window(causal, left: int, right: int) -> Tuple[int, int]:
+    """The window passed on with `causal` (FlashAttention's rule: causal=True sets the
+    right bound to 0; with no left bound the causal flag alone is the mask, so (-1, -1))."""
+    if causal is True:
+        return (left, 0) if left >= 0 else (-1, -1)
+    return left, right
+
+
+def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
+    """window_size (FlashAttention's sliding window, numerics.md section 14) as a pair
+    of Python ints (left, right), each negative bound returned as -1 (unbounded).
+    Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
+    j <= i + seqlen_k - seqlen_q + right (right >= 0). Raises ValueError naming
+    window_size unless it is a tuple or list of two ints (Python or NumPy integers;
+    not bool)."""
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(is_int(w) for w in window_size)):
+        raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), -1 = unbounded, got "
+                                                 f"{window_size!r}"))
+    # NOTE: a bound of 2^62 keys reaches every key of any sequence, so larger ones (which
+    # the op schema's int64 could not hold) are passed on as 2^62, the same mask.
+    left, right = (min(int(w), 2**62) for w in window_size)
+    return (left if left >= 0 else -1, right if right >= 0 else -1)
 
 
 def _index(value) -> Optional[int]:
@@ -300,7 +332,7 @@ def _check_one_device(fn: str, **tensors) -> None:
 
 @torch.library.register_fake("fp8attn::fwd")
 def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="row", qk_rotation="none",
-              smooth_k=False, softcap=0.0):
+              smooth_k=False, softcap=0.0, window_left=-1, window_right=-1):
     _check_one_device("fwd", q=q, k=k, v=v)
     B, Hq, Sq, _ = q.shape
     out = q.new_empty((B, Hq, Sq, v.shape[3]))
@@ -311,7 +343,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
               grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False, delta=None,
-              softcap=0.0):
+              softcap=0.0, window_left=-1, window_right=-1):
     _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse,
                       **({} if delta is None else {"delta": delta}))
     B, Hq, Sq, _ = q.shape
@@ -322,7 +354,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 
 @torch.library.register_fake("fp8attn::bwd_dm_sums")
 def _bwd_dm_sums_fake(dout, q, k, v, lse, softmax_scale, causal, block_size, grad_format, scaling="row",
-                      softcap=0.0):
+                      softcap=0.0, window_left=-1, window_right=-1):
     _check_one_device("bwd_dm_sums", q=q, dout=dout, k=k, v=v, lse=lse)
     B, Hq, Sq, _ = q.shape
     return q.new_empty((B, Hq, Sq), dtype=torch.float32), q.new_empty((B, Hq, Sq), dtype=torch.float32)
@@ -342,31 +374,35 @@ def _exact_lse_t(q: torch.Tensor, precision: str, smooth_k: bool) -> bool:
 
 
 def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
-           unfused: Optional[bool] = None, softcap: float = 0.0, return_lse_t: bool = False):
+           unfused: Optional[bool] = None, softcap: float = 0.0, return_lse_t: bool = False,
+           window: Tuple[int, int] = (-1, -1)):
     """torch.ops.fp8attn.fwd with the outlier transforms (numerics.md section 10)
     wherever they run: fused in the CPU reference (the raw op's qk_rotation /
     smooth_k), or, on CUDA (unfused=None picks by device; True forces it, for
     the CPU consistency tests; fp8 path only), applied around the raw op with
     torch ops: Q', K' = qk_transform.transform_qk, then the kernel, then the LSE
-    shifted back to that of the untransformed logits. softcap: numerics.md section 12.
-    Returns (O, LSE), with return_lse_t (O, LSE, LSE_t): LSE_t the LSE of the
+    shifted back to that of the untransformed logits. softcap: numerics.md section 12;
+    window: (left, right), the sliding window of section 14 (-1 = unbounded), the raw
+    op's window_left / window_right. Returns (O, LSE), with return_lse_t (O, LSE, LSE_t): LSE_t the LSE of the
     logits the kernel saw (LSE' of the smoothed logits; LSE itself without
     smooth_k), what the autograd entry points keep for the backward (bwd_op's
     lse_t: no FP32 round trip through the shift, section 10.2; the torch path,
     which equals the fused reference bit for bit, then runs on CPU too)."""
+    wl, wr = window
     if not _has_transform(qk_rotation, smooth_k):
-        out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap)
+        out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, softcap=softcap,
+                                         window_left=wl, window_right=wr)
         return (out, lse, lse) if return_lse_t else (out, lse)
     if unfused is None:
         unfused = q.device.type == "cuda" or (return_lse_t and _exact_lse_t(q, precision, smooth_k))
     if not unfused:
         out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation,
-                                         smooth_k, softcap)
+                                         smooth_k, softcap, wl, wr)
         return (out, lse, lse) if return_lse_t else (out, lse)  # rotation only: no shift, LSE_t = LSE
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
     w = _unfused_dtype(q)
     out, lse_t = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
-                                       softcap=softcap)
+                                       softcap=softcap, window_left=wl, window_right=wr)
     lse = lse_t if mean is None else _qkt.shift_lse(lse_t, q, mean, scale, +1)
     out = as_dtype(out, q.dtype)
     return (out, lse, lse_t) if return_lse_t else (out, lse)
@@ -396,23 +432,27 @@ def _unfused_dtype(q: torch.Tensor):
 
 def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size, grad_format, diagnostics,
            scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None, softcap: float = 0.0,
-           lse_t: Optional[torch.Tensor] = None):
+           lse_t: Optional[torch.Tensor] = None, window: Tuple[int, int] = (-1, -1)):
     """torch.ops.fp8attn.bwd with the outlier transforms, as `fwd_op`: the
     unfused path recomputes Q', K' (deterministic), shifts the LSE to that of
     the smoothed logits, runs the raw op and maps dQ', dK' back
     (qk_transform.map_grads_back). lse_t: fwd_op's LSE_t; given, it is used as
     the smoothed logits' LSE as it is (exact) instead of LSE - shift (an FP32
     round trip: off by one ulp of max(|LSE|, |shift|), which overflows P for
-    logits past ~1e9, numerics.md section 10.2). Returns (dQ, dK, dV, diag)."""
+    logits past ~1e9, numerics.md section 10.2). window: as in `fwd_op`.
+    Returns (dQ, dK, dV, diag)."""
+    wl, wr = window
     if not _has_transform(qk_rotation, smooth_k):
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                                     grad_format, diagnostics, scaling, softcap=softcap)
+                                     grad_format, diagnostics, scaling, softcap=softcap, window_left=wl,
+                                     window_right=wr)
     exact_lse_t = lse_t is not None and _exact_lse_t(q, precision, smooth_k)
     if unfused is None:
         unfused = q.device.type == "cuda" or exact_lse_t
     if not unfused:
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                                     grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap)
+                                     grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap,
+                                     window_left=wl, window_right=wr)
     q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
     if exact_lse_t:
         lse = lse_t
@@ -421,13 +461,13 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
     w = _unfused_dtype(q)
     dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
                                                  causal, precision, delta_mode, block_size, grad_format, diagnostics,
-                                                 scaling, softcap=softcap)
+                                                 scaling, softcap=softcap, window_left=wl, window_right=wr)
     dq, dk = _qkt.map_grads_back(dq_t, dk_t, qk_rotation, smooth_k, q.dtype, k.dtype)
     return dq, dk, dv.to(v.dtype), diag
 
 
 def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rotation="none", smooth_k=False,
-             softcap=0.0):
+             softcap=0.0, window=(-1, -1)):
     """(O, LSE, LSE_t) (fwd_op with return_lse_t)."""
     if _is_empty(q, k):
         # Nothing to compute, or no key at all: every row sees no key, so
@@ -437,24 +477,26 @@ def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_ro
         lse = q.new_full((B, Hq, Sq), float("-inf"), dtype=torch.float32)
         return out, lse, lse
     return fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap=softcap,
-                  return_lse_t=True)
+                  return_lse_t=True, window=window)
 
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, lse_t=None):
+              grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, lse_t=None,
+              window=(-1, -1)):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
     dq, dk, dv, diag = bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
-                              grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap, lse_t=lse_t)
+                              grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap, lse_t=lse_t,
+                              window=window)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
-                                       layer_name, scaling, qk_rotation, smooth_k))
+                                       layer_name, scaling, qk_rotation, smooth_k, window))
     return dq, dk, dv
 
 
 def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, layer_name,
-               scaling="row", qk_rotation="none", smooth_k=False) -> dict:
+               scaling="row", qk_rotation="none", smooth_k=False, window=(-1, -1)) -> dict:
     """The non-statistics fields of a diagnostics record of one bwd call on
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (also used by varlen)."""
     return {
@@ -467,6 +509,7 @@ def _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format, 
         "qk_rotation": qk_rotation,
         "smooth_k": smooth_k,
         "causal": causal,
+        "window_size": tuple(window),
         "shape": {
             "batch": q.shape[0], "num_heads_q": q.shape[1], "num_heads_kv": k.shape[1],
             "seqlen_q": q.shape[2], "seqlen_k": k.shape[2],
@@ -511,13 +554,14 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
-                scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0):
+                scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, window_left=-1, window_right=-1):
+        window = (window_left, window_right)
         out, lse, lse_t = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
-                                   softcap)
+                                   softcap, window)
         # The backward gets LSE_t, the LSE of the logits the kernel saw (numerics.md section 10.2).
         ctx.save_for_backward(q, k, v, out, lse_t)
         ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling,
-                    qk_rotation, smooth_k, softcap)
+                    qk_rotation, smooth_k, softcap, window)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -526,11 +570,11 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_t = ctx.saved_tensors
         (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling, qk_rotation,
-         smooth_k, softcap) = ctx.opts
+         smooth_k, softcap, window) = ctx.opts
         dq, dk, dv = _backward(dout, q, k, v, out, lse_t, scale, causal, precision, delta_mode,
                                block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k, softcap,
-                               lse_t=lse_t)
-        return (dq, dk, dv) + (None,) * 11
+                               lse_t=lse_t, window=window)
+        return (dq, dk, dv) + (None,) * 13
 
 
 # Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
@@ -540,25 +584,27 @@ def _fwd_setup_context(ctx, inputs, output):
     qk_rotation = inputs[8] if len(inputs) > 8 else "none"
     smooth_k = inputs[9] if len(inputs) > 9 else False
     softcap = inputs[10] if len(inputs) > 10 else 0.0
+    window = (inputs[11] if len(inputs) > 11 else -1, inputs[12] if len(inputs) > 12 else -1)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.opts = (scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, len(inputs))
+    ctx.opts = (scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, window, len(inputs))
     ctx.mark_non_differentiable(lse)
 
 
 @single_backward("fwd (the raw op torch.ops.fp8attn.fwd)")
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, n_inputs = ctx.opts
+    scale, causal, precision, block_size, scaling, qk_rotation, smooth_k, softcap, window, n_inputs = ctx.opts
     lse_t = None
     if _exact_lse_t(q, precision, smooth_k) and not _is_empty(q, k):
         # The raw op returned only the public LSE; LSE - shift is an FP32 round trip
         # (numerics.md section 10.2), so recompute the forward's own LSE' (deterministic;
         # costs one forward, on this raw-op path only).
         lse_t = fwd_op(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
-                       softcap=softcap, return_lse_t=True)[2]
+                       softcap=softcap, return_lse_t=True, window=window)[2]
     dq, dk, dv = _backward(dout, q, k, v, out, lse, scale, causal, precision, "delta_matching",
-                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k, softcap, lse_t=lse_t)
+                           block_size, "e4m3", None, scaling, qk_rotation, smooth_k, softcap, lse_t=lse_t,
+                           window=window)
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
@@ -585,6 +631,7 @@ def attention(
     qk_rotation: str = "none",
     smooth_k: bool = False,
     softcap: float = 0.0,
+    window_size: Tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
 
@@ -653,6 +700,20 @@ def attention(
             softcap * tanh(x / softcap) before the softmax; 0 (default) = off.
             A real number >= 0. CPU tensors only so far (CUDA:
             NotImplementedError naming it); not with smooth_k (ValueError).
+        window_size: (left, right), FlashAttention's sliding window
+            (numerics.md section 14), bottom-right aligned like causal: query i
+            sees key j iff j >= i + seqlen_k - seqlen_q - left (when left >= 0)
+            and j <= i + seqlen_k - seqlen_q + right (when right >= 0); a
+            negative bound (-1) is unbounded. (-1, -1) (default) is no window,
+            (-1, 0) the causal mask; causal=True forces right = 0 (as
+            FlashAttention). Rows that see no key give O = 0, LSE = -inf and
+            zero gradients; the Delta-Matching delta sums over the keys the
+            window lets a row see. A tuple or list of two ints (ValueError
+            otherwise). Both scalings, every delta mode, both precisions on CPU
+            tensors; CUDA tensors: NotImplementedError naming window_size (the
+            kernels take no windows yet) unless the window masks nothing beyond
+            causal (e.g. a bound reaching every key), which runs as no window /
+            causal.
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -671,7 +732,8 @@ def attention(
             a qk_rotation other than "none" / "hadamard"; smooth_k not a bool
             is a TypeError).
             The message names the argument.
-        NotImplementedError: (in backward) scaling="tile" on CUDA tensors
+        NotImplementedError: a sliding window on CUDA tensors (window_size);
+            (in backward) scaling="tile" on CUDA tensors
             without FP8ATTN_TILE_BWD=1;
             precision "exact" on CUDA tensors (the exact reference runs on CPU
             tensors).
@@ -683,14 +745,16 @@ def attention(
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
                                  qk_rotation=qk_rotation, smooth_k=smooth_k)
+    left, right = check_window_size(window_size)
     check_inputs(q, k, v, op_precision)
     cap = check_softcap(softcap, smooth_k, q.device.type)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
+    left, right = _causal_window(causal, left, right)
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
-                                        grad_format, layer_name, scaling, qk_rotation, smooth_k, cap)
+                                        grad_format, layer_name, scaling, qk_rotation, smooth_k, cap, left, right)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out
 
@@ -723,17 +787,20 @@ def _real(x) -> Optional[float]:
     return float(x) if isinstance(x, (int, float, np.integer, np.floating)) else None
 
 
-def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_size, softcap, alibi_slopes,
+def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, alibi_slopes,
                   deterministic, return_attn_probs, qv, q_descale, k_descale, v_descale, attention_chunk,
                   num_splits, pack_gqa, sm_margin, block_table=None, fp8_inputs=False,
-                  device_type="cpu", softcap_ok=False) -> Tuple[bool, bool]:
+                  device_type="cpu", softcap_ok=False) -> Tuple[bool, bool, Tuple[int, int]]:
     """Checks the FlashAttention arguments fp8attn has no feature for: their
     defaults (and the values FlashAttention treats the same) pass, anything else
-    raises naming the argument. Returns (causal, return_attn_probs) as bools.
-    FlashAttention's window rules (flash_attn flash_api.cpp): a negative bound is
-    unbounded, a bound >= seqlen_k is unbounded, causal=True sets the right bound
-    to 0; so (-1, -1) is no window and (-1, 0) the causal mask. Raises ValueError
-    for a malformed value, NotImplementedError for a well-formed unsupported one."""
+    raises naming the argument. Returns (causal, return_attn_probs, window_size):
+    two bools and the window (left, right) to pass to `attention`.
+    FlashAttention's window rules (hopper/flash_api.cpp): a negative bound is
+    unbounded, causal=True sets the right bound to 0; so (-1, -1) is no window and
+    (-1, 0) the causal mask, returned as causal=True with window (-1, -1). Bounds
+    that reach every key (FA3 sets them to -1) need no rule here: the op's window
+    is exact for any bound (numerics.md section 14). Raises ValueError for a
+    malformed value, NotImplementedError for a well-formed unsupported one."""
     def unsupported(arg, value, what):
         raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
 
@@ -750,21 +817,13 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
         raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
     if drop != 0.0:
         raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(is_int(w) for w in window_size)):
-        raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), got {window_size!r}"))
+    left, right = check_window_size(window_size, fn)
     if isinstance(causal, (bool, np.bool_)):
         causal = bool(causal)
-    left, right = (int(w) for w in window_size)
-    left = -1 if left < 0 or left >= seqlen_k else left
-    right = -1 if right < 0 or right >= seqlen_k else right
     if causal is True:
         right = 0
-    if left >= 0 or right > 0:
-        unsupported("window_size", tuple(int(w) for w in window_size),
-                    "a sliding window (a bound in 0..seqlen_k - 1 other than the causal right bound 0)")
-    if right == 0 and isinstance(causal, bool):  # a non-bool causal is check_options' TypeError
-        causal = True
+    if left < 0 and right == 0 and isinstance(causal, bool):  # a non-bool causal is check_options' TypeError
+        causal, right = True, -1
     cap = _real(softcap)
     if cap is None:
         raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
@@ -798,7 +857,7 @@ def _flash_compat(fn: str, causal: bool, seqlen_k: int, *, dropout_p, window_siz
         raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
     if sm_margin != 0:
         unsupported("sm_margin", sm_margin, "leaving SMs free (sm_margin > 0)")
-    return causal, return_attn_probs
+    return causal, return_attn_probs, (left, right)
 
 
 def _renamed_errors(fn: str, call):
@@ -864,13 +923,16 @@ def _flash_attn_func(
     apart and means softmax_scale=0.1.
 
     FlashAttention's own arguments: the defaults are accepted, and so are
-    values FlashAttention treats the same (its window rules: a negative bound or one
-    >= seqlen_k is unbounded, causal=True sets the right bound to 0; so window_size
-    (-1, 0) is the causal mask and (-1, -1) none). `num_splits` and
+    values FlashAttention treats the same. `num_splits` and
     `pack_gqa` are scheduling hints that do not change the result; fp8attn keeps its
-    own schedule. Not supported, each raising NotImplementedError naming the argument:
-    dropout_p != 0, a sliding window (a window bound in 0..seqlen_k - 1 other than
-    the causal right bound 0), softcap != 0 on CUDA tensors (CPU tensors run it:
+    own schedule. window_size=(left, right): FlashAttention's sliding window, as
+    `attention`'s window_size (numerics.md section 14: bottom-right aligned, a negative
+    bound unbounded, causal=True sets the right bound to 0; so (-1, 0) is the causal
+    mask and (-1, -1) none); CPU tensors run any window, CUDA tensors raise
+    NotImplementedError naming window_size for a window that masks more than causal
+    (the kernels take none yet). Not supported, each raising NotImplementedError
+    naming the argument:
+    dropout_p != 0, softcap != 0 on CUDA tensors (CPU tensors run it:
     `attention`'s softcap), alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
     deterministic=True on CUDA tensors (CPU runs are deterministic and accept it). A malformed value (wrong type, a window_size that is not a pair
     of ints) raises ValueError.
@@ -885,10 +947,9 @@ def _flash_attn_func(
     value check runs in eager mode only: under torch.compile it cannot be traced, and
     the descale enters as x * descale); q, k, v of different dtypes TypeError. FP8
     inputs ignore torch.autocast (as FlashAttention-3's FP8 forward)."""
-    seqlen_k = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
     fp8_in = any(isinstance(t, torch.Tensor) and t.dtype in _FP8_INPUT_DTYPES for t in (q, k, v))
-    causal, return_attn_probs = _flash_compat(
-        "flash_attn_func", causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+    causal, return_attn_probs, window = _flash_compat(
+        "flash_attn_func", causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
         num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, fp8_inputs=fp8_in,
@@ -908,7 +969,7 @@ def _flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
             delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
             return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation,
-            smooth_k=smooth_k, softcap=softcap))
+            smooth_k=smooth_k, softcap=softcap, window_size=window))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
     if fp8_in:   # FlashAttention-3's FP8 forward returns O in bfloat16
@@ -1002,7 +1063,7 @@ flash_attn_func.__doc__ = _flash_attn_func.__doc__
 
 # What scaled_dot_product_attention passes on to `attention` (its fp8_kwargs).
 _SDPA_FP8_KWARGS = frozenset(("delta_mode", "precision", "block_size", "grad_format", "layer_name", "scaling",
-                              "qk_rotation", "smooth_k", "softcap"))
+                              "qk_rotation", "smooth_k", "softcap", "window_size"))
 
 
 def scaled_dot_product_attention(
@@ -1021,8 +1082,8 @@ def scaled_dot_product_attention(
 
     fp8_kwargs: delta_mode, precision, block_size, grad_format, layer_name,
     scaling ("row" or "tile", numerics.md section 9), qk_rotation ("none" or
-    "hadamard"), smooth_k (bool; section 10) and softcap (section 12), as in
-    `attention`; any other keyword (attention's causal / softmax_scale included:
+    "hadamard"), smooth_k (bool; section 10), softcap (section 12) and
+    window_size (FlashAttention's sliding window, section 14), as in `attention`; any other keyword (attention's causal / softmax_scale included:
     here they are is_causal / scale) is a TypeError naming it, and errors name
     the arguments as this function calls them.
     Not supported (NotImplementedError): attn_mask, dropout_p != 0, and

@@ -11,14 +11,16 @@ Implementation: two custom ops, opaque to torch.compile, so that
 
   fp8attn::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, precision, block_size, delta_mode,
-      grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False)
+      grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False,
+      seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1)
                                 -> (out [total_q, Hq, Dv] q.dtype,
                                    lse float32 [Hq, total_q],
                                    lse_t float32 [Hq, total_q] with smooth_k
                                    (LSE' of the smoothed logits), else [0])
   fp8attn::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
       softmax_scale, causal, precision, delta_mode, block_size, grad_format,
-      diagnostics, scaling="row", qk_rotation="none", smooth_k=False, ..., lse_t=None)
+      diagnostics, scaling="row", qk_rotation="none", smooth_k=False, ..., lse_t=None,
+      window_left=-1, window_right=-1)
                                 -> (dq, dk, dv like q, k, v;
                        diag float32 [4, Hq, total_q] if diagnostics else [0])
 
@@ -27,7 +29,8 @@ their values, and loops over the sequences calling the raw ops
 torch.ops.fp8attn.fwd / bwd (through ops.fwd_op / bwd_op, which apply
 qk_rotation / smooth_k around them on CUDA) on [1, heads, len, head_dim] views
 of each sequence's slices: bit-identical to calling `attention` per sequence
-(so smooth_k subtracts each sequence's own mean key, numerics.md section 10). The
+(so smooth_k subtracts each sequence's own mean key, numerics.md section 10, and
+a sliding window is bottom-right aligned per sequence, section 14). The
 outputs start as O = 0, LSE = -inf, zero gradients, so tokens outside every
 sequence and empty sequences keep those values. The fake kernels give the
 output shapes from the input shapes alone. varlen_fwd is differentiable
@@ -44,7 +47,8 @@ import numpy as np
 import torch
 
 from . import diagnostics as _diag
-from .ops import _autocast_in, _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op, check_inputs, check_options, check_softcap, fwd_op, single_backward
+from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op,
+                  check_inputs, check_options, check_softcap, check_window_size, fwd_op, single_backward)
 
 __all__ = ["varlen_attention"]
 
@@ -161,6 +165,7 @@ def varlen_fwd(
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    window_left: int = -1, window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact")."""
@@ -179,7 +184,8 @@ def varlen_fwd(
         if _is_empty(q_b, k_b):
             continue
         o_b, lse_b, lse_tb = fwd_op(q_b, k_b, v_b, softmax_scale, causal, precision, block_size, scaling,
-                                    qk_rotation, smooth_k, softcap=softcap, return_lse_t=True)
+                                    qk_rotation, smooth_k, softcap=softcap, return_lse_t=True,
+                                    window=(window_left, window_right))
         out[qa:qb] = o_b[0].transpose(0, 1)
         lse[:, qa:qb] = lse_b[0]
         if smooth_k:
@@ -190,7 +196,7 @@ def varlen_fwd(
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1):
     total_q, hq, _ = q.shape
     return (q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32),
             q.new_empty((hq, total_q) if smooth_k else (0,), dtype=torch.float32))
@@ -203,7 +209,7 @@ def varlen_bwd(
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
     qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    lse_t: Optional[torch.Tensor] = None,
+    lse_t: Optional[torch.Tensor] = None, window_left: int = -1, window_right: int = -1,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
@@ -223,7 +229,8 @@ def varlen_bwd(
         dq_b, dk_b, dv_b, diag_b = bwd_op(
             _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
             causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k,
-            softcap=softcap, lse_t=None if lse_t is None else lse_t[:, qa:qb].unsqueeze(0))
+            softcap=softcap, lse_t=None if lse_t is None else lse_t[:, qa:qb].unsqueeze(0),
+            window=(window_left, window_right))
         dq[qa:qb] = dq_b[0].transpose(0, 1)
         dk[ka:kb] = dk_b[0].transpose(0, 1)
         dv[ka:kb] = dv_b[0].transpose(0, 1)
@@ -235,7 +242,8 @@ def varlen_bwd(
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, lse_t=None):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, lse_t=None, window_left=-1,
+                     window_right=-1):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -253,10 +261,11 @@ def _varlen_setup_context(ctx, inputs, output):
     used_q = inputs[17] if len(inputs) > 17 else None
     used_k = inputs[18] if len(inputs) > 18 else None
     softcap = inputs[19] if len(inputs) > 19 else 0.0
+    window = (inputs[20] if len(inputs) > 20 else -1, inputs[21] if len(inputs) > 21 else -1)
     out, lse, lse_t = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
-                smooth_k, softcap, len(inputs))
+                smooth_k, softcap, window, len(inputs))
     ctx.mark_non_differentiable(lse, lse_t)
 
 
@@ -264,11 +273,12 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse, _dlse_t):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
-     softcap, n_inputs) = ctx.opts
+     softcap, window, n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
-                                                    scaling, qk_rotation, smooth_k, used_q, used_k, softcap, lse_t)
+                                                    scaling, qk_rotation, smooth_k, used_q, used_k, softcap, lse_t,
+                                                    window[0], window[1])
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -278,7 +288,7 @@ def _varlen_backward(ctx, dout, _dlse, _dlse_t):
                 continue
             _diag._record(diag[:, None, :, qa:qb], _diag_meta(q_b, k_b, v_b, causal, precision, delta_mode,
                                                               block_size, grad_format, layer_name, scaling,
-                                                              qk_rotation, smooth_k))
+                                                              qk_rotation, smooth_k, window))
     return (dq, dk, dv) + (None,) * (n_inputs - 3)
 
 
@@ -376,14 +386,20 @@ def varlen_attention(
             the host like cu_seqlens).
         softcap: logit softcapping as in `fp8attn.attention` (numerics.md section
             12; CPU tensors only, CUDA NotImplementedError naming it).
-        FlashAttention's other arguments (dropout_p, window_size,
+        window_size: (left, right), FlashAttention's sliding window as in
+            `fp8attn.attention` (numerics.md section 14), bottom-right aligned per
+            sequence (on its used lengths with seqused_q / seqused_k); -1 =
+            unbounded, causal=True sets right = 0, (-1, 0) is the causal mask.
+            A pair of ints (ValueError otherwise); CPU tensors run any window,
+            CUDA tensors raise NotImplementedError naming window_size for a
+            sequence whose window masks more than causal.
+        FlashAttention's other arguments (dropout_p,
         alibi_slopes, deterministic (on CUDA), qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
         block_table):
-            the defaults and equivalent values are accepted (window_size (-1, 0)
-            is the causal mask; num_splits and pack_gqa are scheduling hints that
-            do not change the result); anything else raises NotImplementedError
-            naming the argument,
+            the defaults and equivalent values are accepted (num_splits and
+            pack_gqa are scheduling hints that do not change the result);
+            anything else raises NotImplementedError naming the argument,
             a malformed value ValueError (as `fp8attn.flash_attn_func`).
 
     Returns:
@@ -409,13 +425,10 @@ def varlen_attention(
     graph break: the per-sequence loop is inside the custom ops.
     """
     # ---- options and tensors
-    # FlashAttention clamps window bounds at max_seqlen_k; without it, at total_k (a
-    # bound that large is unbounded for every sequence).
-    seqlen_k = max_seqlen_k if isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) else (
-        k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0)
+    window = check_window_size(window_size, _FN)
     if isinstance(causal, bool):
-        causal, return_attn_probs = _flash_compat(
-            _FN, causal, seqlen_k, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+        causal, return_attn_probs, window = _flash_compat(
+            _FN, causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table,
@@ -455,6 +468,7 @@ def varlen_attention(
     q, k, v = _half_in(q, k, v)
     out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
-                                            scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap)
+                                            scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap,
+                                            window[0], window[1])
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

@@ -87,6 +87,12 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
     for (int64_t j = 0; j < Sk; ++j) n += pr.sees(i, j);
     return n;
   };
+  // Whether row i sees any key of [j0, j1).
+  auto sees_any = [&](int64_t i, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      if (pr.sees(i, j)) return true;
+    return false;
+  };
   Emulated e;
   e.o.assign(pr.B * Sq * Hq * dv, 0.0);
   e.dq.assign(pr.B * Sq * Hq * d, 0.0);
@@ -122,8 +128,9 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
           if (n == 0) continue;
           float m = -kInfF, l = 0.f;
           std::vector<float> acc(dv, 0.f);
-          for (int64_t j0 = 0; j0 < n; j0 += Bk) {
+          for (int64_t j0 = 0; j0 < Sk; j0 += Bk) {  // the key tiles the row sees a key of
             const int64_t len = std::min(Bk, Sk - j0);
+            if (!sees_any(i, j0, j0 + len)) continue;
             std::vector<float> s(len, 0.f), p(len, 0.f);
             float tmax = -kInfF;
             for (int64_t j = j0; j < j0 + len; ++j)
@@ -202,7 +209,7 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
           std::vector<float> acc(d, 0.f);
           for (int64_t j0 = 0; j0 < Sk; j0 += Bk) {
             const int64_t len = std::min(Bk, Sk - j0);
-            if (!pr.sees(i, j0)) continue;
+            if (!sees_any(i, j0, j0 + len)) continue;
             std::vector<std::vector<float>> kd(d);
             for (int64_t c = 0; c < d; ++c) {
               std::vector<float> kblk(len, 0.f);
@@ -212,7 +219,7 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
             }
             for (int64_t u0 = j0; u0 < j0 + len; u0 += Bds6) {
               const int64_t ulen = std::min(Bds6, j0 + len - u0);
-              if (!pr.sees(i, u0)) continue;
+              if (!sees_any(i, u0, u0 + ulen)) continue;
               const std::vector<float> dsd =
                   decoded(std::vector<float>(dS[i].begin() + u0, dS[i].begin() + u0 + ulen), gf);
               for (float x : dsd) {
@@ -229,8 +236,10 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
           for (int64_t c = 0; c < d; ++c) e.dq[qb(b, i, h) + c] = acc[c] * tau;
           e.delta[lrow + i] = delta;
           e.eps[lrow + i] = delta - dm;
-          e.pre[lrow + i] = pa > 0 ? static_cast<float>(std::fabs(ps) / pa) : 0.f;
-          e.post[lrow + i] = qa > 0 ? static_cast<float>(std::fabs(qs) / qa) : 0.f;
+          // Rows that see < 2 keys report 0 (numerics.md section 7).
+          const bool freedom = nvis(i) >= 2;
+          e.pre[lrow + i] = freedom && pa > 0 ? static_cast<float>(std::fabs(ps) / pa) : 0.f;
+          e.post[lrow + i] = freedom && qa > 0 ? static_cast<float>(std::fabs(qs) / qa) : 0.f;
         }
         // Backward columns: dV (#5), dK (#7), per query tile of Bk rows.
         for (int64_t i0 = 0; i0 < Sq; i0 += Bk) {
@@ -289,7 +298,8 @@ void spread_binades(std::vector<double>& x, int spread, std::mt19937& rng) {
 void expect_matches_emulation(const Problem& pr, int64_t Bk, Fp8Format gf, DeltaMode mode,
                               uint32_t seed, int spread = 0) {
   SCOPED_TRACE("Sq=" + std::to_string(pr.Sq) + " Sk=" + std::to_string(pr.Sk) +
-               " causal=" + std::to_string(pr.causal) + " B=" + std::to_string(Bk) +
+               " causal=" + std::to_string(pr.causal) + " window=(" + std::to_string(pr.window_left) +
+               ", " + std::to_string(pr.window_right) + ") B=" + std::to_string(Bk) +
                " d=" + std::to_string(pr.d) + " dv=" + std::to_string(pr.dv) + " mode=" +
                std::to_string(static_cast<int>(mode)) + " spread=" + std::to_string(spread));
   std::mt19937 rng(seed);
@@ -356,6 +366,55 @@ TEST(ReferenceFp8, MatchesLiteralEmulationOfTheRecipe) {
   pr.dv = 1;
   pr.causal = true;
   expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
+}
+
+// Sliding windows (numerics.md section 14): the visible keys of a row are a range
+// [i + Sk - Sq - left, i + Sk - Sq + right], so the partially visible tiles are
+// prefixes, suffixes and (windows narrower than a tile) middle ranges, quantized
+// from their visible part; edges inside and across tiles, seqlen_q != seqlen_k both
+// ways, rows that see no key, every delta mode, a wide dynamic range (spread 12:
+// visible-part blocks differ from whole-tile blocks there).
+TEST(ReferenceFp8, MatchesLiteralEmulationWithSlidingWindows) {
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = 2;
+  pr.Hkv = 1;
+  pr.d = 40;
+  pr.dv = 24;
+  struct Case {
+    int64_t Sq, Sk, left, right, B;
+    Fp8Format gf;
+    DeltaMode mode;
+    uint32_t seed;
+    int spread;
+  };
+  const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
+  const DeltaMode dm = DeltaMode::kDeltaMatching, st = DeltaMode::kStale, md = DeltaMode::kMatchedDO;
+  const Case cases[] = {
+      {100, 75, 40, 0, 32, e4, dm, 11, 0},     // left bound across tiles, rows that see no key
+      {100, 75, 40, 0, 32, e4, dm, 12, 12},
+      {90, 90, 5, 3, 32, e4, st, 13, 12},      // a window narrower than a tile: middle ranges
+      {90, 90, 0, 0, 32, e5, md, 14, 0},       // one key per row
+      {70, 133, 37, 20, 64, e4, md, 15, 12},   // both bounds inside 64-key tiles, Sq < Sk
+      {133, 70, 20, 37, 64, e5, st, 16, 12},   // Sq > Sk: rows that see no key at the top
+      {60, 300, 129, -1, 128, e4, dm, 17, 12}, // left bound only, crossing a 128-key tile
+      {60, 300, -1, 100, 128, e4, st, 18, 0},  // right bound only (not causal)
+      {60, 300, 200, 129, 128, e4, md, 19, 12},
+  };
+  for (const Case& c : cases) {
+    pr.Sq = c.Sq;
+    pr.Sk = c.Sk;
+    pr.window_left = c.left;
+    pr.window_right = c.right;
+    expect_matches_emulation(pr, c.B, c.gf, c.mode, c.seed, c.spread);
+  }
+  // causal with a window: right bound 0
+  pr.Sq = 80;
+  pr.Sk = 100;
+  pr.causal = true;
+  pr.window_left = 45;
+  pr.window_right = 17;
+  expect_matches_emulation(pr, 32, e4, dm, 20, 12);
 }
 
 // ---- FP8 error budget against the exact path ------------------------------

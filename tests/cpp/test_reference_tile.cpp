@@ -79,15 +79,33 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
   auto kb = [&](int64_t b, int64_t j, int64_t h) { return ((b * Sk + j) * Hkv + h) * d; };
   auto vb = [&](int64_t b, int64_t j, int64_t h) { return ((b * Sk + j) * Hkv + h) * dv; };
   auto ob = [&](int64_t b, int64_t i, int64_t h) { return ((b * Sq + i) * Hq + h) * dv; };
+  // The keys row i sees, [kfirst(i), kend(i)) (a contiguous range by the mask's
+  // definition; the test checks it), and the rows that see key j, [qfirst(j), qend(j)).
+  auto kfirst = [&](int64_t i) {
+    for (int64_t j = 0; j < Sk; ++j)
+      if (pr.sees(i, j)) return j;
+    return Sk;
+  };
+  auto kend = [&](int64_t i) {
+    for (int64_t j = Sk; j > 0; --j)
+      if (pr.sees(i, j - 1)) return j;
+    return kfirst(i);
+  };
   auto nvis = [&](int64_t i) {
     int64_t n = 0;
     for (int64_t j = 0; j < Sk; ++j) n += pr.sees(i, j);
+    EXPECT_EQ(n, kend(i) - kfirst(i)) << "row " << i << " sees a non-contiguous key set";
     return n;
   };
-  auto first_query = [&](int64_t j) {
+  auto qfirst = [&](int64_t j) {
     for (int64_t i = 0; i < Sq; ++i)
       if (pr.sees(i, j)) return i;
     return Sq;
+  };
+  auto qend = [&](int64_t j) {
+    for (int64_t i = Sq; i > 0; --i)
+      if (pr.sees(i - 1, j)) return i;
+    return qfirst(j);
   };
   // Rows [r0, r1) x w of x (base(r) = index of row r), decoded as one block.
   auto block = [](const std::vector<double>& x, auto base, int64_t r0, int64_t r1, int64_t w,
@@ -110,9 +128,10 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       auto kbase = [&](int64_t j) { return kb(b, j, hk); };
       auto vbase = [&](int64_t j) { return vb(b, j, hk); };
-      // The K / V block of key tile [j0, j0 + T) that row i reads: its visible keys.
-      auto kv_block = [&](int64_t i, int64_t j0, bool is_k) {
-        const int64_t j1 = std::min(j0 + T, nvis(i));
+      // The K / V block of the key tile starting at t0 that row i reads: its visible
+      // keys [max(t0, kfirst), min(t0 + T, kend)).
+      auto kv_block = [&](int64_t i, int64_t t0, bool is_k) {
+        const int64_t j0 = std::max(t0, kfirst(i)), j1 = std::min(t0 + T, kend(i));
         return is_k ? block(in.k, kbase, j0, j1, d, e4) : block(in.v, vbase, j0, j1, dv, e4);
       };
       std::vector<float> dk_acc(Sk * d, 0.f), dv_acc(Sk * dv, 0.f);
@@ -125,9 +144,10 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
           qrow[i] = block(in.q, qbase, i, i + 1, d, e4);
           dorow[i] = block(in.dout, obase, i, i + 1, dv, gf);
         }
-        // S of row i for the visible keys of tile j0: one FP32 sum over head_dim.
-        auto logits = [&](int64_t i, int64_t j0) {
-          const std::vector<float> kd = kv_block(i, j0, true);
+        // S of row i for the visible keys of the tile starting at t0 (the first of them
+        // is key max(t0, kfirst(i))): one FP32 sum over head_dim.
+        auto logits = [&](int64_t i, int64_t t0) {
+          const std::vector<float> kd = kv_block(i, t0, true);
           const int64_t L = static_cast<int64_t>(kd.size()) / d;
           std::vector<float> s(L);
           for (int64_t j = 0; j < L; ++j) {
@@ -143,7 +163,7 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
           if (n == 0) continue;
           float m = -kInfF, l = 0.f;
           std::vector<float> acc(dv, 0.f);
-          for (int64_t j0 = 0; j0 < n; j0 += T) {
+          for (int64_t j0 = kfirst(i) / T * T; j0 < kend(i); j0 += T) {
             const std::vector<float> s = logits(i, j0);
             const int64_t L = static_cast<int64_t>(s.size());
             float tmax = -kInfF;
@@ -174,10 +194,12 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
         for (int64_t i = 0; i < Sq; ++i) {
           const int64_t n = nvis(i);
           if (n == 0) continue;
+          const int64_t kf = kfirst(i), ke = kend(i), tf = kf / T * T;
           std::vector<float> dP(Sk, 0.f);
           float dm = 0.f;
-          for (int64_t j0 = 0; j0 < n; j0 += T) {
-            const std::vector<float> s = logits(i, j0), vd = kv_block(i, j0, false);
+          for (int64_t t0 = tf; t0 < ke; t0 += T) {
+            const int64_t j0 = std::max(t0, kf);  // the tile's first visible key
+            const std::vector<float> s = logits(i, t0), vd = kv_block(i, t0, false);
             for (int64_t j = 0; j < static_cast<int64_t>(s.size()); ++j) {
               P[i][j0 + j] = std::exp(s[j] - lse32[lrow + i]);
               float acc = 0.f;
@@ -186,7 +208,7 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
             }
           }
           float l = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = kf; j < ke; ++j) {
             l += P[i][j];
             dm += P[i][j] * dP[j];
           }
@@ -196,8 +218,9 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
             dm /= l;
             if (mode == DeltaMode::kDeltaMatching) {
               const float lse_b = lse32[lrow + i] + std::log(l);
-              for (int64_t j0 = 0; j0 < n; j0 += T) {
-                const std::vector<float> s = logits(i, j0);
+              for (int64_t t0 = tf; t0 < ke; t0 += T) {
+                const int64_t j0 = std::max(t0, kf);
+                const std::vector<float> s = logits(i, t0);
                 for (int64_t j = 0; j < static_cast<int64_t>(s.size()); ++j) P[i][j0 + j] = std::exp(s[j] - lse_b);
               }
             }
@@ -213,26 +236,28 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
             }
           }
           double ps = 0, pa = 0, qs = 0, qa = 0;
-          for (int64_t j = 0; j < n; ++j) {
+          for (int64_t j = kf; j < ke; ++j) {
             dS[i][j] = P[i][j] * (dP[j] - delta);
             ps += dS[i][j];
             pa += std::fabs(dS[i][j]);
           }
           std::vector<float> acc(d, 0.f);
-          for (int64_t j0 = 0; j0 < n; j0 += T) {
-            const int64_t L = std::min(T, n - j0);
-            const std::vector<float> kd = kv_block(i, j0, true);
-            for (int64_t h0 = 0; h0 < L; h0 += KH) {  // key halves [j0 + h0, j0 + h1)
-              const int64_t h1 = std::min(L, h0 + KH);
-              const std::vector<float> dsd = decoded(
-                  std::vector<float>(dS[i].begin() + j0 + h0, dS[i].begin() + j0 + h1), gf);
+          for (int64_t t0 = tf; t0 < ke; t0 += T) {
+            const int64_t j0 = std::max(t0, kf);  // kd's first key
+            const std::vector<float> kd = kv_block(i, t0, true);
+            // key halves [t0, t0 + KH), [t0 + KH, t0 + T): their visible keys [h0, h1)
+            for (int64_t u0 = t0; u0 < std::min(Sk, t0 + T); u0 += KH) {
+              const int64_t h0 = std::max(u0, kf), h1 = std::min(std::min(Sk, u0 + KH), ke);
+              if (h0 >= h1) continue;
+              const std::vector<float> dsd =
+                  decoded(std::vector<float>(dS[i].begin() + h0, dS[i].begin() + h1), gf);
               for (float x : dsd) {
                 qs += x;
                 qa += std::fabs(x);
               }
               for (int64_t c = 0; c < d; ++c) {
                 float part = 0.f;
-                for (int64_t j = h0; j < h1; ++j) part += dsd[j - h0] * kd[j * d + c];
+                for (int64_t j = h0; j < h1; ++j) part += dsd[j - h0] * kd[(j - j0) * d + c];
                 acc[c] += part;
               }
             }
@@ -251,15 +276,16 @@ Emulated emulate_tile(const Problem& pr, const Inputs& in, int64_t T, Fp8Format 
             for (int64_t j0 = t0; j0 < t1; j0 += KH) {  // key halves [j0, j1) of tile [t0, t1)
               const int64_t j1 = std::min(t1, j0 + KH);
               for (int64_t j = j0; j < j1; ++j) {
-                const int64_t vq = std::max(i0, first_query(j));
-                if (vq >= i1) continue;
-                // The dO and Q blocks: rows [vq, i1) of the query tile, all of head_dim.
-                const std::vector<float> dod = block(in.dout, obase, vq, i1, dv, gf),
-                                         qd = block(in.q, qbase, vq, i1, d, e4);
+                const int64_t vq = std::max(i0, qfirst(j)), vq1 = std::min(i1, qend(j));
+                if (vq >= vq1) continue;
+                // The dO and Q blocks: rows [vq, vq1) of the query tile, all of head_dim.
+                const std::vector<float> dod = block(in.dout, obase, vq, vq1, dv, gf),
+                                         qd = block(in.q, qbase, vq, vq1, d, e4);
                 for (int64_t s0 = i0; s0 < i1; s0 += H) {  // query sub-tiles [s0, s1)
-                  const int64_t s1 = std::min(i1, s0 + H), v0 = std::max(s0, vq);
+                  const int64_t s1 = std::min(std::min(i1, s0 + H), vq1), v0 = std::max(s0, vq);
                   if (v0 >= s1) continue;
-                  // The P and dS blocks: rows [v0, s1) x keys [j0, j1), masked entries 0.
+                  // The P and dS blocks: rows [v0, s1) (those of the sub-tile that see
+                  // key j) x keys [j0, j1), masked entries 0.
                   std::vector<float> pb, sb;
                   for (int64_t i = v0; i < s1; ++i)
                     for (int64_t jj = j0; jj < j1; ++jj) {
@@ -304,7 +330,8 @@ void spread_binades(std::vector<double>& x, int spread, std::mt19937& rng) {
 void expect_matches_emulation(const Problem& pr, int64_t T, Fp8Format gf, DeltaMode mode,
                               uint32_t seed, int spread = 0) {
   SCOPED_TRACE("Sq=" + std::to_string(pr.Sq) + " Sk=" + std::to_string(pr.Sk) +
-               " causal=" + std::to_string(pr.causal) + " T=" + std::to_string(T) +
+               " causal=" + std::to_string(pr.causal) + " window=(" + std::to_string(pr.window_left) +
+               ", " + std::to_string(pr.window_right) + ") T=" + std::to_string(T) +
                " d=" + std::to_string(pr.d) + " dv=" + std::to_string(pr.dv) + " mode=" +
                std::to_string(static_cast<int>(mode)) + " spread=" + std::to_string(spread));
   std::mt19937 rng(seed);
@@ -366,6 +393,55 @@ TEST(ReferenceFp8Tile, MatchesLiteralEmulationOfTheRecipe) {
   pr.dv = 1;
   pr.causal = true;
   expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
+}
+
+// Sliding windows (numerics.md section 14): the visible keys of a row are a range
+// [i + Sk - Sq - left, i + Sk - Sq + right], so the partially visible tiles are
+// prefixes, suffixes and (windows narrower than a tile) middle ranges, quantized
+// from their visible part; edges inside and across tiles, seqlen_q != seqlen_k both
+// ways, rows that see no key, every delta mode, a wide dynamic range (spread 12:
+// visible-part blocks differ from whole-tile blocks there).
+TEST(ReferenceFp8Tile, MatchesLiteralEmulationWithSlidingWindows) {
+  Problem pr;
+  pr.B = 1;
+  pr.Hq = 2;
+  pr.Hkv = 1;
+  pr.d = 40;
+  pr.dv = 24;
+  struct Case {
+    int64_t Sq, Sk, left, right, T;
+    Fp8Format gf;
+    DeltaMode mode;
+    uint32_t seed;
+    int spread;
+  };
+  const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
+  const DeltaMode dm = DeltaMode::kDeltaMatching, st = DeltaMode::kStale, md = DeltaMode::kMatchedDO;
+  const Case cases[] = {
+      {100, 75, 40, 0, 32, e4, dm, 11, 0},     // left bound across tiles, rows that see no key
+      {100, 75, 40, 0, 32, e4, dm, 12, 12},
+      {90, 90, 5, 3, 32, e4, st, 13, 12},      // a window narrower than a tile: middle ranges
+      {90, 90, 0, 0, 32, e5, md, 14, 0},       // one key per row
+      {70, 133, 37, 20, 64, e4, md, 15, 12},   // both bounds inside 64-key tiles, Sq < Sk
+      {133, 70, 20, 37, 64, e5, st, 16, 12},   // Sq > Sk: rows that see no key at the top
+      {60, 300, 129, -1, 128, e4, dm, 17, 12}, // left bound only, crossing a 128-key tile
+      {60, 300, -1, 100, 128, e4, st, 18, 0},  // right bound only (not causal)
+      {60, 300, 200, 129, 128, e4, md, 19, 12},
+  };
+  for (const Case& c : cases) {
+    pr.Sq = c.Sq;
+    pr.Sk = c.Sk;
+    pr.window_left = c.left;
+    pr.window_right = c.right;
+    expect_matches_emulation(pr, c.T, c.gf, c.mode, c.seed, c.spread);
+  }
+  // causal with a window: right bound 0
+  pr.Sq = 80;
+  pr.Sk = 100;
+  pr.causal = true;
+  pr.window_left = 45;
+  pr.window_right = 17;
+  expect_matches_emulation(pr, 32, e4, dm, 20, 12);
 }
 
 // The P (#5) and dS (#7) blocks are (query sub-tile of T/2 queries, key

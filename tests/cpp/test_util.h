@@ -179,6 +179,8 @@ inline std::vector<double> random_normal(int64_t n, std::mt19937& rng, bool bf16
 struct Problem {
   int64_t B = 1, Sq = 8, Sk = 8, Hq = 2, Hkv = 2, d = 16, dv = 16;
   bool causal = false;
+  // Sliding window (numerics.md section 14): -1 = unbounded; causal forces right = 0.
+  int64_t window_left = -1, window_right = -1;
   double scale = 0.0;  // 0 = 1/sqrt(d)
   Scaling scaling = Scaling::kRow;  // FP8 recipe (numerics.md section 9)
   // softmax_scale as the reference receives it (AttnParams holds an FP32).
@@ -199,6 +201,8 @@ struct Problem {
     p.head_dim_v = dv;
     p.softmax_scale = static_cast<float>(tau());
     p.causal = causal;
+    p.window_left = window_left;
+    p.window_right = window_right;
     p.precision = prec;
     p.delta_mode = mode;
     p.block_size = block_size;
@@ -207,7 +211,15 @@ struct Problem {
     p.scaling = scaling;
     return p;
   }
-  bool sees(int64_t i, int64_t j) const { return !causal || j <= i + (Sk - Sq); }
+  // The mask, straight from its definition (bottom-right: the diagonal of row i is key
+  // i + Sk - Sq); written independently of the library's normalization.
+  bool sees(int64_t i, int64_t j) const {
+    const int64_t diag = i + (Sk - Sq);
+    const int64_t right = causal ? 0 : window_right;
+    if (right >= 0 && j > diag + right) return false;
+    if (window_left >= 0 && j < diag - window_left) return false;
+    return true;
+  }
 };
 
 // Inputs in logical order: q [B,Sq,Hq,d], k [B,Sk,Hkv,d], v [B,Sk,Hkv,dv], dout [B,Sq,Hq,dv].

@@ -42,8 +42,10 @@ def test_output_is_contiguous_in_the_call_layout_and_differentiable():
 @pytest.mark.parametrize("window, causal, same_as", [
     ((-1, -1), False, False), ((-1, 0), False, True), ((-100, 0), False, True), ((-1, -5), True, True),
     ((-1, -1), True, True), ((-1, 0), True, True),
-    # FlashAttention's rules: a bound >= seqlen_k (45) is unbounded; causal sets right = 0
-    ((45, 0), False, True), ((4096, 4096), False, False), ((-1, 5), True, True), ((100, 45), True, True)])
+    # FlashAttention's rules: a bound that reaches every key (left >= seqlen_k - 1 = 44,
+    # right >= seqlen_q - 1 = 44) is unbounded; causal sets right = 0
+    ((45, 0), False, True), ((44, 0), False, True), ((4096, 4096), False, False), ((44, 44), False, False),
+    ((-1, 5), True, True), ((100, 45), True, True)])
 def test_window_sizes_that_mean_no_window_or_causal(window, causal, same_as):
     q, k, v = _bshd(sq=45)
     o = fp8attn.flash_attn_func(q, k, v, causal=causal, window_size=window)
@@ -62,16 +64,18 @@ def test_return_attn_probs_is_the_lse_and_hints_change_nothing():
     assert torch.equal(o, o3)
 
 
-# (softcap: supported by flash_attn_func on CPU tensors, refused by varlen_attention and
-# on CUDA: tests/python/test_softcap.py)
+# (softcap: supported on CPU tensors, refused on CUDA: tests/python/test_softcap.py;
+# sliding windows (window_size): supported on CPU tensors, refused on CUDA:
+# tests/python/test_window.py)
 UNSUPPORTED = [
-    ("dropout_p", 0.1), ("window_size", (16, 0)), ("window_size", (-1, 8)), ("window_size", (0, 0)),
+    ("dropout_p", 0.1),
     ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)),
     ("q_descale", torch.ones(2, 2)), ("k_descale", torch.ones(2, 2)), ("v_descale", torch.ones(2, 2)),
     ("attention_chunk", 256), ("sm_margin", 8),
 ]  # (descale factors are refused without FP8 inputs: test_fp8_inputs_* below)
 MALFORMED = [
-    ("window_size", 5), ("window_size", (1, 2, 3)), ("window_size", (-1.0, 0)), ("softcap", "big"),
+    ("window_size", 5), ("window_size", (1, 2, 3)), ("window_size", (-1.0, 0)), ("window_size", (True, 0)),
+    ("window_size", None), ("window_size", "16,0"), ("softcap", "big"),
     ("softcap", True), ("deterministic", 1), ("return_attn_probs", "yes"), ("attention_chunk", -1),
     ("num_splits", -2), ("num_splits", 1.5), ("pack_gqa", 1), ("sm_margin", -1), ("dropout_p", None),
     ("dropout_p", "x"), ("dropout_p", torch.zeros(2)), ("softcap", torch.zeros(2)),

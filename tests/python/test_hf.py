@@ -8,6 +8,10 @@ with attn_implementation="fp8attn" against the same weights on HF's "sdpa".
     bit-identical to sdpa (the FP8 op really runs).
   * padding masks and attention dropout in training raise NotImplementedError
     (HF would otherwise hand us no mask at all and padding would be ignored).
+  * sliding-window layers (Mistral, Qwen2 with use_sliding_window, Gemma 2's local
+    layers; HF's `sliding_window` W = fp8attn's window_size (W - 1, 0)): precision
+    "exact" matches HF's sdpa (eager for Gemma 2) with the window, training and
+    generation, and differs from the same model without the window.
 No download: the model is built from a config. Runtime: a few seconds.
 """
 from __future__ import annotations
@@ -219,3 +223,127 @@ def test_fp8_dtypes_into_the_op(dtype):
     if dtype == torch.float16:  # not the bfloat16 cast of before: FP16's extra mantissa bits reach the op
         via_bf16 = fp8attn.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, softmax_scale=0.25)
         assert not torch.equal(out, via_bf16.half().transpose(1, 2))
+
+
+# ---- sliding windows ---------------------------------------------------------------
+
+
+def build_windowed(kind: str, impl: str, seed: int = 0, window=8):
+    """A tiny model with sliding-window attention layers (window W = `window` tokens;
+    None: the same model without the window)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  attn_implementation=impl)
+    torch.manual_seed(seed)
+    if kind == "mistral":   # every layer sliding
+        from transformers import MistralConfig, MistralForCausalLM
+        return MistralForCausalLM(MistralConfig(sliding_window=window, **common))
+    if kind == "qwen2":     # use_sliding_window: every layer from max_window_layers on
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
+                                            max_window_layers=0, **common))
+    from transformers import Gemma2Config, Gemma2ForCausalLM   # local / global layers alternate
+    return Gemma2ForCausalLM(Gemma2Config(sliding_window=window or 4096, attn_logit_softcapping=None,
+                                          final_logit_softcapping=None, **common))
+
+
+@pytest.mark.parametrize("kind,ref_impl", [("mistral", "sdpa"), ("qwen2", "sdpa"), ("gemma2", "eager")])
+def test_sliding_window_models_match_hf(kind, ref_impl):
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+    ref = build_windowed(kind, ref_impl)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    loss_ref, g_ref, _ = train_step(ref, tokens)
+    model = build_windowed(kind, "fp8attn_exact", seed=1)
+    model.load_state_dict(state)
+    loss, grads, _ = train_step(model, tokens)
+    assert math.isfinite(loss) and abs(loss - loss_ref) <= 1e-5 * abs(loss_ref), (loss, loss_ref)
+    for n in g_ref:
+        assert torch.isfinite(grads[n]).all(), n
+        torch.testing.assert_close(grads[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    # The window matters on these inputs (40 tokens, W = 8): without it the loss moves.
+    plain = build_windowed(kind, ref_impl, window=None)
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        loss_plain = float(plain(input_ids=tokens, labels=tokens).loss)
+    assert abs(loss_plain - loss_ref) > 100 * abs(loss - loss_ref) + 1e-5, (loss_plain, loss_ref)
+    # fp8: finite and close, not identical
+    fp8 = build_windowed(kind, "fp8attn", seed=2)
+    fp8.load_state_dict(state)
+    loss8, grads8, _ = train_step(fp8, tokens)
+    assert math.isfinite(loss8) and 0 < abs(loss8 - loss_ref) <= 0.03 * loss_ref, (loss8, loss_ref)
+    flat = torch.cat([grads8[n].flatten() for n in g_ref])
+    flat_ref = torch.cat([g_ref[n].flatten() for n in g_ref])
+    assert float(torch.nn.functional.cosine_similarity(flat, flat_ref, dim=0)) > 0.99
+
+
+def test_sliding_window_generation_matches_sdpa():
+    """Greedy decoding past the window: the decode steps' masks have a left bound."""
+    prompt = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
+    outs = []
+    for impl in ("sdpa", "fp8attn_exact"):
+        model = build_windowed("mistral", impl)
+        model.eval()
+        with torch.no_grad():
+            outs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                       pad_token_id=0, max_new_tokens=10))
+    assert outs[0].shape == (2, 22)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_window_mask_classification():
+    """Bottom-right band masks (bool or additive, over all keys or a prefix) are read
+    as window_size; the attention function computes them with it; holes still raise."""
+    fn = fp8attn.hf.make_attention_function(precision="exact")
+    module = torch.nn.Module()
+    module.is_causal = True
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 6, 8, generator=g)
+    k, v = torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
+    i, j = torch.arange(6)[:, None], torch.arange(9)[None, :]
+    for left, right in ((2, 0), (0, 0), (4, 1), (-1, 2), (3, -1), (1, 30)):
+        band = torch.ones(6, 9, dtype=torch.bool)
+        if right >= 0:
+            band &= j <= i + 3 + right
+        if left >= 0:
+            band &= j >= i + 3 - left
+        kind = fp8attn.hf._classify_mask(band[None, None], 6, 9)
+        assert kind is not None, (left, right)
+        causal, n, window = kind
+        out = fn(module, q, k, v, band[None, None], scaling=0.3)[0]
+        want = fp8attn.attention(q, k[:, :, :n], v[:, :, :n], causal=causal, window_size=window, softmax_scale=0.3,
+                                 precision="exact").transpose(1, 2)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        dense = fp8attn.attention(q.double(), k.double(), v.double(), softmax_scale=0.3, precision="exact",
+                                  window_size=(left, right)).transpose(1, 2)
+        torch.testing.assert_close(out.double(), dense, rtol=1e-6, atol=1e-6)
+        additive = torch.zeros(1, 1, 6, 9).masked_fill(~band, float("-inf"))
+        torch.testing.assert_close(fn(module, q, k, v, additive, scaling=0.3)[0], out, rtol=0, atol=0)
+    assert fp8attn.hf._classify_mask((j <= i + 3)[None, None], 6, 9) == (True, 9, (-1, -1))
+    assert fp8attn.hf._classify_mask(((j <= i + 3) & (j >= i + 1))[None, None], 6, 9) == (False, 9, (2, 0))
+    # a decode step against a static cache: window over the filled prefix (7 of 9 slots)
+    dec = ((j >= 3) & (j < 7))[:, :][None, None, :1]
+    assert fp8attn.hf._classify_mask(dec, 1, 9) == (False, 7, (3, -1))
+    # not a band: a hole, or a band on the wrong side of the diagonal
+    holed = (j <= i + 3).clone()
+    holed[:, 1] = False
+    shifted = (j <= i + 3) & (j >= i + 3 + 1)
+    for bad in (holed, shifted):
+        with pytest.raises(NotImplementedError, match="attention_mask"):
+            fn(module, q, k, v, bad[None, None], scaling=0.3)
+
+
+def test_sliding_window_without_a_mask():
+    """No mask (HF builds none when the window reaches every key): the window W is
+    applied as (W - 1, 0) causal, (W, W) bidirectional; bad values raise naming it."""
+    fn = fp8attn.hf.make_attention_function(precision="exact")
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g) for _ in range(3))
+    for causal, window in ((True, (3, 0)), (False, (4, 4))):
+        module.is_causal = causal
+        out = fn(module, q, k, v, None, scaling=0.3, sliding_window=4)[0]
+        want = fp8attn.attention(q, k, v, causal=causal, window_size=window, softmax_scale=0.3, precision="exact")
+        torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="sliding_window"):
+            fn(module, q, k, v, None, scaling=0.3, sliding_window=bad)
