@@ -242,18 +242,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom&
 // ---- block quantization of P^T (#5) and dS^T (#7): one scale per 128 x 128 block -----
 
 // max.NaN of |x| over this thread's 4 NJ values, then over the warp.
-// NOTE: four independent chains (one per e), then combined: max is exact and
-// order-free, so this is the serial chain's value with a quarter of its
-// dependent latency (a 32-deep FMNMX chain stalled on short scoreboard in the
-// v5 profile, docs/kernels/ncu-2026-12-07).
 template <int NJ>
 __device__ __forceinline__ float warp_amax(const float (&x)[NJ][4]) {
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  float m = 0.f;
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) c[e] = max_nan(c[e], fabsf(x[j][e]));
-  float m = max_nan(max_nan(c[0], c[1]), max_nan(c[2], c[3]));
+    for (int e = 0; e < 4; ++e) m = max_nan(m, fabsf(x[j][e]));
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;
