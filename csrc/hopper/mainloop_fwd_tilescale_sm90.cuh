@@ -226,12 +226,12 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   auto qk_batch = [&](float (&acc)[kBlockN / 2], uint32_t sK) {
 #pragma unroll
     for (int ks = 0; ks < T::kW0 / 32; ++ks)
-      gmma_ss<kBlockN>(gmma_desc<T::kW0>(sQ, 32 * ks), gmma_desc<T::kW0>(sK, 32 * ks), acc, ks > 0,
+      gmma_ss<kBlockN>(gmma_desc<T::kW0>(sQ + 32 * ks), gmma_desc<T::kW0>(sK + 32 * ks), acc, ks > 0,
                        std::make_index_sequence<kBlockN / 2>{});
     if constexpr (T::kChunks == 2) {
 #pragma unroll
       for (int ks = 0; ks < T::kW1 / 32; ++ks)
-        gmma_ss<kBlockN>(gmma_desc<T::kW1>(sQ1, 32 * ks), gmma_desc<T::kW1>(sK, T::kKChunkBytes + 32 * ks), acc,
+        gmma_ss<kBlockN>(gmma_desc<T::kW1>(sQ1 + 32 * ks), gmma_desc<T::kW1>(sK + T::kKChunkBytes + 32 * ks), acc,
                          true, std::make_index_sequence<kBlockN / 2>{});
     }
     wg_commit();
@@ -239,7 +239,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   auto pv_batch = [&](const uint32_t (&pa)[kNT / 4][4], uint32_t sV) {
 #pragma unroll
     for (int q = 0; q < kNT / 4; ++q)
-      gmma_rs<kDv>(pa[q], gmma_desc<128>(sV, 32 * q), o, true, std::make_index_sequence<kDv / 2>{});
+      gmma_rs<kDv>(pa[q], gmma_desc<128>(sV + 32 * q), o, true, std::make_index_sequence<kDv / 2>{});
     wg_commit();
   };
   auto k_tile = [&](int kt) {  // waits for K tile kt, returns its stage address
