@@ -127,9 +127,10 @@ def gemm_ceiling(warmup, iters, n=8192):
     return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def prepass_share(fn, reps=3):
-    """Share (0..1) of fn's CUDA kernel time spent in kernels whose name contains "prepass"
-    (torch.profiler over `reps` calls after one warm-up call)."""
+def kernel_times(fn, reps):
+    """[(kernel name, CUDA us summed over the `reps` calls)] of fn's CUDA kernels, in
+    torch.profiler's key_averages order (torch.profiler over `reps` calls after one warm-up
+    call). Totals, not per call: callers sum first and divide by `reps` once."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
     fn()
     torch.cuda.synchronize()
@@ -137,23 +138,22 @@ def prepass_share(fn, reps=3):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in ev)
-    pre = sum(e.device_time_total for e in ev if "prepass" in e.key)
+    return [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+
+
+def prepass_share(fn, reps=3):
+    """Share (0..1) of fn's CUDA kernel time spent in kernels whose name contains "prepass"
+    (kernel_times over `reps` calls)."""
+    ev = kernel_times(fn, reps)
+    total = sum(us for _, us in ev)
+    pre = sum(us for name, us in ev if "prepass" in name)
     return pre / total if total > 0 and pre > 0 else None  # NOTE: no pre-pass kernel found: n/a, not 0%
 
 
 def kernel_ms(fn, name, reps=5):
     """CUDA time (ms) per call of fn spent in kernels whose name contains `name`
-    (torch.profiler over `reps` calls after one warm-up call); None if none ran."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0 and name in e.key)
+    (kernel_times over `reps` calls); None if none ran."""
+    us = sum(t for key, t in kernel_times(fn, reps) if name in key)
     return us / 1e3 / reps if us > 0 else None
 
 

@@ -21,6 +21,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import fp8attn  # noqa: E402,F401  (registers torch.ops.fp8attn)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import kernel_times  # noqa: E402  (benchmarks/, next to this script)
+
 OPS = torch.ops.fp8attn
 
 
@@ -31,15 +34,7 @@ def parse_shape(s):
 
 def kernel_table(fn, reps):
     """[(kernel name, us per call)] of fn's CUDA kernels, largest first."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
+    return sorted(((name, us / reps) for name, us in kernel_times(fn, reps)), key=lambda r: -r[1])
 
 
 def wall_and_host_us(fn, iters, rounds):

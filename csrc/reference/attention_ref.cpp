@@ -762,6 +762,55 @@ inline bool row_probs(const ShardedDelta* sd, int64_t idx, float* P, float* x_ke
   return true;
 }
 
+// Row i of the fp8 backward's row pass, both recipes: P and dS are its full rows in the
+// query tile's buffers (exact zeros outside the keys [kb0, kb1) it sees, set here);
+// Pv, dSv and dPv (its dP_hat row) point at key kb0.
+struct BackwardRow {
+  int64_t kb0, nvis, kb1;
+  float *P, *dS, *Pv, *dSv;
+  const float* dPv;
+};
+
+inline BackwardRow backward_row(const Geometry& g, int64_t i, float* P, float* dS, const float* dP) {
+  const int64_t kb0 = g.key_begin(i), kb1 = g.key_end(i);
+  std::fill(P, P + kb0, 0.f);
+  std::fill(P + kb1, P + g.Sk, 0.f);
+  std::fill(dS, dS + kb0, 0.f);
+  std::fill(dS + kb1, dS + g.Sk, 0.f);
+  return {kb0, kb1 - kb0, kb1, P, dS, P + kb0, dS + kb0, dP + kb0};
+}
+
+// dS = P o (dP_hat - delta) over a row's n visible keys, both recipes; adds its pre-cast
+// row sums to pre_sum / pre_abs (want_pre); then softcap's factor 1 - t^2 (tcap: the
+// row's tanh, numerics.md section 12): dS is then the gradient of the uncapped logits,
+// what matmuls #6 and #7 quantize.
+inline void backward_ds(const float* P, const float* dP, float delta, float cap, const float* tcap, int64_t n,
+                        bool want_pre, double& pre_sum, double& pre_abs, float* dS) {
+  for (int64_t j = 0; j < n; ++j) dS[j] = P[j] * (dP[j] - delta);
+  if (want_pre)
+    for (int64_t j = 0; j < n; ++j) {
+      pre_sum += dS[j];
+      pre_abs += std::fabs(dS[j]);
+    }
+  if (cap > 0.f)
+    for (int64_t j = 0; j < n; ++j) dS[j] *= 1.f - tcap[j] * tcap[j];
+}
+
+// One #6 block of a row's dS, dS[0, n), quantized in grad format gf to hat; returns its
+// scale and adds the decoded values' row sums to post_sum / post_abs (want_post). Both
+// recipes.
+inline float quant_ds6_block(const float* dS, int64_t n, Fp8Format gf, bool want_post, double& post_sum,
+                             double& post_abs, float* hat) {
+  const float sds = quant_hat(dS, n, 1, gf, hat, 1);
+  if (want_post)
+    for (int64_t j = 0; j < n; ++j) {
+      const float dec = hat[j] * sds;
+      post_sum += dec;
+      post_abs += std::fabs(dec);
+    }
+  return sds;
+}
+
 // The fp8 backward's per-row diagnostics (numerics.md section 7), both scaling
 // recipes: delta, eps = delta - delta_dm, and the pre-/post-cast dS row-sum ratios.
 // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio would
@@ -1042,18 +1091,9 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
         const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
         // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
         for (int64_t i = i0; i < i1; ++i) {
-          // Full rows of P and dS (exact zeros outside the keys [kb0, kb0 + nvis) row i
-          // sees); Pv, dSv, dPv point at key kb0.
-          float* P = Pt.data() + (i - i0) * Sk;
-          float* dS = dSt.data() + (i - i0) * Sk;
-          const int64_t kb0 = g.key_begin(i), nvis = g.visible_keys(i), kb1 = kb0 + nvis;
-          float* Pv = P + kb0;
-          float* dSv = dS + kb0;
-          const float* dPv = dProw.data() + kb0;
-          std::fill(P, Pv, 0.f);
-          std::fill(P + kb1, P + Sk, 0.f);
-          std::fill(dS, dSv, 0.f);
-          std::fill(dS + kb1, dS + Sk, 0.f);
+          // P, dS: row i's full rows (zeros outside its keys [kb0, kb1)); Pv, dSv, dPv at kb0.
+          const auto [kb0, nvis, kb1, P, dS, Pv, dSv, dPv] =
+              backward_row(g, i, Pt.data() + (i - i0) * Sk, dSt.data() + (i - i0) * Sk, dProw.data());
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
@@ -1080,16 +1120,8 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                 delta +=
                     do_rows.hat[i * dvd + c] * do_rows.scale[i * nbv + c / B] * of[i * dvd + c];
             }
-            for (int64_t j = 0; j < nvis; ++j) dSv[j] = Pv[j] * (dPv[j] - delta);
-            if (want_pre)
-              for (int64_t j = 0; j < nvis; ++j) {
-                pre_sum += dSv[j];
-                pre_abs += std::fabs(dSv[j]);
-              }
-            // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
-            // is what matmuls #6 and #7 quantize.
-            if (cap > 0.f)
-              for (int64_t j = 0; j < nvis; ++j) dSv[j] *= 1.f - tcap[j] * tcap[j];
+            // dS (pre-cast row sums; softcap's 1 - t^2, section 12: what #6 and #7 quantize)
+            backward_ds(Pv, dPv, delta, cap, tcap.data(), nvis, want_pre, pre_sum, pre_abs, dSv);
             // #6 dQ = dS K: K per channel along keys in B-blocks (the visible part
             // [j0, j1) of each); dS per query row along keys in sub-blocks of Bds =
             // min(B, 64) keys aligned at multiples of Bds from key 0 (grad_format), each
@@ -1102,13 +1134,7 @@ void fp8_backward(const AttnParams& p, const Geometry& g, const TensorView& q, c
                   visible_block(k_cols, t, j0, j1, mix_hat.data(), mix_scale.data(), &kscale);
               for (int64_t u0 = j0; u0 < j1;) {
                 const int64_t u1 = std::min(j1, (u0 / Bds + 1) * Bds), Lu = u1 - u0;
-                const float sds = quant_hat(dS + u0, Lu, 1, gf, hat.data(), 1);
-                if (want_post)
-                  for (int64_t j = 0; j < Lu; ++j) {
-                    const float dec = hat[j] * sds;
-                    post_sum += dec;
-                    post_abs += std::fabs(dec);
-                  }
+                const float sds = quant_ds6_block(dS + u0, Lu, gf, want_post, post_sum, post_abs, hat.data());
                 colblock_axpy(hat.data(), sds, kblk + (u0 - j0) * d, d, kscale, Lu, d, dq_acc.data());
                 u0 = u1;
               }
@@ -1271,18 +1297,9 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
         const int64_t i0 = qt * B, i1 = std::min(Sq, i0 + B);
         // Row pass: S, P, dP_hat, delta, dS, diagnostics, dQ (#3, #4, #6).
         for (int64_t i = i0; i < i1; ++i) {
-          // Full rows of P and dS (exact zeros outside the keys [kb0, kb1) row i sees);
-          // Pv, dSv, dPv point at key kb0.
-          float* P = Pt.data() + (i - i0) * Sk;
-          float* dS = dSt.data() + (i - i0) * Sk;
-          const int64_t kb0 = g.key_begin(i), nvis = g.visible_keys(i), kb1 = kb0 + nvis;
-          float* Pv = P + kb0;
-          float* dSv = dS + kb0;
-          const float* dPv = dProw.data() + kb0;
-          std::fill(P, Pv, 0.f);
-          std::fill(P + kb1, P + Sk, 0.f);
-          std::fill(dS, dSv, 0.f);
-          std::fill(dS + kb1, dS + Sk, 0.f);
+          // P, dS: row i's full rows (zeros outside its keys [kb0, kb1)); Pv, dSv, dPv at kb0.
+          const auto [kb0, nvis, kb1, P, dS, Pv, dSv, dPv] =
+              backward_row(g, i, Pt.data() + (i - i0) * Sk, dSt.data() + (i - i0) * Sk, dProw.data());
           std::fill(dq_acc.begin(), dq_acc.end(), 0.f);
           float delta = 0.f, delta_dm = 0.f;
           double pre_sum = 0.0, pre_abs = 0.0, post_sum = 0.0, post_abs = 0.0;
@@ -1311,16 +1328,8 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               for (int64_t c = 0; c < dvd; ++c)
                 delta += dohat[i * dvd + c] * sdo[i] * of[i * dvd + c];
             }
-            for (int64_t j = 0; j < nvis; ++j) dSv[j] = Pv[j] * (dPv[j] - delta);
-            if (want_pre)
-              for (int64_t j = 0; j < nvis; ++j) {
-                pre_sum += dSv[j];
-                pre_abs += std::fabs(dSv[j]);
-              }
-            // softcap: the gradient of the uncapped logits, dS (1 - t^2) (section 12),
-            // is what matmuls #6 and #7 quantize.
-            if (cap > 0.f)
-              for (int64_t j = 0; j < nvis; ++j) dSv[j] *= 1.f - tcap[j] * tcap[j];
+            // dS (pre-cast row sums; softcap's 1 - t^2, section 12: what #6 and #7 quantize)
+            backward_ds(Pv, dPv, delta, cap, tcap.data(), nvis, want_pre, pre_sum, pre_abs, dSv);
             // #6 dQ = dS K: dS one scale per (row, key half of KH keys), over the half's
             // visible keys [h0, h1); K per key tile (its visible part [j0, j1)); each
             // half's partial is added to dQ on its own, in key order.
@@ -1329,13 +1338,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
               const TileView kt = visible_tile(k_t, t, j0, j1, mix, mix_t);
               for (int64_t h0 = j0; h0 < j1;) {  // key halves start at t * B and t * B + KH
                 const int64_t h1 = std::min(j1, t * B + ((h0 - t * B) / KH + 1) * KH), Lh = h1 - h0;
-                const float sds = quant_hat(dS + h0, Lh, 1, gf, hat.data(), 1);
-                if (want_post)
-                  for (int64_t j = 0; j < Lh; ++j) {
-                    const float dec = hat[j] * sds;
-                    post_sum += dec;
-                    post_abs += std::fabs(dec);
-                  }
+                const float sds = quant_ds6_block(dS + h0, Lh, gf, want_post, post_sum, post_abs, hat.data());
                 tile_axpy(hat.data(), sds, kt.hat + (h0 - j0) * kt.ld, kt.ld, kt.scale, Lh, d, sbv.data(),
                           dq_acc.data());
                 h0 = h1;

@@ -59,11 +59,6 @@ float blocked_dot(const float* a, const float* b, int64_t n, int64_t B) {
   return acc;
 }
 
-struct Emulated {
-  std::vector<double> o, lse, dq, dk, dv;
-  std::vector<float> delta, eps, pre, post;
-};
-
 // The fp8 forward and backward of numerics.md section 3 for inputs `in`
 // (BF16-exact values), FP32 outputs. dS of matmul #6 is blocked per query row
 // along keys in blocks of Bds6 keys: the contract's min(Bk, 64) by default; a
@@ -285,59 +280,15 @@ Emulated emulate_fp8(const Problem& pr, const Inputs& in, int64_t Bk, Fp8Format 
   return e;
 }
 
-// Multiplies each element by 2^k, k uniform in [-spread, spread]: blocks then
-// span many binades, so a block's scale decides which elements fall into the
-// FP8 subnormal range. (Power-of-two scales leave the rounding of normal FP8
-// values unchanged, so only such data tells a block quantized from the visible
-// entries from one quantized over the whole tile.)
-void spread_binades(std::vector<double>& x, int spread, std::mt19937& rng) {
-  std::uniform_int_distribution<int> k(-spread, spread);
-  for (double& e : x) e = std::ldexp(e, k(rng));
-}
-
+// The reference against emulate_fp8 (test_util.h's expect_reference_matches).
 void expect_matches_emulation(const Problem& pr, int64_t Bk, Fp8Format gf, DeltaMode mode,
                               uint32_t seed, int spread = 0) {
-  SCOPED_TRACE("Sq=" + std::to_string(pr.Sq) + " Sk=" + std::to_string(pr.Sk) +
-               " causal=" + std::to_string(pr.causal) + " window=(" + std::to_string(pr.window_left) +
-               ", " + std::to_string(pr.window_right) + ") B=" + std::to_string(Bk) +
-               " d=" + std::to_string(pr.d) + " dv=" + std::to_string(pr.dv) + " mode=" +
-               std::to_string(static_cast<int>(mode)) + " spread=" + std::to_string(spread));
-  std::mt19937 rng(seed);
-  Inputs in = random_inputs(pr, rng);
-  if (spread > 0) {
-    spread_binades(in.q, spread / 4, rng);
-    spread_binades(in.k, spread / 4, rng);
-    spread_binades(in.v, spread, rng);
-    spread_binades(in.dout, spread, rng);
-  }
-  RunOptions opt;
-  opt.in_dtype = DType::kBFloat16;
-  opt.out_dtype = DType::kFloat32;
-  const RefOutputs r =
-      run_reference(pr, in, pr.params(Precision::kFP8, mode, static_cast<int>(Bk), gf), opt);
-  const Emulated e = emulate_fp8(pr, in, Bk, gf, mode);
-  // Same operations in the same order: equal up to the sign of zero.
-  EXPECT_EQ(max_abs_diff(r.o, e.o), 0.0);
-  EXPECT_EQ(max_abs_diff(r.dq, e.dq), 0.0);
-  EXPECT_EQ(max_abs_diff(r.dk, e.dk), 0.0);
-  EXPECT_EQ(max_abs_diff(r.dv, e.dv), 0.0);
-  for (size_t i = 0; i < e.lse.size(); ++i) {
-    EXPECT_EQ(r.lse[i], e.lse[i]) << i;
-    EXPECT_EQ(r.diag_delta[i], e.delta[i]) << i;
-    EXPECT_EQ(r.diag_eps[i], e.eps[i]) << i;
-    EXPECT_EQ(r.rowsum_pre[i], e.pre[i]) << i;
-    EXPECT_EQ(r.rowsum_post[i], e.post[i]) << i;
-  }
-  EXPECT_TRUE(all_finite(r.o) && all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
+  expect_reference_matches(pr, pr.params(Precision::kFP8, mode, static_cast<int>(Bk), gf), seed,
+                           spread, [&](const Inputs& in) { return emulate_fp8(pr, in, Bk, gf, mode); });
 }
 
 TEST(ReferenceFp8, MatchesLiteralEmulationOfTheRecipe) {
-  Problem pr;
-  pr.B = 1;
-  pr.Hq = 2;
-  pr.Hkv = 1;
-  pr.d = 40;
-  pr.dv = 24;
+  Problem pr = emulation_problem();
   // Causal with seqlen_q > seqlen_k and < seqlen_k, lengths not multiples of B.
   pr.causal = true;
   pr.Sq = 100;
@@ -368,93 +319,14 @@ TEST(ReferenceFp8, MatchesLiteralEmulationOfTheRecipe) {
   expect_matches_emulation(pr, 32, Fp8Format::kE4M3, DeltaMode::kStale, 5);
 }
 
-// Sliding windows (numerics.md section 14): the visible keys of a row are a range
-// [i + Sk - Sq - left, i + Sk - Sq + right], so the partially visible tiles are
-// prefixes, suffixes and (windows narrower than a tile) middle ranges, quantized
-// from their visible part; edges inside and across tiles, seqlen_q != seqlen_k both
-// ways, rows that see no key, every delta mode, a wide dynamic range (spread 12:
-// visible-part blocks differ from whole-tile blocks there).
+// Sliding windows: test_util.h's cases (every partially visible tile shape, rows
+// that see no key, every delta mode, a wide dynamic range).
 TEST(ReferenceFp8, MatchesLiteralEmulationWithSlidingWindows) {
-  Problem pr;
-  pr.B = 1;
-  pr.Hq = 2;
-  pr.Hkv = 1;
-  pr.d = 40;
-  pr.dv = 24;
-  struct Case {
-    int64_t Sq, Sk, left, right, B;
-    Fp8Format gf;
-    DeltaMode mode;
-    uint32_t seed;
-    int spread;
-  };
-  const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
-  const DeltaMode dm = DeltaMode::kDeltaMatching, st = DeltaMode::kStale, md = DeltaMode::kMatchedDO;
-  const Case cases[] = {
-      {100, 75, 40, 0, 32, e4, dm, 11, 0},     // left bound across tiles, rows that see no key
-      {100, 75, 40, 0, 32, e4, dm, 12, 12},
-      {90, 90, 5, 3, 32, e4, st, 13, 12},      // a window narrower than a tile: middle ranges
-      {90, 90, 0, 0, 32, e5, md, 14, 0},       // one key per row
-      {70, 133, 37, 20, 64, e4, md, 15, 12},   // both bounds inside 64-key tiles, Sq < Sk
-      {133, 70, 20, 37, 64, e5, st, 16, 12},   // Sq > Sk: rows that see no key at the top
-      {60, 300, 129, -1, 128, e4, dm, 17, 12}, // left bound only, crossing a 128-key tile
-      {60, 300, -1, 100, 128, e4, st, 18, 0},  // right bound only (not causal)
-      {60, 300, 200, 129, 128, e4, md, 19, 12},
-  };
-  for (const Case& c : cases) {
-    pr.Sq = c.Sq;
-    pr.Sk = c.Sk;
-    pr.window_left = c.left;
-    pr.window_right = c.right;
-    expect_matches_emulation(pr, c.B, c.gf, c.mode, c.seed, c.spread);
-  }
-  // causal with a window: right bound 0
-  pr.Sq = 80;
-  pr.Sk = 100;
-  pr.causal = true;
-  pr.window_left = 45;
-  pr.window_right = 17;
-  expect_matches_emulation(pr, 32, e4, dm, 20, 12);
+  for_each_window_emulation_case(expect_matches_emulation);
 }
 
 // ---- FP8 error budget against the exact path ------------------------------
-//
-// Model: RNE to a format with M mantissa bits leaves a relative error that is
-// uniform on [-u, u] with u = 2^-(M+1) m^-1 for a value with mantissa m in
-// [1, 2); its rms is 2^-M / sqrt(12) / m <= rho = 2^-(M+1) / sqrt(3) (the
-// worst case m = 1): E4M3 rho4 = 0.0361, E5M2 rho5 = 0.0722. Block scaling
-// keeps every element but those ~2^15 below its block's max in the normal
-// range, so the model holds elementwise. Errors of distinct elements are
-// independent and zero-mean, so in a product C = A B (random-sign operands,
-// as here) each rounded operand adds rho^2 to (rel. Frobenius error of C)^2:
-//   S   = tau Q K^T (#1): Q, K rounded -> abs. logit error sigma_S = sqrt(2) rho4
-//         (tau^2 sum_k q_k^2 k_k^2 ~ 1 for unit-normal q, k);
-//   P   = softmax(S): rel. error sigma_S (dP = P (dS - <P, dS>));
-//   O   = P V (#2): P error, P rounded, V rounded: err_O^2 = sigma_S^2 + 2 rho4^2 = 4 rho4^2;
-//   LSE: dLSE = <P, dS> -> abs. error <= sigma_S;
-//   dV  = P^T dO (#5): P error, P rounded, dO rounded: sigma_S^2 + rho4^2 + rho_g^2;
-//   dP  = dO V^T (#4): rel. error sqrt(rho_g^2 + rho4^2);
-//   dS  = P (dP - delta): sigma_S^2 + rho_g^2 + rho4^2;
-//   dQ  = tau dS K (#6), dK = tau dS^T Q (#7): dS error, dS rounded (rho_g),
-//         K or Q rounded (rho4): err^2 = sigma_S^2 + 2 rho_g^2 + 2 rho4^2.
-// The bound is this estimate itself (no extra factor): rho is already the
-// worst case over mantissas, while real data has E[1/m^2] ~ 0.54 (Benford), so
-// the typical error is ~0.74x the bound. A floor of 0.25x the bound checks the
-// fp8 path really quantizes.
-struct Budget {
-  double o, lse, dq, dk, dv;
-};
-Budget fp8_budget(Fp8Format gf) {
-  const double r4 = std::ldexp(1.0, -4) / std::sqrt(3.0);
-  const double rg = gf == Fp8Format::kE4M3 ? r4 : std::ldexp(1.0, -3) / std::sqrt(3.0);
-  const double sS2 = 2 * r4 * r4;
-  Budget b;
-  b.o = std::sqrt(sS2 + 2 * r4 * r4);
-  b.lse = std::sqrt(sS2);
-  b.dv = std::sqrt(sS2 + r4 * r4 + rg * rg);
-  b.dq = b.dk = std::sqrt(sS2 + 2 * rg * rg + 2 * r4 * r4);
-  return b;
-}
+// (the rms rounding model and its budget: test_util.h's fp8_budget)
 
 void check_error_budget(bool causal, Fp8Format gf, int block_size) {
   Problem pr;
@@ -468,36 +340,19 @@ void check_error_budget(bool causal, Fp8Format gf, int block_size) {
   pr.causal = causal;
   std::mt19937 rng(201 + causal);
   const Inputs in = random_inputs(pr, rng);
-  RunOptions opt;
-  opt.in_dtype = DType::kBFloat16;
-  opt.out_dtype = DType::kFloat32;
-  const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
-  const RefOutputs f8 = run_reference(
-      pr, in, pr.params(Precision::kFP8, DeltaMode::kDeltaMatching, block_size, gf), opt);
-  double lse_sq = 0;
-  int64_t lse_n = 0;
-  for (size_t i = 0; i < ex.lse.size(); ++i) {
-    lse_sq += (f8.lse[i] - ex.lse[i]) * (f8.lse[i] - ex.lse[i]);
-    ++lse_n;
-  }
-  const Budget bud = fp8_budget(gf);
-  const double eo = rel_error(f8.o, ex.o), eq = rel_error(f8.dq, ex.dq),
-               ek = rel_error(f8.dk, ex.dk), ev = rel_error(f8.dv, ex.dv),
-               el = std::sqrt(lse_sq / lse_n);
+  const RefOutputs ex = run_bf16(pr, in, pr.params(Precision::kExact), DType::kFloat32);
+  const RefOutputs f8 = run_bf16(
+      pr, in, pr.params(Precision::kFP8, DeltaMode::kDeltaMatching, block_size, gf), DType::kFloat32);
+  const Errors bud = fp8_budget(gf), e = errors_vs_exact(f8, ex);  // every row sees a key
   std::printf(
       "[fp8 vs exact] causal=%d grad=%s B=%d  rel err (bound): O %.4f (%.4f) dQ %.4f (%.4f) "
       "dK %.4f (%.4f) dV %.4f (%.4f); LSE rms abs %.4f (%.4f)\n",
-      causal, gf == Fp8Format::kE4M3 ? "e4m3" : "e5m2", block_size, eo, bud.o, eq, bud.dq, ek,
-      bud.dk, ev, bud.dv, el, bud.lse);
-  EXPECT_LT(eo, bud.o);
-  EXPECT_LT(eq, bud.dq);
-  EXPECT_LT(ek, bud.dk);
-  EXPECT_LT(ev, bud.dv);
-  EXPECT_LT(el, bud.lse);
-  EXPECT_GT(eo, 0.25 * bud.o);
-  EXPECT_GT(eq, 0.25 * bud.dq);
-  EXPECT_GT(ek, 0.25 * bud.dk);
-  EXPECT_GT(ev, 0.25 * bud.dv);
+      causal, gf == Fp8Format::kE4M3 ? "e4m3" : "e5m2", block_size, e.o, bud.o, e.dq, bud.dq, e.dk,
+      bud.dk, e.dv, bud.dv, e.lse, bud.lse);
+  expect_within_budget(e, bud);
+  EXPECT_LT(e.lse, bud.lse);
+  EXPECT_GT(e.dk, 0.25 * bud.dk);
+  EXPECT_GT(e.dv, 0.25 * bud.dv);
 }
 
 TEST(ReferenceFp8, ErrorAgainstExactWithinFp8Budget) {
@@ -575,12 +430,6 @@ TEST(ReferenceFp8, DsOfDqMatmulIsBlockedIn64Keys) {
 
 // ---- Delta-Matching invariant ---------------------------------------------
 
-double mean(const std::vector<float>& x) {
-  double s = 0;
-  for (float v : x) s += v;
-  return s / static_cast<double>(x.size());
-}
-
 // numerics.md section 6: on standard-normal inputs the Delta-Matching pre-cast
 // mean row-sum residual of dS is < 1e-5, while the stale delta (conventional
 // FlashAttention backward) gives >= 10x more on the same inputs. Post-cast
@@ -597,21 +446,9 @@ void check_invariant(bool causal) {
   pr.causal = causal;
   std::mt19937 rng(301 + causal);
   const Inputs in = random_inputs(pr, rng);
-  RunOptions opt;
-  opt.in_dtype = DType::kBFloat16;
-  opt.out_dtype = DType::kBFloat16;  // the saved O is BF16, as at the op boundary
-  double pre[3], post[3], eps_rms[3];
+  const RowSumResiduals res = rowsum_residuals(pr, in);  // the saved O is BF16, as at the op boundary
+  const double *pre = res.pre, *post = res.post, *eps_rms = res.eps_rms;
   const char* names[3] = {"stale", "matched_do", "delta_matching"};
-  const DeltaMode modes[3] = {DeltaMode::kStale, DeltaMode::kMatchedDO, DeltaMode::kDeltaMatching};
-  for (int m = 0; m < 3; ++m) {
-    const RefOutputs r = run_reference(pr, in, pr.params(Precision::kFP8, modes[m]), opt);
-    pre[m] = mean(r.rowsum_pre);
-    post[m] = mean(r.rowsum_post);
-    double e2 = 0;
-    for (float x : r.diag_eps) e2 += static_cast<double>(x) * x;
-    eps_rms[m] = std::sqrt(e2 / r.diag_eps.size());
-    EXPECT_TRUE(all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
-  }
   for (int m = 0; m < 3; ++m)
     std::printf(
         "[invariant] causal=%d %-14s mean row-sum residual pre %.3e post %.3e, eps rms %.3e\n",

@@ -88,31 +88,28 @@ constexpr int64_t kBounds[] = {-1, 0, 1, 5, 100, 129, 200};
 
 // ---- Exact path against the brute-force mask --------------------------------
 
+// The exact path's O, dQ, dK, dV against the naive attention's, elementwise.
+void expect_exact_matches_naive(const RefOutputs& r, const Outputs& n) {
+  expect_close_everywhere(r.o, n.o, 1e-12, "O");
+  expect_close_everywhere(r.dq, n.dq, 1e-12, "dQ");
+  expect_close_everywhere(r.dk, n.dk, 1e-12, "dK");
+  expect_close_everywhere(r.dv, n.dv, 1e-12, "dV");
+}
+
 TEST(ReferenceWindow, ExactMatchesBruteForceMaskedAttention) {
   const int64_t shapes[][2] = {{150, 150}, {90, 260}, {260, 90}};
   int64_t n_empty_rows = 0, n_empty_keys = 0;
   for (const auto& sh : shapes)
     for (int64_t left : kBounds)
       for (int64_t right : kBounds) {
-        Problem pr;
-        pr.B = 1;
-        pr.Sq = sh[0];
-        pr.Sk = sh[1];
-        pr.Hq = 4;
-        pr.Hkv = 2;  // GQA
-        pr.d = 12;
-        pr.dv = 8;
-        pr.window_left = left;
-        pr.window_right = right;
+        const Problem pr{.B = 1, .Sq = sh[0], .Sk = sh[1], .Hq = 4, .Hkv = 2 /* GQA */, .d = 12, .dv = 8,
+                         .window_left = left, .window_right = right};
         SCOPED_TRACE(describe(pr));
         std::mt19937 rng(static_cast<uint32_t>(1000 + 7 * left + 131 * right + sh[0]));
         const Inputs in = random_inputs(pr, rng, false);
         const Outputs n = naive_attention(pr, in);
         const RefOutputs r = run_reference(pr, in, pr.params(Precision::kExact));
-        expect_close_everywhere(r.o, n.o, 1e-12, "O");
-        expect_close_everywhere(r.dq, n.dq, 1e-12, "dQ");
-        expect_close_everywhere(r.dk, n.dk, 1e-12, "dK");
-        expect_close_everywhere(r.dv, n.dv, 1e-12, "dV");
+        expect_exact_matches_naive(r, n);
         for (size_t i = 0; i < n.lse.size(); ++i) {
           if (std::isinf(n.lse[i]))
             EXPECT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0) << i;
@@ -139,17 +136,8 @@ TEST(ReferenceWindow, ExactMatchesBruteForceMaskedAttention) {
 
 // causal=True forces the right bound to 0 (FlashAttention's rule).
 TEST(ReferenceWindow, ExactCausalWithAWindowIsTheWindowWithRightBoundZero) {
-  Problem pr;
-  pr.B = 2;
-  pr.Sq = 70;
-  pr.Sk = 110;
-  pr.Hq = 2;
-  pr.Hkv = 1;
-  pr.d = 16;
-  pr.dv = 16;
-  pr.causal = true;
-  pr.window_left = 9;
-  pr.window_right = 17;
+  const Problem pr{.B = 2, .Sq = 70, .Sk = 110, .Hq = 2, .Hkv = 1, .d = 16, .dv = 16, .causal = true,
+                   .window_left = 9, .window_right = 17};
   std::mt19937 rng(5);
   const Inputs in = random_inputs(pr, rng, false);
   Problem ref = pr;
@@ -157,22 +145,10 @@ TEST(ReferenceWindow, ExactCausalWithAWindowIsTheWindowWithRightBoundZero) {
   ref.window_right = 0;
   const Outputs n = naive_attention(ref, in);
   const RefOutputs r = run_reference(pr, in, pr.params(Precision::kExact));
-  expect_close_everywhere(r.o, n.o, 1e-12, "O");
-  expect_close_everywhere(r.dq, n.dq, 1e-12, "dQ");
-  expect_close_everywhere(r.dk, n.dk, 1e-12, "dK");
-  expect_close_everywhere(r.dv, n.dv, 1e-12, "dV");
+  expect_exact_matches_naive(r, n);
 }
 
 // ---- fp8 path: error budget, zeros outside every window -----------------------
-
-struct Budget {
-  double o, dq, dk, dv;
-};
-// The rms rounding model of test_reference_fp8.cpp (E4M3, unit-normal inputs).
-Budget fp8_budget() {
-  const double r4 = std::ldexp(1.0, -4) / std::sqrt(3.0);
-  return {std::sqrt(4 * r4 * r4), std::sqrt(6 * r4 * r4), std::sqrt(6 * r4 * r4), std::sqrt(4 * r4 * r4)};
-}
 
 TEST(ReferenceWindow, Fp8WithinBudgetForBothRecipesAndEveryDeltaMode) {
   // Windows whose rows see >= 100 keys (the budget is a statement about rows of
@@ -180,40 +156,20 @@ TEST(ReferenceWindow, Fp8WithinBudgetForBothRecipesAndEveryDeltaMode) {
   const int64_t windows[][2] = {{100, 0}, {129, 129}, {200, -1}, {-1, 129}, {150, 40}};
   const int64_t shapes[][2] = {{384, 384}, {200, 330}};
   const DeltaMode modes[] = {DeltaMode::kStale, DeltaMode::kMatchedDO, DeltaMode::kDeltaMatching};
-  const Budget bud = fp8_budget();
+  const Errors bud = fp8_budget(Fp8Format::kE4M3);  // test_util.h's rms rounding model
   for (const auto& sh : shapes)
     for (const auto& w : windows)
       for (Scaling sc : {Scaling::kRow, Scaling::kTile}) {
-        Problem pr;
-        pr.B = 1;
-        pr.Sq = sh[0];
-        pr.Sk = sh[1];
-        pr.Hq = 2;
-        pr.Hkv = 1;
-        pr.d = 64;
-        pr.dv = 64;
-        pr.window_left = w[0];
-        pr.window_right = w[1];
-        pr.scaling = sc;
+        const Problem pr{.B = 1, .Sq = sh[0], .Sk = sh[1], .Hq = 2, .Hkv = 1, .d = 64, .dv = 64,
+                         .window_left = w[0], .window_right = w[1], .scaling = sc};
         SCOPED_TRACE(describe(pr));
         std::mt19937 rng(static_cast<uint32_t>(77 + w[0] + 3 * w[1] + sh[1]));
         const Inputs in = random_inputs(pr, rng);
-        RunOptions opt;
-        opt.in_dtype = DType::kBFloat16;
-        opt.out_dtype = DType::kFloat32;
-        const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+        const RefOutputs ex = run_bf16(pr, in, pr.params(Precision::kExact), DType::kFloat32);
         for (DeltaMode mode : modes) {
-          const RefOutputs f8 = run_reference(pr, in, pr.params(Precision::kFP8, mode, 64), opt);
+          const RefOutputs f8 = run_bf16(pr, in, pr.params(Precision::kFP8, mode, 64), DType::kFloat32);
           expect_unseen_are_zero(pr, f8);
-          const double eo = rel_error(f8.o, ex.o), eq = rel_error(f8.dq, ex.dq), ek = rel_error(f8.dk, ex.dk),
-                       ev = rel_error(f8.dv, ex.dv);
-          EXPECT_LT(eo, bud.o);
-          EXPECT_LT(eq, bud.dq);
-          EXPECT_LT(ek, bud.dk);
-          EXPECT_LT(ev, bud.dv);
-          // ... and it is FP8's error, not a copy of the exact result.
-          EXPECT_GT(eo, 0.25 * bud.o);
-          EXPECT_GT(eq, 0.25 * bud.dq);
+          expect_within_budget(errors_vs_exact(f8, ex), bud);  // O, dQ, dK, dV; not a copy of exact
         }
       }
 }
@@ -225,26 +181,14 @@ TEST(ReferenceWindow, Fp8NarrowWindowsAndEmptyRows) {
   for (const auto& w : windows)
     for (Scaling sc : {Scaling::kRow, Scaling::kTile})
       for (int64_t sk : {int64_t(60), int64_t(140)}) {
-        Problem pr;
-        pr.B = 2;
-        pr.Sq = 100;
-        pr.Sk = sk;
-        pr.Hq = 2;
-        pr.Hkv = 2;
-        pr.d = 32;
-        pr.dv = 16;
-        pr.window_left = w[0];
-        pr.window_right = w[1];
-        pr.scaling = sc;
+        const Problem pr{.B = 2, .Sq = 100, .Sk = sk, .Hq = 2, .Hkv = 2, .d = 32, .dv = 16,
+                         .window_left = w[0], .window_right = w[1], .scaling = sc};
         SCOPED_TRACE(describe(pr));
         std::mt19937 rng(static_cast<uint32_t>(9 + w[0] + 5 * w[1] + sk));
         const Inputs in = random_inputs(pr, rng);
-        RunOptions opt;
-        opt.in_dtype = DType::kBFloat16;
-        opt.out_dtype = DType::kFloat32;
-        const RefOutputs ex = run_reference(pr, in, pr.params(Precision::kExact), opt);
+        const RefOutputs ex = run_bf16(pr, in, pr.params(Precision::kExact), DType::kFloat32);
         for (DeltaMode mode : {DeltaMode::kStale, DeltaMode::kMatchedDO, DeltaMode::kDeltaMatching}) {
-          const RefOutputs f8 = run_reference(pr, in, pr.params(Precision::kFP8, mode, 32), opt);
+          const RefOutputs f8 = run_bf16(pr, in, pr.params(Precision::kFP8, mode, 32), DType::kFloat32);
           expect_unseen_are_zero(pr, f8);
           // Rows of few keys: FP8's error is that of a few products, not averaged.
           EXPECT_LT(rel_error(f8.o, ex.o), 0.1);
@@ -300,19 +244,10 @@ TEST(ReferenceWindow, WindowsThatMeanNoWindowOrCausalAreBitwiseTheSame) {
     };
     for (const Case& c : cases)
       for (int rc = 0; rc < 3; ++rc) {
-        Problem pr;
-        pr.B = 1;
-        pr.Sq = Sq;
-        pr.Sk = Sk;
-        pr.Hq = 2;
-        pr.Hkv = 1;
-        pr.d = 24;
-        pr.dv = 24;
-        pr.scaling = rc == 2 ? Scaling::kTile : Scaling::kRow;
+        const Problem pr{.B = 1, .Sq = Sq, .Sk = Sk, .Hq = 2, .Hkv = 1, .d = 24, .dv = 24, .causal = c.causal,
+                         .window_left = c.left, .window_right = c.right,
+                         .scaling = rc == 2 ? Scaling::kTile : Scaling::kRow};
         const Precision prec = rc == 0 ? Precision::kExact : Precision::kFP8;
-        pr.window_left = c.left;
-        pr.window_right = c.right;
-        pr.causal = c.causal;
         Problem same = pr;
         same.window_left = c.same_left;
         same.window_right = c.same_right;
@@ -320,12 +255,9 @@ TEST(ReferenceWindow, WindowsThatMeanNoWindowOrCausalAreBitwiseTheSame) {
         SCOPED_TRACE(describe(pr) + " vs " + describe(same) + " prec=" + std::to_string(static_cast<int>(prec)));
         std::mt19937 rng(static_cast<uint32_t>(31 + Sq + Sk));
         const Inputs in = random_inputs(pr, rng);
-        RunOptions opt;
-        opt.in_dtype = DType::kBFloat16;
-        opt.out_dtype = DType::kFloat32;
         for (DeltaMode mode : {DeltaMode::kStale, DeltaMode::kDeltaMatching}) {
-          const RefOutputs a = run_reference(pr, in, pr.params(prec, mode, 32), opt);
-          const RefOutputs b = run_reference(same, in, same.params(prec, mode, 32), opt);
+          const RefOutputs a = run_bf16(pr, in, pr.params(prec, mode, 32), DType::kFloat32);
+          const RefOutputs b = run_bf16(same, in, same.params(prec, mode, 32), DType::kFloat32);
           expect_bitwise_same(a, b);
           EXPECT_TRUE(all_finite(a.o) && all_finite(a.dq) && all_finite(a.dk) && all_finite(a.dv));
         }
@@ -345,17 +277,9 @@ TEST(ReferenceWindow, OutsideTheWindowReachesNothing) {
   const int64_t windows[][2] = {{37, 11}, {5, 0}, {-1, 3}, {20, -1}};
   for (int rc = 0; rc < 3; ++rc)
     for (const auto& w : windows) {
-      Problem pr;
-      pr.B = 1;
-      pr.Sq = 150;
-      pr.Sk = 170;
-      pr.Hq = 2;
-      pr.Hkv = 1;
-      pr.d = 24;
-      pr.dv = 20;
-      pr.window_left = w[0];
-      pr.window_right = w[1];
-      pr.scaling = rc == 2 ? Scaling::kTile : Scaling::kRow;
+      const Problem pr{.B = 1, .Sq = 150, .Sk = 170, .Hq = 2, .Hkv = 1, .d = 24, .dv = 20,
+                       .window_left = w[0], .window_right = w[1],
+                       .scaling = rc == 2 ? Scaling::kTile : Scaling::kRow};
       const Precision prec = rc == 0 ? Precision::kExact : Precision::kFP8;
       SCOPED_TRACE(describe(pr) + " prec=" + std::to_string(static_cast<int>(prec)));
       std::mt19937 rng(static_cast<uint32_t>(401 + w[0] + w[1]));
@@ -430,12 +354,6 @@ TEST(ReferenceWindow, OutsideTheWindowReachesNothing) {
 
 // ---- Delta-Matching invariant over the window's keys ----------------------------
 
-double mean(const std::vector<float>& x) {
-  double s = 0;
-  for (float v : x) s += v;
-  return s / static_cast<double>(x.size());
-}
-
 // numerics.md sections 4 and 6 with windows: the Delta-Matching delta sums over the
 // keys the window lets a row see, so its pre-cast dS row sums (over those keys)
 // vanish to FP32 rounding (mean residual < 1e-5); stale and matched_do on the same
@@ -444,31 +362,13 @@ TEST(ReferenceWindow, DeltaMatchingRowSumInvariant) {
   const int64_t windows[][2] = {{64, 0}, {100, 100}, {0, 129}, {129, 5}};
   for (const auto& w : windows)
     for (Scaling sc : {Scaling::kRow, Scaling::kTile}) {
-      Problem pr;
-      pr.B = 2;
-      pr.Sq = 256;
-      pr.Sk = 300;
-      pr.Hq = 4;
-      pr.Hkv = 2;
-      pr.d = 64;
-      pr.dv = 64;
-      pr.window_left = w[0];
-      pr.window_right = w[1];
-      pr.scaling = sc;
+      const Problem pr{.B = 2, .Sq = 256, .Sk = 300, .Hq = 4, .Hkv = 2, .d = 64, .dv = 64,
+                       .window_left = w[0], .window_right = w[1], .scaling = sc};
       SCOPED_TRACE(describe(pr));
       std::mt19937 rng(static_cast<uint32_t>(501 + w[0] + w[1]));
       const Inputs in = random_inputs(pr, rng);
-      RunOptions opt;
-      opt.in_dtype = DType::kBFloat16;
-      opt.out_dtype = DType::kBFloat16;  // the saved O is BF16, as at the op boundary
-      double pre[3], post[3];
-      const DeltaMode modes[3] = {DeltaMode::kStale, DeltaMode::kMatchedDO, DeltaMode::kDeltaMatching};
-      for (int m = 0; m < 3; ++m) {
-        const RefOutputs r = run_reference(pr, in, pr.params(Precision::kFP8, modes[m]), opt);
-        pre[m] = mean(r.rowsum_pre);
-        post[m] = mean(r.rowsum_post);
-        EXPECT_TRUE(all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
-      }
+      const RowSumResiduals res = rowsum_residuals(pr, in);  // the saved O is BF16, as at the op boundary
+      const double *pre = res.pre, *post = res.post;
       std::printf("[window invariant] (%lld, %lld) scaling=%d pre: stale %.3e matched_do %.3e DM %.3e; post: "
                   "stale %.3e DM %.3e\n",
                   static_cast<long long>(w[0]), static_cast<long long>(w[1]), static_cast<int>(sc), pre[0], pre[1],

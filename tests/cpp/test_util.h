@@ -1,7 +1,9 @@
 // fp8attn test helpers shared by the C++ reference tests: host tensors in any
 // dtype/layout, BF16 rounding written independently of the library, a naive
 // FP64 attention (numerics.md section 1, written from the formulas with no
-// tiling) and a one-call runner for the CPU reference.
+// tiling), a one-call runner for the CPU reference, the FP8 error budget, the
+// Delta-Matching row-sum residuals, and what the literal emulations of the FP8
+// recipes share (the comparison, the sliding-window cases).
 #pragma once
 
 #include <algorithm>
@@ -375,6 +377,15 @@ inline RefOutputs run_reference(const Problem& pr, const Inputs& in, const AttnP
   return r;
 }
 
+// run_reference on BF16 inputs (as at the op boundary), outputs in out_dtype.
+inline RefOutputs run_bf16(const Problem& pr, const Inputs& in, const AttnParams& p,
+                           DType out_dtype) {
+  RunOptions opt;
+  opt.in_dtype = DType::kBFloat16;
+  opt.out_dtype = out_dtype;
+  return run_reference(pr, in, p, opt);
+}
+
 // ---- Metrics --------------------------------------------------------------
 
 inline double frobenius(const std::vector<double>& a) {
@@ -400,6 +411,12 @@ inline double max_abs_diff(const std::vector<double>& a, const std::vector<doubl
     if (!(e <= m)) m = e;  // NaN sticks
   }
   return m;
+}
+
+inline double mean(const std::vector<float>& x) {
+  double s = 0;
+  for (float v : x) s += v;
+  return s / static_cast<double>(x.size());
 }
 
 inline bool all_finite(const std::vector<double>& a) {
@@ -431,6 +448,202 @@ inline void spread_inputs(Inputs& in, int spread, std::mt19937& rng) {
   spread_binades(in.k, spread / 4, rng);
   spread_binades(in.v, spread, rng);
   spread_binades(in.dout, spread, rng);
+}
+
+// ---- FP8 error budget against the exact path -------------------------------
+//
+// Model: RNE to a format with M mantissa bits leaves a relative error that is
+// uniform on [-u, u] with u = 2^-(M+1) m^-1 for a value with mantissa m in
+// [1, 2); its rms is 2^-M / sqrt(12) / m <= rho = 2^-(M+1) / sqrt(3) (the
+// worst case m = 1): E4M3 rho4 = 0.0361, E5M2 rho5 = 0.0722. Block scaling
+// keeps every element but those ~2^15 below its block's max in the normal
+// range, so the model holds elementwise. Errors of distinct elements are
+// independent and zero-mean, so in a product C = A B (random-sign operands,
+// as here) each rounded operand adds rho^2 to (rel. Frobenius error of C)^2:
+//   S   = tau Q K^T (#1): Q, K rounded -> abs. logit error sigma_S = sqrt(2) rho4
+//         (tau^2 sum_k q_k^2 k_k^2 ~ 1 for unit-normal q, k);
+//   P   = softmax(S): rel. error sigma_S (dP = P (dS - <P, dS>));
+//   O   = P V (#2): P error, P rounded, V rounded: err_O^2 = sigma_S^2 + 2 rho4^2 = 4 rho4^2;
+//   LSE: dLSE = <P, dS> -> abs. error <= sigma_S;
+//   dV  = P^T dO (#5): P error, P rounded, dO rounded: sigma_S^2 + rho4^2 + rho_g^2;
+//   dP  = dO V^T (#4): rel. error sqrt(rho_g^2 + rho4^2);
+//   dS  = P (dP - delta): sigma_S^2 + rho_g^2 + rho4^2;
+//   dQ  = tau dS K (#6), dK = tau dS^T Q (#7): dS error, dS rounded (rho_g),
+//         K or Q rounded (rho4): err^2 = sigma_S^2 + 2 rho_g^2 + 2 rho4^2.
+// The bound is this estimate itself (no extra factor): rho is already the
+// worst case over mantissas, while real data has E[1/m^2] ~ 0.54 (Benford), so
+// the typical error is ~0.74x the bound. A floor of 0.25x the bound checks the
+// fp8 path really quantizes. Both recipes have the same budget: with
+// power-of-two scales they round the same mantissas unless a value is
+// FP8-subnormal under one scale and not the other.
+
+// Errors of an fp8 run against the exact path (relative Frobenius for O, dQ, dK,
+// dV; rms absolute over the rows that see a key for the LSE), or their budget.
+struct Errors {
+  double o, lse, dq, dk, dv;
+};
+
+// The budget for unit-normal inputs, gradients in grad format gf.
+inline Errors fp8_budget(Fp8Format gf) {
+  const double r4 = std::ldexp(1.0, -4) / std::sqrt(3.0);
+  const double rg = gf == Fp8Format::kE4M3 ? r4 : std::ldexp(1.0, -3) / std::sqrt(3.0);
+  const double sS2 = 2 * r4 * r4;
+  Errors b;
+  b.o = std::sqrt(sS2 + 2 * r4 * r4);
+  b.lse = std::sqrt(sS2);
+  b.dv = std::sqrt(sS2 + r4 * r4 + rg * rg);
+  b.dq = b.dk = std::sqrt(sS2 + 2 * rg * rg + 2 * r4 * r4);
+  return b;
+}
+
+inline Errors errors_vs_exact(const RefOutputs& f8, const RefOutputs& ex) {
+  double lse_sq = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < ex.lse.size(); ++i)
+    if (std::isfinite(ex.lse[i])) {
+      lse_sq += (f8.lse[i] - ex.lse[i]) * (f8.lse[i] - ex.lse[i]);
+      ++n;
+    }
+  return {rel_error(f8.o, ex.o), std::sqrt(lse_sq / n), rel_error(f8.dq, ex.dq),
+          rel_error(f8.dk, ex.dk), rel_error(f8.dv, ex.dv)};
+}
+
+// O, dQ, dK, dV within the budget, and O and dQ above 0.25x of it: FP8's error,
+// not a copy of the exact result.
+inline void expect_within_budget(const Errors& e, const Errors& bud) {
+  EXPECT_LT(e.o, bud.o);
+  EXPECT_LT(e.dq, bud.dq);
+  EXPECT_LT(e.dk, bud.dk);
+  EXPECT_LT(e.dv, bud.dv);
+  EXPECT_GT(e.o, 0.25 * bud.o);
+  EXPECT_GT(e.dq, 0.25 * bud.dq);
+}
+
+// ---- Delta-Matching row-sum invariant --------------------------------------
+
+// The delta modes in the order of RowSumResiduals' entries.
+constexpr DeltaMode kResidualModes[3] = {DeltaMode::kStale, DeltaMode::kMatchedDO,
+                                         DeltaMode::kDeltaMatching};
+
+// Per delta mode (kResidualModes' order): the mean dS row-sum residuals before and
+// after the FP8 cast (numerics.md section 6) and the rms of eps.
+struct RowSumResiduals {
+  double pre[3], post[3], eps_rms[3];
+};
+
+// The fp8 path (pr.params(Precision::kFP8, mode): pr's recipe, B = 128, E4M3) in each
+// delta mode on BF16 inputs with a BF16 saved O, as at the op boundary; checks every
+// gradient is finite.
+inline RowSumResiduals rowsum_residuals(const Problem& pr, const Inputs& in) {
+  RowSumResiduals res;
+  for (int m = 0; m < 3; ++m) {
+    const RefOutputs r =
+        run_bf16(pr, in, pr.params(Precision::kFP8, kResidualModes[m]), DType::kBFloat16);
+    res.pre[m] = mean(r.rowsum_pre);
+    res.post[m] = mean(r.rowsum_post);
+    double e2 = 0;
+    for (float x : r.diag_eps) e2 += static_cast<double>(x) * x;
+    res.eps_rms[m] = std::sqrt(e2 / r.diag_eps.size());
+    EXPECT_TRUE(all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
+  }
+  return res;
+}
+
+// ---- Literal emulations of the FP8 recipes ----------------------------------
+// (test_reference_fp8.cpp: `row`; test_reference_tile.cpp: `tile`)
+
+// What an emulation computes: the outputs in logical order and the backward's
+// per-row diagnostics.
+struct Emulated {
+  std::vector<double> o, lse, dq, dk, dv;
+  std::vector<float> delta, eps, pre, post;
+};
+
+// The reference's O, dQ, dK, dV equal the emulation's (same operations in the same
+// order: equal up to the sign of zero).
+inline void expect_outputs_match(const RefOutputs& r, const Emulated& e) {
+  EXPECT_EQ(max_abs_diff(r.o, e.o), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dq, e.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dk, e.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(r.dv, e.dv), 0.0);
+}
+
+// The reference equals a literal emulation (emulate(in) -> Emulated) bit for bit on
+// random BF16-exact inputs from `seed`, spread over `spread` binades (spread_inputs),
+// with params p and FP32 outputs: O, dQ, dK, dV (up to the sign of zero), LSE and
+// every diagnostic; the outputs are finite.
+template <class Emulate>
+void expect_reference_matches(const Problem& pr, const AttnParams& p, uint32_t seed, int spread,
+                              Emulate emulate) {
+  SCOPED_TRACE("Sq=" + std::to_string(pr.Sq) + " Sk=" + std::to_string(pr.Sk) +
+               " causal=" + std::to_string(pr.causal) + " window=(" + std::to_string(pr.window_left) +
+               ", " + std::to_string(pr.window_right) + ") block=" + std::to_string(p.block_size) +
+               " d=" + std::to_string(pr.d) + " dv=" + std::to_string(pr.dv) + " mode=" +
+               std::to_string(static_cast<int>(p.delta_mode)) + " spread=" + std::to_string(spread));
+  std::mt19937 rng(seed);
+  Inputs in = random_inputs(pr, rng);
+  spread_inputs(in, spread, rng);
+  const RefOutputs r = run_bf16(pr, in, p, DType::kFloat32);
+  const Emulated e = emulate(in);
+  expect_outputs_match(r, e);
+  for (size_t i = 0; i < e.lse.size(); ++i) {
+    EXPECT_EQ(r.lse[i], e.lse[i]) << i;
+    EXPECT_EQ(r.diag_delta[i], e.delta[i]) << i;
+    EXPECT_EQ(r.diag_eps[i], e.eps[i]) << i;
+    EXPECT_EQ(r.rowsum_pre[i], e.pre[i]) << i;
+    EXPECT_EQ(r.rowsum_post[i], e.post[i]) << i;
+  }
+  EXPECT_TRUE(all_finite(r.o) && all_finite(r.dq) && all_finite(r.dk) && all_finite(r.dv));
+}
+
+// The problem the emulation tests start from: one batch, two query heads on one kv
+// head (GQA), head dims 40 and 24.
+inline Problem emulation_problem() { return Problem{.B = 1, .Hq = 2, .Hkv = 1, .d = 40, .dv = 24}; }
+
+// The sliding-window cases of the emulation tests (numerics.md section 14): the
+// visible keys of a row are a range [i + Sk - Sq - left, i + Sk - Sq + right], so
+// the partially visible tiles are prefixes, suffixes and (windows narrower than a
+// tile) middle ranges, quantized from their visible part; edges inside and across
+// tiles, seqlen_q != seqlen_k both ways, rows that see no key, every delta mode, a
+// wide dynamic range (spread 12: visible-part blocks differ from whole-tile blocks
+// there). Calls check(pr, block size, grad format, delta mode, seed, spread) on each.
+template <class Check>
+void for_each_window_emulation_case(Check check) {
+  Problem pr = emulation_problem();
+  struct Case {
+    int64_t Sq, Sk, left, right, block;
+    Fp8Format gf;
+    DeltaMode mode;
+    uint32_t seed;
+    int spread;
+  };
+  const Fp8Format e4 = Fp8Format::kE4M3, e5 = Fp8Format::kE5M2;
+  const DeltaMode dm = DeltaMode::kDeltaMatching, st = DeltaMode::kStale, md = DeltaMode::kMatchedDO;
+  const Case cases[] = {
+      {100, 75, 40, 0, 32, e4, dm, 11, 0},     // left bound across tiles, rows that see no key
+      {100, 75, 40, 0, 32, e4, dm, 12, 12},
+      {90, 90, 5, 3, 32, e4, st, 13, 12},      // a window narrower than a tile: middle ranges
+      {90, 90, 0, 0, 32, e5, md, 14, 0},       // one key per row
+      {70, 133, 37, 20, 64, e4, md, 15, 12},   // both bounds inside 64-key tiles, Sq < Sk
+      {133, 70, 20, 37, 64, e5, st, 16, 12},   // Sq > Sk: rows that see no key at the top
+      {60, 300, 129, -1, 128, e4, dm, 17, 12}, // left bound only, crossing a 128-key tile
+      {60, 300, -1, 100, 128, e4, st, 18, 0},  // right bound only (not causal)
+      {60, 300, 200, 129, 128, e4, md, 19, 12},
+  };
+  for (const Case& c : cases) {
+    pr.Sq = c.Sq;
+    pr.Sk = c.Sk;
+    pr.window_left = c.left;
+    pr.window_right = c.right;
+    check(pr, c.block, c.gf, c.mode, c.seed, c.spread);
+  }
+  // causal with a window: right bound 0
+  pr.Sq = 80;
+  pr.Sk = 100;
+  pr.causal = true;
+  pr.window_left = 45;
+  pr.window_right = 17;
+  check(pr, 32, e4, dm, 20, 12);
 }
 
 // Runs fn and checks it throws ArgumentError whose message names `arg`.

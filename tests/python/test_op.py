@@ -14,6 +14,8 @@ import fp8attn
 from fp8attn import diagnostics
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compile_helpers import assert_compiled_matches_eager
+
 
 # ---- helpers ---------------------------------------------------------------------
 
@@ -368,9 +370,6 @@ def test_module():
 
 
 def test_torch_compile_fullgraph():
-    # NOTE: backend="aot_eager" traces the whole graph through the fake kernels
-    # and the autograd.Function exactly as inductor would, but skips inductor's
-    # C++ codegen, which costs ~50 s of compiler time on 2 cores.
     torch._dynamo.reset()
     q, k, v = make_qkv(1, 4, 2, 16, 16, 16, dtype=torch.bfloat16)
 
@@ -378,14 +377,7 @@ def test_torch_compile_fullgraph():
         out = fp8attn.attention(q, k, v, causal=True, delta_mode="stale")
         return (out.float() ** 2).sum()
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss_c = compiled(q, k, v)
-    grads_c = torch.autograd.grad(loss_c, (q, k, v))
-    loss_e = step(q, k, v)
-    grads_e = torch.autograd.grad(loss_e, (q, k, v))
-    assert torch.equal(loss_c, loss_e)
-    for a, b in zip(grads_c, grads_e):
-        assert torch.equal(a, b)
+    assert_compiled_matches_eager(step, q, k, v)  # backend="aot_eager" (compile_helpers.py says why)
     # raw op: differentiable with the default backward, fake kernels in the graph
     torch._dynamo.reset()
     raw = torch.compile(lambda q, k, v: torch.ops.fp8attn.fwd(q, k, v, 0.25, True, "fp8", 128)[0].float().sum(),

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import fp8attn
 from fp8attn import diagnostics
 
+from compile_helpers import assert_compiled_matches_eager
+
 # The bounds the sweeps use: unbounded, 0, 1, small, across 64- / 128-key tiles.
 BOUNDS = (-1, 0, 1, 5, 100, 129, 200)
 
@@ -403,14 +405,8 @@ def test_torch_compile_fullgraph_with_a_window():
                                      window_size=(4, 4))
         return (a.float() ** 2).sum() + b.float().sum() + (c.float() ** 3).sum()
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss_c = compiled(q, k, v)
-    grads_c = torch.autograd.grad(loss_c, (q, k, v))
-    loss_e = step(q, k, v)
-    grads_e = torch.autograd.grad(loss_e, (q, k, v))
-    assert torch.equal(loss_c, loss_e)
-    for a, b in zip(grads_c, grads_e):
-        assert torch.isfinite(a.float()).all() and torch.equal(a, b)
+    for g in assert_compiled_matches_eager(step, q, k, v):
+        assert torch.isfinite(g.float()).all()
     torch._dynamo.reset()
 
 
