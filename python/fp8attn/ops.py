@@ -117,7 +117,7 @@ def check_options(
     if softmax_scale is not None:
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        if not _finite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
         if float(softmax_scale) > _SCALE_LIMIT:  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
             raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
@@ -766,7 +766,7 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
     cap = _real(softcap)
     if cap is None:
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
-    if not math.isfinite(cap) or cap < 0:
+    if not _finite(cap) or cap < 0:
         raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got {cap}"))
     if cap > 0 and smooth_k:
         raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
@@ -775,6 +775,13 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
         raise NotImplementedError(_err(fn, "softcap", f"logit softcapping has no CUDA kernel yet (CPU tensors run "
                                                       f"it on the reference), got {cap}"))
     return cap
+
+
+def _finite(x) -> bool:
+    """math.isfinite for a Python float and for one torch.compile traces symbolically
+    (dynamic=True makes float arguments SymFloats, which math.isfinite does not take):
+    x - x is 0 exactly when x is finite (inf - inf and NaN - NaN are NaN)."""
+    return x - x == 0
 
 
 def _real(x) -> Optional[float]:

@@ -369,6 +369,22 @@ def test_module():
         fp8attn.FP8Attention(layout="sbhd")
 
 
+def test_torch_compile_fullgraph_dynamic():
+    """torch.compile(fullgraph=True, dynamic=True): symbolic sizes make the default
+    softmax_scale (and float options) SymFloats; the argument checks take them (they
+    used math.isfinite, which dynamo refuses on a SymFloat: Unsupported at
+    check_softcap). Two sequence lengths through the same compiled function."""
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        out = fp8attn.attention(q, k, v, causal=True, window_size=(5, 0))  # softcap: its default
+        return (out.float() ** 2).sum()
+
+    for s in (16, 24):
+        q, k, v = make_qkv(1, 4, 2, s, s, 16, dtype=torch.bfloat16)
+        assert_compiled_matches_eager(step, q, k, v, dynamic=True)
+
+
 def test_torch_compile_fullgraph():
     torch._dynamo.reset()
     q, k, v = make_qkv(1, 4, 2, 16, 16, 16, dtype=torch.bfloat16)
