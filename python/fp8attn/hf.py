@@ -177,6 +177,13 @@ def make_attention_function(**fp8_kwargs) -> Callable:
             if sliding_window is not None:
                 window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
         else:
+            if attention_mask.dim() < 2 or tuple(attention_mask.shape[-2:]) != (seqlen_q, seqlen_k):
+                # NOTE: e.g. HF's decode step of a sliding_window=1 layer passes a [.., 1, 1] mask
+                # with several cached keys (found by a break test): say so, not "padding".
+                raise NotImplementedError(
+                    f"fp8attn.hf: argument 'attention_mask': its last two dims must be (seqlen_q, seqlen_k) = "
+                    f"({seqlen_q}, {seqlen_k}) so that fp8attn can read which keys each query sees, got shape "
+                    f"{list(attention_mask.shape)}")
             kind = _classify_mask(attention_mask, seqlen_q, seqlen_k)
             if kind is None:
                 raise NotImplementedError(

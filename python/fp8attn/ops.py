@@ -155,17 +155,18 @@ def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
     Query i sees key j iff j >= i + seqlen_k - seqlen_q - left (left >= 0) and
     j <= i + seqlen_k - seqlen_q + right (right >= 0). Raises ValueError naming
     window_size unless it is a tuple or list of two ints (Python or NumPy integers;
-    not bool)."""
+    not bool) or None: None is unbounded, as -1 (FlashAttention-4's `flash_attn.cute`
+    writes an unbounded side as None)."""
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(is_int(w) for w in window_size)):
-        raise ValueError(_err(fn, "window_size", f"must be a pair of ints (left, right), -1 = unbounded, got "
-                                                 f"{window_size!r}"))
+            or not all(w is None or is_int(w) for w in window_size)):
+        raise ValueError(_err(fn, "window_size", f"must be a pair of ints or None (left, right), -1 or None = "
+                                                 f"unbounded, got {window_size!r}"))
     # NOTE: a bound of 2^62 keys reaches every key of any sequence, so larger ones (which
     # the op schema's int64 could not hold) are passed on as 2^62, the same mask.
-    left, right = (min(int(w), 2**62) for w in window_size)
+    left, right = (-1 if w is None else min(int(w), 2**62) for w in window_size)
     return (left if left >= 0 else -1, right if right >= 0 else -1)
 
 

@@ -151,6 +151,23 @@ def test_padding_mask_raises(reference):
     assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
+def test_mask_of_other_query_key_dims_is_refused_naming_its_shape():
+    """A mask whose last two dims are not (seqlen_q, seqlen_k) cannot be read as a
+    pattern over the keys given (HF's decode step of a sliding_window=1 layer passes a
+    [1, 1, 1, 1] mask with 6 cached keys): refused naming attention_mask, the dims it
+    needs and the shape it got, not as "padding" (the former message; a break test)."""
+    import fp8attn.hf
+    fwd = fp8attn.hf.make_attention_function()
+    q = torch.randn(1, 2, 1, 16)
+    k = v = torch.randn(1, 2, 6, 16)
+    with pytest.raises(NotImplementedError, match=r"attention_mask.*\(seqlen_q, seqlen_k\) = \(1, 6\).*\[1, 1, 1, 1\]"):
+        fwd(None, q, k, v, torch.ones(1, 1, 1, 1, dtype=torch.bool), sliding_window=1)
+    # The same keys with a mask of the right dims run (and equal no mask: all keys seen).
+    out, _ = fwd(None, q, k, v, torch.ones(1, 1, 1, 6, dtype=torch.bool))
+    ref, _ = fwd(None, q, k, v, None, is_causal=False)
+    assert torch.equal(out, ref)
+
+
 def test_dropout_in_training_raises():
     model = build("fp8attn", attention_dropout=0.1)
     tokens = torch.randint(0, VOCAB, (1, 16))

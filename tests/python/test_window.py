@@ -338,6 +338,20 @@ def test_malformed_windows_raise_value_error_naming_it(bad):
         fp8attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, window_size=bad)
 
 
+def test_none_bounds_are_unbounded():
+    """FlashAttention-4 (flash_attn.cute) writes an unbounded side as None: the same as -1
+    (and (None, None) is no window), in every entry point (a break test's finding: it was
+    a ValueError)."""
+    q, k, v, _ = make(sq=40, sk=40, dtype=torch.float32)
+    for w, same in (((None, None), (-1, -1)), ((None, 3), (-1, 3)), ((7, None), (7, -1)), ([None, 0], (-1, 0))):
+        assert torch.equal(fp8attn.attention(q, k, v, window_size=w), fp8attn.attention(q, k, v, window_size=same))
+        qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
+        assert torch.equal(fp8attn.flash_attn_func(qb, kb, vb, window_size=w),
+                           fp8attn.flash_attn_func(qb, kb, vb, window_size=same))
+        assert fp8attn.FP8Attention(window_size=w).window_size == same
+    assert torch.equal(fp8attn.attention(q, k, v, window_size=(None, None)), fp8attn.attention(q, k, v))
+
+
 def test_numpy_integer_bounds_are_ints():
     np = pytest.importorskip("numpy")
     q, k, v, _ = make(sq=40, sk=40, dtype=torch.float32)
