@@ -48,6 +48,30 @@ using bwdts::kPreQ2;
 using bwdts::kPreThreads;
 using bwdts::kSubQ;
 
+// ---- the fills both variants share -----------------------------------------------------
+
+// Key tile `it` (K, V rows in k_of_row order) into stage it % L::kStages: all
+// threads, cp.async (L: the variant's layout, kK / kKStage / kV).
+template <class L, int DQK, int DV>
+__device__ __forceinline__ void prepass_issue_keys(uint8_t* smem, const KernelParams& p, int64_t bhk, int Sk,
+                                                   int it) {
+  uint8_t* st = smem + L::kK + (it % L::kStages) * L::kKStage;
+  cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
+  cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
+}
+// The top of key tile `it`: its copies visible to every thread (which are done
+// with the other stage); with two stages, tile it + 1's copies issued into it.
+template <int kStages, class F>
+__device__ __forceinline__ void prepass_stage_turn(int it, int n_tiles, F&& issue_keys) {
+  cp_wait<0>();
+  fence_async_smem();
+  __syncthreads();
+  if constexpr (kStages == 2) {
+    if (it + 1 < n_tiles) issue_keys(it + 1);
+    cp_commit();
+  }
+}
+
 // ---- v1: 64 queries per CTA ------------------------------------------------------------
 
 template <int DQK, int DV>
@@ -82,7 +106,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
   const int nblk_k = (Sk + kTile - 1) / kTile;
   const int m0 = m_tile * kPreQ;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wg = warpgroup_uniform();
   const uint32_t d_base = desc_lo(smem);
   const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
@@ -99,12 +123,10 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   const int n_end = p.causal ? max(0, min(Sk, last_q + tg.causal_off + 1)) : Sk;
   const int n_tiles = (n_end + kTile - 1) / kTile;
 
-  auto issue_keys = [&](int it) {
-    uint8_t* st = smem + L::kK + (it % L::kStages) * L::kKStage;
-    cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
-    cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
-  };
-  // Query side (once) + the first key tile: group 0.
+  auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
+  // Query side (once) + the first key tile: group 0. NOTE: written out in both
+  // variants: as a shared helper it changed the d = 256 instantiations' SASS
+  // (address arithmetic), which no GPU has run; prepass_issue_keys is SASS-identical.
   cp_rows<DQK, true, kPreQ>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
   cp_rows<DV, true, kPreQ>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
   auto q_idx = [&](int i) -> int64_t {
@@ -123,13 +145,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
   for (int it = 0; it < n_tiles; ++it) {
-    cp_wait<0>();
-    fence_async_smem();
-    __syncthreads();  // tile it visible; everyone is done with the other stage
-    if constexpr (L::kStages == 2) {
-      if (it + 1 < n_tiles) issue_keys(it + 1);
-      cp_commit();
-    }
+    prepass_stage_turn<L::kStages>(it, n_tiles, issue_keys);
     const int st = it % L::kStages;
     const int n0 = it * kTile;
     tg.n0 = n0;
@@ -243,11 +259,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   tg.causal = p.causal;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
 
-  auto issue_keys = [&](int it) {
-    uint8_t* st = smem + L::kK + (it % L::kStages) * L::kKStage;
-    cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
-    cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
-  };
+  auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
   // Query side (once: the main kernel's stage layout) + the first key tile: group 0.
   cp_rows<DQK, true, kPreQ2>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
   cp_rows<DV, true, kPreQ2>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
@@ -272,13 +284,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
   for (int it = 0; it < n_tiles; ++it) {
-    cp_wait<0>();
-    fence_async_smem();
-    __syncthreads();  // tile it visible; everyone is done with the other stage
-    if constexpr (L::kStages == 2) {
-      if (it + 1 < n_tiles) issue_keys(it + 1);
-      cp_commit();
-    }
+    prepass_stage_turn<L::kStages>(it, n_tiles, issue_keys);
     const int st = it % L::kStages;
     const int n0 = it * kTile;
     const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
