@@ -4,7 +4,9 @@ as called, each kernel's CUDA time per call (torch.profiler), their sum, the
 wall time per call of back-to-back calls (CUDA events, median of --rounds), and
 the host time to issue one call (perf_counter around --iters calls before the
 sync). wall - kernels is GPU idle time between kernels (launch gaps, host-bound
-issue); host >= wall means the op is host-bound at that shape.
+issue); host >= wall means the op is host-bound at that shape. With --host, also
+where the host time goes: the CPU-side ops and CUDA runtime calls of one op call
+(torch.profiler CPU activity, self time per call, largest first).
 
     python benchmarks/op_breakdown.py --shapes 16x16x1024x128,2x16x8192x128 [--causal]
 
@@ -35,6 +37,21 @@ def parse_shape(s):
 def kernel_table(fn, reps):
     """[(kernel name, us per call)] of fn's CUDA kernels, largest first."""
     return sorted(((name, us / reps) for name, us in kernel_times(fn, reps)), key=lambda r: -r[1])
+
+
+def host_table(fn, reps, top=12):
+    """[(event name, self CPU us per call, calls per call)] of fn's host-side events
+    (aten ops, CUDA runtime / driver API calls), largest self time first."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_cpu_time_total / reps, e.count / reps) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0 and "Synchronize" not in e.key]
+    return sorted(rows, key=lambda r: -r[1])[:top]
 
 
 def wall_and_host_us(fn, iters, rounds):
@@ -68,6 +85,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5, help="profiled calls per kernel table")
+    ap.add_argument("--host", action="store_true", help="also the host-side table (CPU ops, CUDA runtime calls)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("op_breakdown.py: needs a CUDA GPU", file=sys.stderr)
@@ -98,6 +116,11 @@ def main(argv=None):
                     print("|---|---|---|")
                     for kname, us in table:
                         print(f"| {short(kname)} | {us:.1f} | {100 * us / wall:.0f}% |")
+                    if args.host:
+                        print("\n| host event | self CPU us / call | calls / call |")
+                        print("|---|---|---|")
+                        for hname, us, n_calls in host_table(fn, args.reps):
+                            print(f"| {short(hname)} | {us:.1f} | {n_calls:g} |")
     return 0
 
 

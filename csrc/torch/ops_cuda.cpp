@@ -156,10 +156,11 @@ void check_qk_transform(c10::string_view qk_rotation, bool smooth_k) {
 }
 
 // NOTE: FP8ATTN_TILE_BWD (docs/architecture.md, "Environment variables"): the
-// `tile` backward kernels (hopper/bwd_tilescale_sm90.h) compile for sm_90a but
-// have NOT run on a GPU yet (tests/python/test_tile_cuda_bwd.py awaits its
-// first device run), so a `tile` backward on CUDA runs them only with
-// FP8ATTN_TILE_BWD=1 and is refused otherwise (never served by the row kernels).
+// `tile` backward kernels (hopper/bwd_tilescale_sm90.h) run by default since they
+// passed their GPU tests and compute-sanitizer and measured faster than the `row`
+// backward (docs/benchmarks.md 2026-12-07: 0.55-0.60x cuDNN BF16 against row's
+// 0.52-0.55x); FP8ATTN_TILE_BWD=0 switches them off, and a `tile` backward on CUDA
+// is then refused (never served by the row kernels).
 bool tile_bwd_enabled() {
   int v = -1;
   try {
@@ -167,16 +168,16 @@ bool tile_bwd_enabled() {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
-  return v == 1;
+  return v != 0;  // unset or empty: on
 }
 
-// The recipe of a backward call: `row`, or `tile` when FP8ATTN_TILE_BWD=1.
+// The recipe of a backward call: `row`, or `tile` unless FP8ATTN_TILE_BWD=0.
 Scaling check_bwd_scaling(c10::string_view scaling) {
   const Scaling recipe = parse_scaling(scaling);
   TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kRow || tile_bwd_enabled(),
-                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is opt-in while it is "
-                              "slower than scaling='row' (docs/kernels/bwd_tilescale_e4m3_sm90.md); set "
-                              "FP8ATTN_TILE_BWD=1 to run it, or use scaling='row' to train on CUDA, or CPU tensors");
+                              "fp8attn: argument 'scaling': the CUDA backward of scaling='tile' is switched off by "
+                              "FP8ATTN_TILE_BWD=0; unset it (or set FP8ATTN_TILE_BWD=1) to run it, or use "
+                              "scaling='row' or CPU tensors");
   return recipe;
 }
 

@@ -673,11 +673,10 @@ def attention(
         scaling: the FP8 scaling recipe (numerics.md section 9): "row" (default;
             1x128 blocks along each reduction dim, sections 2-3) or "tile" (one
             scale per query row or per tile, folded into per-row coefficients;
-            the same accuracy). On CUDA tensors the "tile" backward kernels are
-            opt-in while they are slower than "row" (FP8ATTN_TILE_BWD=1,
-            docs/architecture.md); without it a backward through a "tile"
-            forward raises NotImplementedError naming `scaling` (at backward
-            time). Ignored by precision="exact".
+            the same accuracy). On CUDA tensors FP8ATTN_TILE_BWD=0 switches
+            the "tile" backward kernels off (docs/architecture.md): a backward
+            through a "tile" forward then raises NotImplementedError naming
+            `scaling` (at backward time). Ignored by precision="exact".
         qk_rotation: "none" (default) or "hadamard": incoherent processing
             (numerics.md section 10). Q and K are rotated by the same fixed
             orthogonal matrix R (a normalized Hadamard transform with a fixed
@@ -735,7 +734,7 @@ def attention(
             The message names the argument.
         NotImplementedError: a sliding window on CUDA tensors (window_size);
             (in backward) scaling="tile" on CUDA tensors
-            without FP8ATTN_TILE_BWD=1;
+            with FP8ATTN_TILE_BWD=0;
             precision "exact" on CUDA tensors (the exact reference runs on CPU
             tensors).
         RuntimeError: (in backward) a backward with create_graph=True while an

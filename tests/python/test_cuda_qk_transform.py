@@ -127,7 +127,7 @@ def test_cuda_torch_compile_grads_equal_eager(dtype, scaling, monkeypatch):
     2026-12-03 was in): the forward and dQ, dK, dV bit for bit eager's, and nonzero.
     The guarded failure: an autograd.Function returning a no-op .to() alias of its
     output gave all-zero gradients under compile for float32 inputs (ops.as_dtype)."""
-    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")   # the tile backward's opt-in
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")   # the tile backward (the default; set in case the environment turns it off)
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 200, 64, generator=g).to(dtype).cuda() for _ in range(3))

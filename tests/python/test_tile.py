@@ -201,12 +201,12 @@ def test_trainer_scaling_flag_and_config():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knob", [None, "0", ""])
-def test_cuda_tile_backward_refused_naming_scaling(monkeypatch, knob):
-    # The CUDA `tile` forward runs (by default; tests/python/test_tile_cuda.py checks it); the `tile` backward kernels run
-    # only with FP8ATTN_TILE_BWD=1 until validated (tests/python/test_tile_cuda_bwd.py):
-    # unset / 0 / empty, autograd's forward succeeds and the backward raises
-    # NotImplementedError naming `scaling` and the knob, as does the raw bwd op.
+@pytest.mark.parametrize("knob", [None, "", "1", "0"])
+def test_cuda_tile_backward_default_and_switch(monkeypatch, knob):
+    # The CUDA `tile` forward and backward run by default (unset / empty / 1):
+    # autograd trains through them. FP8ATTN_TILE_BWD=0 switches the backward off:
+    # autograd's forward succeeds and the backward raises NotImplementedError
+    # naming `scaling` and the knob, as does the raw bwd op (never a silent `row` run).
     from fp8attn import _lib
     if not torch.cuda.is_available() or not _lib.HAS_CUDA_KERNELS:
         pytest.skip("needs a CUDA GPU and the CUDA kernels")
@@ -219,7 +219,12 @@ def test_cuda_tile_backward_refused_naming_scaling(monkeypatch, knob):
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     out = fp8attn.attention(qg, kg, vg, causal=True, scaling="tile")
     assert torch.isfinite(out).all()
-    with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_BWD=1"):
+    if knob != "0":
+        out.backward(do)
+        for g in (qg.grad, kg.grad, vg.grad):
+            assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+        return
+    with pytest.raises(NotImplementedError, match="argument 'scaling'.*FP8ATTN_TILE_BWD=0"):
         out.backward(do)
     s = 1 / 8
     o, lse = torch.ops.fp8attn.fwd(q, k, v, s, True, "fp8", 128, "tile")
