@@ -325,9 +325,10 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   };
   if (wg == 1 && n_iters > 0) turn_pass();
 
-  // NOTE: (head, query tile) of iteration it from it itself (one division):
-  // a running pair wrapping at m_end kept both m_first and m_end live across
-  // the loop (d = 192: 4 more bytes of spill loads).
+  // NOTE: (head, query tile) of iteration it from it itself (one division;
+  // the producer's running pair walks the same sequence): a running pair
+  // wrapping at m_end kept both m_first and m_end live across the loop (d =
+  // 192: 4 more bytes of spill loads).
   const int per_head = m_end - m_first;
   for (int it = 0; it < n_iters; ++it) {
     const int st = it % kStages;
