@@ -494,9 +494,10 @@ __global__ void bwd_diag_finish_kernel(const KernelParams p) {
   const float delta = p.delta[i];
   // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio
   // would only measure rounding noise, so it reports 0 (numerics.md section 7).
-  const int64_t qi = i % p.seqlen_q;
-  const int64_t nvis = p.causal ? min(static_cast<int64_t>(p.seqlen_k), qi + p.seqlen_k - p.seqlen_q + 1)
-                                : static_cast<int64_t>(p.seqlen_k);
+  // The keys it sees: its window (numerics.md section 14; causal: (-1, 0)).
+  const int qi = static_cast<int>(i % p.seqlen_q);
+  const IndexRange keys = window_keys(qi, qi + 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  const int nvis = keys.end - keys.begin;
   const bool no_ratio = empty || nvis < 2;
   p.diag[i] = empty ? 0.f : delta;
   p.diag[n + i] = empty ? 0.f : delta - p.delta_dm[i];

@@ -23,10 +23,11 @@
 // mainloop header's contract note), so the per-query sums complete inside one
 // warpgroup and each K / V tile is read once per 128 queries (half of v1's
 // L2 traffic). Stages and CTAs per SM: bwdts::pre2_stages / pre2_ctas_per_sm.
-// A warpgroup skips a key half none of its queries sees (causal, ragged
-// seqlen_k, sub-tile past seqlen_q): warpgroup-uniform, so its wgmmas stay
-// collective; it changes no sum (a masked element adds exact zeros: P = 0
-// and P dP_hat masked).
+// Each CTA walks the key tiles its queries' windows touch (numerics.md section
+// 14; causal: from tile 0). A warpgroup skips a key half none of its queries
+// sees (causal, a window, ragged seqlen_k, sub-tile past seqlen_q):
+// warpgroup-uniform, so its wgmmas stay collective; it changes no sum (a
+// masked element adds exact zeros: P = 0 and P dP_hat masked).
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -59,15 +60,16 @@ __device__ __forceinline__ void prepass_issue_keys(uint8_t* smem, const KernelPa
   cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
   cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
 }
-// The top of key tile `it`: its copies visible to every thread (which are done
-// with the other stage); with two stages, tile it + 1's copies issued into it.
+// The top of key tile `it` (of the CTA's [.., it_end)): its copies visible to
+// every thread (which are done with the other stage); with two stages, tile
+// it + 1's copies issued into it.
 template <int kStages, class F>
-__device__ __forceinline__ void prepass_stage_turn(int it, int n_tiles, F&& issue_keys) {
+__device__ __forceinline__ void prepass_stage_turn(int it, int it_end, F&& issue_keys) {
   cp_wait<0>();
   fence_async_smem();
   __syncthreads();
   if constexpr (kStages == 2) {
-    if (it + 1 < n_tiles) issue_keys(it + 1);
+    if (it + 1 < it_end) issue_keys(it + 1);
     cp_commit();
   }
 }
@@ -117,11 +119,10 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   tg.seqlen_q = Sq;
   tg.seqlen_k = Sk;
   tg.causal_off = Sk - Sq;
-  tg.causal = p.causal;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
-  const int last_q = min(m0 + kPreQ - 1, Sq - 1);
-  const int n_end = p.causal ? max(0, min(Sk, last_q + tg.causal_off + 1)) : Sk;
-  const int n_tiles = (n_end + kTile - 1) / kTile;
+  // The key tiles [kt_begin, kt_end) that the CTA's queries see.
+  const IndexRange keys = window_keys(m0, m0 + kPreQ, Sq, Sk, p.window_left, p.window_right);
+  const int kt_begin = keys.begin / kTile, kt_end = (keys.end + kTile - 1) / kTile;
 
   auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
   // Query side (once) + the first key tile: group 0. NOTE: written out in both
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   cp_floats(sf + L::kQs, p.q_row_s, kPreQ, q_idx);
   cp_floats(sf + L::kDOs, p.do_row_s, kPreQ, q_idx);
   cp_floats(sf + L::kLse, p.lse, kPreQ, q_idx);
-  if (n_tiles > 0) issue_keys(0);
+  if (kt_end > kt_begin) issue_keys(kt_begin);
   cp_commit();
 
   float cs[16];  // per thread: sum over its keys of P * dP_hat; column 8j + 2t + e at [2j + e]
@@ -144,12 +145,13 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
 #pragma unroll
   for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
-  for (int it = 0; it < n_tiles; ++it) {
-    prepass_stage_turn<L::kStages>(it, n_tiles, issue_keys);
+  for (int it = kt_begin; it < kt_end; ++it) {
+    prepass_stage_turn<L::kStages>(it, kt_end, issue_keys);
     const int st = it % L::kStages;
     const int n0 = it * kTile;
     tg.n0 = n0;
-    const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq && (!p.causal || n0 + kTile - 1 <= m0 + tg.causal_off);
+    const bool interior = n0 + kTile <= Sk && m0 + kPreQ <= Sq &&
+                          window_covers(n0, kTile, m0, kPreQ, tg.causal_off, p.window_left, p.window_right);
     const uint32_t k_lo = d_base + (L::kK + st * L::kKStage) / 16 + wg * kDesc64Rows;
     const uint32_t v_lo = k_lo + L::kV / 16;
     const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
@@ -160,12 +162,12 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
     issue_dp<DV, FMT, kPreQ, kPreQ>(v_lo, d_base + L::kDO / 16, dp);
     wg_wait<1>();
     p_from_s<kPreQ>(pt, __fmul_rn(s_k, tg.c2), sf + L::kQs, sf + L::kLse, lane);
-    if (!interior) mask_tile<kPreQ>(pt, tg, warp, lane);
+    if (!interior) mask_tile<kPreQ>(pt, tg, warp, lane, p.window_left, p.window_right);
     wg_wait<0>();
     dp_scale<kPreQ>(dp, s_v, sf + L::kDOs, lane);
     if constexpr (L::kStages == 1) {
       __syncthreads();  // every warpgroup's wgmmas on the stage completed: refill it
-      if (it + 1 < n_tiles) issue_keys(it + 1);
+      if (it + 1 < kt_end) issue_keys(it + 1);
       cp_commit();
     }
 #pragma unroll
@@ -179,7 +181,7 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(pt[j][e], dp[j][e]);
-    if (!interior) mask_tile<kPreQ>(dp, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
+    if (!interior) mask_tile<kPreQ>(dp, tg, warp, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -242,21 +244,20 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
   const int causal_off = Sk - Sq;
 
-  // The CTA's key tiles: those any of its 128 queries sees.
-  const int last_q = min(m0 + kPreQ2 - 1, Sq - 1);
-  const int n_end = p.causal ? max(0, min(Sk, last_q + causal_off + 1)) : Sk;
-  const int n_tiles = (n_end + kTile - 1) / kTile;
-  // This warpgroup's sub-tile: queries [m0s, m0s + 64); keys >= n_end_wg are
-  // masked for all of them (0: the sub-tile is past seqlen_q).
+  const int wl = p.window_left, wr = p.window_right;
+  // The CTA's key tiles [kt_begin, kt_end): those any of its 128 queries sees.
+  const IndexRange keys = window_keys(m0, m0 + kPreQ2, Sq, Sk, wl, wr);
+  const int kt_begin = keys.begin / kTile, kt_end = (keys.end + kTile - 1) / kTile;
+  // This warpgroup's sub-tile: queries [m0s, m0s + 64); keys outside keys_wg
+  // are masked for all of them (empty: the sub-tile is past seqlen_q or sees
+  // no key).
   const int m0s = m0 + kSubQ * wg;
-  const int last_qs = min(m0s + kSubQ - 1, Sq - 1);
-  const int n_end_wg = m0s >= Sq ? 0 : p.causal ? max(0, min(Sk, last_qs + causal_off + 1)) : Sk;
+  const IndexRange keys_wg = window_keys(m0s, m0s + kSubQ, Sq, Sk, wl, wr);
   TileGeom tg;
   tg.m0 = m0s;
   tg.seqlen_q = Sq;
   tg.seqlen_k = Sk;
   tg.causal_off = causal_off;
-  tg.causal = p.causal;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
 
   auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   cp_floats(sf + L::kQs, p.q_row_s, kPreQ2, q_idx);
   cp_floats(sf + L::kDOs, p.do_row_s, kPreQ2, q_idx);
   cp_floats(sf + L::kLse, p.lse, kPreQ2, q_idx);
-  if (n_tiles > 0) issue_keys(0);
+  if (kt_end > kt_begin) issue_keys(kt_begin);
   cp_commit();
 
   // This sub-tile's per-column floats (the main kernel's Fs + L::kSQs etc.).
@@ -283,8 +284,8 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
 #pragma unroll
   for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
 
-  for (int it = 0; it < n_tiles; ++it) {
-    prepass_stage_turn<L::kStages>(it, n_tiles, issue_keys);
+  for (int it = kt_begin; it < kt_end; ++it) {
+    prepass_stage_turn<L::kStages>(it, kt_end, issue_keys);
     const int st = it % L::kStages;
     const int n0 = it * kTile;
     const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
@@ -298,22 +299,24 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int nh = n0 + 64 * h;
-      const bool run = nh < n_end_wg;  // warpgroup-uniform: some query of the sub-tile sees a key of the half
+      // warpgroup-uniform: some query of the sub-tile sees a key of the half
+      const bool run = nh < keys_wg.end && nh + 64 > keys_wg.begin;
       float pt[8][4], dp[8][4];
       if (run) {
         tg.n0 = n0;
         // Every (key, query) of the 64 x 64 block is visible: no masks.
-        const bool interior = nh + 64 <= Sk && m0s + kSubQ <= Sq && (!p.causal || nh + 63 <= m0s + causal_off);
+        const bool interior =
+            nh + 64 <= Sk && m0s + kSubQ <= Sq && window_covers(nh, 64, m0s, kSubQ, causal_off, wl, wr);
         const uint32_t k_lo = st_lo + h * kDesc64Rows, v_lo = k_lo + L::kV / 16;
         // The main kernel's instructions and roundings: P and dP_hat bitwise equal.
         issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
         issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
         wg_wait<1>();
         p_from_s<kSubQ>(pt, kc, sQs, sLse, lane);
-        if (!interior) mask_tile<kSubQ>(pt, tg, 4 * h + w4, lane);  // rows of main-kernel warp 4 h + w4
+        if (!interior) mask_tile<kSubQ>(pt, tg, 4 * h + w4, lane, p.window_left, p.window_right);  // rows of main-kernel warp 4 h + w4
         wg_wait<0>();
         dp_scale<kSubQ>(dp, s_v, sDOs, lane);
-        if (!interior) mask_tile<kSubQ>(dp, tg, 4 * h + w4, lane);  // P = 0 there, but dP_hat may be NaN
+        if (!interior) mask_tile<kSubQ>(dp, tg, 4 * h + w4, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -325,7 +328,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
       if constexpr (L::kStages == 1) {
         if (h == 1) {
           __syncthreads();  // every warpgroup's wgmmas on the stage completed: refill it
-          if (it + 1 < n_tiles) issue_keys(it + 1);
+          if (it + 1 < kt_end) issue_keys(it + 1);
           cp_commit();
         }
       }

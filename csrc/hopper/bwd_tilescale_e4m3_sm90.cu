@@ -108,7 +108,7 @@ struct MainLayout {
 // computed before the split and live in both branches were spilled: the
 // producer holds 24 registers); the consumers' copy is computed before it.
 struct CtaWork {
-  int n_tile, hk, b, slice, cb, wk, wv, Sq, Sk, group, nblk_q, nblk_k, n0, causal_off, m_first, n_iters;
+  int n_tile, hk, b, slice, cb, wk, wv, Sq, Sk, group, nblk_q, nblk_k, n0, causal_off, m_first, m_end, n_iters;
   int64_t Sq64, Sk64, bhk;
 };
 // blockIdx through a volatile read (kOpaque: the producer's copy, so the
@@ -154,14 +154,14 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   w.nblk_k = (w.Sk + kTile - 1) / kTile;
   w.n0 = w.n_tile * kTile;
   w.bhk = static_cast<int64_t>(static_cast<uint32_t>(w.b * p.num_heads_kv + w.hk));
-  // Query tiles that see this key tile: [m_first, nblk_q) of every head of the group.
+  // Query tiles that see this key tile under the window (numerics.md section
+  // 14; causal: [first that sees key n0, nblk_q)): [m_first, m_end) of every
+  // head of the group; none (n_iters = 0: dK = dV = 0) when no query sees it.
   w.causal_off = w.Sk - w.Sq;
-  w.m_first = 0;
-  if (p.causal) {
-    const int q_min = max(0, w.n0 - w.causal_off);  // first query that sees key n0
-    w.m_first = q_min >= w.Sq ? w.nblk_q : q_min / kTile;
-  }
-  w.n_iters = w.group * (w.nblk_q - w.m_first);
+  const IndexRange qr = window_queries(w.n0, w.n0 + kTile, w.Sq, w.Sk, p.window_left, p.window_right);
+  w.m_first = qr.begin / kTile;
+  w.m_end = (qr.end + kTile - 1) / kTile;
+  w.n_iters = w.group * (w.m_end - w.m_first);
   return w;
 }
 
@@ -200,9 +200,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     const CtaWork w = cta_work<L, DQK, DV, true>(p);
     const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
     const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
-    const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+    const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
     const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
-    (void)n_tile, (void)slice, (void)nblk_k, (void)causal_off;
+    (void)n_tile, (void)slice, (void)nblk_q, (void)nblk_k, (void)causal_off;
     if (n_iters == 0) return;
     // Warp roles (NOTE at fill_rows): warp 0 K / Q rows, warp 1 V / dO rows,
     // warp 2 K^T / Q^T columns, warp 3 dO^T columns and the per-query floats.
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         }
       }
       cp_async_mbar_arrive(bar_full(st));
-      if (++m_tile == nblk_q) {
+      if (++m_tile == m_end) {
         m_tile = m_first;
         ++hq;
       }
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   const CtaWork& w = wc;
   const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
   const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
-  const int causal_off = w.causal_off, m_first = w.m_first, n_iters = w.n_iters;
+  const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
   const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
   (void)hk;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -287,7 +287,6 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   tg.seqlen_q = Sq;
   tg.seqlen_k = Sk;
   tg.causal_off = causal_off;
-  tg.causal = p.causal;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
   // K and V: one scale per key tile (#3, #4, #6).
   const float s_k = p.k_row_s[bhk * nblk_k + n_tile], s_v = p.v_row_s[bhk * nblk_k + n_tile];
@@ -326,9 +325,14 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   };
   if (wg == 1 && n_iters > 0) turn_pass();
 
-  int hq = hk * group, m_tile = m_first;
+  // NOTE: (head, query tile) of iteration it from it itself (one division;
+  // the producer's running pair walks the same sequence): a running pair
+  // wrapping at m_end kept both m_first and m_end live across the loop (d =
+  // 192: 4 more bytes of spill loads).
+  const int per_head = m_end - m_first;
   for (int it = 0; it < n_iters; ++it) {
     const int st = it % kStages;
+    const int hq = hk * group + it / per_head, m_tile = m_first + it % per_head;
     const int m0 = m_tile * kTile;
     const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
     mbar_wait(bar_full(st), (it / kStages) & 1);
@@ -356,7 +360,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       tg.m0 = m0s;
       // Every (key, query) of the 128 x 64 pair is visible: no masks.
       const bool interior =
-          n0 + kTile <= Sk && m0s + kSubQ <= Sq && (!tg.causal || n0 + kTile - 1 <= m0s + causal_off);
+          n0 + kTile <= Sk && m0s + kSubQ <= Sq && window_covers(n0, kTile, m0s, kSubQ, causal_off, p.window_left, p.window_right);
 
       // ---- S^T (#3) and dP^T (#4), both in flight; P = exp2(...) under dP.
       float pt[8][4], dp[8][4];
@@ -366,7 +370,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       turn_pass();
       wg_wait<1>();
       p_from_s<kSubQ>(pt, kc, Fs + L::kSQs, Fs + L::kSLse, lane);
-      if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane);
+      if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane, p.window_left, p.window_right);
       {
         const float m = warp_amax(pt);
         if (lane == 0) sBlk[warp] = m;
@@ -374,7 +378,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       // ---- dS = P o (dP_hat - delta), in place over dP (P stays for #5).
       wg_wait<0>();
       ds_from_dp<kSubQ>(pt, dp, s_v, Fs + L::kSDOs, Fs + L::kSDelta, lane);
-      if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane);  // P = 0 there, but dP_hat may be NaN
+      if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
       if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, bhq * Sq64, m0s, Sq, lane);
 
       // ---- Block amaxes over this warpgroup's 64 keys (v5: nothing crosses
@@ -557,10 +561,6 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
     // completed, the per-column floats read): the producer may refill it.
     mbar_arrive(bar_empty(st));
-    if (++m_tile == nblk_q) {
-      m_tile = m_first;
-      ++hq;
-    }
   }
 
   // The last dQ reduce-adds are complete before the CTA's shared memory goes.

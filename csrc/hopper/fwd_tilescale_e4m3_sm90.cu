@@ -47,10 +47,11 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
 
   const int64_t n_work = kPersistent ? static_cast<int64_t>(n_m) * n_h * n_b : 1;
   const int64_t step = kPersistent ? gridDim.x : 1;
-  // One work tile: where its rows and keys are, how many key tiles it streams.
+  // One work tile: where its rows and keys are, which key tiles it streams
+  // ([kt0, kt1): those any of its rows' windows touch).
   struct Work {
     SeqInfo si;
-    int q0, n_tiles;
+    int q0, kt0, kt1;
     int64_t bhq, bhk;
   };
   auto work_at = [&](int64_t L) {
@@ -61,7 +62,9 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
     r.q0 = w.m_tile * T::kBlockM;
     r.bhq = static_cast<int64_t>(w.batch) * p.num_heads_q + w.head_q;
     r.bhk = static_cast<int64_t>(w.batch) * p.num_heads_kv + hk;
-    r.n_tiles = key_tiles_seen(r.q0, r.q0 + T::kBlockM, r.si, p.causal, T::kBlockN);
+    const IndexRange kt = key_tiles_seen(r.q0, r.q0 + T::kBlockM, r.si, p, T::kBlockN);
+    r.kt0 = kt.begin;
+    r.kt1 = kt.end;
     return r;
   };
   const int64_t L0 = kPersistent ? blockIdx.x : 0;
@@ -72,9 +75,9 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
     int kb = 0, it = 0;
     for (int64_t L = L0; L < n_work; L += step, ++it) {
       const Work wk = work_at(L);
-      fwd_tile_producer<T>(sbase, bar, wk.q0, wk.n_tiles, static_cast<int>(wk.bhq), static_cast<int>(wk.bhk), &tm_q0,
-                           &tm_q1, &tm_k0, &tm_k1, &tm_v, kb, it);
-      kb += wk.n_tiles;
+      fwd_tile_producer<T>(sbase, bar, wk.q0, wk.kt0, wk.kt1, static_cast<int>(wk.bhq), static_cast<int>(wk.bhk),
+                           &tm_q0, &tm_q1, &tm_k0, &tm_k1, &tm_v, kb, it);
+      kb += wk.kt1 - wk.kt0;
     }
     return;
   }
@@ -83,9 +86,9 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
   int kb = 0, it = 0;
   for (int64_t L = L0; L < n_work; L += step, ++it) {
     const Work wk = work_at(L);
-    fwd_tile_consumer<T, kPingpong>(p, wk.si, sbase, bar, wk.q0, wk.n_tiles, wk.bhq, wk.bhk, kb, it, it == 0,
+    fwd_tile_consumer<T, kPingpong>(p, wk.si, sbase, bar, wk.q0, wk.kt0, wk.kt1, wk.bhq, wk.bhk, kb, it, it == 0,
                                     L + step >= n_work);
-    kb += wk.n_tiles;
+    kb += wk.kt1 - wk.kt0;
   }
 }
 

@@ -40,6 +40,13 @@ struct KernelParams {
   int block_size;          // sequence block (tokens); 128 on CUDA
   float softmax_scale;
   bool causal;
+  // Key window (numerics.md section 14) after effective_window (common/params.h):
+  // query i sees key j iff j >= i + (seqlen_k - seqlen_q) - window_left and j <=
+  // i + (seqlen_k - seqlen_q) + window_right, -1 = unbounded side. The launcher
+  // sets it for every call: (-1, -1) no mask, (-1, 0) with causal = true, a
+  // sliding window only with scaling == 1 (the `tile` kernels read these two,
+  // the `row` kernels read `causal`).
+  int window_left, window_right;
   int delta_mode;          // DeltaMode
   int grad_format;         // Fp8Format of dO and dS
   int scaling;             // Scaling: 0 = `row`, 1 = `tile` (the scale layouts above)
@@ -76,6 +83,42 @@ struct KernelParams {
   int delta_given;
   int prepass_sums;
 };
+
+// Half-open index range [begin, end); {0, 0} when empty.
+struct IndexRange {
+  int begin, end;
+};
+// Keys that the query rows [r0, r1) see under the window (left, right) (-1
+// unbounded; KernelParams::window_left): the union of their windows, which is
+// contiguous (numerics.md section 14). Rows past seqlen_q see nothing.
+// constexpr: callable from device code (--expt-relaxed-constexpr).
+constexpr IndexRange window_keys(int r0, int r1, int seqlen_q, int seqlen_k, int left, int right) {
+  if (r1 > seqlen_q) r1 = seqlen_q;
+  if (r1 <= r0) return {0, 0};
+  const int off = seqlen_k - seqlen_q;
+  int b = left < 0 ? 0 : r0 + off - left;
+  int e = right < 0 ? seqlen_k : r1 + off + right;
+  if (b < 0) b = 0;
+  if (e > seqlen_k) e = seqlen_k;
+  return e > b ? IndexRange{b, e} : IndexRange{0, 0};
+}
+// Query rows that see a key of [k0, k1) (query i sees key j iff j - off - right
+// <= i <= j - off + left); keys past seqlen_k are seen by none.
+constexpr IndexRange window_queries(int k0, int k1, int seqlen_q, int seqlen_k, int left, int right) {
+  if (k1 > seqlen_k) k1 = seqlen_k;
+  if (k1 <= k0) return {0, 0};
+  const int off = seqlen_k - seqlen_q;
+  int b = right < 0 ? 0 : k0 - off - right;
+  int e = left < 0 ? seqlen_q : k1 - off + left;
+  if (b < 0) b = 0;
+  if (e > seqlen_q) e = seqlen_q;
+  return e > b ? IndexRange{b, e} : IndexRange{0, 0};
+}
+// Every key of [k0, k0 + nk) inside the window of every query of [m0, m0 + nq)
+// (the window's part of a tile pair's "no mask needed" test).
+constexpr bool window_covers(int k0, int nk, int m0, int nq, int off, int left, int right) {
+  return (right < 0 || k0 + nk - 1 <= m0 + off + right) && (left < 0 || k0 >= m0 + nq - 1 + off - left);
+}
 
 // Rows per (batch, query head) of KernelParams::dq_accum. `row` (scaling 0):
 // seqlen_q, row-major [query][Dqk]. `tile` (scaling 1): seqlen_q rounded up to

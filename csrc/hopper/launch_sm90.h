@@ -127,8 +127,9 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // pointer added without it reads / writes the first chunk's rows from every chunk
 // (lse_bwd, 2026-12-02: the tile split-launch test's dQ off by 23x). The size check
 // makes adding a field stop here: update the list, then the size. (delta_given /
-// prepass_sums, 2026-12-03: flags, no pointers; a given delta lives in `delta`.)
-static_assert(sizeof(KernelParams) == 448 || sizeof(void*) != 8,
+// prepass_sums, 2026-12-03: flags, no pointers; a given delta lives in `delta`.
+// window_left / window_right, 2026-12-07: ints, no pointers.)
+static_assert(sizeof(KernelParams) == 456 || sizeof(void*) != 8,
               "KernelParams changed: advance its new per-(batch, head) pointers in at_chunk, then update this size");
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;

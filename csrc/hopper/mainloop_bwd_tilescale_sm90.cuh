@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hopper/prepass_delta_sm90.cuh"
 #include "hopper/config_sm90.h"
@@ -185,35 +186,53 @@ __device__ __forceinline__ void ds_from_dp(const float (&pt)[NQ / 8][4], float (
 
 // ---- masks of a tile pair that is not interior (TileGeom::interior) ------------------
 //
-// The predicate of TileGeom::visible with per-thread bounds (the row kernel's
-// wg_mask_main, for any NQ and raw LSE): this thread's column 8j + 2t + e is
-// query ql = 4t + C, C = 16 (j >> 1) + 2 (j & 1) + e (q_of_col), so with
-// kl_r = k_of_row(row r), key_r = n0 + kl_r:
-//   visible <=> C < Sq - m0 - 4t && C >= lo_r,
-//   lo_r = key_r - off - m0 - 4t (causal), INT_MIN (not causal), INT_MAX (key_r >= Sk).
+// The predicate of TileGeom::visible with per-thread bounds and the window
+// (L, R) = (win_left, win_right) of KernelParams (numerics.md section 14: query
+// i sees key j iff j - off - R <= i <= j - off + L; causal is (-1, 0)) in
+// place of `causal` (the row kernel's wg_mask_main, for any NQ and raw LSE):
+// this thread's column 8j + 2t + e is query ql = 4t + C, C = 16 (j >> 1) + 2
+// (j & 1) + e (q_of_col), so with kl_r = k_of_row(row r), key_r = n0 + kl_r:
+//   visible <=> C < Sq - m0 - 4t && C >= lo_r && (L < 0 || C < hi_r),
+//   lo_r = key_r - off - R - m0 - 4t (R >= 0), INT_MIN (R < 0), INT_MAX (key_r >= Sk),
+//   hi_r = key_r - off + L + 1 - m0 - 4t.
 // Applied to P (after p_from_s) and to dS (P = 0 there, but dP_hat may be NaN).
 // NOTE: no LSE read here: a second read of the column LSE next to p_from_s's
 // was merged with it by the compiler and kept 32 values live (spills).
 template <int NQ>
-__device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom& tg, int warp, int lane) {
+__device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom& tg, int warp, int lane, int win_left,
+                                          int win_right) {
   const int g = lane >> 2, t = lane & 3;
   const int qlim = tg.seqlen_q - tg.m0 - 4 * t;
-  int lo[2];
+  int lo[2], hi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = tg.n0 + k_of_row(warp * 16 + g + 8 * r);
-    lo[r] = key >= tg.seqlen_k ? 0x7fffffff : (tg.causal ? key - tg.causal_off - tg.m0 - 4 * t : -0x7fffffff - 1);
+    const int rel = key - tg.causal_off - tg.m0 - 4 * t;  // C of query key_r - off (the diagonal)
+    lo[r] = key >= tg.seqlen_k ? 0x7fffffff : (win_right >= 0 ? rel - win_right : -0x7fffffff - 1);
+    hi[r] = rel + win_left + 1;
   }
+  // NOTE: two copies of the loop, the one without a left bound the causal
+  // mask's (qlim and lo live, not hi too): with one loop for both the pre-pass
+  // v1 at d = 256 (128 registers) spilled.
+  auto apply = [&](auto left_bounded) {
 #pragma unroll
-  for (int j = 0; j < NQ / 8; ++j)
+    for (int j = 0; j < NQ / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = 16 * (j >> 1) + 2 * (j & 1) + e;
-      const bool col = c < qlim;
+      for (int e = 0; e < 2; ++e) {
+        const int c = 16 * (j >> 1) + 2 * (j & 1) + e;
+        const bool col = c < qlim;
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (!(col && c >= lo[r])) s[j][e + 2 * r] = 0.f;
-    }
+        for (int r = 0; r < 2; ++r) {
+          bool vis = col && c >= lo[r];
+          if constexpr (decltype(left_bounded)::value) vis = vis && c < hi[r];
+          if (!vis) s[j][e + 2 * r] = 0.f;
+        }
+      }
+  };
+  if (win_left < 0)
+    apply(std::false_type{});
+  else
+    apply(std::true_type{});
 }
 
 // ---- block quantization of P^T (#5) and dS^T (#7): one scale per 128 x 128 block -----

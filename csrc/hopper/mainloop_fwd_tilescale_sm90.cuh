@@ -95,12 +95,13 @@ __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
 }
 
 // ---- producer warpgroup -------------------------------------------------------------
-// Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [0, n_tiles) of head row bhk.
+// Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [kt0, kt1) of head row bhk
+// (those the rows' windows touch, scheduler_sm90.cuh key_tiles_seen).
 // it: the CTA's work tile count so far (persistent scheduler; 0 otherwise), kb
 // the key tiles it streamed before this work tile (stage / phase of key tile
-// kt: kb + kt).
+// kt: kb + kt - kt0, the same count in the producer and both consumers).
 template <class T>
-__device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int n_tiles, int bhq, int bhk,
+__device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int kt0, int kt1, int bhq, int bhk,
                                                   const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
                                                   const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
                                                   const CUtensorMap* tm_v, int kb, int it) {
@@ -116,9 +117,9 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
     mbar_arrive_tx(q_full, T::kQBytes);
     tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, bhq);
     if constexpr (T::kChunks == 2) tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q0, bhq);
-    for (int kt = 0; kt < n_tiles; ++kt) {
-      const int s = (kb + kt) % kStages;
-      const uint32_t ph = ((kb + kt) / kStages) & 1;
+    for (int kt = kt0; kt < kt1; ++kt) {
+      const int s = (kb + kt - kt0) % kStages;
+      const uint32_t ph = ((kb + kt - kt0) / kStages) & 1;
       const uint32_t sK = sbase + T::kOffK + s * T::kKBytes;
       mbar_wait(tile_bar<kStages>(bar, kTbKEmpty, s), ph ^ 1);
       const uint32_t k_full = tile_bar<kStages>(bar, kTbKFull, s);
@@ -137,9 +138,9 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
   // quantization wrote V^T permuted (the consumers then wait for v_raw).
   if constexpr (fwdt::kVPermutedInQuant) return;
   const int pt = tid - 32;
-  for (int kt = 0; kt < n_tiles; ++kt) {
-    const int s = (kb + kt) % kStages;
-    const uint32_t ph = ((kb + kt) / kStages) & 1;
+  for (int kt = kt0; kt < kt1; ++kt) {
+    const int s = (kb + kt - kt0) % kStages;
+    const uint32_t ph = ((kb + kt - kt0) / kStages) & 1;
     const uint32_t sV = sbase + T::kOffV + s * T::kVBytes;
     // NOTE: v_empty first, then v_raw: the consumers' reads of the stage
     // happen-before these stores through one release / acquire pair.
@@ -160,11 +161,11 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
 }
 
 // ---- consumer warpgroup ---------------------------------------------------------------
-// kb, it: as the producer's; first / last: the CTA's first / last work tile
-// (the pingpong turns continue from one work tile to the next).
+// kt0, kt1, kb, it: as the producer's; first / last: the CTA's first / last
+// work tile (the pingpong turns continue from one work tile to the next).
 template <class T, bool kPingpong>
 __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
-                                                  int q0, int n_tiles, int64_t bhq, int64_t bhk, int kb, int it,
+                                                  int q0, int kt0, int kt1, int64_t bhq, int64_t bhk, int kb, int it,
                                                   bool first, bool last) {
   using namespace pipe;
   constexpr int kStages = T::kStages, kBlockN = T::kBlockN, kDv = T::kDv;
@@ -180,7 +181,13 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   const int wg_row0 = q0 + 64 * cw;
   const int row_w0 = wg_row0 + 16 * warp;  // first query row of this warp
   const int row0 = row_w0 + g;             // this thread's rows: row0, row0 + 8
-  const int n_mine = key_tiles_seen(wg_row0, wg_row0 + 64, si, p.causal, kBlockN);
+  const int wl = p.window_left, wr = p.window_right;
+  // The key tiles this warpgroup's rows see, [m_begin, m_end) inside [kt0,
+  // kt1); none: the empty range at kt0 (the tiles are all handed over after
+  // its one dummy phase, as before windows).
+  const IndexRange mine = key_tiles_seen(wg_row0, wg_row0 + 64, si, p, kBlockN);
+  const bool sees = mine.end > mine.begin;
+  const int m_begin = sees ? mine.begin : kt0, m_end = sees ? mine.end : kt0;
   const float* ks_g = p.k_row_s + bhk * nblk_k;  // one scale per key tile (K and V)
   const float* vs_g = p.v_col_s + bhk * nblk_k;
 
@@ -217,8 +224,8 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   if constexpr (kPingpong) {
     if (cw == 1 && first) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
   }
-  auto stage = [&](int kt) { return (kb + kt) % kStages; };
-  auto phase = [&](int kt) { return static_cast<uint32_t>(((kb + kt) / kStages) & 1); };
+  auto stage = [&](int kt) { return (kb + kt - kt0) % kStages; };
+  auto phase = [&](int kt) { return static_cast<uint32_t>(((kb + kt - kt0) / kStages) & 1); };
 
   // The wgmma batches. NOTE: every barrier wait and descriptor is done before
   // the warpgroup fence, so no non-wgmma instruction defines a wgmma input
@@ -276,18 +283,27 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     qk_batch(acc, sK);
     pv_batch(pa, sV);
   };
-  // Masked entries (keys past seqlen_k; causal) of tile kt -> -inf.
+  // Masked entries of tile kt (keys past seqlen_k, outside the row's window:
+  // numerics.md section 14; causal is the window (-1, 0)) -> -inf. Only
+  // where the tile is not inside every window of the warp's 16 rows.
   auto mask = [&](float (&sacc)[kBlockN / 2], int kt) {
     const int key0 = kt * kBlockN;
-    const bool need = key0 + kBlockN > Sk || (p.causal && key0 + kBlockN - 1 > row_w0 + diag);
+    const bool need = key0 + kBlockN > Sk || !window_covers(key0, kBlockN, row_w0, 16, diag, wl, wr);
     if (!need) return;
+    int lo[2], hi[2];  // row r sees the keys [lo[r], hi[r]]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      lo[r] = wl < 0 ? 0 : row + diag - wl;
+      hi[r] = wr < 0 ? Sk - 1 : min(Sk - 1, row + diag + wr);
+    }
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * j + 2 * tig + (e & 1);
-        const int row = row0 + 8 * (e >> 1);
-        if (key >= Sk || (p.causal && key > row + diag)) sacc[4 * j + e] = -INFINITY;
+        const int r = e >> 1;
+        if (key < lo[r] || key > hi[r]) sacc[4 * j + e] = -INFINITY;
       }
   };
   // A tile none of this warpgroup's rows sees: take part in the stage hand-over only.
@@ -304,21 +320,28 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
 
   if constexpr (T::kOverlap) {
     // NOTE: the phases (turns of the pingpong) of every warpgroup number
-    // n_tiles + 1, whatever its n_mine: the tiles it does not see are handed
-    // over inside dummy turns, in order, so neither warpgroup waits on a
-    // stage the other still holds.
+    // kt1 - kt0 + 1, whatever its [m_begin, m_end): the tiles it does not see
+    // are handed over inside dummy turns, in order (those before m_begin one
+    // per turn ahead of its first QK^T, so phase kt - kt0 issues K tile kt in
+    // both warpgroups; those from m_end after its last P V), so neither
+    // warpgroup waits on a stage the other still holds.
     float sacc[kBlockN / 2];
     uint32_t pa[kNT / 4][4];
-    if (n_mine > 0) {
+    for (int kt = kt0; kt < m_begin; ++kt) {
+      turn_wait();
+      turn_pass();
+      handover(kt);
+    }
+    if (m_end > m_begin) {
       float factor[2];
       turn_wait();
-      qk_issue(sacc, 0);
+      qk_issue(sacc, m_begin);
       turn_pass();
-      const float sk = __ldg(ks_g), sv = __ldg(vs_g);
+      const float sk = __ldg(ks_g + m_begin), sv = __ldg(vs_g + m_begin);
       wg_wait<0>();
       fence_acc(sacc);
-      mbar_arrive(k_empty(stage(0)));
-      mask(sacc, 0);
+      mbar_arrive(k_empty(stage(m_begin)));
+      mask(sacc, m_begin);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
       // One tile: QK^T (kt) with P V (kt - 1) from pa_prev; softmax (kt) into pa_new.
       // NOTE: two P arrays in fixed roles (the loop is unrolled by two): a
@@ -340,22 +363,22 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         rescale_o(o, factor);
       };
       uint32_t pb[kNT / 4][4];
-      int kt = 1;
-      for (; kt + 1 < n_mine; kt += 2) {
+      int kt = m_begin + 1;
+      for (; kt + 1 < m_end; kt += 2) {
         step(kt, pa, pb);
         step(kt + 1, pb, pa);
       }
       auto last_pv = [&](const uint32_t (&pa_last)[kNT / 4][4]) {
         turn_wait();
-        pv_issue(pa_last, n_mine - 1);
+        pv_issue(pa_last, m_end - 1);
         turn_pass();
         wg_wait<0>();
         fence_acc(o);
-        mbar_arrive(v_empty(stage(n_mine - 1)));
+        mbar_arrive(v_empty(stage(m_end - 1)));
       };
       // NOTE: the odd tail calls the last P V on pb itself (a copy pa = pb
       // would be coalesced, C7513 again).
-      if (kt < n_mine) {
+      if (kt < m_end) {
         step(kt, pa, pb);
         last_pv(pb);
       } else {
@@ -365,7 +388,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       turn_wait();
       turn_pass();
     }
-    for (int kt = n_mine; kt < n_tiles; ++kt) {
+    for (int kt = m_end; kt < kt1; ++kt) {
       turn_wait();
       turn_pass();
       handover(kt);
@@ -377,7 +400,8 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     }
   } else {
     // Serial order (dv = 256): QK^T, softmax, O *= factor, P V, per tile.
-    for (int kt = 0; kt < n_mine; ++kt) {
+    for (int kt = kt0; kt < m_begin; ++kt) handover(kt);
+    for (int kt = m_begin; kt < m_end; ++kt) {
       float sacc[kBlockN / 2], factor[2];
       uint32_t pa[kNT / 4][4];
       qk_issue(sacc, kt);
@@ -393,7 +417,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       fence_acc(o);
       mbar_arrive(v_empty(stage(kt)));
     }
-    for (int kt = n_mine; kt < n_tiles; ++kt) handover(kt);
+    for (int kt = m_end; kt < kt1; ++kt) handover(kt);
   }
   mbar_arrive(tile_bar<kStages>(bar, kTbQEmpty, 0));  // this thread's reads of Q are done
 

@@ -55,18 +55,14 @@ __device__ __forceinline__ WorkTile work_tile_at(int64_t L, int n_m, int n_h, in
   return w;
 }
 
-// Key tiles [0, n) that query rows [row_begin, row_end) see (bottom-right
-// causal alignment: query i sees key j iff j <= i + seqlen_k - seqlen_q;
-// numerics.md section 1). 0 for an empty row range.
-__device__ __forceinline__ int key_tiles_seen(int row_begin, int row_end, const SeqInfo& s, bool causal, int block_n) {
-  if (row_end > s.seqlen_q) row_end = s.seqlen_q;
-  if (row_end <= row_begin) return 0;
-  const int nblk = (s.seqlen_k + block_n - 1) / block_n;
-  if (!causal) return nblk;
-  const int last_key = row_end - 1 + (s.seqlen_k - s.seqlen_q);
-  if (last_key < 0) return 0;
-  const int n = last_key / block_n + 1;
-  return n < nblk ? n : nblk;
+// Key tiles [begin, end) that query rows [row_begin, row_end) see under the
+// window of p (bottom-right aligned, numerics.md sections 1 and 14: causal is
+// the window (-1, 0), no mask (-1, -1), so begin is 0 for both). {0, 0} for
+// an empty row range or rows that see no key.
+__device__ __forceinline__ IndexRange key_tiles_seen(int row_begin, int row_end, const SeqInfo& s,
+                                                     const KernelParams& p, int block_n) {
+  const IndexRange k = window_keys(row_begin, row_end, s.seqlen_q, s.seqlen_k, p.window_left, p.window_right);
+  return {k.begin / block_n, (k.end + block_n - 1) / block_n};
 }
 
 }  // namespace sm90

@@ -378,7 +378,8 @@ TileFwdCodes quantize_tile_fwd(const at::Tensor& q, const at::Tensor& k, const a
   return c;
 }
 
-void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, bool causal) {
+// win: the effective window (cuda_window): causal is (-1, 0).
+void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, const WindowBounds& win) {
   kp.batch = static_cast<int>(pr.batch);
   kp.seqlen_q = static_cast<int>(pr.seqlen_q);
   kp.seqlen_k = static_cast<int>(pr.seqlen_k);
@@ -388,7 +389,9 @@ void set_sizes(KernelParams& kp, const Problem& pr, double softmax_scale, bool c
   kp.head_dim_v = static_cast<int>(pr.kv);
   kp.block_size = kSeqBlock;
   kp.softmax_scale = static_cast<float>(softmax_scale);
-  kp.causal = causal;
+  kp.causal = win.causal();
+  kp.window_left = static_cast<int>(win.left);
+  kp.window_right = static_cast<int>(win.right);
   kp.seqlen_q_pad = static_cast<int>(round_up(pr.seqlen_q, kSeqPad));
   kp.seqlen_k_pad = static_cast<int>(round_up(pr.seqlen_k, kSeqPad));
 }
@@ -414,20 +417,23 @@ void check_no_softcap(double softcap) {
                               "yet (CPU tensors run it on the reference), got ", softcap);
 }
 
-// Sliding windows (numerics.md section 14) have no CUDA kernel yet. A window whose
-// bounds reach every key of every row is no window, and (-1, 0) is the causal mask
-// (effective_window, common/params.h, FlashAttention-3's normalization): those run
-// the kernels as no mask / causal, and the causal flag to run with is returned; any
-// other window raises NotImplementedError naming window_size.
-bool cuda_causal_of_window(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left,
-                           int64_t window_right) {
+// Sliding windows (numerics.md section 14): the effective window of a call
+// (effective_window, common/params.h, FlashAttention-3's normalization: a window
+// whose bounds reach every key of every row is no window, (-1, 0) the causal
+// mask). The `tile` kernels take any window (KernelParams::window_left); the
+// `row` kernels no mask and causal only, so a sliding window with scaling='row'
+// raises NotImplementedError naming window_size.
+WindowBounds cuda_window(const at::Tensor& q, const at::Tensor& k, bool causal, int64_t window_left,
+                         int64_t window_right, Scaling recipe) {
   const int64_t sq = q.dim() == 4 ? q.size(2) : 0, sk = k.dim() == 4 ? k.size(2) : 0;
   const WindowBounds w = effective_window(causal, window_left, window_right, sq, sk);
-  TORCH_CHECK_NOT_IMPLEMENTED(!w.local(), "fp8attn: argument 'window_size': the CUDA kernels do not take sliding "
-                              "windows yet (window_left=", window_left, ", window_right=", window_right,
+  TORCH_CHECK_NOT_IMPLEMENTED(!w.local() || recipe == Scaling::kTile,
+                              "fp8attn: argument 'window_size': the CUDA kernels of scaling='row' do not take "
+                              "sliding windows (window_left=", window_left, ", window_right=", window_right,
                               ", causal=", causal, ", seqlen_q=", sq, ", seqlen_k=", sk,
-                              "); the CPU reference runs them: pass CPU tensors");
-  return w.causal();
+                              "); scaling='tile' runs them on CUDA, and the CPU reference runs both recipes: "
+                              "pass CPU tensors");
+  return w;
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -436,8 +442,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             c10::string_view qk_rotation, bool smooth_k, double softcap,
                                             int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
-  causal = cuda_causal_of_window(q_in, k_in, causal, window_left, window_right);
   const Scaling recipe = parse_scaling(scaling);
+  const WindowBounds win = cuda_window(q_in, k_in, causal, window_left, window_right, recipe);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   TORCH_CHECK_NOT_IMPLEMENTED(recipe != Scaling::kTile || tile_fwd_enabled(),
@@ -461,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h).
     const TileFwdCodes c = quantize_tile_fwd(q, k, v, Fp8Format::kE4M3, stream);
     KernelParams kp{};
-    set_sizes(kp, pr, softmax_scale, causal);
+    set_sizes(kp, pr, softmax_scale, win);
     kp.scaling = static_cast<int>(Scaling::kTile);
     set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
     set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
@@ -487,7 +493,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   quantize(v, Fp8Format::kE4M3, none, none, v_colT, v_col_s, v_colT.size(3), stream);
 
   KernelParams kp{};
-  set_sizes(kp, pr, softmax_scale, causal);
+  set_sizes(kp, pr, softmax_scale, win);
   set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
   set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
   set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
@@ -509,10 +515,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 // The backward and, for context parallelism (numerics.md section 11), its two
 // sharded-key variants: `delta_in` given (main pass: that delta, lse = the global
 // LSE'; delta_matching, no diagnostics) or `sums_only` (bwd_dm_sums: only the
-// pre-pass, returning (sum_pdp, sum_p, undefined, undefined)).
+// pre-pass, returning (sum_pdp, sum_p, undefined, undefined)). win: the
+// effective window (cuda_window; a sliding one only with scaling='tile').
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, bool causal,
+    const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, const WindowBounds& win,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
     const c10::optional<at::Tensor>& delta_in, bool sums_only) {
@@ -645,7 +652,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
 
   KernelParams kp{};
-  set_sizes(kp, pr, softmax_scale, causal);
+  set_sizes(kp, pr, softmax_scale, win);
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
   kp.scaling = static_cast<int>(recipe);
@@ -696,8 +703,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap,
     int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
-  causal = cuda_causal_of_window(q, k, causal, window_left, window_right);
-  return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size, grad_format,
+  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, parse_scaling(scaling));
+  return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, win, precision, delta_mode, block_size, grad_format,
                        diagnostics, scaling, qk_rotation, smooth_k, delta, false);
 }
 
@@ -710,8 +717,8 @@ std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cuda(const at::Tensor& dout, cons
                                                     c10::string_view scaling, double softcap,
                                                     int64_t window_left, int64_t window_right) {
   check_no_softcap(softcap);
-  causal = cuda_causal_of_window(q, k, causal, window_left, window_right);
-  auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, causal, "fp8", "delta_matching", block_size,
+  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, parse_scaling(scaling));
+  auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, win, "fp8", "delta_matching", block_size,
                          grad_format, false, scaling, "none", false, c10::nullopt, true);
   return {std::get<0>(r), std::get<1>(r)};
 }

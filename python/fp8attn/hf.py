@@ -38,8 +38,9 @@ fp8attn's window_size (W - 1, 0) (FlashAttention's convention, which HF's
 flash-attention integration uses too); the mask, when HF builds one, is
 classified as above, and with no mask (the window reaches every key) the window
 is applied as (W - 1, 0) (causal) or (W, W) (bidirectional, HF's |q - k| <= W).
-CPU tensors only so far: on CUDA the op raises NotImplementedError naming
-window_size for a window that masks more than causal.
+CPU tensors, and CUDA tensors with scaling "tile" (the register's options); with
+scaling "row" on CUDA the op raises NotImplementedError naming window_size for a
+window that masks more than causal.
 Dropout > 0 in training, softcap, attention sinks (s_aux) and position_bias
 raise NotImplementedError.
 

@@ -710,10 +710,10 @@ def attention(
             zero gradients; the Delta-Matching delta sums over the keys the
             window lets a row see. A tuple or list of two ints (ValueError
             otherwise). Both scalings, every delta mode, both precisions on CPU
-            tensors; CUDA tensors: NotImplementedError naming window_size (the
-            kernels take no windows yet) unless the window masks nothing beyond
-            causal (e.g. a bound reaching every key), which runs as no window /
-            causal.
+            tensors; CUDA tensors: scaling="tile" runs any window on its kernels;
+            scaling="row" raises NotImplementedError naming window_size unless
+            the window masks nothing beyond causal (e.g. a bound reaching every
+            key), which runs as no window / causal.
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -732,7 +732,8 @@ def attention(
             a qk_rotation other than "none" / "hadamard"; smooth_k not a bool
             is a TypeError).
             The message names the argument.
-        NotImplementedError: a sliding window on CUDA tensors (window_size);
+        NotImplementedError: a sliding window on CUDA tensors with
+            scaling="row" (window_size);
             (in backward) scaling="tile" on CUDA tensors
             with FP8ATTN_TILE_BWD=0;
             precision "exact" on CUDA tensors (the exact reference runs on CPU
@@ -935,9 +936,9 @@ def _flash_attn_func(
     own schedule. window_size=(left, right): FlashAttention's sliding window, as
     `attention`'s window_size (numerics.md section 14: bottom-right aligned, a negative
     bound unbounded, causal=True sets the right bound to 0; so (-1, 0) is the causal
-    mask and (-1, -1) none); CPU tensors run any window, CUDA tensors raise
-    NotImplementedError naming window_size for a window that masks more than causal
-    (the kernels take none yet). Not supported, each raising NotImplementedError
+    mask and (-1, -1) none); CPU tensors run any window, CUDA tensors with
+    scaling="tile" too, and with scaling="row" raise NotImplementedError naming
+    window_size for a window that masks more than causal. Not supported, each raising NotImplementedError
     naming the argument:
     dropout_p != 0, softcap != 0 on CUDA tensors (CPU tensors run it:
     `attention`'s softcap), alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,

@@ -391,8 +391,9 @@ def varlen_attention(
             sequence (on its used lengths with seqused_q / seqused_k); -1 =
             unbounded, causal=True sets right = 0, (-1, 0) is the causal mask.
             A pair of ints (ValueError otherwise); CPU tensors run any window,
-            CUDA tensors raise NotImplementedError naming window_size for a
-            sequence whose window masks more than causal.
+            CUDA tensors with scaling="tile" too, and with scaling="row" raise
+            NotImplementedError naming window_size for a sequence whose window
+            masks more than causal.
         FlashAttention's other arguments (dropout_p,
         alibi_slopes, deterministic (on CUDA), qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,

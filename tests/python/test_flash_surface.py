@@ -65,8 +65,9 @@ def test_return_attn_probs_is_the_lse_and_hints_change_nothing():
 
 
 # (softcap: supported on CPU tensors, refused on CUDA: tests/python/test_softcap.py;
-# sliding windows (window_size): supported on CPU tensors, refused on CUDA:
-# tests/python/test_window.py)
+# sliding windows (window_size): supported on CPU tensors and on CUDA with
+# scaling='tile', refused on CUDA with scaling='row': tests/python/test_window.py,
+# test_window_tile_cuda.py)
 UNSUPPORTED = [
     ("dropout_p", 0.1),
     ("alibi_slopes", torch.ones(4)), ("qv", torch.ones(1)),

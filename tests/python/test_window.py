@@ -13,7 +13,9 @@ test_hf.py; the reference itself: tests/cpp/test_reference_window.cpp.)
 - (-1, -1) is no window and (-1, 0) causal bit for bit, a window reaching every key
   is no window, causal with (L, R) is (L, 0);
 - malformed windows raise ValueError naming window_size; on CUDA tensors a real
-  window raises NotImplementedError naming window_size (runs where a GPU is);
+  window raises NotImplementedError naming window_size with scaling='row' and
+  runs with scaling='tile' (runs where a GPU is; the tile kernels' window tests:
+  test_window_tile_cuda.py);
 - torch.compile(fullgraph=True) traces a windowed call and equals eager.
 """
 import math
@@ -434,16 +436,29 @@ def _cuda_ok():
 
 
 @pytest.mark.skipif(not _cuda_ok(), reason="needs an sm_90 GPU and the CUDA kernels")
-def test_cuda_window_is_refused_naming_window_size():
-    q, k, v, _ = make(b=1, hq=2, hkv=2, sq=64, sk=64, d=64, dtype=torch.float32)
+def test_cuda_window_is_refused_naming_window_size(monkeypatch):
+    # scaling='row' (the default): the CUDA kernels take no sliding window and say
+    # that scaling='tile' does; scaling='tile' runs it (forward and backward; the
+    # kernels' own tests: tests/python/test_window_tile_cuda.py).
+    monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")
+    q, k, v, do = make(b=1, hq=2, hkv=2, sq=64, sk=64, d=64, dv=64, dtype=torch.float32)
     q, k, v = (t.cuda().bfloat16() for t in (q, k, v))
     for fn in (lambda w, c: fp8attn.attention(q, k, v, window_size=w, causal=c),
                lambda w, c: fp8attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                     window_size=w, causal=c)):
         for w, c in (((16, 0), False), ((-1, 8), False), ((8, 8), True)):
-            with pytest.raises(NotImplementedError, match=r"argument 'window_size'.*CUDA kernels do not take sliding"):
+            with pytest.raises(NotImplementedError,
+                               match=r"argument 'window_size'.*scaling='row' do not take sliding.*scaling='tile' runs"):
                 fn(w, c)
         # windows that mask nothing beyond causal run (and equal no window / causal)
         assert torch.equal(fn((63, 63), False), fn((-1, -1), False))
         assert torch.equal(fn((-1, 0), False), fn((-1, -1), True))
         assert torch.equal(fn((100, 5), True), fn((-1, -1), True))
+    for w, c in (((16, 0), False), ((-1, 8), False), ((8, 8), True)):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = fp8attn.attention(qg, kg, vg, window_size=w, causal=c, scaling="tile")
+        o.backward(do.cuda().to(o.dtype))
+        o_cpu = fp8attn.attention(q.cpu(), k.cpu(), v.cpu(), window_size=w, causal=c, scaling="tile")
+        rel = (o.detach().cpu().double() - o_cpu.double()).norm() / o_cpu.double().norm()
+        assert rel < 2e-2, (w, c, rel.item())
+        assert all(torch.isfinite(t.grad).all() for t in (qg, kg, vg)), (w, c)
