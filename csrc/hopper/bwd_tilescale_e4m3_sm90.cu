@@ -12,9 +12,11 @@
 //   * producer warpgroup (threads 256..383, setmaxnreg down to 24): cp.async
 //     fills of the key side once (K, V rows, this slice's K^T columns) and of
 //     each tile pair's query side into an mbarrier ring of kStages stages
-//     (Q, dO rows in q_of_col order; this slice's Q^T, dO^T columns; the
-//     per-query Q / dO row scales, LSE, delta). full[s]: 128 cp.async
-//     arrive-ons; empty[s]: 256 consumer arrivals.
+//     (Q, dO rows in q_of_col order; this slice's Q^T, dO^T columns) and
+//     the per-query coefficients p_c, p_l2, dp_c and delta (warp 3, formed
+//     once per stage, mainloop_bwd_tilescale_sm90.cuh p_coef). full[s]: 128
+//     cp.async arrive-ons + warp 3's 32 arrivals after its stores; empty[s]:
+//     256 consumer arrivals.
 //   * two consumer warpgroups (threads 0..255, setmaxnreg up to 240), warp w
 //     owning key rows [16w, 16w + 16), i.e. warpgroup wg the 64 keys
 //     [64 wg, 64 wg + 64) of the tile, walking each stage's 128 queries in two
@@ -91,7 +93,9 @@ struct MainLayout {
   static constexpr int kRowInv = kBlk + 16;  // [2 warpgroups][64 columns]: 1 / s_dS(q, half) (#6)
   static constexpr int kRowSq = kRowInv + bwdts::kConsumerWGs * bwdts::kSubQ;  // [2][64 queries, natural order]
   static constexpr int kFStage = kRowSq + bwdts::kConsumerWGs * bwdts::kSubQ;  // [kStages] per-stage floats, per column (q_of_col):
-  static constexpr int kSQs = 0, kSDOs = kTile, kSLse = 2 * kTile, kSDelta = 3 * kTile;
+  // p_c, p_l2, dp_c (mainloop_bwd_tilescale_sm90.cuh p_coef / p_lse2 / dp_coef,
+  // formed by the producer once per stage) and delta.
+  static constexpr int kFPc = 0, kFPl2 = kTile, kFDPc = 2 * kTile, kFDelta = 3 * kTile;
   static constexpr int kFStageFloats = 4 * kTile;
   static constexpr int kFloats = kFStage + kStages * kFStageFloats;
   static constexpr int kBytes = kF + 4 * kFloats + 1024;  // + alignment slack
@@ -186,7 +190,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full(s), kProducerThreads);
+      // The producer's 128 cp.async arrivals plus warp 3's 32 plain arrivals after
+      // its per-column coefficient stores (generic st.shared).
+      mbar_init(bar_full(s), kProducerThreads + 32);
       mbar_init(bar_empty(s), kConsumerThreads);
     }
     mbar_init(bar_kv, kProducerThreads);
@@ -202,11 +208,18 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
     const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
     const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
-    (void)n_tile, (void)slice, (void)nblk_q, (void)nblk_k, (void)causal_off;
+    (void)slice, (void)nblk_q, (void)causal_off;
     if (n_iters == 0) return;
     // Warp roles (NOTE at fill_rows): warp 0 K / Q rows, warp 1 V / dO rows,
     // warp 2 K^T / Q^T columns, warp 3 dO^T columns and the per-query floats.
     const int tid = threadIdx.x - kConsumerThreads, pw = tid >> 5, pl = tid & 31;
+    // Warp 3's per-tile factors of the per-column coefficients (the consumers'
+    // kc and s_v, formed the same way).
+    float kc = 0.f, s_v = 0.f;
+    if (pw == 3) {
+      kc = __fmul_rn(p.k_row_s[bhk * nblk_k + n_tile], __fmul_rn(p.softmax_scale, kLog2e));
+      s_v = p.v_row_s[bhk * nblk_k + n_tile];
+    }
     // Key side, once.
     if (pw == 0)
       fill_rows<DQK, false, 32>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, pl);
@@ -230,18 +243,28 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         fill_cols<32>(S + L::kSQc, p.q_colT + (bhq * DQK + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wk, m0, Sq, pl);
       } else {
         fill_cols<32>(S + L::kSDOc, p.do_colT + (bhq * DV + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wv, m0, Sq, pl);
-        // Per-column floats: column n is query m0 + q_of_col(n) (zero past Sq).
+        // Per-column coefficients: column n is query m0 + q_of_col(n); zeros past
+        // Sq (as zero-filled raw floats would give: p_c = p_l2 = dp_c = 0).
+        // Formed here once per stage instead of by every consumer thread per
+        // sub-tile (the same roundings: P and dP_hat stay bitwise the pre-pass's).
         float* F = sf + L::kFStage + st * L::kFStageFloats;
 #pragma unroll 1
         for (int n = pl; n < kTile; n += 32) {
           const int r = m0 + q_of_col(n);
-          const bool ok = r < Sq;
-          const int64_t row = bhq * Sq64 + (ok ? r : 0);
-          cp_async4(F + L::kSQs + n, p.q_row_s + row, ok);
-          cp_async4(F + L::kSDOs + n, p.do_row_s + row, ok);
-          cp_async4(F + L::kSLse + n, p.lse + row, ok);
-          cp_async4(F + L::kSDelta + n, p.delta + row, ok);
+          float c = 0.f, l2 = 0.f, cdo = 0.f, dl = 0.f;
+          if (r < Sq) {
+            const int64_t row = bhq * Sq64 + r;
+            c = p_coef(p.q_row_s[row], kc);
+            l2 = p_lse2(p.lse[row]);
+            cdo = dp_coef(p.do_row_s[row], s_v);
+            dl = p.delta[row];
+          }
+          F[L::kFPc + n] = c;
+          F[L::kFPl2 + n] = l2;
+          F[L::kFDPc + n] = cdo;
+          F[L::kFDelta + n] = dl;
         }
+        mbar_arrive(bar_full(st));  // release: the stores above before the consumers' reads
       }
       cp_async_mbar_arrive(bar_full(st));
       if (++m_tile == m_end) {
@@ -369,7 +392,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
       turn_pass();
       wg_wait<1>();
-      p_from_s<kSubQ>(pt, kc, Fs + L::kSQs, Fs + L::kSLse, lane);
+      p_from_coefs<kSubQ>(pt, Fs + L::kFPc, Fs + L::kFPl2, lane);
       if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane, p.window_left, p.window_right);
       {
         const float m = warp_amax(pt);
@@ -377,7 +400,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       }
       // ---- dS = P o (dP_hat - delta), in place over dP (P stays for #5).
       wg_wait<0>();
-      ds_from_dp<kSubQ>(pt, dp, s_v, Fs + L::kSDOs, Fs + L::kSDelta, lane);
+      ds_from_dp<kSubQ>(pt, dp, Fs + L::kFDPc, Fs + L::kFDelta, lane);
       if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
       if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, bhq * Sq64, m0s, Sq, lane);
 

@@ -44,6 +44,19 @@ __device__ __forceinline__ float block_scale_e4m3(float amax) {
   return __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
 }
 
+// fp8attn::block_scale_fast for E4M3 (bit-identical on every input: 0 -> 1,
+// NaN / inf -> NaN, a subnormal on the clamp 2^-126) with selects instead of
+// its early returns, which nvcc keeps as branches; `ex` = the scale's
+// exponent field - 127 (128 for NaN), without reading it back from the scale.
+__device__ __forceinline__ float block_scale_e4m3_select(float amax, int& ex) {
+  const uint32_t u = __float_as_uint(amax);
+  int e = static_cast<int>(u >> 23) - 127 - 8 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  e = max(-126, min(127, e));
+  const bool finite = amax <= 3.402823466e38f;
+  ex = finite ? (u == 0u ? 0 : e) : 128;
+  return __uint_as_float(finite ? (u == 0u ? 0x3f800000u : static_cast<uint32_t>(e + 127) << 23) : 0x7fc00000u);
+}
+
 // One row's online-softmax step over one key tile (numerics.md section 3,
 // "Forward P"), shared by every forward kernel so they round the same values.
 // In: `mx` this thread's max of the row's raw S values in the tile (S = t * s_k,
@@ -57,9 +70,17 @@ __device__ __forceinline__ float block_scale_e4m3(float amax) {
 // amax_j P_j = exp2(max_j S_j - m) (exp2 is monotonic) and the codes are
 // E4M3(exp2(S_j - m - log2 sp)) (sp is a power of two), so neither the amax
 // nor the division needs a pass over the tile.
+//   esp   = sp's exponent (its field - 127: 128 for NaN).
+// kBranchFree: the block scale by block_scale_e4m3_select (bit-identical to
+// block_scale_e4m3 on every amax), for a caller whose two rows' steps should
+// interleave (a branch keeps ptxas from moving the second row's shuffles and
+// exp2 over the first row's); esp then comes from the integer exponent, not
+// read back from sp (4 fewer dependent instructions before the exp2s).
 struct SoftmaxRowStep {
   float alpha, sp, nbias;
+  int esp;
 };
+template <bool kBranchFree = false>
 __device__ __forceinline__ SoftmaxRowStep softmax_row_step(float mx, float rq, float& m_run) {
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -71,8 +92,14 @@ __device__ __forceinline__ SoftmaxRowStep softmax_row_step(float mx, float rq, f
   SoftmaxRowStep r;
   r.alpha = fast_exp2(m_run - base);
   m_run = m_new;
-  r.sp = block_scale_e4m3(fast_exp2(mx2 - base));
-  const float bias = base + static_cast<float>(static_cast<int>((__float_as_uint(r.sp) >> 23) & 0xffu) - 127);
+  const float amax = fast_exp2(mx2 - base);
+  if constexpr (kBranchFree) {
+    r.sp = block_scale_e4m3_select(amax, r.esp);
+  } else {
+    r.sp = block_scale_e4m3(amax);
+    r.esp = static_cast<int>((__float_as_uint(r.sp) >> 23) & 0xffu) - 127;
+  }
+  const float bias = base + static_cast<float>(r.esp);
   r.nbias = r.sp == r.sp ? -bias : NAN;  // a NaN scale keeps the row NaN
   return r;
 }

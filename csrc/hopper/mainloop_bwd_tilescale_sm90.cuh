@@ -5,9 +5,9 @@
 //
 // WHERE EACH BLOCK SCALE IS FOLDED IN (the one place to read it):
 //   S   (#3)  one FP32 wgmma sum over all of head_dim; s_Q(i) s_K(kt) tau log2(e)
-//             is the per-column (query) coefficient of the exp2 argument (p_from_s).
+//             is the per-column (query) coefficient of the exp2 argument (p_coef).
 //   dP  (#4)  one FP32 wgmma sum over all of dv; s_dO(i) s_V(kt) is the
-//             per-column coefficient of the dS FMA (dp_scale / ds_from_dp).
+//             per-column coefficient of the dS FMA (dp_coef).
 //   dV  (#5)  P^T block-quantized per (qs, kh, kt): a 64-query sub-tile qs of
 //             the query tile qt times the 64-key half kh of the key tile (one
 //             consumer warpgroup's keys: its 4 warps' amaxes combined through
@@ -123,12 +123,37 @@ __device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, float (&
   wg_commit();
 }
 
-// P = exp2(acc (s_Q(q) (s_K c2)) - LSE(q) log2(e)) in place (unmasked), columns
-// [0, NQ). kc = __fmul_rn(s_K(kt), c2), c2 = __fmul_rn(tau, log2(e)); sQs / sLse:
-// per column (q_of_col order). NOTE: with power-of-two scales the coefficient
-// is exact, so this is exp2 of the promoted S (numerics.md section 9) times
-// tau log2(e), rounded once by the FMA. A column with LSE = -inf (a row that
-// sees no key) gets P = 0 (its keys are also masked by mask_tile).
+// The per-column (query) coefficients of P and dP_hat, the one place they are
+// formed (the pre-pass per use, the main kernel's producer once per stage):
+//   P  = exp2(fmaf(acc, p_c, -p_l2)), p_c = s_Q(q) kc, kc = __fmul_rn(s_K(kt), c2),
+//        c2 = __fmul_rn(tau, log2(e)); p_l2 = LSE(q) log2(e), +inf for LSE = -inf
+//        (a row that sees no key: exp2(-inf) = 0 for every finite S);
+//   dP_hat = acc dp_c, dp_c = s_dO(q) s_V(kt).
+// NOTE: with power-of-two scales p_c is exact, so P is exp2 of the promoted S
+// (numerics.md section 9) times tau log2(e), rounded once by the FMA; the same
+// values wherever they are formed, so P and dP_hat are bitwise shared.
+__device__ __forceinline__ float p_coef(float qs, float kc) { return __fmul_rn(qs, kc); }
+__device__ __forceinline__ float p_lse2(float lse) { return lse == -INFINITY ? INFINITY : __fmul_rn(lse, kLog2e); }
+__device__ __forceinline__ float dp_coef(float dos, float sv) { return __fmul_rn(dos, sv); }
+
+// P in place (unmasked) from the per-column coefficients sC = p_c, sL2 = p_l2
+// (q_of_col order), columns [0, NQ).
+template <int NQ>
+__device__ __forceinline__ void p_from_coefs(float (&s)[NQ / 8][4], const float* sC, const float* sL2, int lane) {
+  const int t = lane & 3;
+  fence_regs<NQ / 2>(&s[0][0]);
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 c = *reinterpret_cast<const float2*>(sC + 8 * j + 2 * t);
+    const float2 l = *reinterpret_cast<const float2*>(sL2 + 8 * j + 2 * t);
+    s[j][0] = ex2(fmaf(s[j][0], c.x, -l.x));
+    s[j][1] = ex2(fmaf(s[j][1], c.y, -l.y));
+    s[j][2] = ex2(fmaf(s[j][2], c.x, -l.x));
+    s[j][3] = ex2(fmaf(s[j][3], c.y, -l.y));
+  }
+}
+// P in place from the raw per-column s_Q (sQs) and LSE (sLse): p_from_coefs with
+// the coefficients formed here (the pre-pass).
 template <int NQ>
 __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const float* sQs, const float* sLse,
                                          int lane) {
@@ -138,10 +163,8 @@ __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const 
   for (int j = 0; j < NQ / 8; ++j) {
     const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
     const float2 l = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
-    const float cx = __fmul_rn(qs.x, kc), cy = __fmul_rn(qs.y, kc);
-    // LSE = -inf (a row that sees no key): exp2(-inf) = 0 for every finite S.
-    const float lx = l.x == -INFINITY ? INFINITY : __fmul_rn(l.x, kLog2e);
-    const float ly = l.y == -INFINITY ? INFINITY : __fmul_rn(l.y, kLog2e);
+    const float cx = p_coef(qs.x, kc), cy = p_coef(qs.y, kc);
+    const float lx = p_lse2(l.x), ly = p_lse2(l.y);
     s[j][0] = ex2(fmaf(s[j][0], cx, -lx));
     s[j][1] = ex2(fmaf(s[j][1], cy, -ly));
     s[j][2] = ex2(fmaf(s[j][2], cx, -lx));
@@ -157,7 +180,7 @@ __device__ __forceinline__ void dp_scale(float (&dp)[NQ / 8][4], float sv, const
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
     const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
-    const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
+    const float cx = dp_coef(os.x, sv), cy = dp_coef(os.y, sv);
     dp[j][0] = __fmul_rn(dp[j][0], cx);
     dp[j][1] = __fmul_rn(dp[j][1], cy);
     dp[j][2] = __fmul_rn(dp[j][2], cx);
@@ -165,22 +188,22 @@ __device__ __forceinline__ void dp_scale(float (&dp)[NQ / 8][4], float sv, const
   }
 }
 // dS = P (dP_hat - delta) in place over the dP accumulator: dP_hat - delta as
-// fmaf(acc, s_dO s_V, -delta), the value __fsub_rn(dp_scale's dP_hat, delta)
-// (the coefficient is a power of two: the product is exact). P stays (#5).
+// fmaf(acc, dp_c, -delta), the value __fsub_rn(dp_scale's dP_hat, delta) (the
+// coefficient is a power of two: the product is exact). sCdo: dp_c per column.
+// P stays (#5).
 template <int NQ>
-__device__ __forceinline__ void ds_from_dp(const float (&pt)[NQ / 8][4], float (&dp)[NQ / 8][4], float sv,
-                                           const float* sDOs, const float* sDelta, int lane) {
+__device__ __forceinline__ void ds_from_dp(const float (&pt)[NQ / 8][4], float (&dp)[NQ / 8][4], const float* sCdo,
+                                           const float* sDelta, int lane) {
   const int t = lane & 3;
   fence_regs<NQ / 2>(&dp[0][0]);
 #pragma unroll
   for (int j = 0; j < NQ / 8; ++j) {
-    const float2 os = *reinterpret_cast<const float2*>(sDOs + 8 * j + 2 * t);
+    const float2 c = *reinterpret_cast<const float2*>(sCdo + 8 * j + 2 * t);
     const float2 dl = *reinterpret_cast<const float2*>(sDelta + 8 * j + 2 * t);
-    const float cx = __fmul_rn(os.x, sv), cy = __fmul_rn(os.y, sv);
-    dp[j][0] = __fmul_rn(pt[j][0], fmaf(dp[j][0], cx, -dl.x));
-    dp[j][1] = __fmul_rn(pt[j][1], fmaf(dp[j][1], cy, -dl.y));
-    dp[j][2] = __fmul_rn(pt[j][2], fmaf(dp[j][2], cx, -dl.x));
-    dp[j][3] = __fmul_rn(pt[j][3], fmaf(dp[j][3], cy, -dl.y));
+    dp[j][0] = __fmul_rn(pt[j][0], fmaf(dp[j][0], c.x, -dl.x));
+    dp[j][1] = __fmul_rn(pt[j][1], fmaf(dp[j][1], c.y, -dl.y));
+    dp[j][2] = __fmul_rn(pt[j][2], fmaf(dp[j][2], c.x, -dl.x));
+    dp[j][3] = __fmul_rn(pt[j][3], fmaf(dp[j][3], c.y, -dl.y));
   }
 }
 
@@ -238,13 +261,18 @@ __device__ __forceinline__ void mask_tile(float (&s)[NQ / 8][4], const TileGeom&
 // ---- block quantization of P^T (#5) and dS^T (#7): one scale per 128 x 128 block -----
 
 // max.NaN of |x| over this thread's 4 NJ values, then over the warp.
+// NOTE: four independent chains (one per e), then combined: max is exact and
+// order-free, so this is the serial chain's value with a quarter of its
+// dependent latency (a 32-deep FMNMX chain stalled on short scoreboard in the
+// v5 profile, docs/kernels/ncu-2026-12-07).
 template <int NJ>
 __device__ __forceinline__ float warp_amax(const float (&x)[NJ][4]) {
-  float m = 0.f;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) m = max_nan(m, fabsf(x[j][e]));
+    for (int e = 0; e < 4; ++e) c[e] = max_nan(c[e], fabsf(x[j][e]));
+  float m = max_nan(max_nan(c[0], c[1]), max_nan(c[2], c[3]));
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   return m;

@@ -24,9 +24,10 @@
 //   O += P_hat V_hat (wgmma m64n{Dv}k32 RS straight into the O accumulator).
 // Overlap order (kOverlap, dv <= 128): QK^T (t) and P V (t - 1) are issued
 // together, the softmax of t runs while P V (t - 1) is on the tensor cores,
-// and O is rescaled once P V (t - 1) is done. kPingpong adds the two
-// warpgroups taking turns to issue (named barriers), so one's softmax runs
-// under the other's GEMMs (FA3's schedule).
+// and O is rescaled by t's factor once P V (t - 1) is done, at the top of
+// tile t + 1 (after its stage waits, before P V (t) is issued). kPingpong
+// adds the two warpgroups taking turns to issue (named barriers), so one's
+// softmax runs under the other's GEMMs (FA3's schedule).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -205,6 +206,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   float o[kDv / 2];
 #pragma unroll
   for (int i = 0; i < kDv / 2; ++i) o[i] = 0.f;
+  float factor[2];  // O's rescale of the latest softmax_tile
 
   auto k_full = [&](int s) { return tile_bar<kStages>(bar, kTbKFull, s); };
   auto k_empty = [&](int s) { return tile_bar<kStages>(bar, kTbKEmpty, s); };
@@ -224,8 +226,10 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   if constexpr (kPingpong) {
     if (cw == 1 && first) named_arrive(fwdt::kBarPingpong, 256);  // warpgroup 0 issues first
   }
-  auto stage = [&](int kt) { return (kb + kt - kt0) % kStages; };
-  auto phase = [&](int kt) { return static_cast<uint32_t>(((kb + kt - kt0) / kStages) & 1); };
+  // NOTE: unsigned (kb + kt - kt0 >= 0: kt >= kt0): a shift and a mask, not
+  // signed division.
+  auto stage = [&](int kt) { return static_cast<int>(static_cast<uint32_t>(kb + kt - kt0) % kStages); };
+  auto phase = [&](int kt) { return (static_cast<uint32_t>(kb + kt - kt0) / kStages) & 1u; };
 
   // The wgmma batches. NOTE: every barrier wait and descriptor is done before
   // the warpgroup fence, so no non-wgmma instruction defines a wgmma input
@@ -233,12 +237,12 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   auto qk_batch = [&](float (&acc)[kBlockN / 2], uint32_t sK) {
 #pragma unroll
     for (int ks = 0; ks < T::kW0 / 32; ++ks)
-      gmma_ss<kBlockN>(gmma_desc<T::kW0>(sQ + 32 * ks), gmma_desc<T::kW0>(sK + 32 * ks), acc, ks > 0,
+      gmma_ss<kBlockN>(gmma_desc<T::kW0>(sQ, 32 * ks), gmma_desc<T::kW0>(sK, 32 * ks), acc, ks > 0,
                        std::make_index_sequence<kBlockN / 2>{});
     if constexpr (T::kChunks == 2) {
 #pragma unroll
       for (int ks = 0; ks < T::kW1 / 32; ++ks)
-        gmma_ss<kBlockN>(gmma_desc<T::kW1>(sQ1 + 32 * ks), gmma_desc<T::kW1>(sK + T::kKChunkBytes + 32 * ks), acc,
+        gmma_ss<kBlockN>(gmma_desc<T::kW1>(sQ1, 32 * ks), gmma_desc<T::kW1>(sK, T::kKChunkBytes + 32 * ks), acc,
                          true, std::make_index_sequence<kBlockN / 2>{});
     }
     wg_commit();
@@ -246,7 +250,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   auto pv_batch = [&](const uint32_t (&pa)[kNT / 4][4], uint32_t sV) {
 #pragma unroll
     for (int q = 0; q < kNT / 4; ++q)
-      gmma_rs<kDv>(pa[q], gmma_desc<128>(sV + 32 * q), o, true, std::make_index_sequence<kDv / 2>{});
+      gmma_rs<kDv>(pa[q], gmma_desc<128>(sV, 32 * q), o, true, std::make_index_sequence<kDv / 2>{});
     wg_commit();
   };
   auto k_tile = [&](int kt) {  // waits for K tile kt, returns its stage address
@@ -266,17 +270,45 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     wg_arrive();
     qk_batch(acc, sK);
   };
-  // Issue O += P_hat V_hat of key tile kt (asynchronous).
-  auto pv_issue = [&](const uint32_t (&pa)[kNT / 4][4], int kt) {
+  // P V (kv) done: its stage handed back, O moved to the unit of tile kv + 1
+  // (the factor of softmax (kv + 1)), before P V (kv + 1) adds to it.
+  // NOTE: run at the top of the next tile, after its stage waits, not
+  // right after the softmax: the waits' try-wait loop ends the softmax's
+  // basic block, and inside one block ptxas hoists the wgmma wait above
+  // the softmax (seen with a branch-free softmax_tile: every MUFU.EX2
+  // after the WARPGROUP.DEPBAR), so the softmax would no longer run under
+  // the P V. Same operations on O in the same order.
+  auto settle = [&](int kv) {
+    wg_wait<0>();
+    fence_acc(o);
+    mbar_arrive(v_empty(stage(kv)));
+    rescale_o(o, factor);
+  };
+  // Issue O += P_hat V_hat of key tile kt (asynchronous), in this warpgroup's
+  // turn: the stage wait, settle (kt - 1) if asked, turn_wait, the batch (the
+  // caller passes the turn).
+  // NOTE: the stage waits come before turn_wait (as FA3's consumer_wait
+  // before its scheduler barrier): their try-wait branch also keeps ptxas
+  // from hoisting the turn's BAR.SYNC above the softmax before it (seen with
+  // the branch-free softmax_tile: every MUFU.EX2 of the first tile of the
+  // unrolled pair inside the turn). No wait can deadlock: a stage the
+  // warpgroup waits for needs only the other warpgroup's earlier turns.
+  auto pv_issue = [&](const uint32_t (&pa)[kNT / 4][4], int kt, bool settle_prev) {
     const uint32_t sV = v_tile(kt);
+    if (settle_prev) settle(kt - 1);
+    turn_wait();
     fence_acc(o);
     wg_arrive();
     pv_batch(pa, sV);
   };
-  // Both: QK^T (kt) then P V (kv), two commit groups.
-  auto qk_pv_issue = [&](float (&acc)[kBlockN / 2], int kt, const uint32_t (&pa)[kNT / 4][4], int kv) {
+  // Both: QK^T (kt) then P V (kv), two commit groups (waits, settle (kv - 1)
+  // and turn as in pv_issue).
+  auto qk_pv_issue = [&](float (&acc)[kBlockN / 2], int kt, const uint32_t (&pa)[kNT / 4][4], int kv,
+                         bool settle_prev) {
     const uint32_t sK = k_tile(kt);
     const uint32_t sV = v_tile(kv);
+    if (settle_prev) settle(kv - 1);
+    turn_wait();
     fence_acc(acc);
     fence_acc(o);
     wg_arrive();
@@ -285,11 +317,24 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   };
   // Masked entries of tile kt (keys past seqlen_k, outside the row's window:
   // numerics.md section 14; causal is the window (-1, 0)) -> -inf. Only
-  // where the tile is not inside every window of the warp's 16 rows.
+  // where the tile is not inside every window of the warp's 16 rows
+  // (window_covers(key0, kBlockN, row_w0, 16, diag, wl, wr) and no key past
+  // seqlen_k), which holds iff kt_nomask_lo <= kt < kt_mask:
+  //   no key past Sk:   key0 + kBlockN <= Sk                  <=> kt < Sk >> 7;
+  //   right bound (the warp's first row's last key):
+  //     key0 + kBlockN - 1 <= row_w0 + diag + wr              <=> kt < ((row_w0 + diag + wr - 127) >> 7) + 1;
+  //   left bound (the warp's last row's first key):
+  //     key0 >= row_w0 + 15 + diag - wl                       <=> kt >= (row_w0 + 15 + diag - wl + 127) >> 7
+  // (floor division by the arithmetic shift, ceil as floor of + 127).
+  // NOTE: one unsigned compare per tile (the test was ~8 instructions):
+  // kt - kt_nomask_lo wraps for kt < kt_nomask_lo (both >= 0).
+  static_assert(kBlockN == 128, "kt_mask's shifts");
+  const int kt_mask = wr < 0 ? Sk >> 7 : min(Sk >> 7, ((row_w0 + diag + wr - (kBlockN - 1)) >> 7) + 1);
+  const int kt_nomask_lo = wl < 0 ? 0 : max(0, (row_w0 + 15 + diag - wl + (kBlockN - 1)) >> 7);
+  const uint32_t n_nomask = static_cast<uint32_t>(max(0, kt_mask - kt_nomask_lo));
   auto mask = [&](float (&sacc)[kBlockN / 2], int kt) {
     const int key0 = kt * kBlockN;
-    const bool need = key0 + kBlockN > Sk || !window_covers(key0, kBlockN, row_w0, 16, diag, wl, wr);
-    if (!need) return;
+    if (static_cast<uint32_t>(kt - kt_nomask_lo) < n_nomask) return;
     int lo[2], hi[2];  // row r sees the keys [lo[r], hi[r]]
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -333,7 +378,6 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       handover(kt);
     }
     if (m_end > m_begin) {
-      float factor[2];
       turn_wait();
       qk_issue(sacc, m_begin);
       turn_pass();
@@ -343,13 +387,14 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       mbar_arrive(k_empty(stage(m_begin)));
       mask(sacc, m_begin);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
-      // One tile: QK^T (kt) with P V (kt - 1) from pa_prev; softmax (kt) into pa_new.
+      // One tile: settle (kt - 2) (none at kt = m_begin + 1: P V (m_begin) is
+      // issued here, and O = 0 takes no rescale), QK^T (kt) with P V (kt - 1)
+      // from pa_prev; softmax (kt) into pa_new.
       // NOTE: two P arrays in fixed roles (the loop is unrolled by two): a
       // copy pa = pn lets ptxas give both the same registers, so the softmax
       // would define the A operand of the P V still in flight (C7513).
       auto step = [&](int kt, const uint32_t (&pa_prev)[kNT / 4][4], uint32_t (&pa_new)[kNT / 4][4]) {
-        turn_wait();
-        qk_pv_issue(sacc, kt, pa_prev, kt - 1);
+        qk_pv_issue(sacc, kt, pa_prev, kt - 1, kt > m_begin + 1);
         turn_pass();
         const float skn = __ldg(ks_g + kt), svn = __ldg(vs_g + kt);
         wg_wait<1>();  // S (kt); P V (kt - 1) may still run
@@ -357,10 +402,6 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         mbar_arrive(k_empty(stage(kt)));
         mask(sacc, kt);
         softmax_tile<kNT>(sacc, skn, svn, st, pa_new, factor);
-        wg_wait<0>();
-        fence_acc(o);
-        mbar_arrive(v_empty(stage(kt - 1)));
-        rescale_o(o, factor);
       };
       uint32_t pb[kNT / 4][4];
       int kt = m_begin + 1;
@@ -369,8 +410,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         step(kt + 1, pb, pa);
       }
       auto last_pv = [&](const uint32_t (&pa_last)[kNT / 4][4]) {
-        turn_wait();
-        pv_issue(pa_last, m_end - 1);
+        pv_issue(pa_last, m_end - 1, m_end - m_begin > 1);  // settles P V (m_end - 2), if any
         turn_pass();
         wg_wait<0>();
         fence_acc(o);
@@ -402,7 +442,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
     // Serial order (dv = 256): QK^T, softmax, O *= factor, P V, per tile.
     for (int kt = kt0; kt < m_begin; ++kt) handover(kt);
     for (int kt = m_begin; kt < m_end; ++kt) {
-      float sacc[kBlockN / 2], factor[2];
+      float sacc[kBlockN / 2];
       uint32_t pa[kNT / 4][4];
       qk_issue(sacc, kt);
       const float sk = __ldg(ks_g + kt), sv = __ldg(vs_g + kt);
@@ -412,7 +452,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       mask(sacc, kt);
       softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);
       rescale_o(o, factor);
-      pv_issue(pa, kt);
+      pv_issue(pa, kt, false);
       wg_wait<0>();
       fence_acc(o);
       mbar_arrive(v_empty(stage(kt)));

@@ -56,6 +56,20 @@ __device__ __forceinline__ void softmax_state_init(TileSoftmaxState& st, float r
   st.rq[1] = rq1;
 }
 
+// a[0] op= a[kW], ..., then halves the width down to one value: a balanced
+// tree over a[0 .. 2 kW) (the levels written out: a runtime width left the
+// array in local memory).
+template <int kW, int kN, class Op>
+__device__ __forceinline__ float tree_fold(float (&a)[kN], Op op) {
+#pragma unroll
+  for (int j = 0; j < kW; ++j) a[j] = op(a[j], a[j + kW]);
+  if constexpr (kW > 1) {
+    return tree_fold<kW / 2>(a, op);
+  } else {
+    return a[0];
+  }
+}
+
 // One key tile: s = the raw m64n128 S accumulator of this thread (masked
 // entries already -inf), sk / sv the tile's K / V scales. Writes the P codes
 // as the A fragments of the four k32 steps of P V (pa; the key order the V^T
@@ -74,25 +88,39 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, floa
     // coefficient stays NaN.
     float coef = st.rq[r] * sk;
     if (coef == 0.f) coef = 1.17549435e-38f;
-    float mx = -INFINITY;
+    // NOTE: the row's max as a balanced tree (depth 6, was a chain of 17):
+    // fmaxf is exact and drops a NaN operand, so any order gives the same
+    // value; the -inf seed stays (a thread whose 32 values are all NaN still
+    // gets -inf, not NaN, as with the chain).
+    float mt[kNT];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-    const SoftmaxRowStep step = softmax_row_step(mx, coef, st.m[r]);
+    for (int j = 0; j < kNT; ++j) mt[j] = fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]);
+    mt[0] = fmaxf(mt[0], -INFINITY);
+    const float mx = tree_fold<kNT / 2>(mt, [](float a, float b) { return fmaxf(a, b); });
+    const SoftmaxRowStep step = softmax_row_step<true>(mx, coef, st.m[r]);
     // NOTE: flush (config_sm90.h, kPFlushScale): then the running max did not
     // move (alpha = 1) and O keeps its unit. A NaN s_P is never flushed.
     const bool flush = step.sp < fwdt::kPFlushScale;
     const float nbias = flush ? -INFINITY : step.nbias;
-    float sum = 0.f;
+    float ps[kNT];
 #pragma unroll
-    for (int j = 0; j < kNT; ++j)
-#pragma unroll
-      for (int e = 2 * r; e < 2 * r + 2; ++e) {
-        const float pv = fast_exp2(fmaf(s[4 * j + e], coef, nbias));  // P / s_P
-        s[4 * j + e] = pv;
-        sum += pv;
-      }
+    for (int j = 0; j < kNT; ++j) {
+      const float p0 = fast_exp2(fmaf(s[4 * j + 2 * r], coef, nbias));  // P / s_P
+      const float p1 = fast_exp2(fmaf(s[4 * j + 2 * r + 1], coef, nbias));
+      s[4 * j + 2 * r] = p0;
+      s[4 * j + 2 * r + 1] = p1;
+      ps[j] = p0 + p1;
+    }
+    // NOTE: this thread's share of the row sum as a balanced tree (depth 5,
+    // was a chain of 32 dependent FADDs). Only l's FP32 rounding order
+    // changes (numerics.md section 9 fixes the codes and scales, not the
+    // order of l's sum; the kernel's order never was the reference's key
+    // order, csrc/reference/attention_ref.cpp: each thread sums its 32 keys
+    // of the tile, the quad's four shares meet in the epilogue); P >= 0, so
+    // a NaN / inf reaches l in any order.
+    const float sum = tree_fold<kNT / 2>(ps, [](float a, float b) { return a + b; });
     st.l[r] = st.l[r] * step.alpha + sum * step.sp;
-    const int e_new = flush ? st.e[r] : pow2_exponent(step.sp) + e_sv;
+    const int e_new = flush ? st.e[r] : step.esp + e_sv;
     factor[r] = step.alpha * pow2i(st.e[r] - e_new);
     st.e[r] = e_new;
   }
