@@ -12,7 +12,7 @@
 # tests), AB_PYTEST_ARGS (default "-n 5 -p no:cacheprovider"), AB_SHAPES (bench_gpu.py
 # --shapes, default 2x16x8192x128,16x16x1024x128), AB_BENCH_ARGS (more bench_gpu.py
 # arguments; default "--scaling row,tile --no-cudnn-fp8 --no-accuracy --no-extras"),
-# AB_ROUNDS (benchmark rounds per library, default 2), AB_T_TESTS (s, default 240),
+# AB_ROUNDS (benchmark rounds per library, default 2; 0: no benchmark, and A is not built), AB_T_TESTS (s, default 240),
 # AB_SAN=1 also runs compute-sanitizer memcheck + racecheck on B (the device_all.sh
 # sanitize case), AB_EXTRA a command run last with B's library on PYTHONPATH (output in
 # extra.log, e.g. "python3 benchmarks/op_breakdown.py --host --shapes 16x16x1024x128"). Outputs under $OUT: summary.txt, build.log, pytest_b.log,
@@ -33,7 +33,7 @@ build_copy() {
   note "$1: $LIB_NOTE"
   rm -rf "/tmp/ab_$1" && mkdir -p "/tmp/ab_$1" && cp -r python "/tmp/ab_$1/"
 }
-build_copy a || exit 1
+if [ "${AB_ROUNDS:-2}" != 0 ]; then build_copy a || exit 1; fi
 for p in $AB_PATCHES; do
   if git apply --check "$p" 2>/dev/null; then git apply "$p"; else patch -p1 --forward <"$p" >/dev/null; fi \
     || { note "patch $p does not apply"; exit 1; }
@@ -66,7 +66,7 @@ if [ "${AB_SAN:-0}" = 1 ]; then
 fi
 
 echo "== benchmark, interleaved"
-for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+for r in $(seq 1 "${AB_ROUNDS:-2}"); do  # (none with AB_ROUNDS=0)
   for lib in a b; do
     # shellcheck disable=SC2086
     PYTHONPATH="/tmp/ab_$lib/python" timeout 200 python3 benchmarks/bench_gpu.py \
@@ -79,7 +79,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     cp "/tmp/bench_$lib$r/bench_gpu.json" "$OUT/bench_$lib$r.json" 2>/dev/null
   done
 done
-python3 - "$OUT" "${AB_ROUNDS:-2}" <<'EOF' | tee "$OUT/ab.md"
+[ "${AB_ROUNDS:-2}" = 0 ] || python3 - "$OUT" "${AB_ROUNDS:-2}" <<'EOF' | tee "$OUT/ab.md"
 import json, os, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 def load(lib, r):

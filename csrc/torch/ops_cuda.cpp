@@ -621,10 +621,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     do_row_s = alloc_token_scales(dout);
     do_colT = alloc_codesT(dout);
     do_col_s = alloc_tile_scales(dout);
-    quantize_tile(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s, stream);
-    quantize_tile(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s, stream);
-    quantize_tile(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s, stream);
-    quantize_tile(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s, stream);
+    // NOTE: one launch for the four operands (two when head_dim_qk != head_dim_v):
+    // outputs bit-identical to one launch per operand (quant_tilescale_e4m3_sm90.h).
+    const TileQuantJob jobs[4] = {tile_job(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s),
+                                  tile_job(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s),
+                                  tile_job(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s),
+                                  tile_job(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s)};
+    static_assert(sm90::kMaxTileQuantJobs >= 4, "the backward's four operands in one launch");
+    launch([&] { quantize_tilescale_bf16_sm90(jobs, 4, stream); });
   } else {
     std::tie(q_row, q_row_s) = alloc_row(q);
     std::tie(k_row, k_row_s) = alloc_row(k);

@@ -26,8 +26,8 @@ warpgroup reads may reach its rows, section 14's note on partially visible
 tiles); the `row` recipe still refuses sliding windows on CUDA.
 
 Outputs are poisoned with NaN before each call, so an unwritten element fails.
-The backward runs with FP8ATTN_TILE_BWD=1 (the fixture; csrc/torch/ops_cuda.cpp
-tile_bwd_enabled). Skips cleanly without a GPU or without the CUDA kernels.
+The fixture sets FP8ATTN_TILE_BWD=1 (the default; csrc/torch/ops_cuda.cpp
+tile_bwd_enabled), so a knob left in the environment changes nothing. Skips cleanly without a GPU or without the CUDA kernels.
 Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_window_tile_cuda.py
 """
 import zlib
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 
 @pytest.fixture(autouse=True)
 def _tile_kernels_on(monkeypatch):
-    """The CUDA `tile` forward runs by default; its backward only with FP8ATTN_TILE_BWD=1."""
+    """The CUDA `tile` forward and backward (the defaults), whatever the environment says."""
     monkeypatch.delenv("FP8ATTN_TILE_FWD", raising=False)
     monkeypatch.setenv("FP8ATTN_TILE_BWD", "1")
     for knob in ("FP8ATTN_TILE_PINGPONG", "FP8ATTN_TILE_PERSISTENT", "FP8ATTN_TILE_PREPASS_Q"):
