@@ -430,6 +430,21 @@ def test_tile_delta_matching_invariant_and_diagnostics(dims, causal):
     assert res["matched_do"] > STALE_RESIDUAL_FLOOR, res
 
 
+def cuda_pair_residuals(q, k, v, dout, tau, causal, **window):
+    """Mean pre-cast row-sum residual (diagnostics row 2) of the CUDA `tile` backward
+    after the CUDA `tile` forward, per delta mode (stale, delta_matching); every
+    gradient and diagnostic finite. window: window_left / window_right (none: no window)."""
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile", **window)
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True, "tile",
+                               **window)
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    return res
+
+
 @needs_gpu
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
@@ -444,14 +459,7 @@ def test_tile_dm_invariant_with_cuda_forward(d, causal):
     k = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
     v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
     dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
-    tau = f32_scale(d)
-    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
-    res = {}
-    for mode in ("stale", "delta_matching"):
-        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True, "tile")
-        assert all(torch.isfinite(g).all() for g in grads), mode
-        assert torch.isfinite(diag).all(), mode
-        res[mode] = diag[2].double().mean().item()
+    res = cuda_pair_residuals(q, k, v, dout, f32_scale(d), causal)
     assert res["delta_matching"] < 1e-6, res
     assert res["stale"] >= 100 * res["delta_matching"], res
     assert res["stale"] > STALE_RESIDUAL_FLOOR, res

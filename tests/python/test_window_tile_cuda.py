@@ -35,6 +35,8 @@ import zlib
 import pytest
 import torch
 
+from test_cuda import check_close  # noqa: F401 (skips the module without a GPU, as test_tile_cuda.py)
+from test_tile_cuda_bwd import cuda_pair_residuals
 from test_cuda_bwd import OPS, check_grads, f32_scale, needs_gpu, poison_cuda_allocator
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
@@ -101,24 +103,6 @@ def cuda_fwd(q, k, v, causal, window, tau):
     out, lse = OPS.fwd(q.cuda(), k.cuda(), v.cuda(), tau, causal, "fp8", 128, "tile", **window_kw(window))
     torch.cuda.synchronize()
     return out.cpu(), lse.cpu()
-
-
-def check_close(name, c, r, e, label):
-    """numerics.md section 6 on one output (finite entries; non-finite ones must match)."""
-    c, r, e = c.double(), r.double(), e.double()
-    assert not torch.isnan(c).any(), f"{label} {name}: NaN (unwritten element or bad arithmetic)"
-    fin = torch.isfinite(r)
-    assert torch.equal(torch.isfinite(c), fin), f"{label} {name}: non-finite pattern differs from the reference"
-    assert torch.equal(c[~fin], r[~fin]), f"{label} {name}: non-finite values differ"
-    c, r, e = c[fin], r[fin], e[fin]
-    if c.numel() == 0:
-        return
-    ne = e.norm().item()
-    err_cuda, err_cpu = (c - e).norm().item(), (r - e).norm().item()
-    rel_cpu = (c - r).norm().item() / max(r.norm().item(), 1e-30)
-    assert err_cuda <= 2 * err_cpu + 1e-3 * ne, (
-        f"{label} {name}: ||cuda-exact||={err_cuda:.4g} > 2*||cpu-exact||={2 * err_cpu:.4g} + 1e-3*||exact||")
-    assert rel_cpu < 2e-2, f"{label} {name}: ||cuda-cpu||/||cpu|| = {rel_cpu:.4g}"
 
 
 def check_fwd(shape, causal, window, seed):
@@ -325,15 +309,7 @@ def test_window_tile_dm_invariant_with_cuda_forward(window):
     # the unwindowed pairing (test_tile_cuda_bwd: 1e-6), stale stays far above it.
     gen = torch.Generator().manual_seed(seed_of("wtdm", window))
     q, k, v, dout = (torch.randn(1, h, 384, 128, generator=gen).bfloat16().cuda() for h in (4, 2, 2, 4))
-    tau = f32_scale(128)
-    out, lse = OPS.fwd(q, k, v, tau, False, "fp8", 128, "tile", **window_kw(window))
-    res = {}
-    for mode in ("stale", "delta_matching"):
-        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, False, "fp8", mode, 128, "e4m3", True, "tile",
-                               **window_kw(window))
-        assert all(torch.isfinite(g).all() for g in grads), mode
-        assert torch.isfinite(diag).all(), mode
-        res[mode] = diag[2].double().mean().item()
+    res = cuda_pair_residuals(q, k, v, dout, f32_scale(128), False, **window_kw(window))
     assert res["delta_matching"] < 1e-6, res
     assert res["stale"] >= 100 * res["delta_matching"], res
 
