@@ -311,9 +311,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   tg.seqlen_k = Sk;
   tg.causal_off = causal_off;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
-  // K and V: one scale per key tile (#3, #4, #6).
-  const float s_k = p.k_row_s[bhk * nblk_k + n_tile], s_v = p.v_row_s[bhk * nblk_k + n_tile];
-  const float kc = __fmul_rn(s_k, tg.c2);
+  // K's scale per key tile (#6's dQ factor below; the P / dP coefficients come
+  // per stage from producer warp 3).
+  const float s_k = p.k_row_s[bhk * nblk_k + n_tile];
 
   // dK, dV accumulators (64-column chunks), in units of 2^ek, 2^ev.
   float dk_acc[L::kWk / 64][8][4], dv_acc[L::kWv / 64][8][4];
