@@ -144,6 +144,21 @@ for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
         o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
         for mode in ("stale", "matched_do", "delta_matching") if d == 128 else ("delta_matching",):
             ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", mode, 128, "e4m3", True, "tile")
+# Sliding windows (numerics.md section 14) in the tile kernels: key-tile ranges per CTA and
+# per consumer warpgroup (dummy hand-over turns), query-tile ranges in the backward.
+for ps in ("0", "1"):
+    os.environ["FP8ATTN_TILE_PERSISTENT"] = ps
+    for d in (64, 128):
+        for causal, (wl, wr) in ((False, (100, 30)), (True, (200, 0)), (False, (-1, 70)), (False, (5, 5))):
+            q = torch.randn(1, 4, 400, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 2, 700, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(1, 2, 700, d, device="cuda", dtype=torch.bfloat16)
+            do = torch.randn(1, 4, 400, d, device="cuda", dtype=torch.bfloat16)
+            o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile", window_left=wl, window_right=wr)
+            if ps == "0":
+                ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", "delta_matching", 128, "e4m3", True, "tile",
+                        window_left=wl, window_right=wr)
+os.environ.pop("FP8ATTN_TILE_PERSISTENT")
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF

@@ -1,5 +1,5 @@
 // fp8attn: what the sm_90a `tile` forward writes: O = acc * u / l as BF16
-// ([B, Hq, Sq, Dv] contiguous) and LSE = (m + log2 l) ln 2 (FP32 [B, Hq, Sq]);
+// ([B, Hq, Sq, Dv] contiguous; a packed batch token-major [total_q, Hq, Dv]) and LSE = (m + log2 l) ln 2 (FP32 [B, Hq, Sq]);
 // numerics.md sections 1 and 9. A row that sees no key (l == 0) gets O = 0
 // and LSE = -inf; a NaN l (non-finite input it sees) propagates into both.
 #pragma once
@@ -15,10 +15,13 @@ namespace fp8attn {
 namespace sm90 {
 
 // o: this thread's m64 x kDv accumulator fragment (rows row0, row0 + 8 of its
-// warp; columns 8t + 2 tig, + 1), in units 2^st.e of its row.
+// warp; columns 8t + 2 tig, + 1), in units 2^st.e of its row. Row r of the
+// work tile's sequence: O at out + o_base + r o_row_stride (BF16 elements),
+// LSE at lse[lse_base + r]; rows >= seqlen_q are not written.
 template <int kDv>
 __device__ __forceinline__ void store_o_lse(const float (&o)[kDv / 2], const TileSoftmaxState& st, void* out,
-                                            float* lse, int64_t bhq, int seqlen_q, int row0, int tig) {
+                                            float* lse, int64_t o_base, int64_t o_row_stride, int64_t lse_base,
+                                            int seqlen_q, int row0, int tig) {
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -34,7 +37,7 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[kDv / 2], const Til
     // NOTE: a row that sees no key writes exact zeros (not o * 0: its P = 0
     // times a NaN V code of a tile its warpgroup computes would give NaN).
     const float f1 = l == 0.f ? 0.f : pow2i(e1), f2 = pow2i(e2) * inv_l;
-    __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(out) + (bhq * seqlen_q + row) * static_cast<int64_t>(kDv);
+    __nv_bfloat16* out_row = static_cast<__nv_bfloat16*>(out) + o_base + row * o_row_stride;
 #pragma unroll
     for (int t = 0; t < kDv / 8; ++t) {
       const __nv_bfloat162 v2 =
@@ -42,7 +45,7 @@ __device__ __forceinline__ void store_o_lse(const float (&o)[kDv / 2], const Til
                    : __floats2bfloat162_rn((o[4 * t + 2 * r] * f1) * f2, (o[4 * t + 2 * r + 1] * f1) * f2);
       *reinterpret_cast<__nv_bfloat162*>(out_row + 8 * t + 2 * tig) = v2;
     }
-    if (tig == 0) lse[bhq * seqlen_q + row] = l == 0.f ? -INFINITY : (st.m[r] + __log2f(l)) * kLn2;
+    if (tig == 0) lse[lse_base + row] = l == 0.f ? -INFINITY : (st.m[r] + __log2f(l)) * kLn2;
   }
 }
 

@@ -29,8 +29,11 @@ namespace {
 
 // kPersistent: the CTA computes the work tiles blockIdx.x, + gridDim.x, ... of
 // the n_m x n_h x n_b tiles of its launch (scheduler_sm90.cuh); otherwise one
-// work tile per CTA from blockIdx (n_m, n_h, n_b unused).
-template <int kD, int kDv, bool kPingpong, bool kPersistent>
+// work tile per CTA from blockIdx (n_m, n_h, n_b unused). kVarlen: a packed
+// batch (varlen_sm90.h): the query tiles are the padded tiles of all
+// sequences (n_m = q_tiles_max, n_b = 1), each tile's sequence from the
+// metadata; a tile no sequence owns is an empty work tile (no rows, no keys).
+template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen>
 __global__ void __launch_bounds__(fwdt::kThreads, 1)
     fwd_tilescale_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q0,
                          const __grid_constant__ CUtensorMap tm_q1, const __grid_constant__ CUtensorMap tm_k0,
@@ -55,9 +58,15 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
     int64_t bhq, bhk;
   };
   auto work_at = [&](int64_t L) {
-    const WorkTile w = kPersistent ? work_tile_at(L, n_m, n_h, n_b) : tile_of();
+    WorkTile w = kPersistent ? work_tile_at(L, n_m, n_h, n_b) : tile_of();
     Work r;
-    r.si = seq_info(p, w.batch);
+    if constexpr (kVarlen) {
+      const int s = varlen_qtile_seq(p, w.m_tile);
+      r.si = varlen_seq_info(p, s);
+      w.m_tile -= static_cast<int>(r.si.row_q / T::kBlockM);  // the sequence's own tile index
+    } else {
+      r.si = seq_info(p, w.batch);
+    }
     const int hk = w.head_q / (p.num_heads_q / p.num_heads_kv);
     r.q0 = w.m_tile * T::kBlockM;
     r.bhq = static_cast<int64_t>(w.batch) * p.num_heads_q + w.head_q;
@@ -75,8 +84,9 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
     int kb = 0, it = 0;
     for (int64_t L = L0; L < n_work; L += step, ++it) {
       const Work wk = work_at(L);
-      fwd_tile_producer<T>(sbase, bar, wk.q0, wk.kt0, wk.kt1, static_cast<int>(wk.bhq), static_cast<int>(wk.bhk),
-                           &tm_q0, &tm_q1, &tm_k0, &tm_k1, &tm_v, kb, it);
+      fwd_tile_producer<T>(sbase, bar, static_cast<int>(wk.si.row_q) + wk.q0, static_cast<int>(wk.si.row_k), wk.kt0,
+                           wk.kt1, static_cast<int>(wk.bhq), static_cast<int>(wk.bhk), &tm_q0, &tm_q1, &tm_k0, &tm_k1,
+                           &tm_v, kb, it);
       kb += wk.kt1 - wk.kt0;
     }
     return;
@@ -86,7 +96,7 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
   int kb = 0, it = 0;
   for (int64_t L = L0; L < n_work; L += step, ++it) {
     const Work wk = work_at(L);
-    fwd_tile_consumer<T, kPingpong>(p, wk.si, sbase, bar, wk.q0, wk.kt0, wk.kt1, wk.bhq, wk.bhk, kb, it, it == 0,
+    fwd_tile_consumer<T, kPingpong, kVarlen>(p, wk.si, sbase, bar, wk.q0, wk.kt0, wk.kt1, wk.bhq, wk.bhk, kb, it, it == 0,
                                     L + step >= n_work);
     kb += wk.kt1 - wk.kt0;
   }
@@ -111,16 +121,19 @@ int sm_count() {
   return n;
 }
 
-template <int kD, int kDv, bool kPingpong, bool kPersistent>
+template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen>
 void launch(const KernelParams& p, cudaStream_t stream) {
   using T = FwdTileTraits<kD, kDv>;
-  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong, kPersistent>;
+  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong, kPersistent, kVarlen>;
   const int64_t sms = kPersistent ? sm_count() : 0;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
-  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h;
+  // a packed batch is one launch: its heads are checked <= 65535). Varlen: one
+  // query tile per padded tile of all sequences (varlen_sm90.h).
+  const int64_t n_m = kVarlen ? p.q_tiles_max : (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   launch_attn_chunks(
-      p, (p.seqlen_q + T::kBlockM - 1) / T::kBlockM, GridHeads::kQuery, 1, "run_fwd_tile",
+      p, n_m, GridHeads::kQuery, 1, "run_fwd_tile",
       [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk& c) {
         using tma::make_map_u8;
         using tma::swizzle_of;
@@ -129,13 +142,13 @@ void launch(const KernelParams& p, cudaStream_t stream) {
         // (128 bytes; the second chunk of d = 192 is 64). The maps of chunk 1
         // are unused (a copy of chunk 0's) when there is one chunk.
         const CUtensorMap tm_q0 =
-            make_map_u8(pc.q_row, kD, p.seqlen_q, bhq, T::kW0, T::kBlockM, swizzle_of(T::kW0), "q_row");
+            make_map_u8(pc.q_row, kD, code_rows_q(p), bhq, T::kW0, T::kBlockM, swizzle_of(T::kW0), "q_row");
         const CUtensorMap tm_k0 =
-            make_map_u8(pc.k_row, kD, p.seqlen_k, bhk, T::kW0, T::kBlockN, swizzle_of(T::kW0), "k_row");
+            make_map_u8(pc.k_row, kD, code_rows_k(p), bhk, T::kW0, T::kBlockN, swizzle_of(T::kW0), "k_row");
         CUtensorMap tm_q1 = tm_q0, tm_k1 = tm_k0;
         if (T::kChunks == 2) {
-          tm_q1 = make_map_u8(pc.q_row, kD, p.seqlen_q, bhq, T::kW1, T::kBlockM, swizzle_of(T::kW1), "q_row (chunk 1)");
-          tm_k1 = make_map_u8(pc.k_row, kD, p.seqlen_k, bhk, T::kW1, T::kBlockN, swizzle_of(T::kW1), "k_row (chunk 1)");
+          tm_q1 = make_map_u8(pc.q_row, kD, code_rows_q(p), bhq, T::kW1, T::kBlockM, swizzle_of(T::kW1), "q_row (chunk 1)");
+          tm_k1 = make_map_u8(pc.k_row, kD, code_rows_k(p), bhk, T::kW1, T::kBlockN, swizzle_of(T::kW1), "k_row (chunk 1)");
         }
         const CUtensorMap tm_v =
             make_map_u8(pc.v_colT, p.seqlen_k_pad, kDv, bhk, T::kBlockN, kDv, CU_TENSOR_MAP_SWIZZLE_128B, "v_colT");
@@ -165,10 +178,18 @@ void launch_schedule(const KernelParams& p, cudaStream_t stream) {
   const int ps_env = env_choice("FP8ATTN_TILE_PERSISTENT", {"0", "1"});
   const bool pp = pp_env < 0 ? fwdt::kTilePingpongDefault : pp_env == 1;
   const bool ps = ps_env < 0 ? fwdt::kTilePersistentDefault : ps_env == 1;
-  if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
-    if (pp) return ps ? launch<kD, kDv, true, true>(p, stream) : launch<kD, kDv, true, false>(p, stream);
+  // A packed batch (varlen_sm90.h): the same choices, kVarlen instantiations
+  // (the dense kernels stay free of the metadata reads).
+  if (p.num_seqs > 0) {
+    if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
+      if (pp) return ps ? launch<kD, kDv, true, true, true>(p, stream) : launch<kD, kDv, true, false, true>(p, stream);
+    }
+    return ps ? launch<kD, kDv, false, true, true>(p, stream) : launch<kD, kDv, false, false, true>(p, stream);
   }
-  return ps ? launch<kD, kDv, false, true>(p, stream) : launch<kD, kDv, false, false>(p, stream);
+  if constexpr (FwdTileTraits<kD, kDv>::kOverlap) {
+    if (pp) return ps ? launch<kD, kDv, true, true, false>(p, stream) : launch<kD, kDv, true, false, false>(p, stream);
+  }
+  return ps ? launch<kD, kDv, false, true, false>(p, stream) : launch<kD, kDv, false, false, false>(p, stream);
 }
 
 }  // namespace
@@ -181,6 +202,10 @@ bool fwd_tile_supported(const KernelParams& p) {
 
 void run_fwd_tile(const KernelParams& p, cudaStream_t stream) {
   if (!fwd_tile_supported(p)) fail("unsupported configuration (see fwd_tile_supported)");
+  if (p.num_seqs > 0 && (p.batch != 1 || p.varlen_meta == nullptr || p.num_heads_q > 65535 || p.q_tiles_max <= 0 ||
+                         p.seqlen_q_pad != int64_t{p.q_tiles_max} * kSeqBlock ||
+                         p.seqlen_k_pad != int64_t{p.k_tiles_max} * kSeqBlock))
+    fail("a packed batch needs batch 1, its metadata, heads <= 65535 and seqlen_*_pad = *_tiles_max * 128");
   if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;
   if (p.head_dim_qk == 64) return launch_schedule<64, 64>(p, stream);
   if (p.head_dim_qk == 128) return launch_schedule<128, 128>(p, stream);

@@ -75,6 +75,16 @@ struct KernelParams {
   float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
   float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast
 
+  // Packed variable-length batches (varlen_sm90.h; `tile` kernels only):
+  // num_seqs > 0 sequences described by varlen_meta (int32 metadata on the
+  // device), batch == 1, seqlen_q / seqlen_k the total token counts (the
+  // token-indexed arrays), seqlen_q_pad / seqlen_k_pad = q_tiles_max / k_tiles_max
+  // * 128 (the padded rows of codes, scales and dq_accum), outputs token-major
+  // [total, H, D]. num_seqs == 0: a dense batch, the fields below unused.
+  int num_seqs;
+  int q_tiles_max, k_tiles_max;
+  const int* varlen_meta;
+
   // Context parallelism (numerics.md section 11), both 0 otherwise.
   // delta_given: `delta` holds the Delta-Matching delta of a sharded key axis and
   //   `lse` the global LSE': no pre-pass, the main kernel reads both as given.
@@ -83,6 +93,15 @@ struct KernelParams {
   int delta_given;
   int prepass_sums;
 };
+
+// Rows per (batch, head) of the row-major codes and per-token scales (q_row,
+// do_row, q_row_s, do_row_s; k_row, v_row): seqlen (dense), the padded rows
+// (varlen, varlen_sm90.h). Tiles per (batch, head) of the per-tile scales:
+// ceil(rows / 128) in both.
+constexpr int64_t code_rows_q(const KernelParams& p) { return p.num_seqs > 0 ? p.seqlen_q_pad : p.seqlen_q; }
+constexpr int64_t code_rows_k(const KernelParams& p) { return p.num_seqs > 0 ? p.seqlen_k_pad : p.seqlen_k; }
+constexpr int64_t scale_tiles_q(const KernelParams& p) { return (code_rows_q(p) + 127) / 128; }
+constexpr int64_t scale_tiles_k(const KernelParams& p) { return (code_rows_k(p) + 127) / 128; }
 
 // Half-open index range [begin, end); {0, 0} when empty.
 struct IndexRange {

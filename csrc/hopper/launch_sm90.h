@@ -128,11 +128,16 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // (lse_bwd, 2026-12-02: the tile split-launch test's dQ off by 23x). The size check
 // makes adding a field stop here: update the list, then the size. (delta_given /
 // prepass_sums, 2026-12-03: flags, no pointers; a given delta lives in `delta`.
-// window_left / window_right, 2026-12-07: ints, no pointers.)
-static_assert(sizeof(KernelParams) == 456 || sizeof(void*) != 8,
+// window_left / window_right, 2026-12-07: ints, no pointers. num_seqs ..
+// varlen_meta, 2026-12-07: a packed batch is never chunked, below.)
+static_assert(sizeof(KernelParams) == 480 || sizeof(void*) != 8,
               "KernelParams changed: advance its new per-(batch, head) pointers in at_chunk, then update this size");
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;
+  // NOTE: a packed batch's layouts are not [B, H, ...] per (batch, head) in every
+  // array (token-major outputs); its launcher keeps the heads <= 65535 (one chunk).
+  if (p.num_seqs > 0)
+    throw std::invalid_argument("fp8attn: at_chunk: a packed (varlen) batch runs as one launch (heads <= 65535)");
   KernelParams r = p;
   const int64_t Hq = p.num_heads_q, Hk = p.num_heads_kv, Sq = p.seqlen_q, Sk = p.seqlen_k;
   const int64_t Dqk = p.head_dim_qk, Dv = p.head_dim_v;

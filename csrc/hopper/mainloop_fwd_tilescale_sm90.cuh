@@ -96,13 +96,16 @@ __device__ __forceinline__ void tile_init_bars(uint32_t bar) {
 }
 
 // ---- producer warpgroup -------------------------------------------------------------
-// Q rows [q0, q0 + kBlockM) of head row bhq; key tiles [kt0, kt1) of head row bhk
-// (those the rows' windows touch, scheduler_sm90.cuh key_tiles_seen).
+// Q code rows [q_row0, q_row0 + kBlockM) of head row bhq; key tiles [kt0, kt1)
+// (those the rows' windows touch, scheduler_sm90.cuh key_tiles_seen) of the
+// sequence whose keys start at code row k_row0 of head row bhk (0 dense; the
+// padded rows of a packed batch, varlen_sm90.h).
 // it: the CTA's work tile count so far (persistent scheduler; 0 otherwise), kb
 // the key tiles it streamed before this work tile (stage / phase of key tile
 // kt: kb + kt - kt0, the same count in the producer and both consumers).
 template <class T>
-__device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q0, int kt0, int kt1, int bhq, int bhk,
+__device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, int q_row0, int k_row0, int kt0, int kt1,
+                                                  int bhq, int bhk,
                                                   const CUtensorMap* tm_q0, const CUtensorMap* tm_q1,
                                                   const CUtensorMap* tm_k0, const CUtensorMap* tm_k1,
                                                   const CUtensorMap* tm_v, int kb, int it) {
@@ -116,8 +119,9 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
     // arrived on q_empty (after its last QK^T).
     if (it > 0) mbar_wait(tile_bar<kStages>(bar, kTbQEmpty, 0), (it - 1) & 1);
     mbar_arrive_tx(q_full, T::kQBytes);
-    tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q0, bhq);
-    if constexpr (T::kChunks == 2) tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q0, bhq);
+    tma_load_3d(sbase + T::kOffQ, tm_q0, q_full, 0, q_row0, bhq);
+    if constexpr (T::kChunks == 2)
+      tma_load_3d(sbase + T::kOffQ + T::kQChunkBytes, tm_q1, q_full, fwdt::kQKChunk, q_row0, bhq);
     for (int kt = kt0; kt < kt1; ++kt) {
       const int s = (kb + kt - kt0) % kStages;
       const uint32_t ph = ((kb + kt - kt0) / kStages) & 1;
@@ -125,12 +129,13 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
       mbar_wait(tile_bar<kStages>(bar, kTbKEmpty, s), ph ^ 1);
       const uint32_t k_full = tile_bar<kStages>(bar, kTbKFull, s);
       mbar_arrive_tx(k_full, T::kKBytes);
-      tma_load_3d(sK, tm_k0, k_full, 0, kt * kBlockN, bhk);
-      if constexpr (T::kChunks == 2) tma_load_3d(sK + T::kKChunkBytes, tm_k1, k_full, fwdt::kQKChunk, kt * kBlockN, bhk);
+      tma_load_3d(sK, tm_k0, k_full, 0, k_row0 + kt * kBlockN, bhk);
+      if constexpr (T::kChunks == 2)
+        tma_load_3d(sK + T::kKChunkBytes, tm_k1, k_full, fwdt::kQKChunk, k_row0 + kt * kBlockN, bhk);
       mbar_wait(tile_bar<kStages>(bar, kTbVEmpty, s), ph ^ 1);
       const uint32_t v_raw = tile_bar<kStages>(bar, kTbVRaw, s);
       mbar_arrive_tx(v_raw, T::kVBytes);
-      tma_load_3d(sbase + T::kOffV + s * T::kVBytes, tm_v, v_raw, kt * kBlockN, 0, bhk);
+      tma_load_3d(sbase + T::kOffV + s * T::kVBytes, tm_v, v_raw, k_row0 + kt * kBlockN, 0, bhk);
     }
     return;
   }
@@ -163,8 +168,10 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
 
 // ---- consumer warpgroup ---------------------------------------------------------------
 // kt0, kt1, kb, it: as the producer's; first / last: the CTA's first / last
-// work tile (the pingpong turns continue from one work tile to the next).
-template <class T, bool kPingpong>
+// work tile (the pingpong turns continue from one work tile to the next); q0
+// the work tile's first row within its sequence si. kVarlen: a packed batch
+// (O token-major [total_q, Hq, Dv], varlen_sm90.h).
+template <class T, bool kPingpong, bool kVarlen>
 __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
                                                   int q0, int kt0, int kt1, int64_t bhq, int64_t bhk, int kb, int it,
                                                   bool first, bool last) {
@@ -189,8 +196,10 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   const IndexRange mine = key_tiles_seen(wg_row0, wg_row0 + 64, si, p, kBlockN);
   const bool sees = mine.end > mine.begin;
   const int m_begin = sees ? mine.begin : kt0, m_end = sees ? mine.end : kt0;
-  const float* ks_g = p.k_row_s + bhk * nblk_k;  // one scale per key tile (K and V)
-  const float* vs_g = p.v_col_s + bhk * nblk_k;
+  // One scale per key tile (K and V), the sequence's first at tile row_k / 128.
+  const int64_t ks_off = kVarlen ? bhk * scale_tiles_k(p) + si.row_k / kBlockN : bhk * nblk_k;
+  const float* ks_g = p.k_row_s + ks_off;
+  const float* vs_g = p.v_col_s + ks_off;
 
   TileSoftmaxState st;
   {
@@ -199,7 +208,8 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row0 + 8 * r;
-      rq[r] = row < Sq ? p.q_row_s[bhq * Sq + row] * scale_log2 : 0.f;
+      const int64_t qs_row = kVarlen ? bhq * code_rows_q(p) + si.row_q + row : bhq * Sq + row;
+      rq[r] = row < Sq ? p.q_row_s[qs_row] * scale_log2 : 0.f;
     }
     softmax_state_init(st, rq[0], rq[1]);
   }
@@ -461,7 +471,13 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   }
   mbar_arrive(tile_bar<kStages>(bar, kTbQEmpty, 0));  // this thread's reads of Q are done
 
-  store_o_lse<kDv>(o, st, p.out, p.lse, bhq, Sq, row0, tig);
+  // O [B, Hq, Sq, Dv] and LSE [B, Hq, Sq] (dense); a packed batch: O token-major
+  // [total_q, Hq, Dv], LSE [Hq, total_q] (varlen_sm90.h).
+  if constexpr (kVarlen)
+    store_o_lse<kDv>(o, st, p.out, p.lse, (si.tok_q * p.num_heads_q + bhq) * kDv,
+                     static_cast<int64_t>(p.num_heads_q) * kDv, bhq * p.seqlen_q + si.tok_q, Sq, row0, tig);
+  else
+    store_o_lse<kDv>(o, st, p.out, p.lse, bhq * Sq * kDv, kDv, bhq * Sq, Sq, row0, tig);
 }
 
 }  // namespace sm90

@@ -81,7 +81,20 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
                                               uint32_t* red) {
   using G = TileGeom<kDim>;
   const int64_t b = bh / j.heads, h = bh - b * j.heads;
-  const int t0 = sblk * kSeqBlock;
+  const int t0 = sblk * kSeqBlock;  // first row of the tile in the outputs
+  // The tile's tokens in x: n_valid of them from src0 (dense: the tile's own
+  // rows; varlen: its sequence's, quant_tilescale_e4m3_sm90.h). Rows r >=
+  // n_valid read as zero tokens.
+  int src0 = t0, n_valid = min(kSeqBlock, j.seqlen - t0);
+  if (j.tile_seq != nullptr) {
+    const int s = j.tile_seq[sblk];
+    n_valid = 0;
+    if (s >= 0) {
+      const int lt = sblk - j.tiles[s];
+      src0 = j.tok[s] + lt * kSeqBlock;
+      n_valid = max(0, min(kSeqBlock, j.len[s] - lt * kSeqBlock));
+    }
+  }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int u = lane % G::kLanes, rsub = lane / G::kLanes;
   const bool active = u < G::kUnits;
@@ -92,10 +105,11 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
   uint32_t tile_m2 = 0u;
 #pragma unroll
   for (int k = 0; k < G::kPasses; ++k) {
-    const int t = t0 + k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
-    raw[k][0] = raw[k][1] = make_uint4(0u, 0u, 0u, 0u);  // tokens past seqlen are never read
-    if (active && t < j.seqlen) {
-      const uint4* src = reinterpret_cast<const uint4*>(xb + static_cast<int64_t>(t) * j.stride_seq + u * G::kUnit);
+    const int r = k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
+    raw[k][0] = raw[k][1] = make_uint4(0u, 0u, 0u, 0u);  // rows past the tile's tokens are never read
+    if (active && r < n_valid) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(xb + static_cast<int64_t>(src0 + r) * j.stride_seq + u * G::kUnit);
       raw[k][0] = src[0];
       raw[k][1] = src[1];
     }
@@ -141,14 +155,13 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
     const int t = t0 + r;
     if (!active) continue;
     uint4 codes = enc16(raw[k][0], raw[k][1], bs.inv_s, finite, j.fmt);
+    // NOTE: rows past the tile's tokens get code 0 explicitly (a NaN scale would
+    // turn the zero-filled registers into NaN codes): the transposed padding, and
+    // a packed batch's padding rows (what a dense call's TMA reads past seqlen).
+    if (r >= n_valid) codes = make_uint4(0u, 0u, 0u, 0u);
     if (j.tile != nullptr && t < j.seqlen)
       *reinterpret_cast<uint4*>(j.tile + (bh * j.seqlen + t) * kDim + u * G::kUnit) = codes;
-    if (j.tileT != nullptr) {
-      // NOTE: padding tokens get code 0 explicitly (a NaN scale would turn the
-      // zero-filled registers into NaN codes).
-      if (t >= j.seqlen) codes = make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(sT + r * kDim + G::kUnit * (u ^ ((r >> 4) & G::kSwz))) = codes;
-    }
+    if (j.tileT != nullptr) *reinterpret_cast<uint4*>(sT + r * kDim + G::kUnit * (u ^ ((r >> 4) & G::kSwz))) = codes;
   }
   if (j.tileT == nullptr) return;
   __syncthreads();

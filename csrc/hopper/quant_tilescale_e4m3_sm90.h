@@ -52,6 +52,17 @@ struct TileQuantJob {
   // (byte j of a group holds token order[j]): the forward's P V operand, whose
   // A fragments are the S accumulator's registers (fwdt::kVPermutedInQuant).
   bool tileT_perm16 = false;
+  // A packed batch (varlen_sm90.h): x is [1, heads, total, dim] (stride_batch
+  // unused), batch == 1, and seqlen is the padded rows per head (tiles_max *
+  // 128; seqlen_pad equal to it): the CTA of padded tile t quantizes tokens
+  // [tok[s] + 128 (t - tiles[s]), ...) of sequence s = tile_seq[t], at most
+  // len[s] - 128 (t - tiles[s]) of them, into rows 128 t + r; its other rows
+  // (and every row of a tile no sequence owns) are zero tokens: code 0, the
+  // scale of a zero block. Pointers into the metadata of one side (q or k).
+  const int* tile_seq = nullptr;  // nullptr: a dense operand
+  const int* tiles = nullptr;
+  const int* tok = nullptr;
+  const int* len = nullptr;
 };
 
 // Launches the quantization on `stream`. Requirements (checked, throwing

@@ -17,17 +17,42 @@
 #include <cuda_runtime.h>
 
 #include "hopper/kernel_params_sm90.h"
+#include "hopper/varlen_sm90.h"
 
 namespace fp8attn {
 namespace sm90 {
 
-// Lengths of one batch entry's sequences. NOTE: the single place sequence
-// boundaries come from (dense: every batch entry has seqlen_q / seqlen_k);
-// the varlen work feeds it from cu_seqlens.
+// One sequence of a work tile: its lengths, its first token in the
+// token-indexed arrays and its first row in the padded code arrays
+// (varlen_sm90.h). NOTE: the single place sequence boundaries come from.
+// Dense: every batch entry has seqlen_q / seqlen_k at offset 0 (its (batch,
+// head) row gives the rest); varlen: from the metadata of cu_seqlens.
 struct SeqInfo {
   int seqlen_q, seqlen_k;
+  int64_t tok_q, tok_k;  // first token of the sequence (token-indexed arrays)
+  int64_t row_q, row_k;  // first row in the padded code arrays (multiple of 128)
 };
-__device__ __forceinline__ SeqInfo seq_info(const KernelParams& p, int /*batch*/) { return {p.seqlen_q, p.seqlen_k}; }
+__device__ __forceinline__ SeqInfo seq_info(const KernelParams& p, int /*batch*/) {
+  return {p.seqlen_q, p.seqlen_k, 0, 0, 0, 0};
+}
+// Sequence s of a packed batch (s < 0: an empty one, for a padded tile no
+// sequence owns).
+__device__ __forceinline__ SeqInfo varlen_seq_info(const KernelParams& p, int s) {
+  if (s < 0) return {0, 0, 0, 0, 0, 0};
+  const VarlenMetaLayout L{p.num_seqs, p.q_tiles_max, p.k_tiles_max};
+  const int* m = p.varlen_meta;
+  return {m[L.len_q() + s], m[L.len_k() + s], m[L.tok_q() + s], m[L.tok_k() + s],
+          int64_t{128} * m[L.tiles_q() + s], int64_t{128} * m[L.tiles_k() + s]};
+}
+// The sequence owning padded query tile t (-1: none).
+__device__ __forceinline__ int varlen_qtile_seq(const KernelParams& p, int t) {
+  const VarlenMetaLayout L{p.num_seqs, p.q_tiles_max, p.k_tiles_max};
+  return p.varlen_meta[L.qtile_seq() + t];
+}
+__device__ __forceinline__ int varlen_ktile_seq(const KernelParams& p, int t) {
+  const VarlenMetaLayout L{p.num_seqs, p.q_tiles_max, p.k_tiles_max};
+  return p.varlen_meta[L.ktile_seq() + t];
+}
 
 struct WorkTile {
   int m_tile, head_q, batch;
