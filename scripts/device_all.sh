@@ -159,6 +159,21 @@ for ps in ("0", "1"):
                 ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", "delta_matching", 128, "e4m3", True, "tile",
                         window_left=wl, window_right=wr)
 os.environ.pop("FP8ATTN_TILE_PERSISTENT")
+# Packed batches in one launch (fwd_varlen; hopper/varlen_sm90.h): empty and
+# one-token sequences, tokens outside every sequence, seqused, and cu_seqlens that
+# break the rules (unchecked: clamped inside the tensors).
+cu = torch.tensor([0, 300, 300, 301, 430, 1130], device="cuda", dtype=torch.int32)
+for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+    q = torch.randn(1140, 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1140, 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1140, 2, dv, device="cuda", dtype=torch.bfloat16)
+    for causal, (wl, wr) in ((False, (-1, -1)), (True, (-1, 0)), (False, (100, 30))):
+        ops.fwd_varlen(q, k, v, cu, cu, None, None, d ** -0.5, causal, 128, "tile", wl, wr)
+    used = torch.tensor([10, 0, 1, 128, 700], device="cuda")
+    ops.fwd_varlen(q, k, v, cu, cu, used, used, d ** -0.5, True, 128, "tile")
+for bad in ([0, 300, 200, 5000, -7, 1130], [0, 2**31 - 1, 0, -(2**31), 3, 3]):
+    bad = torch.tensor(bad, device="cuda", dtype=torch.int64)
+    ops.fwd_varlen(q, k, v, bad, bad, None, None, 0.1, True, 128, "tile")
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF

@@ -4,6 +4,7 @@
 // tile -> sequence maps (a binary search over the prefix sums per tile).
 #include "hopper/varlen_sm90.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -100,7 +101,59 @@ __global__ void __launch_bounds__(kThreads) varlen_meta_kernel(const int* cu_q, 
        meta + L.ktile_seq(), warp_sums);
 }
 
+// Zero bytes [0, n) of a row (16-byte aligned when n is a multiple of 16).
+__device__ __forceinline__ void zero_row(uint8_t* row, int64_t n, int lane) {
+  if (n % 16 == 0 && (reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+    for (int64_t i = lane; i < n / 16; i += 32) reinterpret_cast<uint4*>(row)[i] = make_uint4(0u, 0u, 0u, 0u);
+  } else {
+    for (int64_t i = lane; i < n; i += 32) row[i] = 0;
+  }
+}
+
+__global__ void __launch_bounds__(256) varlen_gaps_kernel(const int* tok, const int* len, int n, int total,
+                                                          uint8_t* rows, int64_t row_bytes, uint8_t* rows2,
+                                                          int64_t row_bytes2, float* planes, int n_planes, int heads,
+                                                          float value) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (t >= total) return;
+  // The last sequence starting at or before t (tok is non-decreasing for valid
+  // cu_seqlens; for invalid ones any answer stays inside the tensors).
+  int covered = 0;
+  if (lane == 0) {
+    int lo = 0, hi = n - 1;
+    if (tok[0] <= t) {
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tok[mid] <= t) lo = mid; else hi = mid - 1;
+      }
+      covered = t < static_cast<int64_t>(tok[lo]) + len[lo];
+    }
+  }
+  covered = __shfl_sync(0xffffffffu, covered, 0);
+  if (covered) return;
+  if (rows != nullptr) zero_row(rows + t * row_bytes, row_bytes, lane);
+  if (rows2 != nullptr) zero_row(rows2 + t * row_bytes2, row_bytes2, lane);
+  for (int64_t i = lane; i < static_cast<int64_t>(n_planes) * heads; i += 32) planes[i * total + t] = value;
+}
+
 }  // namespace
+
+void varlen_clear_gaps_sm90(const int* meta, int side, int num_seqs, int q_tiles_max, int k_tiles_max, int total,
+                            void* rows, int64_t row_bytes, void* rows2, int64_t row_bytes2, float* planes,
+                            int n_planes, int heads, float value, cudaStream_t stream) {
+  if (num_seqs <= 0 || total <= 0) return;
+  const VarlenMetaLayout L{num_seqs, q_tiles_max, k_tiles_max};
+  const int* tok = meta + (side == 0 ? L.tok_q() : L.tok_k());
+  const int* len = meta + (side == 0 ? L.len_q() : L.len_k());
+  const int64_t blocks = (static_cast<int64_t>(total) * 32 + 255) / 256;
+  varlen_gaps_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      tok, len, num_seqs, total, static_cast<uint8_t*>(rows), row_bytes, static_cast<uint8_t*>(rows2), row_bytes2,
+      planes, planes == nullptr ? 0 : n_planes, heads, value);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("fp8attn: varlen_clear_gaps_sm90 launch failed: ") + cudaGetErrorString(e));
+}
 
 void varlen_meta_sm90(const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_q, const int* seqused_k,
                       int num_seqs, int total_q, int total_k, int q_tiles_max, int k_tiles_max, int* meta,

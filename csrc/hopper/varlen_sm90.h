@@ -67,5 +67,17 @@ void varlen_meta_sm90(const int* cu_seqlens_q, const int* cu_seqlens_k, const in
                       int num_seqs, int total_q, int total_k, int q_tiles_max, int k_tiles_max, int* meta,
                       cudaStream_t stream);
 
+// Tokens outside every sequence of one side (side 0: queries, 1: keys; a
+// token is inside sequence s iff tok[s] <= t < tok[s] + len[s] of the
+// metadata) get what a dense call gives a row outside its problem: `rows`
+// [total, row_bytes] (e.g. O or dQ token-major, BF16) zero bytes, and up to
+// `n_planes` float planes [n_planes][heads][total] (LSE: -inf; diagnostics: 0)
+// `value`. `rows2` (nullptr: none) likewise (dK and dV of the key side). One
+// warp per token (a binary search over tok, then the row's stores); tokens
+// inside a sequence are not touched. Throws std::runtime_error on a launch error.
+void varlen_clear_gaps_sm90(const int* meta, int side, int num_seqs, int q_tiles_max, int k_tiles_max, int total,
+                            void* rows, int64_t row_bytes, void* rows2, int64_t row_bytes2, float* planes,
+                            int n_planes, int heads, float value, cudaStream_t stream);
+
 }  // namespace sm90
 }  // namespace fp8attn

@@ -53,4 +53,11 @@ inline void cpu_only_op(const c10::OperatorHandle& op, torch::jit::Stack* stack)
                     "': expected a CPU tensor (this op has a CPU kernel only), got device ", dev);
 }
 
+// Op with a CUDA kernel only (the single-launch varlen ops), called on CPU tensors.
+inline void cuda_only_op(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto [arg, dev] = first_cuda_arg(op, stack);
+  TORCH_CHECK_VALUE(false, "fp8attn.", op_name(op), ": argument '", arg, "': expected a CUDA tensor (this op has "
+                    "CUDA kernels only; fp8attn.varlen_attention runs CPU tensors per sequence), got device ", dev);
+}
+
 }  // namespace fp8attn

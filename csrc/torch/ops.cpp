@@ -37,6 +37,22 @@ TORCH_LIBRARY(fp8attn, m) {
       "bwd_dm_sums(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, float softmax_scale, bool causal, "
       "int block_size, str grad_format, str scaling=\"row\", float softcap=0.0, int window_left=-1, "
       "int window_right=-1) -> (Tensor sum_pdp, Tensor sum_p)");
+  // Packed variable-length batches in one launch per kernel (CUDA, scaling "tile";
+  // hopper/varlen_sm90.h): q [total_q, Hq, D], k / v [total_k, Hkv, D], cu_seqlens
+  // int32 / int64 [batch + 1], seqused [batch] or None, read on the device only
+  // (unchecked values are clamped inside the tensors: varlen_attention's check=True
+  // checks them). out [total_q, Hq, Dv], lse [Hq, total_q]; bwd_varlen's diag
+  // [4, Hq, total_q]. Sequence s is the dense fwd / bwd on its slices. CPU tensors:
+  // varlen_attention's per-sequence path (these ops raise ValueError on CPU).
+  m.def(
+      "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
+      "Tensor? seqused_k, float softmax_scale, bool causal, int block_size, str scaling=\"tile\", "
+      "int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, float softmax_scale, bool causal, "
+      "str delta_mode, int block_size, str grad_format, bool diagnostics, str scaling=\"tile\", "
+      "int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");
@@ -63,7 +79,13 @@ TORCH_LIBRARY(fp8attn, m) {
 // (op_stubs.h), not torch's "Could not run ... 'CUDA' backend".
 TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   for (const char* name : {"fwd", "bwd", "bwd_dm_sums", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
-                           "quantize_tilescale", "quantize_tilescale_fwd"})
+                           "quantize_tilescale", "quantize_tilescale_fwd", "fwd_varlen", "bwd_varlen"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_not_built>());
 }
 #endif
+
+// The single-launch varlen ops have CUDA kernels only (op_stubs.h).
+TORCH_LIBRARY_IMPL(fp8attn, CPU, m) {
+  for (const char* name : {"fwd_varlen", "bwd_varlen"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cuda_only_op>());
+}

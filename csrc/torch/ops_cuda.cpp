@@ -70,6 +70,7 @@
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 #include "hopper/quant_tilescale_e4m3_sm90.h"
+#include "hopper/varlen_sm90.h"
 #if __has_include("hopper/bwd_sm90.h")
 #include "hopper/bwd_sm90.h"
 #endif
@@ -848,6 +849,321 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {c.q, c.q_s, c.k, c.k_s, vT.narrow(3, 0, v.size(2)).transpose(2, 3), c.v_s};
 }
 
+// ---- packed variable-length batches, one launch per kernel (varlen_sm90.h) --------------
+
+// Whether run_bwd takes packed batches (num_seqs > 0) in the `tile` backward kernels.
+// NOTE: false until those kernels are validated; bwd_varlen refuses meanwhile and
+// varlen_attention runs its backward per sequence.
+constexpr bool kVarlenBwdKernels = false;
+
+// The sequence description of a packed batch on the device: int32 copies of
+// cu_seqlens / seqused (never read on the host) and the metadata
+// (varlen_meta_sm90), with the padded tile bounds of each side.
+struct PackedBatch {
+  int64_t n = 0, total_q = 0, total_k = 0, q_tiles = 0, k_tiles = 0;
+  at::Tensor cu_q, cu_k, used_q, used_k, meta;
+  VarlenMetaLayout layout() const {
+    return {static_cast<int>(n), static_cast<int>(q_tiles), static_cast<int>(k_tiles)};
+  }
+  const int* at(int64_t off) const { return meta.data_ptr<int>() + off; }
+};
+
+// t as int32 on the device (a device-side cast of int64: no host read; values
+// past int32 are invalid anyway and stay inside the tensors after the
+// metadata kernel's clamps).
+at::Tensor device_int32(const at::Tensor& t, const char* name, int64_t len, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.defined() && t.device() == device, "fp8attn: argument '", name, "': expected a tensor on ",
+                    device, ", got ", t.defined() ? t.device().str() : std::string("an undefined tensor"));
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "fp8attn: argument '", name,
+                   "': dtype must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == len, "fp8attn: argument '", name, "': expected shape [", len,
+                    "], got ", t.sizes());
+  return t.to(at::kInt).contiguous();
+}
+
+PackedBatch packed_batch(const at::Tensor& cu_q, const at::Tensor& cu_k, const c10::optional<at::Tensor>& used_q,
+                         const c10::optional<at::Tensor>& used_k, int64_t total_q, int64_t total_k,
+                         const at::Device& device, cudaStream_t stream) {
+  PackedBatch pb;
+  TORCH_CHECK_VALUE(cu_q.defined() && cu_q.dim() == 1 && cu_q.size(0) >= 1, "fp8attn: argument 'cu_seqlens_q': must "
+                    "be 1-D of length batch + 1 >= 1, got ", cu_q.defined() ? cu_q.sizes() : at::IntArrayRef{});
+  pb.n = cu_q.size(0) - 1;
+  pb.cu_q = device_int32(cu_q, "cu_seqlens_q", pb.n + 1, device);
+  pb.cu_k = device_int32(cu_k, "cu_seqlens_k", pb.n + 1, device);
+  if (used_q.has_value() && used_q->defined()) pb.used_q = device_int32(*used_q, "seqused_q", pb.n, device);
+  if (used_k.has_value() && used_k->defined()) pb.used_k = device_int32(*used_k, "seqused_k", pb.n, device);
+  pb.total_q = total_q;
+  pb.total_k = total_k;
+  pb.q_tiles = varlen_tiles_max(total_q, pb.n);
+  pb.k_tiles = varlen_tiles_max(total_k, pb.n);
+  // NOTE: padded rows are int in the kernels (< 2^31); the totals are < 2^30 (check_problem).
+  TORCH_CHECK_VALUE(pb.q_tiles * kSeqBlock < (int64_t{1} << 31) && pb.k_tiles * kSeqBlock < (int64_t{1} << 31),
+                    "fp8attn: argument 'cu_seqlens_q': ", pb.n, " sequences of ", total_q, " / ", total_k,
+                    " tokens need more than 2^31 padded rows (128-token tiles per sequence); split the batch");
+  if (pb.n == 0) return pb;
+  pb.meta = at::empty({pb.layout().ints()}, pb.cu_q.options());
+  const auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<int>() : nullptr; };
+  launch([&] {
+    varlen_meta_sm90(pb.cu_q.data_ptr<int>(), pb.cu_k.data_ptr<int>(), ptr(pb.used_q), ptr(pb.used_k),
+                     static_cast<int>(pb.n), static_cast<int>(total_q), static_cast<int>(total_k),
+                     static_cast<int>(pb.q_tiles), static_cast<int>(pb.k_tiles), pb.meta.data_ptr<int>(), stream);
+  });
+  return pb;
+}
+
+// j (from tile_job on a [1, H, total, D] view) in the packed layout of one side.
+void packed_job(TileQuantJob& j, const PackedBatch& pb, bool q_side) {
+  const VarlenMetaLayout L = pb.layout();
+  const int64_t tiles = q_side ? pb.q_tiles : pb.k_tiles;
+  j.batch = 1;
+  j.seqlen = static_cast<int>(tiles * kSeqBlock);
+  if (j.tileT != nullptr) j.seqlen_pad = j.seqlen;
+  j.tile_seq = pb.at(q_side ? L.qtile_seq() : L.ktile_seq());
+  j.tiles = pb.at(q_side ? L.tiles_q() : L.tiles_k());
+  j.tok = pb.at(q_side ? L.tok_q() : L.tok_k());
+  j.len = pb.at(q_side ? L.len_q() : L.len_k());
+}
+
+// KernelParams of a packed batch on top of set_sizes (batch 1, the totals).
+void set_packed(KernelParams& kp, const PackedBatch& pb) {
+  kp.num_seqs = static_cast<int>(pb.n);
+  kp.q_tiles_max = static_cast<int>(pb.q_tiles);
+  kp.k_tiles_max = static_cast<int>(pb.k_tiles);
+  kp.seqlen_q_pad = static_cast<int>(pb.q_tiles * kSeqBlock);
+  kp.seqlen_k_pad = static_cast<int>(pb.k_tiles * kSeqBlock);
+  kp.varlen_meta = pb.meta.data_ptr<int>();
+}
+
+// [total, H, D] -> [1, H, total, D] (a view), after checking the rank.
+at::Tensor packed_view(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined() && t.dim() == 3, "fp8attn: argument '", name,
+                    "': must be 3-D [total_tokens, heads, head_dim], got ", t.defined() ? t.sizes() : at::IntArrayRef{});
+  return t.transpose(0, 1).unsqueeze(0);
+}
+
+void check_packed_scaling(c10::string_view scaling) {
+  TORCH_CHECK_NOT_IMPLEMENTED(parse_scaling(scaling) == Scaling::kTile,
+                              "fp8attn: argument 'scaling': the single-launch varlen kernels are those of "
+                              "scaling='tile'; varlen_attention runs scaling='row' per sequence");
+}
+
+// A kernel output y [total, H, kd] (BF16, token-major) as the op's output: its
+// first d channels in `dtype` (y itself when that is the same).
+at::Tensor packed_output(const at::Tensor& y, int64_t d, at::ScalarType dtype) {
+  if (y.size(2) == d && dtype == at::kBFloat16) return y;
+  return y.narrow(2, 0, d).to(dtype).contiguous();
+}
+
+// fwd_varlen (schema: ops.cpp): the `tile` forward of a packed batch, one launch
+// per kernel (metadata, quantization, forward, gap clearing); O [total_q, Hq, Dv]
+// in q's dtype (contiguous), LSE float32 [Hq, total_q]; tokens outside every
+// sequence O = 0, LSE = -inf. Sequence s equals the dense `fwd` on its slices
+// (numerics.md sections 7, 9, 14: bottom-right masks per sequence).
+std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                   const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+                                                   const at::Tensor& cu_seqlens_k,
+                                                   const c10::optional<at::Tensor>& seqused_q,
+                                                   const c10::optional<at::Tensor>& seqused_k, double softmax_scale,
+                                                   bool causal, int64_t block_size, c10::string_view scaling,
+                                                   int64_t window_left, int64_t window_right) {
+  check_packed_scaling(scaling);
+  const at::Tensor q4 = packed_view(q_in, "q"), k4 = packed_view(k_in, "k"), v4 = packed_view(v_in, "v");
+  const Problem pr = check_problem(q4, k4, v4, softmax_scale, "fp8", block_size);
+  TORCH_CHECK_NOT_IMPLEMENTED(pr.heads_q <= 65535, "fp8attn: argument 'q': the single-launch varlen kernels take "
+                              "num_heads_q <= 65535, got ", pr.heads_q, "; varlen_attention runs it per sequence");
+  TORCH_CHECK_NOT_IMPLEMENTED(tile_fwd_enabled(), "fp8attn: argument 'scaling': the CUDA forward of scaling='tile' "
+                              "is switched off by FP8ATTN_TILE_FWD=0");
+  // NOTE: normalized on the totals: a bound reaching past every key of the
+  // longest possible sequence changes no row of any sequence.
+  const WindowBounds win = effective_window(causal, window_left, window_right, pr.seqlen_q, pr.seqlen_k);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+  const PackedBatch pb = packed_batch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pr.seqlen_q, pr.seqlen_k,
+                                      q_in.device(), stream);
+  at::Tensor lse = at::empty({pr.heads_q, pr.seqlen_q}, q_in.options().dtype(at::kFloat));
+  if (pb.n == 0 || pr.empty() || pr.seqlen_k == 0) {
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {at::zeros({pr.seqlen_q, pr.heads_q, pr.dv}, q_in.options()), lse};
+  }
+  const at::Tensor q = kernel_input(q4, pr.kqk), k = kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
+  const auto u8 = q.options().dtype(at::kByte);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t rq = pb.q_tiles * kSeqBlock, rk = pb.k_tiles * kSeqBlock;
+  const at::Tensor q_row = at::empty({1, pr.heads_q, rq, pr.kqk}, u8), q_s = at::empty({1, pr.heads_q, rq}, f32);
+  const at::Tensor k_row = at::empty({1, pr.heads_kv, rk, pr.kqk}, u8);
+  const at::Tensor k_s = at::empty({1, pr.heads_kv, pb.k_tiles}, f32);
+  const at::Tensor vT = at::empty({1, pr.heads_kv, pr.kv, rk}, u8), v_s = at::empty({1, pr.heads_kv, pb.k_tiles}, f32);
+  const at::Tensor none;
+  TileQuantJob jobs[3] = {tile_job(q, Fp8Format::kE4M3, q_row, q_s, none, none, none),
+                          tile_job(k, Fp8Format::kE4M3, none, none, k_row, none, k_s),
+                          tile_job(v, Fp8Format::kE4M3, none, none, none, vT, v_s)};
+  jobs[2].tileT_perm16 = fwdt::kVPermutedInQuant;
+  packed_job(jobs[0], pb, true);
+  packed_job(jobs[1], pb, false);
+  packed_job(jobs[2], pb, false);
+  launch([&] { quantize_tilescale_bf16_sm90(jobs, 3, stream); });
+
+  at::Tensor out_k = at::empty({pr.seqlen_q, pr.heads_q, pr.kv}, q.options().dtype(at::kBFloat16));
+  KernelParams kp{};
+  set_sizes(kp, pr, softmax_scale, win);
+  set_packed(kp, pb);
+  kp.scaling = static_cast<int>(Scaling::kTile);
+  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  kp.out = out_k.data_ptr();
+  kp.lse = lse.data_ptr<float>();
+  kp.q_row = q_row.data_ptr<uint8_t>();
+  kp.q_row_s = q_s.data_ptr<float>();
+  kp.k_row = k_row.data_ptr<uint8_t>();
+  kp.k_row_s = k_s.data_ptr<float>();
+  kp.v_colT = vT.data_ptr<uint8_t>();
+  kp.v_col_s = v_s.data_ptr<float>();
+  launch([&] { run_fwd_tile(kp, stream); });
+  // Tokens outside every sequence: O = 0, LSE = -inf (the kernel writes only sequences' rows).
+  launch([&] {
+    varlen_clear_gaps_sm90(kp.varlen_meta, 0, kp.num_seqs, kp.q_tiles_max, kp.k_tiles_max,
+                           static_cast<int>(pr.seqlen_q), out_k.data_ptr(), pr.heads_q * pr.kv * 2, nullptr, 0,
+                           lse.data_ptr<float>(), 1, static_cast<int>(pr.heads_q),
+                           -std::numeric_limits<float>::infinity(), stream);
+  });
+  return {packed_output(out_k, pr.dv, q_in.scalar_type()), lse};
+}
+
+// bwd_varlen (schema: ops.cpp): the `tile` backward of a packed batch, one launch
+// per kernel; dq, dk, dv like q, k, v (contiguous), diag float32 [4, Hq, total_q]
+// (delta, eps, rowsum_pre, rowsum_post) with diagnostics, else [0]; tokens outside
+// every sequence get zero gradients (and zero diagnostics).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const c10::optional<at::Tensor>& seqused_q,
+    const c10::optional<at::Tensor>& seqused_k, double softmax_scale, bool causal, c10::string_view delta_mode,
+    int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
+    int64_t window_left, int64_t window_right) {
+  check_packed_scaling(scaling);
+  TORCH_CHECK_NOT_IMPLEMENTED(kVarlenBwdKernels, "fp8attn: bwd_varlen: the single-launch varlen backward kernels "
+                              "are not enabled in this build; varlen_attention runs the backward per sequence");
+  const Scaling recipe = check_bwd_scaling(scaling);
+  const at::Tensor q4 = packed_view(q_in, "q"), k4 = packed_view(k_in, "k"), v4 = packed_view(v_in, "v");
+  const at::Tensor do4 = packed_view(dout_in, "dout"), o4 = packed_view(out_in, "out");
+  const Problem pr = check_problem(q4, k4, v4, softmax_scale, "fp8", block_size);
+  TORCH_CHECK_NOT_IMPLEMENTED(pr.heads_q <= 65535, "fp8attn: argument 'q': the single-launch varlen kernels take "
+                              "num_heads_q <= 65535, got ", pr.heads_q, "; varlen_attention runs it per sequence");
+  const DeltaMode mode = parse_delta_mode(delta_mode);
+  const Fp8Format gfmt = parse_grad_format(grad_format);
+  const at::Device device = q_in.device();
+  check_cuda_tensor(dout_in, "dout", device);
+  check_cuda_tensor(out_in, "out", device);
+  const int64_t want_o[4] = {1, pr.heads_q, pr.seqlen_q, pr.dv};
+  for (int d = 0; d < 4; ++d) {
+    check_size(do4, d, want_o[d], "dout", "size");
+    check_size(o4, d, want_o[d], "out", "size");
+  }
+  TORCH_CHECK_VALUE(lse_in.defined() && lse_in.device() == device, "fp8attn: argument 'lse': expected a tensor on ",
+                    device);
+  TORCH_CHECK_TYPE(lse_in.scalar_type() == at::kFloat, "fp8attn: argument 'lse': expected float32, got ",
+                   lse_in.scalar_type());
+  TORCH_CHECK_VALUE(lse_in.dim() == 2 && lse_in.size(0) == pr.heads_q && lse_in.size(1) == pr.seqlen_q,
+                    "fp8attn: argument 'lse': expected shape [", pr.heads_q, ", ", pr.seqlen_q, "], got ",
+                    lse_in.sizes());
+  const WindowBounds win = effective_window(causal, window_left, window_right, pr.seqlen_q, pr.seqlen_k);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const auto opts = q_in.options();
+  const auto fopts = opts.dtype(at::kFloat);
+  const PackedBatch pb = packed_batch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, pr.seqlen_q, pr.seqlen_k,
+                                      device, stream);
+  at::Tensor diag = diagnostics ? at::empty({4, pr.heads_q, pr.seqlen_q}, fopts) : at::empty({0}, fopts);
+  if (pb.n == 0 || pr.empty() || pr.seqlen_k == 0)
+    return {at::zeros_like(q_in, at::MemoryFormat::Contiguous), at::zeros_like(k_in, at::MemoryFormat::Contiguous),
+            at::zeros_like(v_in, at::MemoryFormat::Contiguous), diag.zero_()};
+
+  const at::Tensor q = kernel_input(q4, pr.kqk), k = kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
+  const at::Tensor dout = kernel_input(do4, pr.kv), out = kernel_input(o4, pr.kv);
+  const at::Tensor lse = lse_in.contiguous();
+  const auto u8 = q.options().dtype(at::kByte);
+  const auto bopts = opts.dtype(at::kBFloat16);
+  const int64_t rq = pb.q_tiles * kSeqBlock, rk = pb.k_tiles * kSeqBlock;
+  const int64_t Hq = pr.heads_q, Hk = pr.heads_kv;
+  // Codes and scales in the padded layout (kernel_params_sm90.h, scaling == 1).
+  const at::Tensor q_row = at::empty({1, Hq, rq, pr.kqk}, u8), q_row_s = at::empty({1, Hq, rq}, fopts);
+  const at::Tensor q_colT = at::empty({1, Hq, pr.kqk, rq}, u8), q_col_s = at::empty({1, Hq, pb.q_tiles}, fopts);
+  const at::Tensor k_row = at::empty({1, Hk, rk, pr.kqk}, u8), k_colT = at::empty({1, Hk, pr.kqk, rk}, u8);
+  const at::Tensor k_row_s = at::empty({1, Hk, pb.k_tiles}, fopts);
+  const at::Tensor v_row = at::empty({1, Hk, rk, pr.kv}, u8), v_row_s = at::empty({1, Hk, pb.k_tiles}, fopts);
+  const at::Tensor do_row = at::empty({1, Hq, rq, pr.kv}, u8), do_row_s = at::empty({1, Hq, rq}, fopts);
+  const at::Tensor do_colT = at::empty({1, Hq, pr.kv, rq}, u8), do_col_s = at::empty({1, Hq, pb.q_tiles}, fopts);
+  const at::Tensor none;
+  TileQuantJob jobs[4] = {tile_job(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s),
+                          tile_job(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s),
+                          tile_job(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s),
+                          tile_job(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s)};
+  packed_job(jobs[0], pb, true);
+  packed_job(jobs[1], pb, false);
+  packed_job(jobs[2], pb, false);
+  packed_job(jobs[3], pb, true);
+  launch([&] { quantize_tilescale_bf16_sm90(jobs, 4, stream); });
+
+  // Workspace: per-row floats token-indexed [Hq, total_q]; dq_accum in padded rows.
+  const bool dm = mode == DeltaMode::kDeltaMatching;
+  at::Tensor delta = at::empty({1, Hq, pr.seqlen_q}, fopts), delta_dm = at::empty({1, Hq, pr.seqlen_q}, fopts);
+  at::Tensor lse_bwd = dm ? at::empty({1, Hq, pr.seqlen_q}, fopts) : at::Tensor();
+  at::Tensor dq_accum = at::zeros({1, Hq, sm90::dq_accum_rows(1, rq), pr.kqk}, fopts);
+  at::Tensor rowsum_ws = diagnostics ? at::zeros({4, 1, Hq, pr.seqlen_q}, fopts) : at::Tensor();
+  at::Tensor dq = at::empty({pr.seqlen_q, Hq, pr.kqk}, bopts);
+  at::Tensor dk = at::empty({pr.seqlen_k, Hk, pr.kqk}, bopts);
+  at::Tensor dv = at::empty({pr.seqlen_k, Hk, pr.kv}, bopts);
+
+  KernelParams kp{};
+  set_sizes(kp, pr, softmax_scale, win);
+  set_packed(kp, pb);
+  kp.delta_mode = static_cast<int>(mode);
+  kp.grad_format = static_cast<int>(gfmt);
+  kp.scaling = static_cast<int>(recipe);
+  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  set_input(out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
+  set_input(dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
+  kp.lse = lse.data_ptr<float>();
+  kp.dq = dq.data_ptr();
+  kp.dk = dk.data_ptr();
+  kp.dv = dv.data_ptr();
+  kp.q_row = q_row.data_ptr<uint8_t>();
+  kp.q_row_s = q_row_s.data_ptr<float>();
+  kp.k_row = k_row.data_ptr<uint8_t>();
+  kp.k_row_s = k_row_s.data_ptr<float>();
+  kp.v_row = v_row.data_ptr<uint8_t>();
+  kp.v_row_s = v_row_s.data_ptr<float>();
+  kp.do_row = do_row.data_ptr<uint8_t>();
+  kp.do_row_s = do_row_s.data_ptr<float>();
+  kp.q_colT = q_colT.data_ptr<uint8_t>();
+  kp.q_col_s = q_col_s.data_ptr<float>();
+  kp.k_colT = k_colT.data_ptr<uint8_t>();
+  kp.k_col_s = k_row_s.data_ptr<float>();  // one K_hat for #3 and #6
+  kp.do_colT = do_colT.data_ptr<uint8_t>();
+  kp.do_col_s = do_col_s.data_ptr<float>();
+  kp.delta = delta.data_ptr<float>();
+  kp.delta_dm = delta_dm.data_ptr<float>();
+  kp.lse_bwd = dm ? lse_bwd.data_ptr<float>() : nullptr;
+  kp.dq_accum = dq_accum.data_ptr<float>();
+  kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
+  kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
+  launch([&] { sm90::run_bwd(kp, stream); });
+  // Tokens outside every sequence: zero gradients and diagnostics.
+  launch([&] {
+    varlen_clear_gaps_sm90(kp.varlen_meta, 0, kp.num_seqs, kp.q_tiles_max, kp.k_tiles_max,
+                           static_cast<int>(pr.seqlen_q), dq.data_ptr(), Hq * pr.kqk * 2, nullptr, 0,
+                           diagnostics ? diag.data_ptr<float>() : nullptr, 4, static_cast<int>(Hq), 0.f, stream);
+    varlen_clear_gaps_sm90(kp.varlen_meta, 1, kp.num_seqs, kp.q_tiles_max, kp.k_tiles_max,
+                           static_cast<int>(pr.seqlen_k), dk.data_ptr(), Hk * pr.kqk * 2, dv.data_ptr(),
+                           Hk * pr.kv * 2, nullptr, 0, static_cast<int>(Hk), 0.f, stream);
+  });
+  const at::ScalarType dt = q_in.scalar_type();
+  return {packed_output(dq, pr.dqk, dt), packed_output(dk, pr.dqk, dt), packed_output(dv, pr.dv, dt), diag};
+}
+
 }  // namespace
 }  // namespace fp8attn
 
@@ -858,6 +1174,8 @@ TORCH_LIBRARY_IMPL(fp8attn, CUDA, m) {
   m.impl("quantize_blockwise", &fp8attn::quantize_blockwise_cuda);
   m.impl("quantize_tilescale", &fp8attn::quantize_tilescale_cuda);
   m.impl("quantize_tilescale_fwd", &fp8attn::quantize_tilescale_fwd_cuda);
+  m.impl("fwd_varlen", &fp8attn::fwd_varlen_cuda);
+  m.impl("bwd_varlen", &fp8attn::bwd_varlen_cuda);
   // CPU-only ops: a ValueError naming the argument (op_stubs.h), not torch's "Could not run".
   for (const char* name : {"fp8_encode", "fp8_decode", "dequantize_blockwise"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fp8attn::cpu_only_op>());

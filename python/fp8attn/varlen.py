@@ -36,7 +36,19 @@ sequence and empty sequences keep those values. The fake kernels give the
 output shapes from the input shapes alone. varlen_fwd is differentiable
 (register_autograd; the backward calls varlen_bwd and takes the diagnostics
 records). delta_mode, grad_format and layer_name are in varlen_fwd's schema only
-for its backward. A single-launch varlen kernel is future work.
+for its backward.
+
+Single launch (issue 19): CUDA tensors with scaling="tile" (precision "fp8", no
+qk_rotation / smooth_k / softcap, num_heads_q <= 65535) skip the host loop: the
+ops call fp8attn::fwd_varlen (and fp8attn::bwd_varlen once its kernels are
+enabled, else the backward loops per sequence), one launch per kernel for the
+whole packed batch, cu_seqlens / seqused read on the device only (no host sync,
+no per-sequence launches; hopper/varlen_sm90.h). Their values are then checked
+only with check=True (one host sync); unchecked bad values are clamped inside
+the tensors (never memory outside them) and give unspecified results for the
+sequences they describe. FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop
+(bit-identical forward; an A/B switch). Everything else (CPU tensors, the `row`
+recipe, the transforms) loops per sequence as described above.
 """
 from __future__ import annotations
 
@@ -46,7 +58,9 @@ from typing import List, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from . import _env
 from . import diagnostics as _diag
+from ._lib import HAS_CUDA_KERNELS
 from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op,
                   check_inputs, check_options, check_softcap, check_window_size, fwd_op, single_backward)
 
@@ -155,6 +169,22 @@ def _seq(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
     return t[begin:end].transpose(0, 1).unsqueeze(0)
 
 
+def _single_launch(q: torch.Tensor, precision: str, scaling: str, qk_rotation: str, smooth_k: bool,
+                   softcap: float) -> bool:
+    """Whether a packed batch runs the single-launch CUDA kernels (module
+    docstring); FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop."""
+    if _env.flag("FP8ATTN_VARLEN_LOOP", False):
+        return False
+    return (q.is_cuda and HAS_CUDA_KERNELS and precision == "fp8" and scaling == "tile" and qk_rotation == "none"
+            and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535)
+
+
+# NOTE: flips to True with the kernels behind fp8attn::bwd_varlen (csrc/torch/ops_cuda.cpp
+# kVarlenBwdKernels); until then the backward of a single-launch forward loops per sequence
+# (same LSE layout, same gradients as an all-loop run).
+_BWD_SINGLE_LAUNCH = False
+
+
 # ---- the ops -----------------------------------------------------------------
 
 
@@ -165,10 +195,20 @@ def varlen_fwd(
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    window_left: int = -1, window_right: int = -1,
+    window_left: int = -1, window_right: int = -1, check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
-    module docstring); precision is the op-level one ("fp8" or "exact")."""
+    module docstring); precision is the op-level one ("fp8" or "exact"). check:
+    the value checks of cu_seqlens / seqused / max_seqlen on the single-launch
+    path (the loop always checks: it reads the values anyway)."""
+    if _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
+        if check:
+            _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, seqused_q,
+                   seqused_k)
+        out, lse = torch.ops.fp8attn.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                softmax_scale, causal, block_size, scaling, window_left,
+                                                window_right)
+        return out, lse, lse.new_empty((0,))
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                    seqused_q, seqused_k)
     total_q, hq, dv = q.shape[0], q.shape[1], v.shape[2]
@@ -196,7 +236,8 @@ def varlen_fwd(
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
-                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1):
+                     smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1,
+                     check=True):
     total_q, hq, _ = q.shape
     return (q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32),
             q.new_empty((hq, total_q) if smooth_k else (0,), dtype=torch.float32))
@@ -209,7 +250,7 @@ def varlen_bwd(
     delta_mode: str, block_size: int, grad_format: str, diagnostics: bool, scaling: str = "row",
     qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    lse_t: Optional[torch.Tensor] = None, window_left: int = -1, window_right: int = -1,
+    lse_t: Optional[torch.Tensor] = None, window_left: int = -1, window_right: int = -1, check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
@@ -219,6 +260,12 @@ def varlen_bwd(
     from lse)."""
     if lse_t is not None and lse_t.numel() == 0:
         lse_t = None
+    if _BWD_SINGLE_LAUNCH and _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
+        if check:
+            _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
+        return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                            seqused_k, softmax_scale, causal, delta_mode, block_size, grad_format,
+                                            diagnostics, scaling, window_left, window_right)
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)
@@ -243,7 +290,7 @@ def varlen_bwd(
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
                      smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, lse_t=None, window_left=-1,
-                     window_right=-1):
+                     window_right=-1, check=True):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -262,10 +309,11 @@ def _varlen_setup_context(ctx, inputs, output):
     used_k = inputs[18] if len(inputs) > 18 else None
     softcap = inputs[19] if len(inputs) > 19 else 0.0
     window = (inputs[20] if len(inputs) > 20 else -1, inputs[21] if len(inputs) > 21 else -1)
+    check = inputs[22] if len(inputs) > 22 else True
     out, lse, lse_t = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
-                smooth_k, softcap, window, len(inputs))
+                smooth_k, softcap, window, check, len(inputs))
     ctx.mark_non_differentiable(lse, lse_t)
 
 
@@ -273,12 +321,12 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse, _dlse_t):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
-     softcap, window, n_inputs) = ctx.opts
+     softcap, window, check, n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
                                                     scaling, qk_rotation, smooth_k, used_q, used_k, softcap, lse_t,
-                                                    window[0], window[1])
+                                                    window[0], window[1], check)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -335,6 +383,7 @@ def varlen_attention(
     scaling: str = "row",
     qk_rotation: str = "none",
     smooth_k: bool = False,
+    check: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention over a packed batch of variable-length sequences (flash_attn varlen layout).
 
@@ -357,14 +406,25 @@ def varlen_attention(
             (resp. total_k). Tokens past the last entry are outside every
             sequence: their O rows are 0, their LSE is -inf, their dQ/dK/dV are
             0, and whatever they hold (even NaN) reaches no output or gradient.
-            Their values are read on the host inside the op fp8attn::varlen_fwd
-            (a sync if they live on the GPU; no graph break under torch.compile).
-            int32 holds totals up to 2^31 - 1 tokens; use int64 beyond. Each
-            sequence is one fwd / bwd op call, with that op's limits (on CUDA:
-            any number of heads, seqlen < 2^30; tensors of 2^31+ elements).
+            Single-launch path (CUDA, scaling="tile", module docstring): read
+            on the device only (no host sync), totals < 2^30 tokens; their
+            values are checked only with check=True. Otherwise their values are
+            read on the host inside the op fp8attn::varlen_fwd (a sync if they
+            live on the GPU; no graph break under torch.compile) and always
+            checked; each sequence is one fwd / bwd op call, with that op's
+            limits (on CUDA: any number of heads, seqlen < 2^30; tensors of
+            2^31+ elements). int32 holds totals up to 2^31 - 1 tokens; use
+            int64 beyond.
         max_seqlen_q, max_seqlen_k: optional ints; must be >= the longest
-            sequence (ValueError otherwise, raised when the op runs).
-            Informative only.
+            sequence (ValueError otherwise, raised when the op checks the
+            values). Upper bounds only: the kernels do not need them.
+        check: (single-launch path) check the values of cu_seqlens, seqused
+            and max_seqlen at one host sync, raising the ValueErrors below.
+            Default False: no sync; values that break the rules then give
+            unspecified results for the sequences they describe, but never a
+            read or write outside the tensors or a crash (they are clamped:
+            starts into [0, total], ends into [start, total], seqused into
+            [0, length]). The per-sequence path always checks.
         causal, softmax_scale, delta_mode, precision, block_size, grad_format,
         layer_name, scaling ("row" or "tile", numerics.md section 9),
         qk_rotation, smooth_k (section 10; smooth_k subtracts each sequence's
@@ -411,14 +471,15 @@ def varlen_attention(
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype
             (cu_seqlens must be int32/int64), a wrongly typed option (as in
-            `fp8attn.attention`: causal / return_lse, softmax_scale, layer_name).
+            `fp8attn.attention`: causal / return_lse / check, softmax_scale, layer_name).
         ValueError: wrong rank, mismatched shapes/heads/devices, cu_seqlens_q and
             cu_seqlens_k of different lengths (batch), a cu_seqlens that does
             not start at 0, decreases or exceeds the total token count,
             max_seqlen below the real maximum, a bad option value. The message
             names the argument. The errors that depend on cu_seqlens values
-            (start, order, last entry, max_seqlen) come from inside the op, so
-            under torch.compile they are raised when the compiled code runs.
+            (start, order, last entry, max_seqlen) come from inside the op
+            (on the single-launch path only with check=True), so under
+            torch.compile they are raised when the compiled code runs.
         RuntimeError: (in backward) a backward with create_graph=True while an
             input requires grad: double backward is not supported.
 
@@ -467,9 +528,11 @@ def varlen_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
+    if not isinstance(check, (bool, np.bool_)):
+        raise TypeError(_err(_FN, "check", f"must be a bool, got {type(check).__name__}"))
     out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
                                             scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap,
-                                            window[0], window[1])
+                                            window[0], window[1], bool(check))
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

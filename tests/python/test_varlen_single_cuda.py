@@ -1,0 +1,227 @@
+"""GPU tests of the single-launch packed-batch path (issue 19; csrc/hopper/varlen_sm90.h):
+`varlen_attention` on CUDA tensors with scaling="tile" runs fp8attn::fwd_varlen,
+one launch per kernel for the whole packed batch (metadata, quantization, the
+tile forward, gap clearing), cu_seqlens read on the device only.
+
+What is checked, on fresh random inputs, every element:
+  - the forward is bit-identical to the per-sequence loop (FP8ATTN_VARLEN_LOOP=1:
+    one dense `fwd` call per sequence, whose kernels test_tile_cuda.py checks
+    against the CPU reference), over sequence lengths 0, 1, 127, 128, 129 and
+    several tiles, seqlen_q != seqlen_k per sequence, GQA, causal both ways,
+    sliding windows, every kernel head_dim (64, 128, 192/128, 256, and a padded
+    96), seqused_q / seqused_k, int64 cu_seqlens, more than 1024 sequences (the
+    metadata kernel's scan rounds), float32 / float16 inputs;
+  - against the CPU reference's `tile` path (numerics.md section 6 tolerance);
+  - tokens outside every sequence: O = 0, LSE = -inf, NaN stored there reaches
+    nothing (outputs are poisoned with NaN first, so an unwritten row fails);
+  - no host sync with check=False (torch.cuda.set_sync_debug_mode("error")),
+    check=True raises the value errors, and cu_seqlens that break the rules
+    (decreasing, past the total, negative) neither crash nor corrupt the context;
+  - torch.compile(fullgraph=True) traces it, new cu_seqlens values do not
+    recompile;
+  - the backward through the single-launch forward (per sequence until the
+    backward kernels are enabled) equals the all-loop gradients (dK / dV bitwise;
+    dQ to the dQ reduce-add's run-to-run tolerance).
+Skips cleanly without a GPU or without the CUDA kernels.
+Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_varlen_single_cuda.py
+"""
+import random
+
+import pytest
+import torch
+
+import fp8attn
+from test_cuda import check_close  # noqa: F401 (skips the module without a GPU, as test_tile_cuda.py)
+from test_cuda_bwd import needs_gpu, poison_cuda_allocator
+
+pytestmark = [pytest.mark.gpu, needs_gpu]
+
+
+@pytest.fixture(autouse=True)
+def _defaults(monkeypatch):
+    for knob in ("FP8ATTN_TILE_FWD", "FP8ATTN_TILE_BWD", "FP8ATTN_TILE_PINGPONG", "FP8ATTN_TILE_PERSISTENT",
+                 "FP8ATTN_VARLEN_LOOP"):
+        monkeypatch.delenv(knob, raising=False)
+
+
+def cu(lens, dtype=torch.int32):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=dtype, device="cuda")
+
+
+def packed(lens_q, lens_k, hq=4, hkv=2, d=128, dv=None, tail_q=0, tail_k=0, dtype=torch.bfloat16, seed=0):
+    dv = d if dv is None else dv
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    tq, tk = sum(lens_q) + tail_q, sum(lens_k) + tail_k
+    q = torch.randn(tq, hq, d, generator=g).to(dtype).cuda()
+    k = torch.randn(tk, hkv, d, generator=g).to(dtype).cuda()
+    v = torch.randn(tk, hkv, dv, generator=g).to(dtype).cuda()
+    return q, k, v
+
+
+def fwd(q, k, v, cq, ck, loop, monkeypatch, **kw):
+    """O, LSE of varlen_attention with the single-launch path (loop=False) or
+    the per-sequence loop; outputs start as NaN (poisoned allocator)."""
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "1" if loop else "0")
+    poison_cuda_allocator([((q.shape[0], q.shape[1], v.shape[2]), torch.bfloat16),
+                           ((q.shape[1], q.shape[0]), torch.float32)])
+    kw.setdefault("scaling", "tile")
+    out, lse = fp8attn.varlen_attention(q, k, v, cq, ck, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def assert_same_as_loop(q, k, v, cq, ck, monkeypatch, **kw):
+    o1, l1 = fwd(q, k, v, cq, ck, False, monkeypatch, **kw)
+    o2, l2 = fwd(q, k, v, cq, ck, True, monkeypatch, **kw)
+    assert not torch.isnan(o1).any() and not torch.isnan(l1).any(), "NaN (an unwritten row?)"
+    assert o1.shape == o2.shape and o1.dtype == o2.dtype and o1.is_contiguous()
+    assert torch.equal(o1, o2), f"O differs from the per-sequence loop: max |d| {(o1.float() - o2.float()).abs().max()}"
+    assert torch.equal(l1, l2), "LSE differs from the per-sequence loop"
+    return o1, l1
+
+
+LENS = [
+    ([130, 0, 257, 9, 64], [200, 12, 257, 0, 64]),          # empty sides, seqlen_q != seqlen_k
+    ([1, 127, 128, 129, 1], [1, 127, 128, 129, 300]),      # tile edges
+    ([700, 5, 384], [700, 900, 2]),                        # several tiles, keys far past queries
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", range(len(LENS)))
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (96, 96)])
+def test_fwd_bitwise_as_per_sequence(causal, lens, dims, monkeypatch):
+    lens_q, lens_k = LENS[lens]
+    q, k, v = packed(lens_q, lens_k, d=dims[0], dv=dims[1], tail_q=3, tail_k=2, seed=lens)
+    cq, ck = cu(lens_q), cu(lens_k)
+    q[-3:] = float("nan")  # outside every sequence
+    k[-2:] = float("nan")
+    out, lse = assert_same_as_loop(q, k, v, cq, ck, monkeypatch, causal=causal)
+    assert (out[-3:] == 0).all() and (lse[:, -3:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 100), (0, 129), (300, -1), (-1, 40), (5, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_windows_bitwise_as_per_sequence(window, causal, monkeypatch):
+    lens_q, lens_k = [300, 1, 513, 0, 200], [250, 40, 513, 7, 600]
+    q, k, v = packed(lens_q, lens_k, hq=4, hkv=1, d=128, seed=11)
+    assert_same_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=causal, window_size=window)
+
+
+def test_fwd_seqused_int64_and_gqa(monkeypatch):
+    lens = [300, 129, 0, 600, 50]
+    q, k, v = packed(lens, lens, hq=8, hkv=2, d=128, tail_q=10, tail_k=10, seed=3)
+    used_q = torch.tensor([200, 129, 0, 1, 50], device="cuda")
+    used_k = torch.tensor([300, 5, 0, 600, 0], device="cuda", dtype=torch.int32)
+    cq, ck = cu(lens, torch.int64), cu(lens, torch.int64)
+    out, lse = assert_same_as_loop(q, k, v, cq, ck, monkeypatch, causal=True, seqused_q=used_q, seqused_k=used_k)
+    # Unused query tokens are outside every sequence: O = 0, LSE = -inf.
+    assert (out[200:300] == 0).all() and (lse[:, 200:300] == float("-inf")).all()
+
+
+def test_fwd_many_sequences(monkeypatch):
+    # > 1024 sequences: the metadata kernel's scan runs several rounds.
+    rng = random.Random(5)
+    lens_q = [rng.choice([0, 1, 3, 17, 64, 130]) for _ in range(2100)]
+    lens_k = [n if rng.random() < 0.7 else rng.choice([0, 9, 200]) for n in lens_q]
+    q, k, v = packed(lens_q, lens_k, hq=2, hkv=1, d=64, seed=9)
+    assert_same_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fwd_float_inputs(dtype, monkeypatch):
+    lens = [200, 77, 300]
+    q, k, v = packed(lens, lens, d=128, dtype=dtype, seed=4)
+    out, _ = assert_same_as_loop(q, k, v, cu(lens), cu(lens), monkeypatch, causal=True)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_against_cpu_reference(causal, monkeypatch):
+    lens_q, lens_k = [130, 0, 257, 9], [200, 12, 257, 300]
+    q, k, v = packed(lens_q, lens_k, d=128, seed=21)
+    cq, ck = cu(lens_q), cu(lens_k)
+    out, lse = fwd(q, k, v, cq, ck, False, monkeypatch, causal=causal)
+    o_cpu, l_cpu = fp8attn.varlen_attention(q.cpu(), k.cpu(), v.cpu(), cq.cpu(), ck.cpu(), causal=causal,
+                                            scaling="tile", return_lse=True)
+    o_ex, l_ex = fp8attn.varlen_attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), cq.cpu(), ck.cpu(),
+                                          causal=causal, precision="exact", return_lse=True)
+    check_close("O", out.cpu(), o_cpu, o_ex, f"varlen causal={causal}")
+    check_close("LSE", lse.cpu(), l_cpu, l_ex, f"varlen causal={causal}")
+
+
+def test_no_host_sync_and_checks(monkeypatch):
+    lens = [300, 0, 129]
+    q, k, v = packed(lens, lens, d=64, seed=2)
+    cq = cu(lens)
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "0")
+    fp8attn.varlen_attention(q, k, v, cq, cq, causal=True, scaling="tile")  # warm-up (allocator, lazy init)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8attn.varlen_attention(q, k, v, cq, cq, causal=True, scaling="tile")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # check=True: the value errors of the loop path (one sync).
+    bad = torch.tensor([0, 300, 200, 429], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        fp8attn.varlen_attention(q, k, v, bad, cq, scaling="tile", check=True)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fp8attn.varlen_attention(q, k, v, cq, cq, 100, None, scaling="tile", check=True)
+    with pytest.raises(TypeError, match="check"):
+        fp8attn.varlen_attention(q, k, v, cq, cq, scaling="tile", check=1)
+
+
+@pytest.mark.parametrize("cu_bad", [[0, 300, 200, 429], [0, 5000, 6000, 7000], [-50, 10, 429, 429],
+                                    [0, 2**31 - 1, 0, -(2**31)]])
+def test_unchecked_bad_cu_seqlens_stay_inside(cu_bad, monkeypatch):
+    # Unchecked values that break the rules: clamped inside the tensors (no crash,
+    # no illegal address: the CUDA context still works afterwards).
+    lens = [300, 0, 129]
+    q, k, v = packed(lens, lens, d=64, seed=8)
+    bad = torch.tensor(cu_bad, device="cuda", dtype=torch.int64)
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "0")
+    out = fp8attn.varlen_attention(q, k, v, bad, bad, causal=True, scaling="tile")
+    torch.cuda.synchronize()
+    assert out.shape == (q.shape[0], 4, 64)
+    assert torch.isfinite(torch.ones(3, device="cuda").sum())  # the context is alive
+
+
+def test_torch_compile_no_recompile(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "0")
+    lens_a, lens_b = [300, 0, 129], [100, 200, 129]
+    q, k, v = packed(lens_a, lens_a, d=64, seed=6)
+
+    def f(q, k, v, cq, ck):
+        return fp8attn.varlen_attention(q, k, v, cq, ck, causal=True, scaling="tile")
+
+    g = torch.compile(f, fullgraph=True)
+    out_a = g(q, k, v, cu(lens_a), cu(lens_a))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out_b = g(q, k, v, cu(lens_b), cu(lens_b))
+    assert torch.equal(out_a, f(q, k, v, cu(lens_a), cu(lens_a)))
+    assert torch.equal(out_b, f(q, k, v, cu(lens_b), cu(lens_b)))
+
+
+def test_backward_through_single_launch_forward(monkeypatch):
+    lens_q, lens_k = [300, 0, 129, 5], [250, 12, 129, 300]
+    q, k, v = packed(lens_q, lens_k, d=128, tail_q=4, seed=13)
+    cq, ck = cu(lens_q), cu(lens_k)
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], device="cuda").to(torch.bfloat16)
+    grads = []
+    for loop in ("0", "1"):
+        monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", loop)
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        fp8attn.varlen_attention(qq, kk, vv, cq, ck, causal=True, scaling="tile").backward(dout)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = grads
+    for g in (dq1, dk1, dv1):
+        assert torch.isfinite(g).all()
+    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
+    rel = (dq1.float() - dq2.float()).norm() / dq2.float().norm()
+    assert rel.item() < 1e-3, f"dQ: {rel.item():.3g}"
+    assert (dq1[-4:] == 0).all()
