@@ -31,8 +31,9 @@ TORCH_LIBRARY(fp8attn, m) {
   // the forward's (global) lse.
   // window_left / window_right (every attention op; appended last so positional
   // callers keep working): FlashAttention's window_size, numerics.md section 14;
-  // -1 = unbounded, causal forces window_right = 0. CUDA: NotImplementedError
-  // naming window_size unless the window masks nothing beyond causal.
+  // -1 = unbounded, causal forces window_right = 0. CUDA: scaling "tile" takes any
+  // window; scaling "row" raises NotImplementedError naming window_size unless the
+  // window masks nothing beyond causal.
   m.def(
       "bwd_dm_sums(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, float softmax_scale, bool causal, "
       "int block_size, str grad_format, str scaling=\"row\", float softcap=0.0, int window_left=-1, "

@@ -1,4 +1,4 @@
-// fp8attn: CUDA implementations of the ops `fwd`, `bwd` and `quantize_blockwise`
+// fp8attn: CUDA implementations of the ops `fwd`, `bwd`, `fwd_varlen`, `bwd_varlen` and the quantizations
 // (schemas in ops.cpp, semantics in docs/architecture.md and docs/numerics.md).
 // Built only with FP8ATTN_BUILD_CUDA=1 (sm_90a kernels in csrc/hopper/).
 //
@@ -42,8 +42,12 @@
 //        K (per tile), V (per tile, transposed) -> run_fwd_tile (numerics.md s.9).
 //        The CUDA backward of "tile" (same quantizations plus Q, dO per tile
 //        transposed, K transposed, V per tile -> run_bwd with scaling = tile)
-//        runs only with FP8ATTN_TILE_BWD=1 (experimental, unvalidated), else
-//        NotImplementedError naming `scaling`.
+//        runs by default; FP8ATTN_TILE_BWD=0 makes it raise NotImplementedError
+//        naming `scaling`.
+//   fwd_varlen / bwd_varlen (packed batches, scaling "tile"): metadata from
+//        cu_seqlens on the device -> the same quantizations into the padded
+//        layout -> run_fwd_tile / run_bwd with num_seqs > 0 -> clear the tokens
+//        outside every sequence (hopper/varlen_sm90.h).
 //   bwd: [pad / convert Q, K, V, O, dO] -> quantize Q, K, dO (row and column), V (row) -> allocate the backward
 //        workspace (delta, delta_dm, lse_bwd for delta_matching, zeroed dq_accum, zeroed rowsum_ws when
 //        diagnostics) -> run_bwd (csrc/hopper/bwd_sm90.h) -> [slice / convert dQ, dK, dV].
