@@ -45,6 +45,11 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
   const uint32_t sbase = pipe::smem_u32(smem);
   const uint32_t bar = sbase + T::kOffBar;
 
+  // A padded query tile no sequence owns (one CTA per tile): the whole CTA
+  // leaves at once (the persistent order runs such tiles as empty work tiles).
+  if constexpr (kVarlen && !kPersistent) {
+    if (varlen_qtile_seq(p, tile_of().m_tile) < 0) return;
+  }
   if (threadIdx.x == 0) tile_init_bars<T::kStages>(bar);
   __syncthreads();
 

@@ -88,12 +88,13 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
   int src0 = t0, n_valid = min(kSeqBlock, j.seqlen - t0);
   if (j.tile_seq != nullptr) {
     const int s = j.tile_seq[sblk];
-    n_valid = 0;
-    if (s >= 0) {
-      const int lt = sblk - j.tiles[s];
-      src0 = j.tok[s] + lt * kSeqBlock;
-      n_valid = max(0, min(kSeqBlock, j.len[s] - lt * kSeqBlock));
-    }
+    // NOTE: a padded tile no sequence owns is never read (the kernels read only
+    // their sequences' tiles): nothing to write. Up to num_seqs of them per head
+    // (the tile bound's slack): with short documents as many as real tiles.
+    if (s < 0) return;
+    const int lt = sblk - j.tiles[s];
+    src0 = j.tok[s] + lt * kSeqBlock;
+    n_valid = max(0, min(kSeqBlock, j.len[s] - lt * kSeqBlock));
   }
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int u = lane % G::kLanes, rsub = lane / G::kLanes;

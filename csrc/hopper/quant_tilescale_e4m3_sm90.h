@@ -57,8 +57,8 @@ struct TileQuantJob {
   // 128; seqlen_pad equal to it): the CTA of padded tile t quantizes tokens
   // [tok[s] + 128 (t - tiles[s]), ...) of sequence s = tile_seq[t], at most
   // len[s] - 128 (t - tiles[s]) of them, into rows 128 t + r; its other rows
-  // (and every row of a tile no sequence owns) are zero tokens: code 0, the
-  // scale of a zero block. Pointers into the metadata of one side (q or k).
+  // are zero tokens: code 0, the scale of a zero block. A tile no sequence owns
+  // is not written (no kernel reads it). Pointers into the metadata of one side.
   const int* tile_seq = nullptr;  // nullptr: a dense operand
   const int* tiles = nullptr;
   const int* tok = nullptr;
