@@ -26,6 +26,7 @@
 #include "hopper/bwd_tile_sm90.cuh"
 #include "hopper/bwd_tilescale_sm90.h"
 #include "hopper/launch_sm90.h"
+#include "hopper/scheduler_sm90.cuh"
 
 namespace fp8attn {
 namespace sm90 {
@@ -441,16 +442,31 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_main_kernel(const KernelParam
 }
 
 // delta for stale (<dO_i, O_i>, BF16 operands) or matched_do (<dO_hat_i, O_i>,
-// decoded row-blocked dO), FP32 sums; one warp per row.
-template <bool kMatched>
+// decoded row-blocked dO), FP32 sums; one warp per row. kVarlen (a packed
+// batch, `tile` only, varlen_sm90.h): one warp per padded row of
+// [Hq, seqlen_q_pad] (the dO codes' and scales' row), its token row
+// (h total_q + token) for O, dO and delta; padding rows have no warp's work.
+template <bool kMatched, bool kVarlen>
 __global__ void bwd_delta_kernel(const KernelParams p) {
-  const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * (kVarlen ? p.seqlen_q_pad : p.seqlen_q);
+  int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= n_rows) return;
-  const int s = static_cast<int>(row % p.seqlen_q);
-  const int64_t bh = row / p.seqlen_q;
-  const int h = static_cast<int>(bh % p.num_heads_q), b = static_cast<int>(bh / p.num_heads_q);
+  int64_t code_row = row;  // the row of do_row / do_row_s
+  int s, h, b;
+  if constexpr (kVarlen) {
+    h = static_cast<int>(row / p.seqlen_q_pad);
+    b = 0;
+    SeqInfo si;
+    int local;
+    if (!varlen_q_row(p, row - int64_t{h} * p.seqlen_q_pad, si, local)) return;  // warp-uniform
+    s = static_cast<int>(si.tok_q) + local;
+    row = int64_t{h} * p.seqlen_q + s;
+  } else {
+    s = static_cast<int>(row % p.seqlen_q);
+    const int64_t bh = row / p.seqlen_q;
+    h = static_cast<int>(bh % p.num_heads_q), b = static_cast<int>(bh / p.num_heads_q);
+  }
   const int dv = p.head_dim_v, nb = num_dim_blocks(dv);
   const __nv_bfloat16* o = static_cast<const __nv_bfloat16*>(p.o) + b * p.o_sb + s * p.o_ss + h * p.o_sh;
   const __nv_bfloat16* d = static_cast<const __nv_bfloat16*>(p.dout) + b * p.do_sb + s * p.do_ss + h * p.do_sh;
@@ -460,8 +476,9 @@ __global__ void bwd_delta_kernel(const KernelParams p) {
     float x;
     if constexpr (kMatched) {
       // `tile` (numerics.md section 9): one dO scale per row over all of dv.
-      const int64_t si = p.scaling == static_cast<int>(Scaling::kTile) ? row : row * nb + c / dim_block(dv);
-      x = fp8_decode(p.do_row[row * dv + c], fmt) * p.do_row_s[si];
+      const int64_t si =
+          p.scaling == static_cast<int>(Scaling::kTile) ? code_row : code_row * nb + c / dim_block(dv);
+      x = fp8_decode(p.do_row[code_row * dv + c], fmt) * p.do_row_s[si];
     } else {
       x = __bfloat162float(d[c]);
     }
@@ -485,18 +502,33 @@ __global__ void bwd_dq_convert_kernel(const float* __restrict__ acc, __nv_bfloat
 
 // diag [4, B, Hq, Sq] = (delta, eps, rowsum_pre, rowsum_post) from delta,
 // delta_dm and the row-sum workspace; rows that see no key get zeros.
+// kVarlen (a packed batch, varlen_sm90.h): diag [4, Hq, total_q]; one thread
+// per padded row of [Hq, seqlen_q_pad], the rows of a sequence at its token
+// rows with its own lengths (window); padding rows write nothing.
+template <bool kVarlen>
 __global__ void bwd_diag_finish_kernel(const KernelParams p) {
   const int64_t n = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int qi = 0, seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k;  // the query within its sequence, its lengths
+  if constexpr (kVarlen) {
+    if (i >= int64_t{p.num_heads_q} * p.seqlen_q_pad) return;
+    const int h = static_cast<int>(i / p.seqlen_q_pad);
+    SeqInfo si;
+    if (!varlen_q_row(p, i - int64_t{h} * p.seqlen_q_pad, si, qi)) return;
+    seqlen_q = si.seqlen_q;
+    seqlen_k = si.seqlen_k;
+    i = int64_t{h} * p.seqlen_q + si.tok_q + qi;
+  } else {
+    if (i >= n) return;
+  }
   const float* ws = p.rowsum_ws;
   const bool empty = p.lse[i] == -INFINITY;
   const float delta = p.delta[i];
   // NOTE: a row that sees < 2 keys has dS == 0 in exact arithmetic; its ratio
   // would only measure rounding noise, so it reports 0 (numerics.md section 7).
   // The keys it sees: its window (numerics.md section 14; causal: (-1, 0)).
-  const int qi = static_cast<int>(i % p.seqlen_q);
-  const IndexRange keys = window_keys(qi, qi + 1, p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+  if constexpr (!kVarlen) qi = static_cast<int>(i % p.seqlen_q);
+  const IndexRange keys = window_keys(qi, qi + 1, seqlen_q, seqlen_k, p.window_left, p.window_right);
   const int nvis = keys.end - keys.begin;
   const bool no_ratio = empty || nvis < 2;
   p.diag[i] = empty ? 0.f : delta;
@@ -562,6 +594,24 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
     throw std::runtime_error("fp8attn: argument 'num_heads_q': must be a multiple of num_heads_kv");
   if ((p.diag == nullptr) != (p.rowsum_ws == nullptr))
     throw std::runtime_error("fp8attn: argument 'diag': diag and rowsum_ws must both be set or both null");
+  // A packed batch (varlen_sm90.h): the `tile` kernels' kVarlen instantiations,
+  // one launch each (heads and kv heads x slices <= 65535: never chunked,
+  // launch_sm90.h at_chunk); the padded rows are whole tiles per head.
+  const bool varlen = p.num_seqs > 0;
+  if (varlen) {
+    if (p.scaling != static_cast<int>(Scaling::kTile))
+      throw std::invalid_argument("fp8attn: run_bwd: a packed (varlen) batch needs the `tile` recipe (scaling 1); "
+                                  "the `row` backward is dense-only");
+    if (p.prepass_sums)
+      throw std::invalid_argument("fp8attn: run_bwd: 'prepass_sums' (the sharded pre-pass) is dense-only");
+    if (p.batch != 1 || p.varlen_meta == nullptr || p.num_heads_q > kMaxGridYZ ||
+        int64_t{p.num_heads_kv} * bwdts::slices(p.head_dim_qk, p.head_dim_v) > kMaxGridYZ || p.q_tiles_max <= 0 ||
+        p.k_tiles_max <= 0 || p.seqlen_q_pad != int64_t{p.q_tiles_max} * kTile ||
+        p.seqlen_k_pad != int64_t{p.k_tiles_max} * kTile)
+      throw std::runtime_error(
+          "fp8attn: run_bwd: a packed batch needs batch 1, its metadata, heads (and kv heads x slices) <= 65535 and "
+          "seqlen_*_pad = *_tiles_max * 128");
+  }
   if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;  // nothing to compute
   if (p.seqlen_k == 0)
     throw std::runtime_error("fp8attn: argument 'seqlen_k': the CUDA backward needs seqlen_k >= 1");
@@ -572,6 +622,8 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   const bool dm = p.delta_mode == static_cast<int>(DeltaMode::kDeltaMatching);
   const bool tile = p.scaling == static_cast<int>(Scaling::kTile);
   const int64_t n_rows = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q;
+  // The row kernels below (delta, diagnostics) of a packed batch walk the padded rows.
+  const int64_t n_rows_k = varlen ? static_cast<int64_t>(p.num_heads_q) * p.seqlen_q_pad : n_rows;
 
   // 1. delta: Delta-Matching pre-pass (also for eps diagnostics) and/or the row delta.
   // NOTE: the pre-pass and the main kernel must be the same family (`tile`
@@ -591,11 +643,11 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   if ((dm && !p.delta_given) || p.diag != nullptr) prepass(p, stream);
   if (!dm) {
     const int rows_per_block = 8;
-    const dim3 grid(static_cast<unsigned>((n_rows + rows_per_block - 1) / rows_per_block));
-    if (p.delta_mode == static_cast<int>(DeltaMode::kMatchedDO))
-      bwd_delta_kernel<true><<<grid, 32 * rows_per_block, 0, stream>>>(p);
-    else
-      bwd_delta_kernel<false><<<grid, 32 * rows_per_block, 0, stream>>>(p);
+    const dim3 grid(static_cast<unsigned>((n_rows_k + rows_per_block - 1) / rows_per_block));
+    const bool matched = p.delta_mode == static_cast<int>(DeltaMode::kMatchedDO);
+    auto delta_kernel = varlen ? (matched ? bwd_delta_kernel<true, true> : bwd_delta_kernel<false, true>)
+                               : (matched ? bwd_delta_kernel<true, false> : bwd_delta_kernel<false, false>);
+    delta_kernel<<<grid, 32 * rows_per_block, 0, stream>>>(p);
     check_launch("bwd delta kernel");
   }
   // 2. main backward: dK, dV, dq_accum (+ row-sum workspace). Delta-Matching
@@ -616,7 +668,8 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   }
   // 4. diagnostics.
   if (p.diag != nullptr) {
-    bwd_diag_finish_kernel<<<static_cast<unsigned>((n_rows + 255) / 256), 256, 0, stream>>>(p);
+    auto diag_kernel = varlen ? bwd_diag_finish_kernel<true> : bwd_diag_finish_kernel<false>;
+    diag_kernel<<<static_cast<unsigned>((n_rows_k + 255) / 256), 256, 0, stream>>>(p);
     check_launch("bwd diagnostics kernel");
   }
 }

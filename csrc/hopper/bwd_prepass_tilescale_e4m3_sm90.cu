@@ -28,6 +28,14 @@
 // sees (causal, a window, ragged seqlen_k, sub-tile past seqlen_q):
 // warpgroup-uniform, so its wgmmas stay collective; it changes no sum (a
 // masked element adds exact zeros: P = 0 and P dP_hat masked).
+//
+// kVarlen (a packed batch, varlen_sm90.h): the grid's x runs over the padded
+// query tiles of all sequences (v1: two CTAs per 128-row tile), each CTA's
+// sequence from the metadata; its lengths, windows and key tiles are the
+// sequence's own (a dense call on it alone), its codes and scales at the
+// sequence's padded rows (row_q, row_k), LSE and the outputs at its token rows
+// (tok_q). A CTA past its sequence's queries, or of a tile no sequence owns,
+// has no work and returns at once.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -51,14 +59,45 @@ using bwdts::kSubQ;
 
 // ---- the fills both variants share -----------------------------------------------------
 
+// Where a pre-pass CTA's sequence lies in the arrays (mainloop_bwd_tilescale_sm90.cuh
+// "sequence bounds"): rows per head row (the pointer of head row bh: base +
+// bh * rows) of the query-side codes and per-token scales (q_row, do_row,
+// q_row_s, do_row_s), of the key-side codes (k_row, v_row), of the per-row
+// floats (LSE, delta, delta_dm, lse_bwd) and tiles per head row of the K / V
+// scales; the sequence's first row or tile in each is added to the 32-bit
+// positions. Dense: the [B, H, S] layouts of kernel_params_sm90.h, offsets 0
+// (the kernels' expressions before kVarlen); packed: the padded rows
+// (seqlen_*_pad = *_tiles_max * 128 per head, run_bwd checks) and the tokens
+// of varlen_sm90.h.
+template <bool kVarlen>
+struct PrepassRows {
+  static __device__ __forceinline__ int64_t q_rows(const KernelParams& p, int Sq) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_q_pad) : static_cast<int64_t>(Sq);
+  }
+  static __device__ __forceinline__ int64_t k_rows(const KernelParams& p, int Sk) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_k_pad) : static_cast<int64_t>(Sk);
+  }
+  static __device__ __forceinline__ int64_t q_toks(const KernelParams& p, int Sq) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_q) : static_cast<int64_t>(Sq);
+  }
+  static __device__ __forceinline__ int64_t k_tiles(const KernelParams& p, int nblk_k) {
+    return kVarlen ? static_cast<int64_t>(p.k_tiles_max) : static_cast<int64_t>(nblk_k);
+  }
+  // The sequence's first row: codes (q_row0, k_row0), per-row floats (q_tok0).
+  static __device__ __forceinline__ int q_row0(const SeqInfo& si) { return kVarlen ? static_cast<int>(si.row_q) : 0; }
+  static __device__ __forceinline__ int k_row0(const SeqInfo& si) { return kVarlen ? static_cast<int>(si.row_k) : 0; }
+  static __device__ __forceinline__ int q_tok0(const SeqInfo& si) { return kVarlen ? static_cast<int>(si.tok_q) : 0; }
+};
+
 // Key tile `it` (K, V rows in k_of_row order) into stage it % L::kStages: all
-// threads, cp.async (L: the variant's layout, kK / kKStage / kV).
+// threads, cp.async (L: the variant's layout, kK / kKStage / kV). Head row
+// bhk of k_rows code rows, the sequence's keys from row k_row0 (PrepassRows).
 template <class L, int DQK, int DV>
-__device__ __forceinline__ void prepass_issue_keys(uint8_t* smem, const KernelParams& p, int64_t bhk, int Sk,
-                                                   int it) {
+__device__ __forceinline__ void prepass_issue_keys(uint8_t* smem, const KernelParams& p, int64_t bhk, int64_t k_rows,
+                                                   int k_row0, int Sk, int it) {
   uint8_t* st = smem + L::kK + (it % L::kStages) * L::kKStage;
-  cp_rows<DQK, false, kTile>(st, p.k_row + bhk * Sk * DQK, it * kTile, Sk);
-  cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * Sk * DV, it * kTile, Sk);
+  cp_rows<DQK, false, kTile>(st, p.k_row + bhk * k_rows * DQK, k_row0 + it * kTile, k_row0 + Sk);
+  cp_rows<DV, false, kTile>(st + L::kV, p.v_row + bhk * k_rows * DV, k_row0 + it * kTile, k_row0 + Sk);
 }
 // The top of key tile `it` (of the CTA's [.., it_end)): its copies visible to
 // every thread (which are done with the other stage); with two stages, tile
@@ -95,24 +134,34 @@ struct PrepassLayout {
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
 
-template <int DQK, int DV, int FMT>
+template <int DQK, int DV, int FMT, bool kVarlen>
 __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(const KernelParams p) {
   using L = PrepassLayout<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_aligned_1024(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + L::kF);
 
-  const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
-  const SeqLens sl = seq_lens(p, b);
-  const int Sq = sl.q, Sk = sl.k;
+  int m_tile = blockIdx.x;
+  const int hq = blockIdx.y, b = blockIdx.z;
+  SeqInfo si;
+  if constexpr (kVarlen) {
+    // Two 64-query CTAs per padded 128-row tile; m_tile: the sequence's own.
+    si = varlen_seq_info(p, varlen_qtile_seq(p, m_tile / (kTile / kPreQ)));
+    m_tile -= static_cast<int>(si.row_q / kPreQ);
+  } else {
+    si = seq_info(p, b);
+  }
+  const int Sq = si.seqlen_q, Sk = si.seqlen_k;
   const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
   const int nblk_k = (Sk + kTile - 1) / kTile;
   const int m0 = m_tile * kPreQ;
+  if (kVarlen && m0 >= Sq) return;  // CTA-uniform: no query of a sequence (padding tile)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wg = warpgroup_uniform();
   const uint32_t d_base = desc_lo(smem);
   const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+  using PR = PrepassRows<kVarlen>;
 
   TileGeom tg;
   tg.m0 = m0;
@@ -124,19 +173,27 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   const IndexRange keys = window_keys(m0, m0 + kPreQ, Sq, Sk, p.window_left, p.window_right);
   const int kt_begin = keys.begin / kTile, kt_end = (keys.end + kTile - 1) / kTile;
 
-  auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
+  auto issue_keys = [&](int it) {
+    prepass_issue_keys<L, DQK, DV>(smem, p, bhk, PR::k_rows(p, Sk), PR::k_row0(si), Sk, it);
+  };
   // Query side (once) + the first key tile: group 0. NOTE: written out in both
   // variants: as a shared helper it changed the d = 256 instantiations' SASS
   // (address arithmetic), which no GPU has run; prepass_issue_keys is SASS-identical.
-  cp_rows<DQK, true, kPreQ>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
-  cp_rows<DV, true, kPreQ>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
+  const int q_row0 = PR::q_row0(si);
+  cp_rows<DQK, true, kPreQ>(smem + L::kQ, p.q_row + bhq * PR::q_rows(p, Sq) * DQK, q_row0 + m0, q_row0 + Sq);
+  cp_rows<DV, true, kPreQ>(smem + L::kDO, p.do_row + bhq * PR::q_rows(p, Sq) * DV, q_row0 + m0, q_row0 + Sq);
+  // Per-token scales at code rows, LSE at token rows (the same in a dense batch).
   auto q_idx = [&](int i) -> int64_t {
     const int r = m0 + q_of_col(i);
-    return r < Sq ? bhq * Sq + r : -1;
+    return r < Sq ? bhq * PR::q_rows(p, Sq) + (q_row0 + r) : -1;
+  };
+  auto lse_idx = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i);
+    return r < Sq ? bhq * PR::q_toks(p, Sq) + (PR::q_tok0(si) + r) : -1;
   };
   cp_floats(sf + L::kQs, p.q_row_s, kPreQ, q_idx);
   cp_floats(sf + L::kDOs, p.do_row_s, kPreQ, q_idx);
-  cp_floats(sf + L::kLse, p.lse, kPreQ, q_idx);
+  cp_floats(sf + L::kLse, p.lse, kPreQ, lse_idx);
   if (kt_end > kt_begin) issue_keys(kt_begin);
   cp_commit();
 
@@ -154,7 +211,8 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
                           window_covers(n0, kTile, m0, kPreQ, tg.causal_off, p.window_left, p.window_right);
     const uint32_t k_lo = d_base + (L::kK + st * L::kKStage) / 16 + wg * kDesc64Rows;
     const uint32_t v_lo = k_lo + L::kV / 16;
-    const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
+    const int64_t ks = bhk * PR::k_tiles(p, nblk_k) + (PR::k_row0(si) / kTile + it);
+    const float s_k = p.k_row_s[ks], s_v = p.v_row_s[ks];
 
     // The main kernel's instructions and roundings: P and dP_hat bitwise equal.
     float pt[8][4], dp[8][4];
@@ -192,7 +250,8 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   }
   cp_wait<0>();
 
-  prepass_store_delta<kPreQ, kPreThreads>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq, p);
+  prepass_store_delta<kPreQ, kPreThreads>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq,
+                                          PR::q_toks(p, Sq), PR::q_tok0(si), p);
 }
 
 // ---- v2: 128 queries per CTA ----------------------------------------------------------
@@ -223,7 +282,7 @@ struct Prepass2Layout {
 // NOTE: register budget of v2 at two CTAs per SM is v1's (128): one key half
 // in flight per warpgroup (S^T, dP^T: 32 + 32 accumulator registers, the 32
 // sums); both halves in flight would need 64 more.
-template <int DQK, int DV, int FMT>
+template <int DQK, int DV, int FMT, bool kVarlen>
 __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
     bwd_tilescale_prepass_q128_kernel(const KernelParams p) {
   using L = Prepass2Layout<DQK, DV>;
@@ -231,17 +290,27 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   uint8_t* smem = smem_aligned_1024(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + L::kF);
 
-  const int m_tile = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
-  const SeqLens sl = seq_lens(p, b);
-  const int Sq = sl.q, Sk = sl.k;
+  int m_tile = blockIdx.x;
+  const int hq = blockIdx.y, b = blockIdx.z;
+  SeqInfo si;
+  if constexpr (kVarlen) {
+    // One CTA per padded 128-row tile; m_tile: the sequence's own.
+    si = varlen_seq_info(p, varlen_qtile_seq(p, m_tile));
+    m_tile -= static_cast<int>(si.row_q / kPreQ2);
+  } else {
+    si = seq_info(p, b);
+  }
+  const int Sq = si.seqlen_q, Sk = si.seqlen_k;
   const int group = p.num_heads_q / p.num_heads_kv, hk = hq / group;
   const int nblk_k = (Sk + kTile - 1) / kTile;
   const int m0 = m_tile * kPreQ2;
+  if (kVarlen && m0 >= Sq) return;  // CTA-uniform: a tile no sequence owns
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wg = warpgroup_uniform(), w4 = warp & 3;
   const uint32_t d_base = desc_lo(smem);
   const int64_t bhq = static_cast<int64_t>(b) * p.num_heads_q + hq;
   const int64_t bhk = static_cast<int64_t>(b) * p.num_heads_kv + hk;
+  using PR = PrepassRows<kVarlen>;
   const int causal_off = Sk - Sq;
 
   const int wl = p.window_left, wr = p.window_right;
@@ -260,17 +329,25 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   tg.causal_off = causal_off;
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
 
-  auto issue_keys = [&](int it) { prepass_issue_keys<L, DQK, DV>(smem, p, bhk, Sk, it); };
+  auto issue_keys = [&](int it) {
+    prepass_issue_keys<L, DQK, DV>(smem, p, bhk, PR::k_rows(p, Sk), PR::k_row0(si), Sk, it);
+  };
   // Query side (once: the main kernel's stage layout) + the first key tile: group 0.
-  cp_rows<DQK, true, kPreQ2>(smem + L::kQ, p.q_row + bhq * Sq * DQK, m0, Sq);
-  cp_rows<DV, true, kPreQ2>(smem + L::kDO, p.do_row + bhq * Sq * DV, m0, Sq);
+  const int q_row0 = PR::q_row0(si);
+  cp_rows<DQK, true, kPreQ2>(smem + L::kQ, p.q_row + bhq * PR::q_rows(p, Sq) * DQK, q_row0 + m0, q_row0 + Sq);
+  cp_rows<DV, true, kPreQ2>(smem + L::kDO, p.do_row + bhq * PR::q_rows(p, Sq) * DV, q_row0 + m0, q_row0 + Sq);
+  // Per-token scales at code rows, LSE at token rows (the same in a dense batch).
   auto q_idx = [&](int i) -> int64_t {
     const int r = m0 + q_of_col(i);
-    return r < Sq ? bhq * Sq + r : -1;
+    return r < Sq ? bhq * PR::q_rows(p, Sq) + (q_row0 + r) : -1;
+  };
+  auto lse_idx = [&](int i) -> int64_t {
+    const int r = m0 + q_of_col(i);
+    return r < Sq ? bhq * PR::q_toks(p, Sq) + (PR::q_tok0(si) + r) : -1;
   };
   cp_floats(sf + L::kQs, p.q_row_s, kPreQ2, q_idx);
   cp_floats(sf + L::kDOs, p.do_row_s, kPreQ2, q_idx);
-  cp_floats(sf + L::kLse, p.lse, kPreQ2, q_idx);
+  cp_floats(sf + L::kLse, p.lse, kPreQ2, lse_idx);
   if (kt_end > kt_begin) issue_keys(kt_begin);
   cp_commit();
 
@@ -288,7 +365,8 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
     prepass_stage_turn<L::kStages>(it, kt_end, issue_keys);
     const int st = it % L::kStages;
     const int n0 = it * kTile;
-    const float s_k = p.k_row_s[bhk * nblk_k + it], s_v = p.v_row_s[bhk * nblk_k + it];
+    const int64_t ks = bhk * PR::k_tiles(p, nblk_k) + (PR::k_row0(si) / kTile + it);
+    const float s_k = p.k_row_s[ks], s_v = p.v_row_s[ks];
     const float kc = __fmul_rn(s_k, tg.c2);
     // Descriptor bases from an opaque copy of the shared base (the main kernel's NOTE).
     const uint32_t base = opaque_u32(d_base);
@@ -349,7 +427,8 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
   }
   cp_wait<0>();
 
-  prepass_store_delta<kPreQ2, kPreThreads, 2>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq, p);
+  prepass_store_delta<kPreQ2, kPreThreads, 2>(cs, cp, sf + L::kRed, sf + L::kRedP, warp, lane, m0, Sq, bhq,
+                                              PR::q_toks(p, Sq), PR::q_tok0(si), p);
 }
 
 template <class L, class K>
@@ -358,9 +437,12 @@ void launch_prepass_kernel(const KernelParams& p, K kernel, int queries_per_cta,
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("fp8attn: bwd tile pre-pass: cudaFuncSetAttribute failed: ") +
                              cudaGetErrorString(err));
-  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h).
-  launch_attn_chunks(p, (p.seqlen_q + queries_per_cta - 1) / queries_per_cta, GridHeads::kQuery, 1,
-                     "bwd tile pre-pass",
+  // NOTE: one launch unless batch or num_heads_q exceed 65535 (launch_sm90.h;
+  // a packed batch is one launch: run_bwd checks its heads <= 65535). Packed:
+  // the padded query tiles of all sequences (varlen_sm90.h).
+  const int64_t n_m = p.num_seqs > 0 ? int64_t{p.q_tiles_max} * (kTile / queries_per_cta)
+                                     : (p.seqlen_q + queries_per_cta - 1) / queries_per_cta;
+  launch_attn_chunks(p, n_m, GridHeads::kQuery, 1, "bwd tile pre-pass",
                      [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
                        kernel<<<dim3(gx, gy, gz), kPreThreads, L::kBytes, stream>>>(pc);
                        const cudaError_t e = cudaGetLastError();
@@ -380,11 +462,18 @@ void launch_tilescale_prepass(const KernelParams& p, cudaStream_t stream) {
   const bool v2 = env < 0 ? bwdts::kPreQ2Default : env == 1;
   dispatch_shapes(p, [&](auto dqk, auto dv, auto fmt) {
     constexpr int DQK = decltype(dqk)::value, DV = decltype(dv)::value, FMT = decltype(fmt)::value;
-    if (v2)
-      launch_prepass_kernel<Prepass2Layout<DQK, DV>>(p, bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT>, kPreQ2,
-                                                     stream);
-    else
-      launch_prepass_kernel<PrepassLayout<DQK, DV>>(p, bwd_tilescale_prepass_kernel<DQK, DV, FMT>, kPreQ, stream);
+    // A packed batch: the kVarlen instantiations (the dense kernels stay free
+    // of the metadata reads).
+    const bool vl = p.num_seqs > 0;
+    if (v2) {
+      auto kernel = vl ? bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, true>
+                       : bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, false>;
+      launch_prepass_kernel<Prepass2Layout<DQK, DV>>(p, kernel, kPreQ2, stream);
+    } else {
+      auto kernel =
+          vl ? bwd_tilescale_prepass_kernel<DQK, DV, FMT, true> : bwd_tilescale_prepass_kernel<DQK, DV, FMT, false>;
+      launch_prepass_kernel<PrepassLayout<DQK, DV>>(p, kernel, kPreQ, stream);
+    }
   });
 }
 

@@ -16,6 +16,20 @@
 //   - p.diag: FP32 [4, B, Hq, Sq] (delta, eps, rowsum_pre, rowsum_post) or
 //     nullptr; p.rowsum_ws: FP32 [4, B, Hq, Sq], zero-filled, non-null iff
 //     p.diag is.
+// Packed variable-length batches (p.num_seqs > 0, varlen_sm90.h; `tile`
+// recipe only, one launch per kernel): p.batch == 1, p.varlen_meta set,
+// num_heads_q and num_heads_kv x slices <= 65535, seqlen_q_pad / seqlen_k_pad
+// == q_tiles_max / k_tiles_max * 128, seqlen_q / seqlen_k the total token
+// counts. Token-indexed: q, k, v, o, dout through their strides (batch 0);
+// lse, delta, delta_dm, lse_bwd [Hq, total_q]; diag, rowsum_ws [4, Hq,
+// total_q]; dq [total_q, Hq, Dqk], dk [total_k, Hkv, Dqk], dv [total_k, Hkv,
+// Dv] written token-major, only at the tokens of the sequences (the others are
+// the caller's). Padded (every sequence from a 128-row tile of its own, rows
+// past its length code 0): the codes and scales of kernel_params_sm90.h with
+// seqlen_*_pad rows and *_tiles_max tiles per head, and dq_accum [Hq,
+// seqlen_q_pad, Dqk] (zero-filled). Each sequence's dQ, dK, dV are a dense
+// call's on it alone (bit for bit up to the order of dq_accum's adds).
+// The `row` recipe (scaling 0) and prepass_sums throw std::invalid_argument.
 // Errors: an unsupported configuration throws std::runtime_error naming the
 // argument; CUDA launch errors throw std::runtime_error.
 #pragma once

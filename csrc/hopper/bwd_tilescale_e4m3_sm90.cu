@@ -39,6 +39,13 @@
 //       into the same chunk)                                                 #6
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
+// kVarlen (a packed batch, varlen_sm90.h): blockIdx.x runs over the padded key
+// tiles of all sequences; the CTA's sequence comes from the metadata and
+// everything else is a dense call on that sequence alone (its lengths, window,
+// query tiles), addressed at the sequence's padded rows in the codes, scales
+// and dq_accum and at its token rows in LSE, delta, the diagnostics and the
+// token-major dK / dV (mainloop_bwd_tilescale_sm90.cuh "sequence bounds"). A
+// tile no sequence owns is an empty sequence: no iterations, nothing written.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -111,9 +118,13 @@ struct MainLayout {
 // NOTE: the producer computes its own copy after its setmaxnreg (values
 // computed before the split and live in both branches were spilled: the
 // producer holds 24 registers); the consumers' copy is computed before it.
+// n_tile, n0, Sq, Sk, m_first, m_end: the sequence's own (a packed batch's
+// padded key tile minus its sequence's first); tok_q .. row_k: the sequence's
+// offsets (SeqInfo; zero in a dense batch, where the kernel does not use them).
 struct CtaWork {
   int n_tile, hk, b, slice, cb, wk, wv, Sq, Sk, group, nblk_q, nblk_k, n0, causal_off, m_first, m_end, n_iters;
   int64_t Sq64, Sk64, bhk;
+  int tok_q, tok_k, row_q, row_k;
 };
 // blockIdx through a volatile read (kOpaque: the producer's copy, so the
 // compiler cannot merge it with the consumers' and keep it live in both branches).
@@ -129,7 +140,7 @@ __device__ __forceinline__ uint32_t ctaid(int dim) {
     asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(r));
   return r;
 }
-template <class L, int DQK, int DV, bool kOpaque = false>
+template <class L, int DQK, int DV, bool kVarlen, bool kOpaque = false>
 __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   CtaWork w;
   const uint32_t y = ctaid<kOpaque>(1);
@@ -146,13 +157,24 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   w.wv = !L::kSliced ? DV : DV % bwdts::kSliceCols == 0 && DV == L::kSlices * bwdts::kSliceCols
                                 ? L::kWv
                                 : max(0, min(L::kWv, DV - w.cb));
-  const SeqLens sl = seq_lens(p, w.b);
-  w.Sq = sl.q;
-  w.Sk = sl.k;
+  SeqInfo si;
+  if constexpr (kVarlen) {
+    // The padded key tile's sequence (-1: none, an empty sequence).
+    si = varlen_seq_info(p, varlen_ktile_seq(p, w.n_tile));
+    w.n_tile -= static_cast<int>(si.row_k / kTile);
+  } else {
+    si = seq_info(p, w.b);
+  }
+  w.Sq = si.seqlen_q;
+  w.Sk = si.seqlen_k;
   // NOTE: zero-extended copies for the 64-bit offsets (both >= 0): a sign
   // extension's high word was a value live across the loop (spilled).
   w.Sq64 = static_cast<uint32_t>(w.Sq);
   w.Sk64 = static_cast<uint32_t>(w.Sk);
+  w.tok_q = static_cast<int>(si.tok_q);
+  w.tok_k = static_cast<int>(si.tok_k);
+  w.row_q = static_cast<int>(si.row_q);
+  w.row_k = static_cast<int>(si.row_k);
   w.group = p.num_heads_q / p.num_heads_kv;
   w.nblk_q = (w.Sq + kTile - 1) / kTile;
   w.nblk_k = (w.Sk + kTile - 1) / kTile;
@@ -169,14 +191,64 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   return w;
 }
 
+// Where the CTA's sequence lies in the arrays (mainloop_bwd_tilescale_sm90.cuh
+// "sequence bounds"): the rows per head row of an array (the pointer of head
+// row bh: base + bh * rows) and the sequence's first row in it, added to the
+// 32-bit positions within the sequence. Dense: the [B, H, S] rows of
+// kernel_params_sm90.h at offset 0 (the kernel's expressions before kVarlen).
+// Packed: the padded rows and tiles (seqlen_*_pad = *_tiles_max * 128 per
+// head, checked by run_bwd) and the token rows of varlen_sm90.h.
+// NOTE: the offsets stay 32-bit, added to the positions (fill_rows /
+// fill_cols' s0 and S, the scale and dq_accum indices): as 64-bit parts of
+// the base addresses a packed batch's kernels spilled 4 bytes more at d >= 192
+// in the serial issue order (nvcc 13.0).
+template <bool kVarlen>
+struct SeqRows {
+  // Codes and per-token scales: q_row, do_row, q_row_s, do_row_s (and the
+  // padded rows of dq_accum); k_row, v_row. Positions in q_colT / do_colT /
+  // k_colT are these rows too.
+  static __device__ __forceinline__ int64_t q_rows(const KernelParams& p, const CtaWork& w) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_q_pad) : w.Sq64;
+  }
+  static __device__ __forceinline__ int64_t k_rows(const KernelParams& p, const CtaWork& w) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_k_pad) : w.Sk64;
+  }
+  static __device__ __forceinline__ int q_row0(const CtaWork& w) { return kVarlen ? w.row_q : 0; }
+  static __device__ __forceinline__ int k_row0(const CtaWork& w) { return kVarlen ? w.row_k : 0; }
+  // Token rows: LSE, delta, rowsum_ws.
+  static __device__ __forceinline__ int64_t q_toks(const KernelParams& p, const CtaWork& w) {
+    return kVarlen ? static_cast<int64_t>(p.seqlen_q) : w.Sq64;
+  }
+  // Scale index of the CTA's key tile (k_row_s, v_row_s: one per tile).
+  static __device__ __forceinline__ int64_t k_tile(const KernelParams& p, const CtaWork& w) {
+    return kVarlen ? w.bhk * p.k_tiles_max + (w.row_k / kTile + w.n_tile) : w.bhk * w.nblk_k + w.n_tile;
+  }
+  // Scale index of the sequence's query tile m_tile of head row bhq (q_col_s, do_col_s).
+  static __device__ __forceinline__ int64_t q_tile(const KernelParams& p, const CtaWork& w, int64_t bhq, int m_tile) {
+    return kVarlen ? bhq * p.q_tiles_max + (w.row_q / kTile + m_tile) : bhq * w.nblk_q + m_tile;
+  }
+  // NOTE: the consumers' token offsets (diagnostics, dK / dV) are read again
+  // from the metadata where used (the opaque ctaid keeps the compiler from
+  // reusing cta_work's loads): CtaWork's tok_q / tok_k, live across the loop,
+  // were spilled at d >= 192.
+  static __device__ __forceinline__ SeqInfo reread(const KernelParams& p) {
+    return varlen_seq_info(p, varlen_ktile_seq(p, ctaid<true>(0)));
+  }
+  // Token row of the sequence's query 0 of head row bhq (the consumers').
+  static __device__ __forceinline__ int64_t q_tok0(const KernelParams& p, const CtaWork& w, int64_t bhq) {
+    return kVarlen ? bhq * p.seqlen_q + static_cast<int>(reread(p).tok_q) : bhq * w.Sq64;
+  }
+};
+
 // kPingpong (FP8ATTN_TILE_BWD_PINGPONG=1): the two consumer warpgroups take
 // turns to issue their S^T / dP^T chains (FlashAttention-3's pingpong order:
 // named barriers kBarPingpong + wg), so one's elementwise work is pinned
 // under the other's wgmmas; without it the tensor core's own serialization
 // sets their offset.
-template <int DQK, int DV, int FMT, bool kPingpong>
+template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
   using L = MainLayout<DQK, DV>;
+  using R = SeqRows<kVarlen>;
   constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_aligned_1024(smem_raw);
@@ -186,7 +258,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   auto bar_empty = [&](int s) { return bar0 + 8 * (kStages + s); };
   const uint32_t bar_kv = bar0 + 8 * (2 * kStages);
 
-  const CtaWork wc = cta_work<L, DQK, DV>(p);  // the consumers' (NOTE at CtaWork)
+  const CtaWork wc = cta_work<L, DQK, DV, kVarlen>(p);  // the consumers' (NOTE at CtaWork)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -203,12 +275,13 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   // ---- producer warpgroup ----------------------------------------------------------
   if (threadIdx.x >= kConsumerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(bwdts::kProducerRegs));
-    const CtaWork w = cta_work<L, DQK, DV, true>(p);
+    const CtaWork w = cta_work<L, DQK, DV, kVarlen, true>(p);
     const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
     const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
     const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
-    const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
-    (void)slice, (void)nblk_q, (void)causal_off;
+    const int64_t bhk = w.bhk;  // the rows of K, Q, ...: SeqRows
+    const int q_row0 = R::q_row0(w), k_row0 = R::k_row0(w);
+    (void)slice, (void)nblk_q, (void)nblk_k, (void)causal_off, (void)n_tile;
     if (n_iters == 0) return;
     // Warp roles (NOTE at fill_rows): warp 0 K / Q rows, warp 1 V / dO rows,
     // warp 2 K^T / Q^T columns, warp 3 dO^T columns and the per-query floats.
@@ -217,16 +290,17 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     // kc and s_v, formed the same way).
     float kc = 0.f, s_v = 0.f;
     if (pw == 3) {
-      kc = __fmul_rn(p.k_row_s[bhk * nblk_k + n_tile], __fmul_rn(p.softmax_scale, kLog2e));
-      s_v = p.v_row_s[bhk * nblk_k + n_tile];
+      kc = __fmul_rn(p.k_row_s[R::k_tile(p, w)], __fmul_rn(p.softmax_scale, kLog2e));
+      s_v = p.v_row_s[R::k_tile(p, w)];
     }
     // Key side, once.
     if (pw == 0)
-      fill_rows<DQK, false, 32>(smem + L::kK, p.k_row + bhk * Sk64 * DQK, n0, Sk, pl);
+      fill_rows<DQK, false, 32>(smem + L::kK, p.k_row + bhk * R::k_rows(p, w) * DQK, k_row0 + n0, k_row0 + Sk, pl);
     else if (pw == 1)
-      fill_rows<DV, false, 32>(smem + L::kV, p.v_row + bhk * Sk64 * DV, n0, Sk, pl);
+      fill_rows<DV, false, 32>(smem + L::kV, p.v_row + bhk * R::k_rows(p, w) * DV, k_row0 + n0, k_row0 + Sk, pl);
     else if (pw == 2)
-      fill_cols<32>(smem + L::kKc, p.k_colT + (bhk * DQK + cb) * p.seqlen_k_pad, p.seqlen_k_pad, wk, n0, Sk, pl);
+      fill_cols<32>(smem + L::kKc, p.k_colT + (bhk * DQK + cb) * p.seqlen_k_pad, p.seqlen_k_pad, wk, k_row0 + n0,
+                    k_row0 + Sk, pl);
     cp_async_mbar_arrive(bar_kv);
     int hq = hk * group, m_tile = m_first;
     for (int it = 0; it < n_iters; ++it) {
@@ -236,13 +310,19 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       const int64_t bhq = static_cast<int64_t>(static_cast<uint32_t>(b * p.num_heads_q + hq));
       uint8_t* S = smem + L::kStage0 + st * L::kStageBytes;
       if (pw == 0) {
-        fill_rows<DQK, true, 32>(S + L::kSQ, p.q_row + bhq * Sq64 * DQK, m0, Sq, pl);
+        fill_rows<DQK, true, 32>(S + L::kSQ, p.q_row + bhq * R::q_rows(p, w) * DQK, q_row0 + m0, q_row0 + Sq, pl);
       } else if (pw == 1) {
-        fill_rows<DV, true, 32>(S + L::kSDO, p.do_row + bhq * Sq64 * DV, m0, Sq, pl);
+        fill_rows<DV, true, 32>(S + L::kSDO, p.do_row + bhq * R::q_rows(p, w) * DV, q_row0 + m0, q_row0 + Sq, pl);
       } else if (pw == 2) {
-        fill_cols<32>(S + L::kSQc, p.q_colT + (bhq * DQK + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wk, m0, Sq, pl);
+        fill_cols<32>(S + L::kSQc, p.q_colT + (bhq * DQK + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wk, q_row0 + m0,
+                      q_row0 + Sq, pl);
       } else {
-        fill_cols<32>(S + L::kSDOc, p.do_colT + (bhq * DV + cb) * p.seqlen_q_pad, p.seqlen_q_pad, wv, m0, Sq, pl);
+        // NOTE: a packed batch takes the column base through an opaque copy:
+        // cb + (the thread's first row) hoisted out of the loop as a 64-bit
+        // value, and one more, were spilled there (d >= 192: 8 bytes).
+        const int cb3 = kVarlen ? static_cast<int>(opaque_u32(cb)) : cb;
+        fill_cols<32>(S + L::kSDOc, p.do_colT + (bhq * DV + cb3) * p.seqlen_q_pad, p.seqlen_q_pad, wv, q_row0 + m0,
+                      q_row0 + Sq, pl);
         // Per-column coefficients: column n is query m0 + q_of_col(n); zeros past
         // Sq (as zero-filled raw floats would give: p_c = p_l2 = dp_c = 0).
         // Formed here once per stage instead of by every consumer thread per
@@ -253,11 +333,13 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           const int r = m0 + q_of_col(n);
           float c = 0.f, l2 = 0.f, cdo = 0.f, dl = 0.f;
           if (r < Sq) {
-            const int64_t row = bhq * Sq64 + r;
+            // Per-token scales at the code row, LSE and delta at the token row (the same in a dense batch).
+            const int64_t row = bhq * R::q_rows(p, w) + (q_row0 + r);
+            const int64_t tok = bhq * R::q_toks(p, w) + (kVarlen ? w.tok_q + r : r);
             c = p_coef(p.q_row_s[row], kc);
-            l2 = p_lse2(p.lse[row]);
+            l2 = p_lse2(p.lse[tok]);
             cdo = dp_coef(p.do_row_s[row], s_v);
-            dl = p.delta[row];
+            dl = p.delta[tok];
           }
           F[L::kFPc + n] = c;
           F[L::kFPl2 + n] = l2;
@@ -286,12 +368,14 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
   const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
   const int64_t Sq64 = w.Sq64, Sk64 = w.Sk64, bhk = w.bhk;
-  (void)hk;
+  (void)hk, (void)n_tile, (void)nblk_q, (void)nblk_k;  // the rows of K, Q, ...: SeqRows
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int wg = warpgroup_uniform();
   const uint32_t d_base = desc_lo(smem);
   const bool diag = p.diag != nullptr && slice == 0;  // the row sums are over keys: one slice adds them
-  const int64_t n_rows = static_cast<int64_t>(static_cast<uint32_t>(p.batch * p.num_heads_q)) * Sq64;
+  // rowsum_ws plane: B Hq Sq floats (a packed batch: Hq total_q).
+  const int64_t n_rows = kVarlen ? static_cast<int64_t>(p.num_heads_q) * p.seqlen_q
+                                 : static_cast<int64_t>(static_cast<uint32_t>(p.batch * p.num_heads_q)) * Sq64;
   uint8_t* sDS = smem + L::kDS;
   float* sAmax = sf + L::kAmax;
   float* sBlk = sf + L::kBlk;
@@ -303,7 +387,8 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   const int wt = threadIdx.x & 127;        // thread within the warpgroup
   // One thread per warpgroup issues that warpgroup's dQ bulk reduce-adds.
   const bool dq_issuer = (threadIdx.x & 127) == 0;
-  const int64_t dq_rows = dq_accum_rows(1, Sq64);
+  // dq_accum rows per head row (a packed batch: its padded rows, the sequence's from row_q).
+  const int64_t dq_rows = kVarlen ? R::q_rows(p, wc) : dq_accum_rows(1, Sq64);
 
   TileGeom tg;
   tg.n0 = n0;
@@ -313,7 +398,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   tg.c2 = __fmul_rn(p.softmax_scale, kLog2e);
   // K's scale per key tile (#6's dQ factor below; the P / dP coefficients come
   // per stage from producer warp 3).
-  const float s_k = p.k_row_s[bhk * nblk_k + n_tile];
+  const float s_k = p.k_row_s[R::k_tile(p, wc)];
 
   // dK, dV accumulators (64-column chunks), in units of 2^ek, 2^ev.
   float dk_acc[L::kWk / 64][8][4], dv_acc[L::kWv / 64][8][4];
@@ -362,7 +447,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     fence_async_smem();
     const float* F = sf + L::kFStage + st * L::kFStageFloats;
     // Q (#7) and dO (#5): one scale per query tile.
-    const float s_qc = p.q_col_s[bhq * nblk_q + m_tile], s_doc = p.do_col_s[bhq * nblk_q + m_tile];
+    const float s_qc = p.q_col_s[R::q_tile(p, wc, bhq, m_tile)], s_doc = p.do_col_s[R::q_tile(p, wc, bhq, m_tile)];
 
     // Two sub-tiles of 64 queries per stage (query rows [64 s, 64 s + 64) of
     // the stage's row tiles, k32 steps 2s, 2s + 1 of its column tiles).
@@ -402,7 +487,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       wg_wait<0>();
       ds_from_dp<kSubQ>(pt, dp, Fs + L::kFDPc, Fs + L::kFDelta, lane);
       if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
-      if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, bhq * Sq64, m0s, Sq, lane);
+      if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, R::q_tok0(p, wc, bhq), m0s, Sq, lane);
 
       // ---- Block amaxes over this warpgroup's 64 keys (v5: nothing crosses
       // warpgroups): P and dS per 64 x 64 block (#5, #7), dS per query over
@@ -522,7 +607,8 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         for (int pass = 0; pass < 2; ++pass) {
           float r = acc[pass] * sq;
           r += __shfl_xor_sync(0xffffffffu, r, 1);
-          if (qr == 0 && m0s + ql < Sq) atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + bhq * Sq64 + m0s + ql, r);
+          if (qr == 0 && m0s + ql < Sq)
+            atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + R::q_tok0(p, wc, bhq) + m0s + ql, r);
         }
       }
 
@@ -568,7 +654,8 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           fence_async_smem();           // st.shared (generic proxy) -> the bulk reduce's reads (async proxy)
           named_bar_sync(bar_wg, 128);  // the warpgroup's whole panel
           if (dq_issuer) {
-            float* dst = p.dq_accum + (bhq * dq_rows + m0s) * DQK + static_cast<int64_t>(cb + 64 * h) * 64;
+            float* dst = p.dq_accum + (bhq * dq_rows + (R::q_row0(wc) + m0s)) * DQK +
+                         static_cast<int64_t>(cb + 64 * h) * 64;
             bulk_reduce_add_f32(dst, smem_u32(panel), L::kDQPanelFloats * 4);
             bulk_commit();
           }
@@ -595,6 +682,14 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   pow2_scale<L::kWv / 2>(&dv_acc[0][0][0], ev);
   __nv_bfloat16* dk = static_cast<__nv_bfloat16*>(p.dk);
   __nv_bfloat16* dv = static_cast<__nv_bfloat16*>(p.dv);
+  // Row of key `key` of the sequence in dK / dV: [B, Hkv, Sk, D] (dense),
+  // token-major [total_k, Hkv, D] (packed, varlen_sm90.h).
+  int tok_k = 0;
+  if constexpr (kVarlen) tok_k = static_cast<int>(R::reread(p).tok_k);  // NOTE at SeqRows::reread
+  auto kv_row = [&](int key) -> int64_t {
+    return kVarlen ? static_cast<int64_t>(static_cast<uint32_t>(tok_k + key)) * p.num_heads_kv + hk
+                   : bhk * Sk64 + key;
+  };
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = n0 + k_of_row(warp * 16 + g + 8 * hh);
@@ -607,7 +702,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         const int c = cb + 64 * h + 8 * jj + 2 * t;
         const float x = __fmul_rn(dk_acc[h][jj][2 * hh], p.softmax_scale);
         const float y = __fmul_rn(dk_acc[h][jj][2 * hh + 1], p.softmax_scale);
-        *reinterpret_cast<__nv_bfloat162*>(dk + (bhk * Sk64 + key) * DQK + c) = __floats2bfloat162_rn(x, y);
+        *reinterpret_cast<__nv_bfloat162*>(dk + kv_row(key) * DQK + c) = __floats2bfloat162_rn(x, y);
       }
     }
 #pragma unroll
@@ -616,7 +711,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int c = cb + 64 * h + 8 * jj + 2 * t;
-        *reinterpret_cast<__nv_bfloat162*>(dv + (bhk * Sk64 + key) * DV + c) =
+        *reinterpret_cast<__nv_bfloat162*>(dv + kv_row(key) * DV + c) =
             __floats2bfloat162_rn(dv_acc[h][jj][2 * hh], dv_acc[h][jj][2 * hh + 1]);
       }
     }
@@ -645,15 +740,51 @@ __global__ void tilescale_dq_convert_kernel(const float* __restrict__ acc, __nv_
   out[0] = __floats2bfloat162_rn(__fmul_rn(v.x, tau), __fmul_rn(v.y, tau));
   out[1] = __floats2bfloat162_rn(__fmul_rn(v.z, tau), __fmul_rn(v.w, tau));
 }
+// The same for a packed batch (varlen_sm90.h): dq_accum holds the padded rows
+// [Hq, seqlen_q_pad]; padded row R of head h is token tok_q + (R - row_q) of
+// its sequence, written to dQ token-major [total_q, Hq, Dqk]. Rows no sequence
+// owns or past their sequence's queries are skipped (tokens outside every
+// sequence are the caller's).
+// NOTE: the chunk-order decode is the dense kernel's, written out again (as a
+// shared helper it changed the dense kernel's SASS).
+__global__ void tilescale_dq_convert_varlen_kernel(const KernelParams p, int64_t n4) {
+  const int64_t i4 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i4 >= n4) return;
+  const int dqk = p.head_dim_qk;
+  const int64_t f = 4 * i4, chunk_floats = 64 * static_cast<int64_t>(dqk);
+  const int64_t chunk = f / chunk_floats;
+  const int within = static_cast<int>(f - chunk * chunk_floats);
+  const int panel = within >> 12, j = within & 4095;
+  const int lane = (j >> 1) & 31, jj = (j >> 6) & 7, r8 = (j >> 9) & 1, w = j >> 10;
+  const int64_t per_head = p.seqlen_q_pad / 64;
+  const int64_t h = chunk / per_head;  // query head (batch 1)
+  const int64_t R = (chunk - h * per_head) * 64 + 16 * w + 8 * r8 + (lane >> 2);  // padded row
+  SeqInfo si;
+  int local;
+  if (!varlen_q_row(p, R, si, local)) return;
+  const float tau = p.softmax_scale;
+  const float4 v = *reinterpret_cast<const float4*>(p.dq_accum + f);
+  __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.dq) +
+                                                          ((si.tok_q + local) * p.num_heads_q + h) * dqk +
+                                                          64 * panel + 8 * jj + 2 * (lane & 3));
+  out[0] = __floats2bfloat162_rn(__fmul_rn(v.x, tau), __fmul_rn(v.y, tau));
+  out[1] = __floats2bfloat162_rn(__fmul_rn(v.z, tau), __fmul_rn(v.w, tau));
+}
 
 }  // namespace
 
 void launch_tilescale_dq_convert(const KernelParams& p, cudaStream_t stream) {
-  const int64_t rows = dq_accum_rows(1, p.seqlen_q);
-  const int64_t n4 = static_cast<int64_t>(p.batch) * p.num_heads_q * rows * p.head_dim_qk / 4;
-  if (n4 == 0) return;
-  tilescale_dq_convert_kernel<<<static_cast<unsigned>((n4 + 255) / 256), 256, 0, stream>>>(
-      p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n4, p.seqlen_q, rows, p.head_dim_qk, p.softmax_scale);
+  if (p.num_seqs > 0) {
+    const int64_t n4 = static_cast<int64_t>(p.num_heads_q) * p.seqlen_q_pad * p.head_dim_qk / 4;
+    if (n4 == 0) return;
+    tilescale_dq_convert_varlen_kernel<<<static_cast<unsigned>((n4 + 255) / 256), 256, 0, stream>>>(p, n4);
+  } else {
+    const int64_t rows = dq_accum_rows(1, p.seqlen_q);
+    const int64_t n4 = static_cast<int64_t>(p.batch) * p.num_heads_q * rows * p.head_dim_qk / 4;
+    if (n4 == 0) return;
+    tilescale_dq_convert_kernel<<<static_cast<unsigned>((n4 + 255) / 256), 256, 0, stream>>>(
+        p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n4, p.seqlen_q, rows, p.head_dim_qk, p.softmax_scale);
+  }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw std::runtime_error(std::string("fp8attn: bwd tile dq convert launch failed: ") + cudaGetErrorString(e));
@@ -667,13 +798,21 @@ void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
     // bwdts::kBwdPingpongDefault; a bad value throws std::invalid_argument).
     const int pp_env = env_choice("FP8ATTN_TILE_BWD_PINGPONG", {"0", "1"});
     const bool pp = pp_env < 0 ? bwdts::kBwdPingpongDefault : pp_env == 1;
-    auto kernel = pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true> : bwd_tilescale_main_kernel<DQK, DV, FMT, false>;
+    // A packed batch: the kVarlen instantiations (the dense kernels stay free of
+    // the metadata reads), one CTA per padded key tile of all sequences.
+    const bool vl = p.num_seqs > 0;
+    auto kernel = vl ? (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, true>
+                           : bwd_tilescale_main_kernel<DQK, DV, FMT, false, true>)
+                     : (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, false>
+                           : bwd_tilescale_main_kernel<DQK, DV, FMT, false, false>);
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: bwd tile main: cudaFuncSetAttribute failed: ") +
                                cudaGetErrorString(err));
-    // NOTE: one launch unless batch or num_heads_kv * slices exceed 65535 (launch_sm90.h).
-    launch_attn_chunks(p, (p.seqlen_k + kTile - 1) / kTile, GridHeads::kKv, L::kSlices, "bwd tile main",
+    // NOTE: one launch unless batch or num_heads_kv * slices exceed 65535
+    // (launch_sm90.h; a packed batch is one launch, run_bwd checks its heads).
+    const int64_t n_k = vl ? int64_t{p.k_tiles_max} : (p.seqlen_k + kTile - 1) / kTile;
+    launch_attn_chunks(p, n_k, GridHeads::kKv, L::kSlices, "bwd tile main",
                        [&](const KernelParams& pc, unsigned gx, unsigned gy, unsigned gz, const AttnChunk&) {
                          kernel<<<dim3(gx, gy, gz), bwdts::kThreads, L::kBytes, stream>>>(pc);
                          const cudaError_t e = cudaGetLastError();

@@ -6,7 +6,8 @@
 // (192, 128), (256, 256)}. Design: docs/kernels/bwd_tilescale_e4m3_sm90.md.
 // Validated on the H200 (tests/python/test_tile_cuda_bwd.py, compute-sanitizer) but
 // slower than the `row` backward: the op runs them only with FP8ATTN_TILE_BWD=1
-// (csrc/torch/ops_cuda.cpp).
+// (csrc/torch/ops_cuda.cpp). p.num_seqs > 0 (a packed batch, bwd_sm90.h):
+// their kVarlen instantiations (not yet run on a GPU).
 #pragma once
 
 #include <cuda_runtime.h>

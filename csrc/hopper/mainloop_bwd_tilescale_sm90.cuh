@@ -49,6 +49,7 @@
 #include "hopper/prepass_delta_sm90.cuh"
 #include "hopper/config_sm90.h"
 #include "hopper/kernel_params_sm90.h"
+#include "hopper/scheduler_sm90.cuh"
 #include "hopper/wgmma_sm90.cuh"
 
 namespace fp8attn {
@@ -59,14 +60,14 @@ namespace ts {
 
 // ---- sequence bounds ---------------------------------------------------------------
 //
-// Lengths of batch entry b. NOTE: the one place the kernels learn where a
-// sequence ends; today the dense uniform case (every entry seqlen_q x
-// seqlen_k), the single-launch varlen work feeds it from cu_seqlens (and
-// then also the start offsets; the kernels index (b, h) rows densely today).
-struct SeqLens {
-  int q, k;
-};
-__device__ __forceinline__ SeqLens seq_lens(const KernelParams& p, int /*b*/) { return {p.seqlen_q, p.seqlen_k}; }
+// Where a sequence lies comes from SeqInfo (scheduler_sm90.cuh, the one place
+// for the forward and the backward): seq_info(p, b) for a dense batch (every
+// entry seqlen_q x seqlen_k at offset 0), varlen_seq_info for a packed one
+// (kVarlen instantiations, varlen_sm90.h). Lengths, masks, windows and tile
+// ranges are the sequence's own; a packed batch's arrays are addressed with
+// its offsets: token rows (tok_q, tok_k) in the token-indexed arrays (LSE,
+// delta, the diagnostics rows, the BF16 outputs, token-major), padded rows
+// (row_q, row_k: multiples of 128) in the codes, their scales and dq_accum.
 
 // x through a volatile move: values derived from it cannot be hoisted out of
 // the loop that makes the copy (register pressure, see the main kernel).
@@ -435,13 +436,15 @@ __device__ __forceinline__ void fill_cols(uint8_t* dst, const uint8_t* src, int6
 // the 8 lanes g of a warp, then over the warps of the group (sRed, sRedP: 8 x 64
 // floats of shared memory each), and finishes the queries < Sq
 // (prepass_finish_row: delta_dm = sum P dP_hat / sum P, delta for
-// delta_matching, the backward-consistent LSE). Contains a __syncthreads (NT threads).
+// delta_matching, the backward-consistent LSE) at rows bhq head_rows + tok0 + q
+// of the per-row arrays (dense: head_rows = Sq, tok0 = 0; a packed batch:
+// total_q and the sequence's first token tok_q). Contains a __syncthreads (NT threads).
 // NOTE: the row wgmma pre-pass has the same tail inline; calling this from it
 // changed its SASS (more spills at d >= 192 under nvcc 13.0), so it keeps its copy.
 template <int NQ, int NT, int kGroups = 1>
 __device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float (&cp)[16], float* sRed, float* sRedP,
                                                     int warp, int lane, int m0, int Sq, int64_t bhq,
-                                                    const KernelParams& p) {
+                                                    int64_t head_rows, int tok0, const KernelParams& p) {
   static_assert(NQ == 64 * kGroups && kWarps % kGroups == 0, "16 sums per thread: 8 n8 tiles of 64 columns per group");
   constexpr int kGroupWarps = kWarps / kGroups;
   const int g = lane >> 2, t = lane & 3;
@@ -473,7 +476,7 @@ __device__ __forceinline__ void prepass_store_delta(float (&cs)[16], float (&cp)
       s += r[w * 64];
       l += rp[w * 64];
     }
-    prepass_finish_row(p, bhq * Sq + q, s, l);
+    prepass_finish_row(p, bhq * head_rows + (tok0 + q), s, l);
   }
 }
 

@@ -25,7 +25,8 @@ namespace fp8attn {
 namespace sm90 {
 namespace bwd {
 
-// s = sum_j P_ij dP_hat_ij, l = sum_j P_ij of query row `row` ([B, Hq, Sq] index),
+// s = sum_j P_ij dP_hat_ij, l = sum_j P_ij of query row `row` ([B, Hq, Sq] index;
+// a packed batch's [Hq, total_q], varlen_sm90.h),
 // P from the forward's LSE. A row that sees no key (l = 0, LSE = -inf) keeps
 // delta = s = 0 and its LSE.
 __device__ __forceinline__ void prepass_finish_row(const KernelParams& p, int64_t row, float s, float l) {

@@ -53,6 +53,18 @@ __device__ __forceinline__ int varlen_ktile_seq(const KernelParams& p, int t) {
   const VarlenMetaLayout L{p.num_seqs, p.q_tiles_max, p.k_tiles_max};
   return p.varlen_meta[L.ktile_seq() + t];
 }
+// Padded query row R (0 <= R < seqlen_q_pad, one head) of a packed batch:
+// false for a padding row (its tile has no sequence, or it lies past the
+// sequence's queries); else si = its sequence, local = R - si.row_q (token
+// si.tok_q + local). For the row-wise kernels that walk the padded rows (the
+// backward's dQ convert, delta, diagnostics).
+__device__ __forceinline__ bool varlen_q_row(const KernelParams& p, int64_t R, SeqInfo& si, int& local) {
+  const int s = varlen_qtile_seq(p, static_cast<int>(R / 128));
+  if (s < 0) return false;
+  si = varlen_seq_info(p, s);
+  local = static_cast<int>(R - si.row_q);
+  return local < si.seqlen_q;
+}
 
 struct WorkTile {
   int m_tile, head_q, batch;
