@@ -170,10 +170,18 @@ for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
     for causal, (wl, wr) in ((False, (-1, -1)), (True, (-1, 0)), (False, (100, 30))):
         ops.fwd_varlen(q, k, v, cu, cu, None, None, d ** -0.5, causal, 128, "tile", wl, wr)
     used = torch.tensor([10, 0, 1, 128, 700], device="cuda")
-    ops.fwd_varlen(q, k, v, cu, cu, used, used, d ** -0.5, True, 128, "tile")
+    o, lse = ops.fwd_varlen(q, k, v, cu, cu, used, used, d ** -0.5, True, 128, "tile")
+    do = torch.randn_like(o)
+    for mode in ("stale", "delta_matching") if d == 128 else ("delta_matching",):
+        ops.bwd_varlen(do, q, k, v, o, lse, cu, cu, used, used, d ** -0.5, True, mode, 128, "e4m3", d == 128, "tile")
+    o, lse = ops.fwd_varlen(q, k, v, cu, cu, None, None, d ** -0.5, False, 128, "tile", 100, 30)
+    ops.bwd_varlen(do, q, k, v, o, lse, cu, cu, None, None, d ** -0.5, False, "delta_matching", 128, "e4m3", False,
+                   "tile", 100, 30)
 for bad in ([0, 300, 200, 5000, -7, 1130], [0, 2**31 - 1, 0, -(2**31), 3, 3]):
     bad = torch.tensor(bad, device="cuda", dtype=torch.int64)
-    ops.fwd_varlen(q, k, v, bad, bad, None, None, 0.1, True, 128, "tile")
+    o, lse = ops.fwd_varlen(q, k, v, bad, bad, None, None, 0.1, True, 128, "tile")
+    ops.bwd_varlen(torch.randn_like(o), q, k, v, o, lse, bad, bad, None, None, 0.1, True, "delta_matching", 128,
+                   "e4m3", False, "tile")
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF

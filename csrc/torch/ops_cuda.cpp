@@ -858,7 +858,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 // Whether run_bwd takes packed batches (num_seqs > 0) in the `tile` backward kernels.
 // NOTE: false until those kernels are validated; bwd_varlen refuses meanwhile and
 // varlen_attention runs its backward per sequence.
-constexpr bool kVarlenBwdKernels = false;
+constexpr bool kVarlenBwdKernels = true;
 
 // The sequence description of a packed batch on the device: int32 copies of
 // cu_seqlens / seqused (never read on the host) and the metadata

@@ -182,7 +182,7 @@ def _single_launch(q: torch.Tensor, precision: str, scaling: str, qk_rotation: s
 # NOTE: flips to True with the kernels behind fp8attn::bwd_varlen (csrc/torch/ops_cuda.cpp
 # kVarlenBwdKernels); until then the backward of a single-launch forward loops per sequence
 # (same LSE layout, same gradients as an all-loop run).
-_BWD_SINGLE_LAUNCH = False
+_BWD_SINGLE_LAUNCH = True
 
 
 # ---- the ops -----------------------------------------------------------------

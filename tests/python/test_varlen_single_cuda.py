@@ -1,7 +1,8 @@
 """GPU tests of the single-launch packed-batch path (issue 19; csrc/hopper/varlen_sm90.h):
-`varlen_attention` on CUDA tensors with scaling="tile" runs fp8attn::fwd_varlen,
-one launch per kernel for the whole packed batch (metadata, quantization, the
-tile forward, gap clearing), cu_seqlens read on the device only.
+`varlen_attention` on CUDA tensors with scaling="tile" runs fp8attn::fwd_varlen and
+fp8attn::bwd_varlen, one launch per kernel for the whole packed batch (metadata,
+quantization, the tile forward / pre-pass / main backward / dQ convert, gap
+clearing), cu_seqlens read on the device only.
 
 What is checked, on fresh random inputs, every element:
   - the forward is bit-identical to the per-sequence loop (FP8ATTN_VARLEN_LOOP=1:
@@ -19,9 +20,11 @@ What is checked, on fresh random inputs, every element:
     (decreasing, past the total, negative) neither crash nor corrupt the context;
   - torch.compile(fullgraph=True) traces it, new cu_seqlens values do not
     recompile;
-  - the backward through the single-launch forward (per sequence until the
-    backward kernels are enabled) equals the all-loop gradients (dK / dV bitwise;
-    dQ to the dQ reduce-add's run-to-run tolerance).
+  - the backward (fp8attn::bwd_varlen, one launch per kernel) equals the
+    per-sequence loop's gradients (dK / dV bitwise; dQ to the dQ reduce-add's
+    run-to-run tolerance) over the same head dims, windows, seqused, GQA, the
+    three delta modes, > 1024 sequences; its diagnostics too; tokens outside
+    every sequence get zero gradients.
 Skips cleanly without a GPU or without the CUDA kernels.
 Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_varlen_single_cuda.py
 """
@@ -207,21 +210,92 @@ def test_torch_compile_no_recompile(monkeypatch):
     assert torch.equal(out_b, f(q, k, v, cu(lens_b), cu(lens_b)))
 
 
-def test_backward_through_single_launch_forward(monkeypatch):
-    lens_q, lens_k = [300, 0, 129, 5], [250, 12, 129, 300]
-    q, k, v = packed(lens_q, lens_k, d=128, tail_q=4, seed=13)
+def grads(q, k, v, cq, ck, dout, loop, monkeypatch, **kw):
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "1" if loop else "0")
+    poison_cuda_allocator([(tuple(t.shape), torch.bfloat16) for t in (q, k, v)])
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    kw.setdefault("scaling", "tile")
+    fp8attn.varlen_attention(qq, kk, vv, cq, ck, **kw).backward(dout)
+    torch.cuda.synchronize()
+    return qq.grad, kk.grad, vv.grad
+
+
+def assert_grads_as_loop(q, k, v, cq, ck, monkeypatch, **kw):
+    """dQ, dK, dV of the single launch (forward and backward) against the
+    per-sequence loop: dK / dV bitwise (one CTA owns a key tile and walks its
+    query tiles in order), dQ to the reduce-add order's rounding."""
+    dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], generator=torch.Generator().manual_seed(1))
+    dout = dout.to(torch.bfloat16).cuda()
+    dq1, dk1, dv1 = grads(q, k, v, cq, ck, dout, False, monkeypatch, **kw)
+    dq2, dk2, dv2 = grads(q, k, v, cq, ck, dout, True, monkeypatch, **kw)
+    for name, g in (("dQ", dq1), ("dK", dk1), ("dV", dv1)):
+        assert not torch.isnan(g).any(), f"{name}: NaN (an unwritten row?)"
+    assert torch.equal(dk1, dk2), f"dK differs: max |d| {(dk1.float() - dk2.float()).abs().max()}"
+    assert torch.equal(dv1, dv2), f"dV differs: max |d| {(dv1.float() - dv2.float()).abs().max()}"
+    rel = (dq1.float() - dq2.float()).norm() / dq2.float().norm().clamp(min=1e-30)
+    assert rel.item() < 1e-3, f"dQ: ||single - loop|| / ||loop|| = {rel.item():.3g}"
+    return dq1, dk1, dv1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", range(len(LENS)))
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_bwd_as_per_sequence(causal, lens, dims, monkeypatch):
+    lens_q, lens_k = LENS[lens]
+    q, k, v = packed(lens_q, lens_k, d=dims[0], dv=dims[1], tail_q=3, tail_k=2, seed=30 + lens)
+    q[-3:] = float("nan")
+    k[-2:] = float("nan")
+    dq, dk, dv = assert_grads_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=causal)
+    assert (dq[-3:] == 0).all() and (dk[-2:] == 0).all() and (dv[-2:] == 0).all()
+
+
+@pytest.mark.parametrize("window", [(64, 0), (0, 129), (-1, 40), (5, 5)])
+def test_bwd_windows_seqused_gqa(window, monkeypatch):
+    lens_q, lens_k = [300, 1, 513, 0, 200], [250, 40, 513, 7, 600]
+    q, k, v = packed(lens_q, lens_k, hq=8, hkv=2, d=128, seed=12)
+    used_q = torch.tensor([300, 1, 400, 0, 20], device="cuda")
+    used_k = torch.tensor([250, 0, 513, 7, 100], device="cuda")
+    assert_grads_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, window_size=window, seqused_q=used_q,
+                         seqused_k=used_k)
+
+
+@pytest.mark.parametrize("mode", ["stale", "matched_do", "delta_matching"])
+def test_bwd_delta_modes_and_many_sequences(mode, monkeypatch):
+    rng = random.Random(17)
+    lens_q = [rng.choice([0, 1, 3, 17, 64, 130]) for _ in range(1300)]
+    lens_k = [n if rng.random() < 0.7 else rng.choice([0, 9, 200]) for n in lens_q]
+    q, k, v = packed(lens_q, lens_k, hq=2, hkv=1, d=64, seed=19)
+    assert_grads_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=True, delta_mode=mode)
+
+
+def test_bwd_diagnostics_as_per_sequence(monkeypatch):
+    # The raw ops: diag [4, Hq, total_q] (delta, eps, rowsum_pre, rowsum_post) of
+    # the single launch against the loop's, on the rows of sequences with keys.
+    lens_q, lens_k = [300, 129, 5], [250, 129, 400]
+    q, k, v = packed(lens_q, lens_k, d=128, tail_q=4, seed=23)
     cq, ck = cu(lens_q), cu(lens_k)
     dout = torch.randn(q.shape[0], q.shape[1], v.shape[2], device="cuda").to(torch.bfloat16)
-    grads = []
+    res = []
     for loop in ("0", "1"):
         monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", loop)
-        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        fp8attn.varlen_attention(qq, kk, vv, cq, ck, causal=True, scaling="tile").backward(dout)
-        grads.append((qq.grad, kk.grad, vv.grad))
-    (dq1, dk1, dv1), (dq2, dk2, dv2) = grads
-    for g in (dq1, dk1, dv1):
-        assert torch.isfinite(g).all()
-    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2)
-    rel = (dq1.float() - dq2.float()).norm() / dq2.float().norm()
-    assert rel.item() < 1e-3, f"dQ: {rel.item():.3g}"
-    assert (dq1[-4:] == 0).all()
+        out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cq, ck, None, None, 128 ** -0.5, True, "fp8", 128,
+                                                   "delta_matching", "e4m3", None, "tile")
+        res.append(torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cq, ck, 128 ** -0.5, True, "fp8",
+                                                "delta_matching", 128, "e4m3", True, "tile"))
+    d1, d2 = res[0][3], res[1][3]
+    assert d1.shape == d2.shape == (4, q.shape[1], q.shape[0])
+    assert torch.isfinite(d1).all()
+    n = sum(lens_q)
+    assert torch.equal(d1[0, :, :n], d2[0, :, :n]), "delta differs"
+    rel = (d1[:, :, :n] - d2[:, :, :n]).norm() / d2[:, :, :n].norm()
+    assert rel.item() < 1e-5, f"diagnostics: {rel.item():.3g}"
+    assert (d1[:, :, n:] == 0).all()
+
+
+def test_varlen_ops_refuse_cpu_tensors():
+    # The single-launch ops on CPU tensors: refused naming the argument (CUDA kernels only).
+    lens = [5, 7]
+    q, k, v = (t.cpu() for t in packed(lens, lens, d=64, seed=1))
+    cq = cu(lens).cpu()
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        torch.ops.fp8attn.fwd_varlen(q, k, v, cq, cq, None, None, 0.125, True, 128, "tile")
