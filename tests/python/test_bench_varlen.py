@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("fp8attn")
 import bench_gpu  # noqa: E402
 import bench_varlen_gpu as bv  # noqa: E402
+import fp8attn.varlen  # noqa: E402
 from fp8attn.train.data import TokenStream  # noqa: E402
 from fp8attn.train.model import document_segments  # noqa: E402
 from test_bench_gpu import _run_script  # noqa: E402
@@ -295,6 +296,7 @@ def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
         ("128", 32, ["case"]), ("512", 8, []), ("corpus", 0, ["corpus"])]
     assert rows[0]["errors"]["case"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
     assert rows[1]["single"] == 100.0 and "unavailable" in got["env"]["corpus"]
-    assert got["env"]["bwd_single_launch"] is False and "FP8ATTN_VARLEN_LOOP" in got["env"]["knobs"]
+    assert got["env"]["bwd_single_launch"] is fp8attn.varlen._BWD_SINGLE_LAUNCH
+    assert "FP8ATTN_VARLEN_LOOP" in got["env"]["knobs"]
     md = (out / "bench_varlen_gpu.md").read_text()
     assert "- T=4096, 128, case: OutOfMemoryError" in md and "- T=4096, corpus, corpus: no prepared corpus" in md
