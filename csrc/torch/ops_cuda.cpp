@@ -1057,8 +1057,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);
   const at::Device device = q_in.device();
-  check_cuda_tensor(dout_in, "dout", device);
-  check_cuda_tensor(out_in, "out", device);
+  check_cuda_tensor(do4, "dout", device);
+  check_cuda_tensor(o4, "out", device);
   const int64_t want_o[4] = {1, pr.heads_q, pr.seqlen_q, pr.dv};
   for (int d = 0; d < 4; ++d) {
     check_size(do4, d, want_o[d], "dout", "size");
