@@ -35,9 +35,8 @@ What is measured, per (T total tokens, document-length distribution):
   * ratios: single / dense (issue target >= 0.9 at mean document length >= 512) and
     single / SDPA varlen (target > 1: faster).
   * --bwd: forward + backward (torch.autograd.grad, fresh randn dO) of single, dense and SDPA
-    varlen; backward = that minus the forward. The single-launch forward's backward is one
-    launch (fp8attn::bwd_varlen) only while fp8attn.varlen._BWD_SINGLE_LAUNCH is True, else a
-    per-document loop; the output says which.
+    varlen; backward = that minus the forward (single: fp8attn::bwd_varlen, one launch per
+    kernel).
 A failing cell (out of memory, an unsupported case: RuntimeError, ValueError) is n/a with its
 reason under the table; the run goes on. Writes bench_varlen_gpu.json (everything, with GPU,
 driver, torch, CUDA, cuDNN versions, date) and bench_varlen_gpu.md under --out; prints the
@@ -275,9 +274,7 @@ def markdown(rows, info) -> str:
                      f"{_ratio(r.get('single'), r.get('dense'))} | {_ratio(r.get('single'), r.get('sdpa_varlen'))} | "
                      f"{'n/a' if err is None else f'{err:.4f}'} | {'n/a' if eq is None else 'yes' if eq else 'NO'} |")
     if a.get("bwd"):
-        lines += ["", f"Backward (= fwd+bwd step minus forward), fp8attn.varlen._BWD_SINGLE_LAUNCH = "
-                  f"{info.get('bwd_single_launch')}" + ("" if info.get("bwd_single_launch") else
-                                                        ": the single launch's backward loops per document") + ".",
+        lines += ["", "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen).",
                   "", BWD_HEAD, "|" + "---|" * (BWD_HEAD.count("|") - 1)]
         for r in rows:
             steps = " / ".join("n/a" if r.get(f"{c}_step_ms") is None else f"{r[f'{c}_step_ms']:.3f}"
@@ -361,7 +358,7 @@ def main(argv=None) -> int:
         return 1
     os.makedirs(args.out, exist_ok=True)
     info = env_info()
-    info.update(args=vars(args), bwd_single_launch=bool(getattr(fp8attn.varlen, "_BWD_SINGLE_LAUNCH", False)),
+    info.update(args=vars(args),
                 knobs={n: os.environ.get(n) for n in ("FP8ATTN_VARLEN_LOOP", "FP8ATTN_TILE_FWD", "FP8ATTN_TILE_BWD")})
     stream, corpus = load_corpus(args) if "corpus" in args.dists else (None, None)
     info["corpus"] = corpus if stream is not None or corpus is None else {"unavailable": corpus}

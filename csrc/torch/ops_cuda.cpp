@@ -855,11 +855,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 // ---- packed variable-length batches, one launch per kernel (varlen_sm90.h) --------------
 
-// Whether run_bwd takes packed batches (num_seqs > 0) in the `tile` backward kernels.
-// NOTE: false until those kernels are validated; bwd_varlen refuses meanwhile and
-// varlen_attention runs its backward per sequence.
-constexpr bool kVarlenBwdKernels = true;
-
 // The sequence description of a packed batch on the device: int32 copies of
 // cu_seqlens / seqused (never read on the host) and the metadata
 // (varlen_meta_sm90), with the padded tile bounds of each side.
@@ -1046,8 +1041,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
     int64_t window_left, int64_t window_right) {
   check_packed_scaling(scaling);
-  TORCH_CHECK_NOT_IMPLEMENTED(kVarlenBwdKernels, "fp8attn: bwd_varlen: the single-launch varlen backward kernels "
-                              "are not enabled in this build; varlen_attention runs the backward per sequence");
   const Scaling recipe = check_bwd_scaling(scaling);
   const at::Tensor q4 = packed_view(q_in, "q"), k4 = packed_view(k_in, "k"), v4 = packed_view(v_in, "v");
   const at::Tensor do4 = packed_view(dout_in, "dout"), o4 = packed_view(out_in, "out");

@@ -40,9 +40,8 @@ for its backward.
 
 Single launch (issue 19): CUDA tensors with scaling="tile" (precision "fp8", no
 qk_rotation / smooth_k / softcap, num_heads_q <= 65535) skip the host loop: the
-ops call fp8attn::fwd_varlen (and fp8attn::bwd_varlen once its kernels are
-enabled, else the backward loops per sequence), one launch per kernel for the
-whole packed batch, cu_seqlens / seqused read on the device only (no host sync,
+ops call fp8attn::fwd_varlen and fp8attn::bwd_varlen, one launch per kernel for
+the whole packed batch, cu_seqlens / seqused read on the device only (no host sync,
 no per-sequence launches; hopper/varlen_sm90.h). Their values are then checked
 only with check=True (one host sync); unchecked bad values are clamped inside
 the tensors (never memory outside them) and give unspecified results for the
@@ -179,11 +178,6 @@ def _single_launch(q: torch.Tensor, precision: str, scaling: str, qk_rotation: s
             and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535)
 
 
-# NOTE: flips to True with the kernels behind fp8attn::bwd_varlen (csrc/torch/ops_cuda.cpp
-# kVarlenBwdKernels); until then the backward of a single-launch forward loops per sequence
-# (same LSE layout, same gradients as an all-loop run).
-_BWD_SINGLE_LAUNCH = True
-
 
 # ---- the ops -----------------------------------------------------------------
 
@@ -260,7 +254,7 @@ def varlen_bwd(
     from lse)."""
     if lse_t is not None and lse_t.numel() == 0:
         lse_t = None
-    if _BWD_SINGLE_LAUNCH and _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
         return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,

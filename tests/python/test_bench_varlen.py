@@ -10,7 +10,7 @@
 * bench_case's plumbing on CPU tensors (fp8attn's CPU reference; SDPA's cells n/a with a reason,
   the FP8ATTN_VARLEN_LOOP knob restored), with a fake timer;
 * markdown on synthetic rows: the ratio columns, n/a and skipped cells with their reasons, the
-  backward table's _BWD_SINGLE_LAUNCH note;
+  backward table;
 * main: without a GPU a one-line message, exit 1, no --out directory; a failing case is recorded
   and the run goes on.
 CPU, a few seconds.
@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytest.importorskip("fp8attn")
 import bench_gpu  # noqa: E402
 import bench_varlen_gpu as bv  # noqa: E402
-import fp8attn.varlen  # noqa: E402
 from fp8attn.train.data import TokenStream  # noqa: E402
 from fp8attn.train.model import document_segments  # noqa: E402
 from test_bench_gpu import _run_script  # noqa: E402
@@ -49,7 +48,7 @@ def test_help_is_complete():
     assert p.returncode == 0, p.stderr
     text = " ".join(p.stdout.split())
     for want in ("FP8ATTN_VARLEN_LOOP=1", "L * (L + 1) / 2", "the diagonal included", "backward 2.5x",
-                 "nested_tensor_from_jagged", "CUDNN_ATTENTION", "_BWD_SINGLE_LAUNCH", "Exit status",
+                 "nested_tensor_from_jagged", "CUDNN_ATTENTION", "fp8attn::bwd_varlen", "Exit status",
                  "single / dense (issue target >= 0.9", "--tokens TOKENS", "--dists DISTS", "--kv-heads",
                  "--head-dim", "--bwd", "--loop", "--out OUT"):
         assert want in text, want
@@ -224,7 +223,7 @@ def _rows(bwd=False):
     bad["skipped"]["loop"] = "1024 documents > --loop-max-docs 512 (--loop forces it)"
     missing = bv.new_row(16384, "corpus", [], args)
     missing["errors"]["corpus"] = "no prepared corpus at data/x"
-    return [ok, bad, missing], dict(INFO, args=vars(args), bwd_single_launch=False)
+    return [ok, bad, missing], dict(INFO, args=vars(args))
 
 
 def test_markdown_ratios_and_na():
@@ -250,12 +249,10 @@ def test_markdown_ratios_and_na():
 def test_markdown_backward_table():
     rows, info = _rows(bwd=True)
     md = bv.markdown(rows, info)
-    assert "fp8attn.varlen._BWD_SINGLE_LAUNCH = False: the single launch's backward loops per document" in md
+    assert "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen)." in md
     bwd = [ln for ln in md.splitlines() if ln.startswith("| 16384 | fixed 512")][1]
     assert bwd == ("| 16384 | fixed 512 | 32 | 512 / 512 | 300 (2.000 ms) | 350 (1.700 ms) | n/a | 0.86 | n/a | "
                    "2.500 / 2.200 / n/a |")
-    md = bv.markdown(rows, dict(info, bwd_single_launch=True))
-    assert "_BWD_SINGLE_LAUNCH = True." in md
 
 
 # ---- main --------------------------------------------------------------------------------------------
@@ -296,7 +293,6 @@ def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
         ("128", 32, ["case"]), ("512", 8, []), ("corpus", 0, ["corpus"])]
     assert rows[0]["errors"]["case"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
     assert rows[1]["single"] == 100.0 and "unavailable" in got["env"]["corpus"]
-    assert got["env"]["bwd_single_launch"] is fp8attn.varlen._BWD_SINGLE_LAUNCH
     assert "FP8ATTN_VARLEN_LOOP" in got["env"]["knobs"]
     md = (out / "bench_varlen_gpu.md").read_text()
     assert "- T=4096, 128, case: OutOfMemoryError" in md and "- T=4096, corpus, corpus: no prepared corpus" in md
