@@ -59,7 +59,7 @@ echo "== GPU tests"
 # runs one part, unset runs both. NOTE: -n 5 is the measured sweet spot: 1239 tests
 # of both parts took 435 s at -n 5 (2026-12-03 09:39) and did not finish in 430 s at -n 8.
 part1="tests/python/test_build.py tests/python/test_cuda.py tests/python/test_cuda_bwd.py tests/python/test_cuda_head_dims.py tests/python/test_cuda_fuzz.py tests/python/test_wgmma_accum.py tests/python/test_wgmma_emulation.py tests/python/test_consistent_lse.py"
-part2="tests/python/test_tile.py tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_cuda_context_parallel.py tests/python/test_softcap.py tests/python/test_flash_surface.py tests/python/test_cudnn_fp8.py tests/python/test_cudnn_fp8_op.py tests/python/test_cudnn_fp8_train.py tests/python/test_op_edges.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
+part2="tests/python/test_tile.py tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py tests/python/test_cuda_qk_transform.py tests/python/test_linear.py tests/python/test_varlen.py tests/python/test_varlen_op.py tests/python/test_varlen_single_cuda.py tests/python/test_cuda_context_parallel.py tests/python/test_softcap.py tests/python/test_flash_surface.py tests/python/test_cudnn_fp8.py tests/python/test_cudnn_fp8_op.py tests/python/test_cudnn_fp8_train.py tests/python/test_op_edges.py tests/python/test_ddp.py::test_two_gpus_ddp_and_fsdp_train_the_same"
 case "${DEVICE_TESTS_PART:-all}" in
   1) default_tests="$part1";;
   2) default_tests="$part2";;
