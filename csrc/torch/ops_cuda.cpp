@@ -410,6 +410,23 @@ void set_input(const at::Tensor& t, const void*& ptr, int64_t& sb, int64_t& ss, 
   ss = eff_stride(t, 2);
 }
 
+// The `tile` forward's tensors into kp (scaling, inputs, O, LSE, quantized operands).
+void set_tile_fwd_tensors(KernelParams& kp, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, const TileFwdCodes& c) {
+  kp.scaling = static_cast<int>(Scaling::kTile);
+  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  kp.out = out.data_ptr();
+  kp.lse = lse.data_ptr<float>();
+  kp.q_row = c.q.data_ptr<uint8_t>();
+  kp.q_row_s = c.q_s.data_ptr<float>();
+  kp.k_row = c.k.data_ptr<uint8_t>();
+  kp.k_row_s = c.k_s.data_ptr<float>();
+  kp.v_colT = c.vT.data_ptr<uint8_t>();
+  kp.v_col_s = c.v_s.data_ptr<float>();
+}
+
 // ---- ops ------------------------------------------------------------------------
 
 // fwd: out [B,Hq,Sq,Dv] contiguous in q's dtype, lse float32 [B,Hq,Sq]
@@ -473,18 +490,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     const TileFwdCodes c = quantize_tile_fwd(q, k, v, Fp8Format::kE4M3, stream);
     KernelParams kp{};
     set_sizes(kp, pr, softmax_scale, win);
-    kp.scaling = static_cast<int>(Scaling::kTile);
-    set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
-    set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
-    set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
-    kp.out = out_k.data_ptr();
-    kp.lse = lse.data_ptr<float>();
-    kp.q_row = c.q.data_ptr<uint8_t>();
-    kp.q_row_s = c.q_s.data_ptr<float>();
-    kp.k_row = c.k.data_ptr<uint8_t>();
-    kp.k_row_s = c.k_s.data_ptr<float>();
-    kp.v_colT = c.vT.data_ptr<uint8_t>();
-    kp.v_col_s = c.v_s.data_ptr<float>();
+    set_tile_fwd_tensors(kp, q, k, v, out_k, lse, c);
     launch([&] { run_fwd_tile(kp, stream); });
     return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
   }
@@ -512,6 +518,47 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   kp.v_col_s = v_col_s.data_ptr<float>();
   launch([&] { run_fwd(kp, stream); });
   return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
+}
+
+// The tensors of a backward call, by KernelParams field (undefined: nullptr).
+struct BwdTensors {
+  at::Tensor q, k, v, out, dout, lse, dq, dk, dv;
+  at::Tensor q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row, do_row_s;
+  at::Tensor q_colT, q_col_s, k_colT, k_col_s, do_colT, do_col_s;
+  at::Tensor delta, delta_dm, lse_bwd, dq_accum, diag, rowsum_ws;
+};
+void set_bwd_tensors(KernelParams& kp, const BwdTensors& t) {
+  const auto f32 = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<float>() : nullptr; };
+  const auto u8 = [](const at::Tensor& x) { return x.defined() ? x.data_ptr<uint8_t>() : nullptr; };
+  set_input(t.q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
+  set_input(t.k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
+  set_input(t.v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
+  set_input(t.out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
+  set_input(t.dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
+  kp.lse = f32(t.lse);
+  kp.dq = t.dq.data_ptr();
+  kp.dk = t.dk.data_ptr();
+  kp.dv = t.dv.data_ptr();
+  kp.q_row = u8(t.q_row);
+  kp.q_row_s = f32(t.q_row_s);
+  kp.k_row = u8(t.k_row);
+  kp.k_row_s = f32(t.k_row_s);
+  kp.v_row = u8(t.v_row);
+  kp.v_row_s = f32(t.v_row_s);
+  kp.do_row = u8(t.do_row);
+  kp.do_row_s = f32(t.do_row_s);
+  kp.q_colT = u8(t.q_colT);
+  kp.q_col_s = f32(t.q_col_s);
+  kp.k_colT = u8(t.k_colT);
+  kp.k_col_s = f32(t.k_col_s);
+  kp.do_colT = u8(t.do_colT);
+  kp.do_col_s = f32(t.do_col_s);
+  kp.delta = f32(t.delta);
+  kp.delta_dm = f32(t.delta_dm);
+  kp.lse_bwd = f32(t.lse_bwd);
+  kp.dq_accum = f32(t.dq_accum);
+  kp.diag = f32(t.diag);
+  kp.rowsum_ws = f32(t.rowsum_ws);
 }
 
 // bwd: dq/dk/dv contiguous in the shapes and dtype of q/k/v; diag float32
@@ -665,40 +712,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
   kp.scaling = static_cast<int>(recipe);
-  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
-  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
-  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
-  set_input(out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
-  set_input(dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
-  kp.lse = lse.data_ptr<float>();
-  kp.dq = dq.data_ptr();
-  kp.dk = dk.data_ptr();
-  kp.dv = dv.data_ptr();
-  kp.q_row = q_row.data_ptr<uint8_t>();
-  kp.q_row_s = q_row_s.data_ptr<float>();
-  kp.k_row = k_row.data_ptr<uint8_t>();
-  kp.k_row_s = k_row_s.data_ptr<float>();
-  kp.v_row = v_row.data_ptr<uint8_t>();
-  kp.v_row_s = v_row_s.data_ptr<float>();
-  kp.do_row = do_row.data_ptr<uint8_t>();
-  kp.do_row_s = do_row_s.data_ptr<float>();
-  kp.q_colT = q_colT.data_ptr<uint8_t>();
-  kp.q_col_s = q_col_s.data_ptr<float>();
-  kp.k_colT = k_colT.data_ptr<uint8_t>();
-  kp.k_col_s = k_col_s.data_ptr<float>();
-  kp.do_colT = do_colT.data_ptr<uint8_t>();
-  kp.do_col_s = do_col_s.data_ptr<float>();
-  kp.delta = delta.data_ptr<float>();
-  kp.delta_dm = delta_dm.data_ptr<float>();
-  kp.lse_bwd = dm ? lse_bwd.data_ptr<float>() : nullptr;
+  set_bwd_tensors(kp, {q, k, v, out, dout, lse, dq, dk, dv, q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row,
+                       do_row_s, q_colT, q_col_s, k_colT, k_col_s, do_colT, do_col_s, delta, delta_dm, lse_bwd,
+                       dq_accum, diagnostics ? diag : at::Tensor(), rowsum_ws});
   if (delta_given) {
     kp.delta = delta_arg.data_ptr<float>();
     kp.delta_given = 1;
   }
   kp.prepass_sums = sums_only ? 1 : 0;
-  kp.dq_accum = dq_accum.data_ptr<float>();
-  kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
-  kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
@@ -1006,18 +1027,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q_in, const
   KernelParams kp{};
   set_sizes(kp, pr, softmax_scale, win);
   set_packed(kp, pb);
-  kp.scaling = static_cast<int>(Scaling::kTile);
-  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
-  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
-  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
-  kp.out = out_k.data_ptr();
-  kp.lse = lse.data_ptr<float>();
-  kp.q_row = q_row.data_ptr<uint8_t>();
-  kp.q_row_s = q_s.data_ptr<float>();
-  kp.k_row = k_row.data_ptr<uint8_t>();
-  kp.k_row_s = k_s.data_ptr<float>();
-  kp.v_colT = vT.data_ptr<uint8_t>();
-  kp.v_col_s = v_s.data_ptr<float>();
+  set_tile_fwd_tensors(kp, q, k, v, out_k, lse, {q_row, q_s, k_row, k_s, vT, v_s});
   launch([&] { run_fwd_tile(kp, stream); });
   // Tokens outside every sequence: O = 0, LSE = -inf (the kernel writes only sequences' rows).
   launch([&] {
@@ -1118,35 +1128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
   kp.scaling = static_cast<int>(recipe);
-  set_input(q, kp.q, kp.q_sb, kp.q_ss, kp.q_sh);
-  set_input(k, kp.k, kp.k_sb, kp.k_ss, kp.k_sh);
-  set_input(v, kp.v, kp.v_sb, kp.v_ss, kp.v_sh);
-  set_input(out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
-  set_input(dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
-  kp.lse = lse.data_ptr<float>();
-  kp.dq = dq.data_ptr();
-  kp.dk = dk.data_ptr();
-  kp.dv = dv.data_ptr();
-  kp.q_row = q_row.data_ptr<uint8_t>();
-  kp.q_row_s = q_row_s.data_ptr<float>();
-  kp.k_row = k_row.data_ptr<uint8_t>();
-  kp.k_row_s = k_row_s.data_ptr<float>();
-  kp.v_row = v_row.data_ptr<uint8_t>();
-  kp.v_row_s = v_row_s.data_ptr<float>();
-  kp.do_row = do_row.data_ptr<uint8_t>();
-  kp.do_row_s = do_row_s.data_ptr<float>();
-  kp.q_colT = q_colT.data_ptr<uint8_t>();
-  kp.q_col_s = q_col_s.data_ptr<float>();
-  kp.k_colT = k_colT.data_ptr<uint8_t>();
-  kp.k_col_s = k_row_s.data_ptr<float>();  // one K_hat for #3 and #6
-  kp.do_colT = do_colT.data_ptr<uint8_t>();
-  kp.do_col_s = do_col_s.data_ptr<float>();
-  kp.delta = delta.data_ptr<float>();
-  kp.delta_dm = delta_dm.data_ptr<float>();
-  kp.lse_bwd = dm ? lse_bwd.data_ptr<float>() : nullptr;
-  kp.dq_accum = dq_accum.data_ptr<float>();
-  kp.diag = diagnostics ? diag.data_ptr<float>() : nullptr;
-  kp.rowsum_ws = diagnostics ? rowsum_ws.data_ptr<float>() : nullptr;
+  // One K_hat for #3 and #6: k_row_s is also #6's scale array.
+  set_bwd_tensors(kp, {q, k, v, out, dout, lse, dq, dk, dv, q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row,
+                       do_row_s, q_colT, q_col_s, k_colT, k_row_s, do_colT, do_col_s, delta, delta_dm, lse_bwd,
+                       dq_accum, diagnostics ? diag : at::Tensor(), rowsum_ws});
   launch([&] { sm90::run_bwd(kp, stream); });
   // Tokens outside every sequence: zero gradients and diagnostics.
   launch([&] {
