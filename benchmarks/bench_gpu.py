@@ -608,6 +608,17 @@ def _step_ratio(r, ours_ms_key):
     return base_ms / ours
 
 
+def write_results(out: str, stem: str, info: dict, rows: list, md: str) -> None:
+    """<out>/<stem>.json ({"env": info, "rows": rows}) and <out>/<stem>.md; prints the markdown
+    last (the GPU benchmarks' output rule)."""
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump({"env": info, "rows": rows}, f, indent=1, default=str)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(md + "\n")
+    print()
+    print(md)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if not torch.cuda.is_available():  # NOTE: before creating --out: a CPU-only run writes nothing
@@ -636,13 +647,7 @@ def main(argv=None) -> int:
             rows.append(r)
             torch.cuda.empty_cache()  # NOTE: after the except block, which held the failed call's tensors
 
-    md = markdown(rows, info)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-        json.dump({"env": info, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
-        f.write(md + "\n")
-    print()
-    print(md)
+    write_results(args.out, "bench_gpu", info, rows, markdown(rows, info))
     return 0
 
 

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # NOTE: bench_gpu first: it puts an in-tree fp8attn build ahead of the installed package (as conftest.py).
-from bench_gpu import env_info, tflops
+from bench_gpu import env_info, tflops, write_results
 from cudnn_fp8 import one_line, rel_fro
 from timing import int_at_least, time_ms
 import fp8attn
@@ -380,13 +380,7 @@ def main(argv=None) -> int:
             print("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
             rows.append(r)
             torch.cuda.empty_cache()
-    md = markdown(rows, info)
-    with open(os.path.join(args.out, "bench_varlen_gpu.json"), "w") as f:
-        json.dump({"env": info, "rows": rows}, f, indent=1, default=str)
-    with open(os.path.join(args.out, "bench_varlen_gpu.md"), "w") as f:
-        f.write(md + "\n")
-    print()
-    print(md)
+    write_results(args.out, "bench_varlen_gpu", info, rows, markdown(rows, info))
     return 0
 
 
