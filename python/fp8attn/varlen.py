@@ -168,15 +168,18 @@ def _seq(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
     return t[begin:end].transpose(0, 1).unsqueeze(0)
 
 
-def _single_launch(q: torch.Tensor, precision: str, scaling: str, qk_rotation: str, smooth_k: bool,
-                   softcap: float) -> bool:
+def _single_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, precision: str, scaling: str,
+                   qk_rotation: str, smooth_k: bool, softcap: float) -> bool:
     """Whether a packed batch runs the single-launch CUDA kernels (module
-    docstring); FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop."""
+    docstring); FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop. Past the
+    single launch's size limits (totals < 2^30 tokens, padded rows < 2^31:
+    csrc/torch/ops_cuda.cpp packed_batch) the loop runs it, as before."""
     if _env.flag("FP8ATTN_VARLEN_LOOP", False):
         return False
+    n = cu_seqlens_q.shape[0] - 1
+    fits = max(q.shape[0], k.shape[0]) < 2**30 and ((max(q.shape[0], k.shape[0]) + 127) // 128 + n) * 128 < 2**31
     return (q.is_cuda and HAS_CUDA_KERNELS and precision == "fp8" and scaling == "tile" and qk_rotation == "none"
-            and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535)
-
+            and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535 and fits)
 
 
 # ---- the ops -----------------------------------------------------------------
@@ -195,7 +198,7 @@ def varlen_fwd(
     module docstring); precision is the op-level one ("fp8" or "exact"). check:
     the value checks of cu_seqlens / seqused / max_seqlen on the single-launch
     path (the loop always checks: it reads the values anyway)."""
-    if _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if _single_launch(q, k, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, seqused_q,
                    seqused_k)
@@ -254,7 +257,7 @@ def varlen_bwd(
     from lse)."""
     if lse_t is not None and lse_t.numel() == 0:
         lse_t = None
-    if _single_launch(q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if _single_launch(q, k, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
         return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
