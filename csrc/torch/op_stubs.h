@@ -3,6 +3,7 @@
 // run 'fp8attn::...' with arguments from the 'CUDA' backend":
 //   - in a CPU-only build (no FP8ATTN_WITH_CUDA): every op (ops.cpp);
 //   - in a CUDA build: fp8_encode, fp8_decode, dequantize_blockwise (CPU only).
+// And the CPU-key kernel of the CUDA-only ops (fwd_varlen, bwd_varlen: cuda_only_op).
 // Boxed, so one function serves every schema.
 #pragma once
 

@@ -12,7 +12,8 @@ Implementation: two custom ops, opaque to torch.compile, so that
   fp8attn::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, precision, block_size, delta_mode,
       grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False,
-      seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1)
+      seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1,
+      check=True)
                                 -> (out [total_q, Hq, Dv] q.dtype,
                                    lse float32 [Hq, total_q],
                                    lse_t float32 [Hq, total_q] with smooth_k
@@ -20,7 +21,7 @@ Implementation: two custom ops, opaque to torch.compile, so that
   fp8attn::varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
       softmax_scale, causal, precision, delta_mode, block_size, grad_format,
       diagnostics, scaling="row", qk_rotation="none", smooth_k=False, ..., lse_t=None,
-      window_left=-1, window_right=-1)
+      window_left=-1, window_right=-1, check=True)
                                 -> (dq, dk, dv like q, k, v;
                        diag float32 [4, Hq, total_q] if diagnostics else [0])
 
@@ -43,9 +44,10 @@ qk_rotation / smooth_k / softcap, num_heads_q <= 65535) skip the host loop: the
 ops call fp8attn::fwd_varlen and fp8attn::bwd_varlen, one launch per kernel for
 the whole packed batch, cu_seqlens / seqused read on the device only (no host sync,
 no per-sequence launches; hopper/varlen_sm90.h). Their values are then checked
-only with check=True (one host sync); unchecked bad values are clamped inside
+only with check=True (a host sync: they are read there); unchecked bad values are clamped inside
 the tensors (never memory outside them) and give unspecified results for the
-sequences they describe. FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop
+sequences they describe. cu_seqlens / seqused on the CPU are copied to q's
+device. FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop
 (bit-identical forward; an A/B switch). Everything else (CPU tensors, the `row`
 recipe, the transforms) loops per sequence as described above.
 """
@@ -182,6 +184,13 @@ def _single_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
             and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535 and fits)
 
 
+def _on_device(device: torch.device, *tensors: Optional[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """cu_seqlens / seqused on q's device for the single-launch ops (they read them
+    there; the loop accepts CPU ones, so the single launch does too): a copy to the
+    device, queued without waiting for the GPU."""
+    return [t if t is None or t.device == device else t.to(device, non_blocking=True) for t in tensors]
+
+
 # ---- the ops -----------------------------------------------------------------
 
 
@@ -202,9 +211,9 @@ def varlen_fwd(
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, seqused_q,
                    seqused_k)
-        out, lse = torch.ops.fp8attn.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                                softmax_scale, causal, block_size, scaling, window_left,
-                                                window_right)
+        cu_q, cu_k, used_q, used_k = _on_device(q.device, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        out, lse = torch.ops.fp8attn.fwd_varlen(q, k, v, cu_q, cu_k, used_q, used_k, softmax_scale, causal,
+                                                block_size, scaling, window_left, window_right)
         return out, lse, lse.new_empty((0,))
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                    seqused_q, seqused_k)
@@ -260,9 +269,10 @@ def varlen_bwd(
     if _single_launch(q, k, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
-        return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                            seqused_k, softmax_scale, causal, delta_mode, block_size, grad_format,
-                                            diagnostics, scaling, window_left, window_right)
+        cu_q, cu_k, used_q, used_k = _on_device(q.device, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, softmax_scale,
+                                            causal, delta_mode, block_size, grad_format, diagnostics, scaling,
+                                            window_left, window_right)
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)
@@ -403,9 +413,10 @@ def varlen_attention(
             (resp. total_k). Tokens past the last entry are outside every
             sequence: their O rows are 0, their LSE is -inf, their dQ/dK/dV are
             0, and whatever they hold (even NaN) reaches no output or gradient.
-            Single-launch path (CUDA, scaling="tile", module docstring): read
-            on the device only (no host sync), totals < 2^30 tokens; their
-            values are checked only with check=True. Otherwise their values are
+            Single-launch path (CUDA, scaling="tile", num_heads_q <= 65535,
+            totals < 2^30 tokens; module docstring): read on the device only
+            (no host sync; CPU ones are copied to q's device); their values are
+            checked only with check=True. Otherwise their values are
             read on the host inside the op fp8attn::varlen_fwd (a sync if they
             live on the GPU; no graph break under torch.compile) and always
             checked; each sequence is one fwd / bwd op call, with that op's
@@ -416,7 +427,8 @@ def varlen_attention(
             sequence (ValueError otherwise, raised when the op checks the
             values). Upper bounds only: the kernels do not need them.
         check: (single-launch path) check the values of cu_seqlens, seqused
-            and max_seqlen at one host sync, raising the ValueErrors below.
+            and max_seqlen on the host (a sync: one small copy of each, in the
+            forward and again in the backward), raising the ValueErrors below.
             Default False: no sync; values that break the rules then give
             unspecified results for the sequences they describe, but never a
             read or write outside the tensors or a crash (they are clamped:

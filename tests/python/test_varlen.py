@@ -356,3 +356,29 @@ def test_cuda_matches_per_sequence_and_cpu(causal):
             r.double()[: sum(lens_q) if name in ("O", "dQ") else sum(lens_k)]
         rel = (g - r).norm() / r.norm().clamp(min=1e-30)
         assert rel.item() < 2e-2, f"{name}: ||cuda - cpu|| / ||cpu|| = {rel.item():.3g}"
+
+
+def test_single_launch_ops_refuse_cpu_tensors():
+    # fp8attn::fwd_varlen / bwd_varlen (the single-launch path, CUDA kernels only) on
+    # CPU tensors: a ValueError naming the argument, not torch's "Could not run".
+    q, k, v = make_packed([5, 7], [5, 7], d=64)
+    cq = cu([5, 7])
+    with pytest.raises(ValueError, match="argument 'q': expected a CUDA tensor"):
+        torch.ops.fp8attn.fwd_varlen(q, k, v, cq, cq, None, None, 0.125, True, 128, "tile")
+    with pytest.raises(ValueError, match="argument 'dout': expected a CUDA tensor"):
+        torch.ops.fp8attn.bwd_varlen(q, q, k, v, q, torch.zeros(4, 12), cq, cq, None, None, 0.125, True,
+                                     "delta_matching", 128, "e4m3", False, "tile")
+
+
+def test_single_launch_ops_fake_shapes():
+    # The fake kernels (torch.compile / meta tensors) of the single-launch ops.
+    m = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
+    c = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = torch.ops.fp8attn.fwd_varlen(m(12, 4, 64), m(10, 2, 64), m(10, 2, 32), c, c, None, None, 0.125, True,
+                                            128, "tile")
+    assert out.shape == (12, 4, 32) and lse.shape == (4, 12) and lse.dtype == torch.float32
+    grads = torch.ops.fp8attn.bwd_varlen(m(12, 4, 32), m(12, 4, 64), m(10, 2, 64), m(10, 2, 32), m(12, 4, 32),
+                                         m(4, 12), c, c, None, None, 0.125, True, "delta_matching", 128, "e4m3", True,
+                                         "tile")
+    assert [tuple(g.shape) for g in grads] == [(12, 4, 64), (10, 2, 64), (10, 2, 32), (4, 4, 12)]
+

@@ -292,10 +292,16 @@ def test_bwd_diagnostics_as_per_sequence(monkeypatch):
     assert (d1[:, :, n:] == 0).all()
 
 
-def test_varlen_ops_refuse_cpu_tensors():
-    # The single-launch ops on CPU tensors: refused naming the argument (CUDA kernels only).
-    lens = [5, 7]
-    q, k, v = (t.cpu() for t in packed(lens, lens, d=64, seed=1))
-    cq = cu(lens).cpu()
-    with pytest.raises(ValueError, match="expected a CUDA tensor"):
-        torch.ops.fp8attn.fwd_varlen(q, k, v, cq, cq, None, None, 0.125, True, 128, "tile")
+def test_cpu_cu_seqlens_are_taken(monkeypatch):
+    # cu_seqlens / seqused on the CPU with CUDA q (the loop always took them): copied to
+    # q's device, the same bits as device ones, forward and backward.
+    lens = [300, 0, 129]
+    q, k, v = packed(lens, lens, d=64, seed=31)
+    used = torch.tensor([200, 0, 129])
+    ref = assert_grads_as_loop(q, k, v, cu(lens), cu(lens), monkeypatch, causal=True, seqused_q=used.cuda())
+    got = grads(q, k, v, cu(lens).cpu(), cu(lens).cpu(), torch.zeros(q.shape[0], 4, 64, device="cuda",
+                dtype=torch.bfloat16), False, monkeypatch, causal=True, seqused_q=used)
+    o1, _ = fwd(q, k, v, cu(lens).cpu(), cu(lens).cpu(), False, monkeypatch, causal=True, seqused_q=used)
+    o2, _ = fwd(q, k, v, cu(lens), cu(lens), False, monkeypatch, causal=True, seqused_q=used.cuda())
+    assert torch.equal(o1, o2)
+    assert all(torch.isfinite(g).all() for g in got) and ref[0].shape == got[0].shape
