@@ -294,14 +294,15 @@ def test_bwd_diagnostics_as_per_sequence(monkeypatch):
 
 def test_cpu_cu_seqlens_are_taken(monkeypatch):
     # cu_seqlens / seqused on the CPU with CUDA q (the loop always took them): copied to
-    # q's device, the same bits as device ones, forward and backward.
+    # q's device, the same bits as device ones (O; dK / dV; dQ to the reduce-add order).
     lens = [300, 0, 129]
     q, k, v = packed(lens, lens, d=64, seed=31)
     used = torch.tensor([200, 0, 129])
-    ref = assert_grads_as_loop(q, k, v, cu(lens), cu(lens), monkeypatch, causal=True, seqused_q=used.cuda())
-    got = grads(q, k, v, cu(lens).cpu(), cu(lens).cpu(), torch.zeros(q.shape[0], 4, 64, device="cuda",
-                dtype=torch.bfloat16), False, monkeypatch, causal=True, seqused_q=used)
-    o1, _ = fwd(q, k, v, cu(lens).cpu(), cu(lens).cpu(), False, monkeypatch, causal=True, seqused_q=used)
-    o2, _ = fwd(q, k, v, cu(lens), cu(lens), False, monkeypatch, causal=True, seqused_q=used.cuda())
-    assert torch.equal(o1, o2)
-    assert all(torch.isfinite(g).all() for g in got) and ref[0].shape == got[0].shape
+    o1, l1 = fwd(q, k, v, cu(lens).cpu(), cu(lens).cpu(), False, monkeypatch, causal=True, seqused_q=used)
+    o2, l2 = fwd(q, k, v, cu(lens), cu(lens), False, monkeypatch, causal=True, seqused_q=used.cuda())
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    dout = torch.randn(q.shape[0], 4, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    g1 = grads(q, k, v, cu(lens).cpu(), cu(lens).cpu(), dout, False, monkeypatch, causal=True, seqused_q=used)
+    g2 = grads(q, k, v, cu(lens), cu(lens), dout, False, monkeypatch, causal=True, seqused_q=used.cuda())
+    assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2])
+    assert ((g1[0].float() - g2[0].float()).norm() / g2[0].float().norm()).item() < 1e-3
