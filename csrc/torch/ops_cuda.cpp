@@ -520,6 +520,19 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
 }
 
+// dout and out of a backward: CUDA tensors on `device` of O's shape [batch, Hq, Sq, Dv]
+// (a packed batch's [1, Hq, total_q, Dv] views).
+void check_dout_out(const at::Tensor& dout, const at::Tensor& out, int64_t batch, const Problem& pr,
+                    const at::Device& device) {
+  check_cuda_tensor(dout, "dout", device);
+  check_cuda_tensor(out, "out", device);
+  const int64_t want_o[4] = {batch, pr.heads_q, pr.seqlen_q, pr.dv};
+  for (int d = 0; d < 4; ++d) {
+    check_size(dout, d, want_o[d], "dout", "size");
+    check_size(out, d, want_o[d], "out", "size");
+  }
+}
+
 // The tensors of a backward call, by KernelParams field (undefined: nullptr).
 struct BwdTensors {
   at::Tensor q, k, v, out, dout, lse, dq, dk, dv;
@@ -591,13 +604,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   }
   const Fp8Format gfmt = parse_grad_format(grad_format);
   const at::Device device = q_in.device();
-  check_cuda_tensor(dout_in, "dout", device);
-  check_cuda_tensor(out_in, "out", device);
-  const int64_t want_o[4] = {pr.batch, pr.heads_q, pr.seqlen_q, pr.dv};
-  for (int d = 0; d < 4; ++d) {
-    check_size(dout_in, d, want_o[d], "dout", "size");
-    check_size(out_in, d, want_o[d], "out", "size");
-  }
+  check_dout_out(dout_in, out_in, pr.batch, pr, device);
   TORCH_CHECK_VALUE(lse_in.defined() && lse_in.device() == device, "fp8attn: argument 'lse': expected a tensor on ",
                     device);
   TORCH_CHECK_TYPE(lse_in.scalar_type() == at::kFloat, "fp8attn: argument 'lse': expected float32, got ",
@@ -1060,13 +1067,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);
   const at::Device device = q_in.device();
-  check_cuda_tensor(do4, "dout", device);
-  check_cuda_tensor(o4, "out", device);
-  const int64_t want_o[4] = {1, pr.heads_q, pr.seqlen_q, pr.dv};
-  for (int d = 0; d < 4; ++d) {
-    check_size(do4, d, want_o[d], "dout", "size");
-    check_size(o4, d, want_o[d], "out", "size");
-  }
+  check_dout_out(do4, o4, 1, pr, device);
   TORCH_CHECK_VALUE(lse_in.defined() && lse_in.device() == device, "fp8attn: argument 'lse': expected a tensor on ",
                     device);
   TORCH_CHECK_TYPE(lse_in.scalar_type() == at::kFloat, "fp8attn: argument 'lse': expected float32, got ",
