@@ -4,6 +4,8 @@ FP8 precision scope, on the trainer's GPU presets, in one run.
     python benchmarks/bench_train.py                       # CUDA: gpu-50m, gpu-125m
     python benchmarks/bench_train.py --presets gpu-1b --seq-len 8192   # 1.2 B, checkpointed
     python benchmarks/bench_train.py --device cpu --presets smoke --warmup 1 --steps 2   # CPU smoke
+    python benchmarks/bench_train.py --presets gpu-125m --packed --rounds 3 \
+        --configs bf16,fp8/attn-core@row,fp8/attn-core@tile,fp8/attn-core@tile-loop  # packed A/B
 
 Per (preset, config) it builds the trainer's model (fp8attn.train.model), the
 trainer's AdamW (FP32 master weights, BF16 autocast on CUDA), and times full
@@ -18,9 +20,15 @@ needed. Configs:
                                 restricted to the cuDNN backend on CUDA (the recorded
                                 `bf16_attention` says whether GQA ran natively or with
                                 K/V repeated, or whether cuDNN was unavailable);
-  fp8/<scope>                   fp8attn (delta mode `--delta-mode`) with scope
-                                attn-core, attn-core+projections, attn-core+projections+ffn
-                                (FP8Linear through cuBLASLt block-scaled GEMMs).
+  fp8/<scope>                   fp8attn (delta mode `--delta-mode`, scaling recipe `--scaling`)
+                                with scope attn-core, attn-core+projections,
+                                attn-core+projections+ffn (FP8Linear through cuBLASLt
+                                block-scaled GEMMs);
+  fp8/<scope>@row, @tile        the same with that scaling recipe (numerics.md section 9),
+                                so both recipes can be timed in one run;
+  fp8/<scope>@tile-loop         `tile` with FP8ATTN_VARLEN_LOOP=1 around its steps: with
+                                --packed, varlen_attention's per-document loop instead
+                                of the single launch (the A/B of issue 19).
 Prints a markdown table (tokens/s, ms/step, speed relative to bf16, peak memory)
 and writes everything to `--json`.
 """
@@ -97,6 +105,42 @@ def cudnn_attention_context(device: torch.device):
     return ctx, "cudnn (K/V repeated for GQA)"
 
 
+@contextlib.contextmanager
+def varlen_loop(on: bool):
+    """FP8ATTN_VARLEN_LOOP=1 inside (read by varlen_attention at every call), restored after."""
+    if not on:
+        yield
+        return
+    old = os.environ.get("FP8ATTN_VARLEN_LOOP")
+    os.environ["FP8ATTN_VARLEN_LOOP"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["FP8ATTN_VARLEN_LOOP"]
+        else:
+            os.environ["FP8ATTN_VARLEN_LOOP"] = old
+
+
+def parse_configs(text: str, delta_mode: str, scaling: str) -> list[dict]:
+    """--configs: a list of {name, mode, scope, scaling, loop} (module docstring's names)."""
+    out = []
+    for c in text.split(","):
+        if c == "bf16":
+            out.append({"name": c, "mode": "bf16", "scope": "attn-core", "scaling": "row", "loop": False})
+            continue
+        base, _, variant = c.partition("@")
+        if not (base.startswith("fp8/") and base[4:] in SCOPES) or variant not in ("", "row", "tile", "tile-loop"):
+            raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>"
+                             "[@row|@tile|@tile-loop]")
+        out.append({"name": c, "mode": f"fp8-{delta_mode}", "scope": base[4:],
+                    "scaling": variant.split("-")[0] if variant else scaling, "loop": variant == "tile-loop"})
+    names = [c["name"] for c in out]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--configs: each config once, got {text!r}")
+    return out
+
+
 class Config:
     """One (preset, config) model with its optimizer and inputs, built and warmed up on `device`.
 
@@ -106,7 +150,8 @@ class Config:
     timed steps; with --rounds > 1 over the build and the warm-up only (None with
     --warmup 0, when no step would be counted)."""
 
-    def __init__(self, preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory):
+    def __init__(self, preset: str, attn_mode: str, scope: str, args, device: torch.device, ctx_factory,
+                 scaling: str = "row", loop: bool = False, name: str | None = None):
         p = M.PRESETS[preset]
         self.batch = args.batch_size or p["train"]["batch_size"]
         self.seq = args.seq_len or p["train"]["seq_len"]
@@ -118,7 +163,8 @@ class Config:
         ac = {} if args.activation_checkpointing == "preset" else \
             {"activation_checkpointing": args.activation_checkpointing == "on"}
         cfg = M.preset_model_config(preset, attn_mode=attn_mode, scope=scope, packed=args.packed,
-                                    max_seq_len=max(self.seq, p["model"]["max_seq_len"]), **ac)
+                                    max_seq_len=max(self.seq, p["model"]["max_seq_len"]), fp8_scaling=scaling, **ac)
+        self.loop = loop
         torch.manual_seed(0)
         self.model = M.Transformer(cfg).to(device)
         self.tc = TrainConfig(lr=p["train"]["lr"], device=device.type)
@@ -134,8 +180,9 @@ class Config:
         # NOTE: packed bf16 attention takes an explicit block-diagonal mask, which the
         # cuDNN-only restriction may not accept: it uses SDPA's default dispatch.
         self.ctx = ctx_factory if attn_mode == "bf16" and not args.packed else contextlib.nullcontext
-        self.row = {"preset": preset, "config": "bf16" if attn_mode == "bf16" else f"fp8/{scope}",
+        self.row = {"preset": preset, "config": name or ("bf16" if attn_mode == "bf16" else f"fp8/{scope}"),
                     "attn_mode": attn_mode, "scope": scope if attn_mode != "bf16" else "bf16",
+                    "fp8_scaling": scaling if attn_mode != "bf16" else None, "varlen_loop": loop,
                     "params": self.model.num_params(), "batch_size": self.batch, "seq_len": self.seq,
                     "packed": args.packed, "fp8_linear_layers": len(self.model.fp8_linear_names),
                     "activation_checkpointing": cfg.activation_checkpointing}
@@ -152,7 +199,7 @@ class Config:
         return (torch.cuda.max_memory_allocated() - self.base) / 2 ** 30
 
     def step(self):
-        with self.ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+        with varlen_loop(self.loop), self.ctx(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
             logits = self.model(self.x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), self.y.flatten())
         self.opt.zero_grad(set_to_none=True)
@@ -191,10 +238,13 @@ def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) 
     thermal drift during the run falls on every config alike; tokens/s is the median
     over the rounds, and "vs bf16" the median of the per-round ratios."""
     rows = []
+    def build(k):
+        return Config(preset, k["mode"], k["scope"], args, device, ctx_factory, k["scaling"], k["loop"], k["name"])
+
     if args.rounds == 1:
-        for mode, scope in configs:
+        for k in configs:
             t0 = time.perf_counter()
-            c = Config(preset, mode, scope, args, device, ctx_factory)
+            c = build(k)
             dt = c.time_steps(args.steps)
             c.row["peak_mem_gb"] = c.peak_gb()  # NOTE: nothing else allocated since its build
             rows.append(c.result([c.batch * c.seq / dt]))
@@ -202,7 +252,7 @@ def bench_preset(preset: str, configs, args, device: torch.device, ctx_factory) 
             print(f"[bench] {preset} {rows[-1]['config']}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, "
                   f"{dt * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f} s incl. build and warm-up)", flush=True)
         return rows
-    built = [Config(preset, mode, scope, args, device, ctx_factory) for mode, scope in configs]
+    built = [build(k) for k in configs]
     per = [[] for _ in built]
     for r in range(args.rounds):
         for i in [(r + k) % len(built) for k in range(len(built))]:
@@ -242,6 +292,8 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default="bf16," + ",".join(f"fp8/{s}" for s in SCOPES),
                     help="comma list of bf16 and fp8/<scope>")
     ap.add_argument("--delta-mode", default="delta_matching", choices=["stale", "matched_do", "delta_matching"])
+    ap.add_argument("--scaling", default="row", choices=["row", "tile"],
+                    help="scaling recipe of the fp8 configs without an @ suffix (numerics.md section 9)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per config (per round)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -265,17 +317,7 @@ def main(argv=None) -> None:
     for pr in presets:
         if pr not in M.PRESETS:
             raise SystemExit(f"--presets: unknown preset {pr!r}; choose from {sorted(M.PRESETS)}")
-    configs = []
-    for c in args.configs.split(","):
-        if c == "bf16":
-            configs.append(("bf16", "attn-core"))
-        elif c.startswith("fp8/") and c[4:] in SCOPES:
-            configs.append((f"fp8-{args.delta_mode}", c[4:]))
-        else:
-            raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>")
-    names = args.configs.split(",")
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--configs: each config once, got {args.configs!r}")
+    configs = parse_configs(args.configs, args.delta_mode, args.scaling)
     ctx_factory, bf16_attn = cudnn_attention_context(device)
     if args.packed:
         bf16_attn = "sdpa default dispatch with a block-diagonal causal mask (packed)"
@@ -286,12 +328,12 @@ def main(argv=None) -> None:
     table = markdown(rows)
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda, "bf16_attention": bf16_attn,
-            "delta_mode": args.delta_mode, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
+            "delta_mode": args.delta_mode, "scaling": args.scaling, "warmup": args.warmup, "steps": args.steps, "rounds": args.rounds,
             "packed": args.packed,
             "total_s": time.perf_counter() - t_all, "rows": rows}
     print()
     print(f"device {info['device']}, torch {info['torch']}, bf16 attention: {bf16_attn}, "
-          f"fp8 delta mode {args.delta_mode}, {args.warmup} warm-up + {args.steps} timed steps per config"
+          f"fp8 delta mode {args.delta_mode}, scaling {args.scaling} (unless @), {args.warmup} warm-up + {args.steps} timed steps per config"
           f"{' x %d interleaved rounds (median)' % args.rounds if args.rounds > 1 else ''}"
           f"{', packed documents (mean length %d)' % args.doc_len if args.packed else ''}")
     if args.rounds > 1:

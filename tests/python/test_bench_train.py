@@ -69,3 +69,55 @@ def test_repeated_config_is_refused():
                            "--presets", "smoke", "--configs", "bf16,bf16,fp8/attn-core"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "--configs: each config once" in proc.stderr, proc.stderr[-500:]
+
+
+def test_parse_configs_scaling_suffixes():
+    """fp8/<scope>@row|@tile|@tile-loop pick the recipe (and the varlen loop) per config; without
+    a suffix --scaling's; bad names and duplicates are refused naming the argument."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_train
+    import pytest
+
+    cs = bench_train.parse_configs("bf16,fp8/attn-core,fp8/attn-core@tile,fp8/attn-core@tile-loop",
+                                   "delta_matching", "row")
+    assert [(c["name"], c["scaling"], c["loop"]) for c in cs] == [
+        ("bf16", "row", False), ("fp8/attn-core", "row", False), ("fp8/attn-core@tile", "tile", False),
+        ("fp8/attn-core@tile-loop", "tile", True)]
+    assert [c["mode"] for c in cs] == ["bf16"] + ["fp8-delta_matching"] * 3
+    assert bench_train.parse_configs("fp8/attn-core", "stale", "tile")[0]["scaling"] == "tile"
+    for bad in ("fp8/attn-core@tiles", "fp8/nope@tile", "fp8/attn-core,fp8/attn-core"):
+        with pytest.raises(SystemExit, match="--configs"):
+            bench_train.parse_configs(bad, "delta_matching", "row")
+
+
+def test_varlen_loop_context_restores_the_environment(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_train
+
+    monkeypatch.delenv("FP8ATTN_VARLEN_LOOP", raising=False)
+    with bench_train.varlen_loop(True):
+        assert os.environ["FP8ATTN_VARLEN_LOOP"] == "1"
+    assert "FP8ATTN_VARLEN_LOOP" not in os.environ
+    monkeypatch.setenv("FP8ATTN_VARLEN_LOOP", "0")
+    with bench_train.varlen_loop(True):
+        assert os.environ["FP8ATTN_VARLEN_LOOP"] == "1"
+    assert os.environ["FP8ATTN_VARLEN_LOOP"] == "0"
+    with bench_train.varlen_loop(False):
+        assert os.environ["FP8ATTN_VARLEN_LOOP"] == "0"
+
+
+def test_bench_train_scaling_configs_cpu_smoke(tmp_path):
+    """The @row / @tile configs build and train on CPU (the CPU reference of each recipe) and
+    record their recipe in the JSON rows."""
+    out = tmp_path / "bench.json"
+    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
+                           "--presets", "smoke", "--configs", "fp8/attn-core@row,fp8/attn-core@tile", "--packed",
+                           "--warmup", "1", "--steps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["config"], r["fp8_scaling"]) for r in rows] == [("fp8/attn-core@row", "row"),
+                                                              ("fp8/attn-core@tile", "tile")]
+    assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
