@@ -26,7 +26,7 @@
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_TESTS replaces the GPU test list, DEVICE_TESTS_PART=1|2 runs half of the default list,
 # DEVICE_PYTEST_ARGS extra pytest arguments,
-# DEVICE_SAN=0 skips the sanitizers, DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# DEVICE_SAN=0 skips the sanitizers, DEVICE_BENCH_TRAIN_ARGS more bench_train.py arguments, DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 # Exit status: 0 iff every stage that ran passed (a per-stage table ends the output and
 # summary.txt); 1 when one failed or the library did not build / load; 2 for a bad knob.
 set -uo pipefail
@@ -250,8 +250,11 @@ fi
 if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
   echo "== bench_train"
   # NOTE: interleaved rounds (median): single back-to-back timings moved 10-20% between calls.
+  # DEVICE_BENCH_TRAIN_ARGS: more bench_train.py arguments (e.g. --presets gpu-125m --packed
+  # --configs bf16,fp8/attn-core@tile,fp8/attn-core@tile-loop).
+  # shellcheck disable=SC2086
   timeout "${DEVICE_T_BENCH_TRAIN:-180}" python3 benchmarks/bench_train.py --rounds "${DEVICE_TRAIN_ROUNDS:-5}" \
-    --steps 10 --json "$OUT/bench_train.json" \
+    --steps 10 --json "$OUT/bench_train.json" ${DEVICE_BENCH_TRAIN_ARGS:-} \
     >/tmp/bench_train.log 2>&1
   rc=$?
   note "bench_train: rc=$rc"
