@@ -190,13 +190,22 @@ def test_compare_run_with_the_emulated_backend(fake, tmp_path, text_dir, capsys)
 
 @pytest.mark.gpu
 def test_gpu_tiny_model_trains_close_to_bf16():
+    """fp8-cudnn trains the tiny model along BF16's loss curve on 8 distinct batches.
+
+    Not on a few batches repeated (memorization at this LR is chaotic: one different update
+    sends the curve elsewhere). fp8-cudnn's first step runs at scale 1 (empty amax history, TE's
+    initial scale, cudnn_fp8_attention's docstring), where dO / dP / the gradients underflow, so
+    its early steps trail BF16 and the curves meet again once the history holds the amaxes.
+    Measured on an H100 (2026-12-07): 2 batches x 4 at lr 3e-3 moved fp8-cudnn 0.80 from BF16 at
+    step 3 (fp8attn's modes <= 0.07); on 8 distinct batches the largest step gap was 0.10 (step 5)
+    and the final losses 6.347 vs 6.351."""
     why = _gpu_ready()
     if why:
         pytest.skip(f"fp8-cudnn: {why}")
     cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=128,
                       mlp_hidden=512, max_seq_len=256, cudnn_amax_history_len=16)
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 512, (4, 257), generator=g) for _ in range(2)] * 4   # 8 steps, 2 batches
+    data = [torch.randint(0, 512, (4, 257), generator=g) for _ in range(8)]   # 8 steps, 8 batches
     losses = {}
     for mode in ("bf16", CUDNN_MODE):
         model = build_model(ModelConfig(**{**cfg.to_dict(), "attn_mode": mode}), seed=3).cuda()
@@ -210,8 +219,9 @@ def test_gpu_tiny_model_trains_close_to_bf16():
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses[mode].append(float(loss))
+            losses[mode].append(float(loss.detach()))
     print("losses:", losses)
     assert all(math.isfinite(v) for v in losses[CUDNN_MODE])
-    assert max(abs(a - b) for a, b in zip(losses["bf16"], losses[CUDNN_MODE])) < 0.1, losses
-    assert losses[CUDNN_MODE][-1] < losses[CUDNN_MODE][0]
+    assert max(abs(a - b) for a, b in zip(losses["bf16"], losses[CUDNN_MODE])) < 0.25, losses
+    assert abs(losses["bf16"][-1] - losses[CUDNN_MODE][-1]) < 0.05, losses
+    assert losses[CUDNN_MODE][-1] < losses[CUDNN_MODE][0] - 0.3

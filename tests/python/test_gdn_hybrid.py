@@ -116,3 +116,28 @@ def test_compare_run(tmp_path, text_dir):
     bad = subprocess.run(cmd[:-2] + ["--out", str(tmp_path / "r2"), "--model", "n_layers=1"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "n_layers >= 2" in bad.stderr + bad.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fla-core's Triton kernel)")
+def test_cuda_mixer_under_autocast_matches_the_cpu_reference():
+    """The CUDA path under BF16 autocast, as the trainer calls it: fla-core's Triton
+    `chunk_gated_delta_rule` where fla-core allows its backward, else its PyTorch reference on
+    the GPU (M._gdn_triton_refusal: fla-core 0.6 refuses Triton 3.4-3.7.0 on Hopper, the device
+    image's 3.6.0). The RMSNorm output x is FP32 under autocast while the projections and the
+    convolution give BF16, and the Triton kernel refuses mixed operands ("Both operands must be
+    same dtype", the 2026-12-07 device smoke run). Forward and backward run, and the output
+    matches the same mixer on the CPU (fla's PyTorch reference, FP32) to BF16 accuracy."""
+    torch.manual_seed(2)
+    cfg = _cfg(gdn_ratio=1)
+    mix = M.GatedDeltaNet(cfg)
+    x = torch.randn(2, 150, cfg.d_model)
+    ref = mix(x).detach()
+    mix_c = mix.cuda()
+    xc = x.cuda().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = mix_c(xc)
+    y.float().square().mean().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(xc.grad).all() and xc.grad.abs().sum() > 0
+    err = (y.float().cpu() - ref).norm() / ref.norm()
+    assert err < 3e-2, err

@@ -447,7 +447,8 @@ class GatedDeltaNet(nn.Module):
     q, k, v from projections with a causal depthwise convolution (width 4) and SiLU; the
     output RMS-normalized per head, gated by silu(x W_g) and projected by W_o.
     The delta-rule recurrence is fla-core's: `chunk_gated_delta_rule` (Triton) on CUDA,
-    its PyTorch reference `naive_chunk_gated_delta_rule` (chunk size 64, FP32) on the CPU.
+    its PyTorch reference `naive_chunk_gated_delta_rule` (chunk size 64, FP32) on the CPU
+    and on GPUs where fla-core refuses its Triton backward (`_gdn_triton_refusal`).
     Heads: cfg.n_heads of cfg.head_dim (keys and values). No attention, no FP8."""
 
     def __init__(self, cfg: ModelConfig):
@@ -477,13 +478,51 @@ class GatedDeltaNet(nn.Module):
         q, k = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
         g = -self.A_log.float().exp() * F.softplus(self.wa(x).float() + self.dt_bias.float())
         beta = torch.sigmoid(self.wb(x).float())
-        if x.is_cuda:
+        if x.is_cuda and _gdn_triton_refusal() is None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-            o, _ = chunk_gated_delta_rule(q.to(x.dtype), k.to(x.dtype), v, g, beta.to(x.dtype))
+            # NOTE: one dtype for q, k, v, beta: v's, the convolution's output (BF16 under
+            # autocast, where x, the RMSNorm output, is FP32): fla's Triton kernels
+            # refuse mixed operands (tl.dot of an FP32 and a BF16 tile); g stays FP32.
+            dt = v.dtype
+            o, _ = chunk_gated_delta_rule(q.to(dt), k.to(dt), v, g, beta.to(dt))
         else:
-            o, _ = _fla_naive()(q, k, v.float(), g, beta, chunk_size=64)
+            # NOTE: FP32 throughout (autocast would run the reference's matmuls in BF16 on CUDA).
+            with torch.autocast(x.device.type, enabled=False):
+                o, _ = _fla_naive()(q, k, v.float(), g, beta, chunk_size=64)
         o = self.o_norm(o.to(x.dtype)) * F.silu(self.wg(x)).view(b, s, self.h, self.d)
         return self.wo(o.reshape(b, s, self.h * self.d))
+
+
+_GDN_REFUSAL: list = []   # [reason or None], computed once
+
+
+def _gdn_triton_refusal():
+    """Why fla-core's Triton gated delta rule cannot train on this machine, or None.
+
+    fla-core (0.6) refuses its Triton backward of the gated chunk on Hopper with Triton >= 3.4.0
+    and < 3.7.1, which it says gives wrong results there (fla-core issue #640; without tilelang it
+    raises in the backward). The H100 / H200 image has Triton 3.6.0, so there the mixer runs
+    fla-core's PyTorch reference on the GPU instead (FP32, slower; the same math as on the CPU),
+    saying so once."""
+    if not _GDN_REFUSAL:
+        why = None
+        try:
+            from fla.ops.common import chunk_o as co
+            if (getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
+                    and not getattr(co, "TRITON_ABOVE_3_7_1", True)):
+                try:
+                    import tilelang  # noqa: F401  (fla-core's alternative backend)
+                except ImportError:
+                    import triton
+                    why = (f"fla-core refuses its Triton backward on Hopper with Triton {triton.__version__} "
+                           "(>= 3.4.0, < 3.7.1: wrong results, fla-core issue #640)")
+        except Exception as exc:  # noqa: BLE001 (any import failure: the reference still runs)
+            why = f"fla-core's Triton kernels unavailable ({type(exc).__name__}: {str(exc)[:120]})"
+        _GDN_REFUSAL.append(why)
+        if why:
+            print(f"[gdn] {why}: the Gated DeltaNet layers run fla-core's PyTorch reference on the GPU "
+                  "(FP32, slower)", flush=True)
+    return _GDN_REFUSAL[0]
 
 
 def _fla_naive():
