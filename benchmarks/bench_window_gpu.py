@@ -47,7 +47,9 @@ What is measured, per (shape B x H x S x d, window (left, right)):
                       window, outside the timed call; 128 x 128 blocks, the blocks wholly outside the
                       window skipped); enable_gqa with --kv-heads.
       SDPA causal     torch SDPA BF16, SDPBackend.CUDNN_ATTENTION, is_causal=True: full causal, the
-                      window's upper bound on work, once per shape (its TFLOP/s count the causal pairs).
+                      window's upper bound on work, once per shape (its TFLOP/s count the causal pairs;
+                      its forward is timed on inputs not requiring grad, as torch runs it in inference;
+                      not self-checked: no window to map).
   * self-check (before any number; a failing column says "bad", never a number): on a small shape
     (B = 1, the same H / H_kv / d, S = 1024) and windows of the same kind (left capped at 255 and at
     63, right at 255), each column's O (with --bwd also dQ, dK, dV) against a float32 reference, torch
@@ -149,11 +151,12 @@ def fwd_flops(b: int, h: int, d: int, pairs: int) -> float:
     return 4.0 * b * h * d * pairs
 
 
-def window_mask(sq: int, sk: int, left: int, right: int, device="cpu") -> torch.Tensor:
-    """The boolean [sq, sk] mask of the window (True = visible), built from the rule directly."""
-    i = torch.arange(sq, device=device)[:, None]
+def window_mask(sq: int, sk: int, left: int, right: int, device="cpu", rows=None) -> torch.Tensor:
+    """The boolean [sq, sk] mask of the window (True = visible), built from the rule directly;
+    rows (a list of query indices): only those rows, [len(rows), sk]."""
+    i = (torch.arange(sq, device=device) if rows is None else torch.tensor(rows, device=device))[:, None]
     j = torch.arange(sk, device=device)[None, :]
-    m = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    m = torch.ones(i.shape[0], sk, dtype=torch.bool, device=device)
     if left >= 0:
         m &= j >= i + (sk - sq) - left
     if right >= 0:
@@ -534,7 +537,7 @@ def spot_reference(q, k, v, window, rows, heads):
     qs = q[0, heads][:, idx].float()
     kh, vh = (x[0, [h // rep for h in heads]].float() for x in (k, v))
     logits = (qs @ kh.transpose(-1, -2)) * tau
-    mask = window_mask(q.shape[2], k.shape[2], *window, device=q.device)[idx]
+    mask = window_mask(q.shape[2], k.shape[2], *window, device=q.device, rows=rows)
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1) @ vh
 
 

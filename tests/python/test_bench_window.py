@@ -59,6 +59,8 @@ def test_visible_pairs_against_brute_force(sq, sk):
         assert bw.visible_pairs(sq, sk, left, right) == want, (left, right)
         assert int(bw.window_mask(sq, sk, left, right).sum()) == want
         assert sum(max(0, hi - lo) for lo, hi in (bw.visible_keys(i, sq, sk, left, right) for i in range(sq))) == want
+        rows = list(range(0, sq, 3))
+        assert torch.equal(bw.window_mask(sq, sk, left, right, rows=rows), bw.window_mask(sq, sk, left, right)[rows])
         # normalizing changes no mask
         assert bw.visible_pairs(sq, sk, *bw.normalize_window(sq, sk, left, right)) == want
 
