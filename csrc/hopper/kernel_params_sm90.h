@@ -50,6 +50,12 @@ struct KernelParams {
   int delta_mode;          // DeltaMode
   int grad_format;         // Fp8Format of dO and dS
   int scaling;             // Scaling: 0 = `row`, 1 = `tile` (the scale layouts above)
+  // Logit softcap c (numerics.md section 12): the scaled logits x = tau S become
+  // c tanh(x / c) before the softmax; 0 = off. Only the dense `tile` kernels take
+  // c > 0 (their kSoftcap instantiations; run_fwd_tile / run_bwd refuse it
+  // elsewhere). NOTE: placed in the padding before the pointers, so no other
+  // field moves (sizeof 480, the same parameter offsets as without it).
+  float softcap;
 
   // BF16 inputs/outputs at the op boundary, strided [b, s, h, d] (unit d stride).
   const void *q, *k, *v, *o, *dout;
