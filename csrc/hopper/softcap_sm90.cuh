@@ -19,7 +19,10 @@
 // (with IEEE exp2 and division, float32, 3.1e-7 C measured on a dense grid:
 // tests/python/test_softcap.py test_kernel_formula_is_the_cap): ~4e-5 in log2
 // units at c = 50, a relative error of ~3e-5 in P (tanh.approx.f32, 2^-11
-// relative, would give up to ~0.035); 4 r (1 - r) within ~1e-6 absolute.
+// relative, would give up to ~0.035); 4 r (1 - r) within ~1e-6 absolute. The
+// error is absolute in units of C (C - 2 C r cancels where |u| << C): for a c far
+// above the logits it outgrows the logits' own rounding, so the op takes c in
+// [1e-6, 1e4] on CUDA (csrc/torch/ops_cuda.cpp cuda_softcap).
 // Both approximations take +-inf and NaN as needed: u2 -> +inf gives 2^u2 =
 // inf, r = 0, y = C; u2 -> -inf gives 2^u2 = 0, r = 1, y = -C; NaN stays NaN.
 #pragma once

@@ -719,7 +719,7 @@ def attention(
             softcap * tanh(x / softcap) before the softmax; 0 (default) = off.
             A real number >= 0. CPU tensors run it with either scaling; CUDA
             tensors with scaling="tile" (its kernels, c in
-            [1.2e-38, 1e38]); scaling="row" on CUDA raises
+            [1e-6, 1e4]); scaling="row" on CUDA raises
             NotImplementedError naming softcap. Not with smooth_k (ValueError).
         window_size: (left, right), FlashAttention's sliding window
             (numerics.md section 14), bottom-right aligned like causal: query i
@@ -783,8 +783,10 @@ def attention(
 
 
 # The softcap range the CUDA kernels take (csrc/torch/ops_cuda.cpp cuda_softcap: their
-# FP32 constants 2 / c and 2 c log2(e) must be finite).
-CUDA_SOFTCAP_RANGE = (1.2e-38, 1e38)
+# capped logit is within ~3e-7 c log2(e) of the exact one, a relative error of P of
+# ~2e-7 c, 2e-3 at the upper end; the lower end keeps 2 / c x the score coefficients
+# far from FP32 overflow).
+CUDA_SOFTCAP_RANGE = (1e-6, 1e4)
 
 
 def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attention", scaling: str = "row",
@@ -809,8 +811,9 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
                                                           "on CUDA, and CPU tensors run both recipes"))
         lo, hi = CUDA_SOFTCAP_RANGE
         if not lo <= cap <= hi:
-            raise ValueError(_err(fn, "softcap", f"must be 0 or in [{lo}, {hi}] on CUDA (the kernels' FP32 "
-                                                 f"constants 2 / c and 2 c log2(e)), got {cap}"))
+            raise ValueError(_err(fn, "softcap", f"must be 0 or in [{lo:g}, {hi:g}] on CUDA (the kernels' cap has "
+                                                 f"a relative error of ~2e-7 c in P; CPU tensors take any c >= 0), "
+                                                 f"got {cap}"))
     return cap
 
 

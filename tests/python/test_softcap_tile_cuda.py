@@ -432,5 +432,8 @@ def test_softcap_row_cuda_refused_naming_tile():
         OPS.bwd_dm_sums(dout, q, k, v, lse, tau, False, 128, "e4m3", "row", softcap=20.0)
     with pytest.raises(NotImplementedError, match=r"argument 'softcap'.*scaling='tile' runs it"):
         fp8attn.attention(q, k, v, softcap=20.0)   # scaling="row" is the default
-    with pytest.raises(ValueError, match="argument 'softcap'"):
-        OPS.fwd(q, k, v, tau, False, "fp8", 128, "tile", softcap=1e-39)
+    for bad in (1e-7, 1e5):   # outside the CUDA range [1e-6, 1e4] (the kernels' cap error ~2e-7 c)
+        with pytest.raises(ValueError, match=r"argument 'softcap'.*\[1e-06, 10000\]|argument 'softcap'.*on CUDA"):
+            OPS.fwd(q, k, v, tau, False, "fp8", 128, "tile", softcap=bad)
+        with pytest.raises(ValueError, match="argument 'softcap'.*on CUDA"):
+            fp8attn.attention(q, k, v, scaling="tile", softcap=bad)
