@@ -29,6 +29,7 @@
 //   the same codes as k_row / v_row, transposed; quant_tilescale_e4m3_sm90.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace fp8attn {
@@ -99,6 +100,10 @@ struct KernelParams {
   int delta_given;
   int prepass_sums;
 };
+
+// softcap sits in the padding that followed `scaling` (no other field moved).
+static_assert(offsetof(KernelParams, q) == offsetof(KernelParams, softcap) + sizeof(float) || sizeof(void*) != 8,
+              "KernelParams::softcap: expected in the padding before the pointers");
 
 // Rows per (batch, head) of the row-major codes and per-token scales (q_row,
 // do_row, q_row_s, do_row_s; k_row, v_row): seqlen (dense), the padded rows
