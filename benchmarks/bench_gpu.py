@@ -23,6 +23,10 @@ What is measured, per (shape, causal):
     also the `tile` backward (bench_tile_bwd), including its two
     Delta-Matching pre-passes side by side (FP8ATTN_TILE_PREPASS_Q=64 and
     128: the kernel time of each, same process).
+  * --softcap C (with a tile recipe in --scaling): the `tile` forward and
+    Delta-Matching backward again with logit softcapping c = C (numerics.md
+    section 12), op and kernel times with and without it in the same run (torch
+    SDPA has no softcap; the table compares fp8 tile with itself).
   * cuDNN FP8: the graph execute only (its BF16 -> E4M3 input quantization is
     excluded), after a self-check against SDPA BF16: "bad" when the relative
     Frobenius error of O / dQ / dK / dV exceeds --cudnn-fp8-tol, "n/a" when the
@@ -315,6 +319,23 @@ def markdown(rows, info):
                             if pre_ab else "")
                          + (f" {fmt_t(r.get('tile_bwd_kernels_pingpong'))}"
                             f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else ""))
+    if any(r.get("softcap") for r in rows):
+        caps = sorted({r["softcap"] for r in rows if r.get("softcap")})
+        lines += ["", f"scaling=\"tile\" with logit softcapping c = {', '.join(f'{c:g}' for c in caps)} "
+                  "(numerics.md section 12; torch SDPA has none), ms: none / softcap and their ratio; op = the op "
+                  "as called, kernel(s) = the fwd_tilescale kernel / the DM main + pre-pass kernels' CUDA time "
+                  "(torch.profiler); bwd after a forward of the same kind.", "",
+                  SOFTCAP_HEAD, "|" + "---|" * (SOFTCAP_HEAD.count("|") - 1)]
+        for r in rows:
+            mm, pm = r.get("tile_bwd_main_ms"), r.get("tile_bwd_prepass_ms")
+            pairs = ((r.get("tile_fwd_ms"), r.get("tile_fwd_softcap_ms")),
+                     (r.get("tile_fwd_kernel_ms"), r.get("tile_fwd_softcap_kernel_ms")),
+                     (r.get("tile_bwd_delta_matching_ms"), r.get("tile_bwd_softcap_dm_ms")),
+                     (None if mm is None or pm is None else mm + pm, r.get("tile_bwd_softcap_kernels_ms")))
+            lines.append(f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | "
+                         + " | ".join(f"{_fmt_ms(a)} / {_fmt_ms(b)} | "
+                                      + ("n/a" if a is None or b is None or a <= 0 else f"{b / a:.2f}")
+                                      for a, b in pairs) + " |")
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed rows (n/a from the failure on; the run went on):", ""]
@@ -339,6 +360,10 @@ TILE_HEAD = ("| B x H x S, d | causal | cuDNN fwd | fp8 row fwd | fp8 tile fwd (
 
 TILE_BWD_HEAD = ("| B x H x S, d | causal | cuDNN bwd | fp8 row DM bwd | tile DM bwd (op) | tile stale bwd (op) | "
                  "tile DM kernels only | pre-pass share | tile step fwd+bwd vs cuDNN | tile dQ / dK / dV err |")
+
+
+SOFTCAP_HEAD = ("| B x H x S, d | causal | tile fwd op ms | softcap / none | fwd kernel ms | softcap / none | "
+                "tile DM bwd op ms | softcap / none | DM kernels ms | softcap / none |")
 
 
 def _fmt_ms(ms):
@@ -410,6 +435,9 @@ def parser() -> argparse.ArgumentParser:
                          "tile_pingpong (also its pingpong order), tile_persistent (also its persistent scheduler)")
     ap.add_argument("--fwd-mma", action="store_true",
                     help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
+    ap.add_argument("--softcap", type=positive_float, default=None, metavar="C",
+                    help="with a tile recipe in --scaling: also time the tile forward and DM backward with logit "
+                         "softcapping c = C (a table of their own: with and without softcap, same run)")
     return ap
 
 
@@ -421,8 +449,9 @@ def new_row(b, h, s, d, causal) -> dict:
     r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
     r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
     r["fp8_fwd"] = r["fp8_fwd_ms"] = r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
-    for name in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong"):
+    for name in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong", "tile_fwd_softcap", "tile_fwd_softcap_kernel"):
         r[name] = r[f"{name}_ms"] = None
+    r["softcap"] = r["tile_bwd_softcap_dm_ms"] = r["tile_bwd_softcap_kernels_ms"] = None
     for mode in MODES:
         r[f"fp8_bwd_{mode}"] = r[f"fp8_bwd_{mode}_ms"] = None
     r["prepass_share"] = r["fp8_saved_mb"] = r["fp8_peak_mb"] = r["sdpa_saved_mb"] = r["sdpa_peak_mb"] = None
@@ -497,6 +526,17 @@ def bench_shape(r, args) -> None:
             r["tile_fwd_pingpong"], r["tile_fwd_pingpong_ms"] = tflops(fwd_flops, p_ms), p_ms
         if ref is not None:
             r["tile_fwd_err"] = cudnn_fp8.rel_fro(tile_fwd()[0], ref.o)
+        cap = getattr(args, "softcap", None)
+        if cap:
+            # The same forward with logit softcapping (numerics.md section 12): op and kernel.
+            r["softcap"] = cap
+
+            def tile_fwd_softcap():
+                return OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile", softcap=cap)
+            c_ms = time_ms(tile_fwd_softcap, args.warmup, args.iters)
+            r["tile_fwd_softcap"], r["tile_fwd_softcap_ms"] = tflops(fwd_flops, c_ms), c_ms
+            ck_ms = kernel_ms(tile_fwd_softcap, "fwd_tilescale")
+            r["tile_fwd_softcap_kernel"], r["tile_fwd_softcap_kernel_ms"] = tflops(fwd_flops, ck_ms), ck_ms
         if not args.no_bwd:
             bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref)
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
@@ -585,6 +625,17 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
                                               else tflops(bwd_flops, pp_ms + pre_ms))
         f_ms, b_ms = r.get("tile_fwd_ms"), r.get("tile_bwd_delta_matching_ms")
         r["tile_step_ms"] = None if f_ms is None or b_ms is None else f_ms + b_ms
+        cap = getattr(args, "softcap", None)
+        if cap:
+            # The DM backward with softcap after a softcap forward: the op, and main + pre-pass kernels.
+            c_out, c_lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile", softcap=cap)
+
+            def bwd_softcap():
+                return OPS.bwd(dout, q, k, v, c_out, c_lse, tau, causal, "fp8", "delta_matching", 128, "e4m3",
+                               False, "tile", softcap=cap)
+            r["tile_bwd_softcap_dm_ms"] = time_ms(bwd_softcap, args.warmup, args.iters)
+            cm, cp = kernel_ms(bwd_softcap, "bwd_tilescale_main"), kernel_ms(bwd_softcap, "bwd_tilescale_prepass")
+            r["tile_bwd_softcap_kernels_ms"] = None if cm is None or cp is None else cm + cp
         if ref is not None and ref.grads is not None:
             g = bwd("delta_matching")()
             r["tile_bwd_err"] = {n: cudnn_fp8.rel_fro(x, y) for n, x, y in zip(("dQ", "dK", "dV"), g[:3], ref.grads)}

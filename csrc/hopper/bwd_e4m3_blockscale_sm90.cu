@@ -594,6 +594,17 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
     throw std::runtime_error("fp8attn: argument 'num_heads_q': must be a multiple of num_heads_kv");
   if ((p.diag == nullptr) != (p.rowsum_ws == nullptr))
     throw std::runtime_error("fp8attn: argument 'diag': diag and rowsum_ws must both be set or both null");
+  // Softcap (numerics.md section 12): the `tile` kernels' kSoftcap
+  // instantiations, dense batches only (varlen_attention runs a packed batch
+  // with softcap per sequence).
+  if (p.softcap != 0.f) {
+    if (!(p.softcap > 0.f) || !(p.softcap <= 3.4e38f))
+      throw std::invalid_argument("fp8attn: argument 'softcap': must be finite and > 0 (0 = off), got " +
+                                  std::to_string(p.softcap));
+    if (p.scaling != static_cast<int>(Scaling::kTile) || p.num_seqs > 0)
+      throw std::invalid_argument("fp8attn: argument 'softcap': the CUDA backward takes it with the `tile` recipe "
+                                  "(scaling 1) on dense batches only");
+  }
   // A packed batch (varlen_sm90.h): the `tile` kernels' kVarlen instantiations,
   // one launch each (heads and kv heads x slices <= 65535: never chunked,
   // launch_sm90.h at_chunk); the padded rows are whole tiles per head.

@@ -36,6 +36,10 @@
 // sequence's padded rows (row_q, row_k), LSE and the outputs at its token rows
 // (tok_q). A CTA past its sequence's queries, or of a tile no sequence owns,
 // has no work and returns at once.
+//
+// kSoftcap (p.softcap > 0, numerics.md section 12; dense batches, both
+// variants): P is p_softcap's (the capped logits), so delta_dm and lse_bwd are
+// those of the capped softmax.
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -134,7 +138,7 @@ struct PrepassLayout {
   static_assert(kBytes <= 113 * 1024, "two CTAs per SM");
 };
 
-template <int DQK, int DV, int FMT, bool kVarlen>
+template <int DQK, int DV, int FMT, bool kVarlen, bool kSoftcap = false>
 __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(const KernelParams p) {
   using L = PrepassLayout<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
@@ -201,6 +205,9 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
   float cp[16];  // the same of P (the row sums l, prepass_delta_sm90.cuh)
 #pragma unroll
   for (int i = 0; i < 16; ++i) cs[i] = cp[i] = 0.f;
+  // Softcap constants once (NOTE: formed per key tile, as v2 does, d = 256 spilled 4 bytes).
+  Softcap sc{};
+  if constexpr (kSoftcap) sc = softcap_consts(p.softcap);
 
   for (int it = kt_begin; it < kt_end; ++it) {
     prepass_stage_turn<L::kStages>(it, kt_end, issue_keys);
@@ -219,7 +226,11 @@ __global__ void __launch_bounds__(kPreThreads, 2) bwd_tilescale_prepass_kernel(c
     issue_s<DQK, kPreQ, kPreQ>(k_lo, d_base + L::kQ / 16, pt);
     issue_dp<DV, FMT, kPreQ, kPreQ>(v_lo, d_base + L::kDO / 16, dp);
     wg_wait<1>();
-    p_from_s<kPreQ>(pt, __fmul_rn(s_k, tg.c2), sf + L::kQs, sf + L::kLse, lane);
+    if constexpr (kSoftcap) {
+      p_from_s<kPreQ, true>(pt, softcap_kc(__fmul_rn(s_k, tg.c2), sc), sf + L::kQs, sf + L::kLse, lane, sc);
+    } else {
+      p_from_s<kPreQ>(pt, __fmul_rn(s_k, tg.c2), sf + L::kQs, sf + L::kLse, lane);
+    }
     if (!interior) mask_tile<kPreQ>(pt, tg, warp, lane, p.window_left, p.window_right);
     wg_wait<0>();
     dp_scale<kPreQ>(dp, s_v, sf + L::kDOs, lane);
@@ -282,7 +293,7 @@ struct Prepass2Layout {
 // NOTE: register budget of v2 at two CTAs per SM is v1's (128): one key half
 // in flight per warpgroup (S^T, dP^T: 32 + 32 accumulator registers, the 32
 // sums); both halves in flight would need 64 more.
-template <int DQK, int DV, int FMT, bool kVarlen>
+template <int DQK, int DV, int FMT, bool kVarlen, bool kSoftcap = false>
 __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
     bwd_tilescale_prepass_q128_kernel(const KernelParams p) {
   using L = Prepass2Layout<DQK, DV>;
@@ -367,7 +378,11 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
     const int n0 = it * kTile;
     const int64_t ks = bhk * PR::k_tiles(p, nblk_k) + (PR::k_row0(si) / kTile + it);
     const float s_k = p.k_row_s[ks], s_v = p.v_row_s[ks];
-    const float kc = __fmul_rn(s_k, tg.c2);
+    // Softcap: kc2 (p_softcap's coefficient, the main kernel's producer forms the same).
+    // NOTE: the constants per key tile here (formed before the loop, d = 256 took 157
+    // registers, not 136; v1 the other way round: 4 bytes of spill at d = 256 per tile).
+    const Softcap sc = kSoftcap ? softcap_consts(p.softcap) : Softcap{};
+    const float kc = kSoftcap ? softcap_kc(__fmul_rn(s_k, tg.c2), sc) : __fmul_rn(s_k, tg.c2);
     // Descriptor bases from an opaque copy of the shared base (the main kernel's NOTE).
     const uint32_t base = opaque_u32(d_base);
     const uint32_t q_lo = base + L::kQ / 16 + wg * kDesc64Rows, do_lo = base + L::kDO / 16 + wg * kDesc64Rows;
@@ -390,7 +405,7 @@ __global__ void __launch_bounds__(kPreThreads, bwdts::pre2_ctas_per_sm(DQK, DV))
         issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
         issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
         wg_wait<1>();
-        p_from_s<kSubQ>(pt, kc, sQs, sLse, lane);
+        p_from_s<kSubQ, kSoftcap>(pt, kc, sQs, sLse, lane, sc);
         if (!interior) mask_tile<kSubQ>(pt, tg, 4 * h + w4, lane, p.window_left, p.window_right);  // rows of main-kernel warp 4 h + w4
         wg_wait<0>();
         dp_scale<kSubQ>(dp, s_v, sDOs, lane);
@@ -465,13 +480,18 @@ void launch_tilescale_prepass(const KernelParams& p, cudaStream_t stream) {
     // A packed batch: the kVarlen instantiations (the dense kernels stay free
     // of the metadata reads).
     const bool vl = p.num_seqs > 0;
+    // Softcap (numerics.md section 12): dense only (run_bwd refuses a packed
+    // batch), both variants.
+    const bool sc = p.softcap > 0.f;
     if (v2) {
-      auto kernel = vl ? bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, true>
-                       : bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, false>;
+      auto kernel = sc   ? bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, false, true>
+                    : vl ? bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, true>
+                         : bwd_tilescale_prepass_q128_kernel<DQK, DV, FMT, false>;
       launch_prepass_kernel<Prepass2Layout<DQK, DV>>(p, kernel, kPreQ2, stream);
     } else {
-      auto kernel =
-          vl ? bwd_tilescale_prepass_kernel<DQK, DV, FMT, true> : bwd_tilescale_prepass_kernel<DQK, DV, FMT, false>;
+      auto kernel = sc   ? bwd_tilescale_prepass_kernel<DQK, DV, FMT, false, true>
+                    : vl ? bwd_tilescale_prepass_kernel<DQK, DV, FMT, true>
+                         : bwd_tilescale_prepass_kernel<DQK, DV, FMT, false>;
       launch_prepass_kernel<PrepassLayout<DQK, DV>>(p, kernel, kPreQ, stream);
     }
   });

@@ -30,6 +30,9 @@
 // seqlen_q_pad, Dqk] (zero-filled). Each sequence's dQ, dK, dV are a dense
 // call's on it alone (bit for bit up to the order of dq_accum's adds).
 // The `row` recipe (scaling 0) and prepass_sums throw std::invalid_argument.
+// Logit softcapping (p.softcap > 0, numerics.md section 12): the `tile`
+// recipe's dense kernels only (with prepass_sums and a given delta too); the
+// `row` recipe and packed batches throw std::invalid_argument.
 // Errors: an unsupported configuration throws std::runtime_error naming the
 // argument; CUDA launch errors throw std::runtime_error.
 #pragma once

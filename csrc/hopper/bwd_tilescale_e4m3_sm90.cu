@@ -245,7 +245,11 @@ struct SeqRows {
 // named barriers kBarPingpong + wg), so one's elementwise work is pinned
 // under the other's wgmmas; without it the tensor core's own serialization
 // sets their offset.
-template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen>
+// kSoftcap: logit softcapping, p.softcap > 0 (numerics.md section 12; dense,
+// default order only: launch_tilescale_main). P is p_softcap's (the producer's
+// p_c is kc2's), the cap's derivative is kept per element from P to dS
+// (p_from_coefs_softcap, cap_grad; mainloop_bwd_tilescale_sm90.cuh).
+template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen, bool kSoftcap = false>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
   using L = MainLayout<DQK, DV>;
   using R = SeqRows<kVarlen>;
@@ -291,6 +295,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     float kc = 0.f, s_v = 0.f;
     if (pw == 3) {
       kc = __fmul_rn(p.k_row_s[R::k_tile(p, w)], __fmul_rn(p.softmax_scale, kLog2e));
+      if constexpr (kSoftcap) kc = softcap_kc(kc, softcap_consts(p.softcap));  // p_c2 (p_softcap)
       s_v = p.v_row_s[R::k_tile(p, w)];
     }
     // Key side, once.
@@ -472,12 +477,16 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
 
       // ---- S^T (#3) and dP^T (#4), both in flight; P = exp2(...) under dP.
       float pt[8][4], dp[8][4];
+      float dcap[kSoftcap ? 8 : 1][4];  // softcap: the cap's derivative per element (P to dS)
       turn_wait();
       issue_s<DQK, kSubQ, kTile>(k_lo, q_lo, pt);
       issue_dp<DV, FMT, kSubQ, kTile>(v_lo, do_lo, dp);
       turn_pass();
       wg_wait<1>();
-      p_from_coefs<kSubQ>(pt, Fs + L::kFPc, Fs + L::kFPl2, lane);
+      if constexpr (kSoftcap)
+        p_from_coefs_softcap<kSubQ>(pt, dcap, Fs + L::kFPc, Fs + L::kFPl2, softcap_consts(p.softcap), lane);
+      else
+        p_from_coefs<kSubQ>(pt, Fs + L::kFPc, Fs + L::kFPl2, lane);
       if (!interior) mask_tile<kSubQ>(pt, tg, warp, lane, p.window_left, p.window_right);
       {
         const float m = warp_amax(pt);
@@ -488,6 +497,9 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       ds_from_dp<kSubQ>(pt, dp, Fs + L::kFDPc, Fs + L::kFDelta, lane);
       if (!interior) mask_tile<kSubQ>(dp, tg, warp, lane, p.window_left, p.window_right);  // P = 0 there, but dP_hat may be NaN
       if (diag) diag_pre<kSubQ>(dp, p.rowsum_ws, n_rows, R::q_tok0(p, wc, bhq), m0s, Sq, lane);
+      // Softcap: dS = dX' (1 - tanh^2), what #6 and #7 quantize (the pre-cast
+      // row sums above are dX''s, numerics.md section 12).
+      if constexpr (kSoftcap) cap_grad<kSubQ>(dp, dcap);
 
       // ---- Block amaxes over this warpgroup's 64 keys (v5: nothing crosses
       // warpgroups): P and dS per 64 x 64 block (#5, #7), dS per query over
@@ -801,10 +813,13 @@ void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
     // A packed batch: the kVarlen instantiations (the dense kernels stay free of
     // the metadata reads), one CTA per padded key tile of all sequences.
     const bool vl = p.num_seqs > 0;
-    auto kernel = vl ? (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, true>
-                           : bwd_tilescale_main_kernel<DQK, DV, FMT, false, true>)
-                     : (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, false>
-                           : bwd_tilescale_main_kernel<DQK, DV, FMT, false, false>);
+    // Softcap (numerics.md section 12): the dense default order only (a softcap
+    // call ignores FP8ATTN_TILE_BWD_PINGPONG; run_bwd refuses a packed batch).
+    auto kernel = p.softcap > 0.f ? bwd_tilescale_main_kernel<DQK, DV, FMT, bwdts::kBwdPingpongDefault, false, true>
+                  : vl ? (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, true>
+                             : bwd_tilescale_main_kernel<DQK, DV, FMT, false, true>)
+                       : (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, false>
+                             : bwd_tilescale_main_kernel<DQK, DV, FMT, false, false>);
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: bwd tile main: cudaFuncSetAttribute failed: ") +

@@ -33,7 +33,9 @@ namespace {
 // batch (varlen_sm90.h): the query tiles are the padded tiles of all
 // sequences (n_m = q_tiles_max, n_b = 1), each tile's sequence from the
 // metadata; a tile no sequence owns is an empty work tile (no rows, no keys).
-template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen>
+// kSoftcap: logit softcapping, p.softcap > 0 (numerics.md section 12;
+// instantiated for the dense default order only, launch_schedule).
+template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen, bool kSoftcap = false>
 __global__ void __launch_bounds__(fwdt::kThreads, 1)
     fwd_tilescale_kernel(const __grid_constant__ KernelParams p, const __grid_constant__ CUtensorMap tm_q0,
                          const __grid_constant__ CUtensorMap tm_q1, const __grid_constant__ CUtensorMap tm_k0,
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(fwdt::kThreads, 1)
   int kb = 0, it = 0;
   for (int64_t L = L0; L < n_work; L += step, ++it) {
     const Work wk = work_at(L);
-    fwd_tile_consumer<T, kPingpong, kVarlen>(p, wk.si, sbase, bar, wk.q0, wk.kt0, wk.kt1, wk.bhq, wk.bhk, kb, it, it == 0,
+    fwd_tile_consumer<T, kPingpong, kVarlen, kSoftcap>(p, wk.si, sbase, bar, wk.q0, wk.kt0, wk.kt1, wk.bhq, wk.bhk, kb, it, it == 0,
                                     L + step >= n_work);
     kb += wk.kt1 - wk.kt0;
   }
@@ -126,10 +128,10 @@ int sm_count() {
   return n;
 }
 
-template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen>
+template <int kD, int kDv, bool kPingpong, bool kPersistent, bool kVarlen, bool kSoftcap = false>
 void launch(const KernelParams& p, cudaStream_t stream) {
   using T = FwdTileTraits<kD, kDv>;
-  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong, kPersistent, kVarlen>;
+  auto kernel = fwd_tilescale_kernel<kD, kDv, kPingpong, kPersistent, kVarlen, kSoftcap>;
   const int64_t sms = kPersistent ? sm_count() : 0;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
   if (err != cudaSuccess) fail(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
@@ -183,6 +185,14 @@ void launch_schedule(const KernelParams& p, cudaStream_t stream) {
   const int ps_env = env_choice("FP8ATTN_TILE_PERSISTENT", {"0", "1"});
   const bool pp = pp_env < 0 ? fwdt::kTilePingpongDefault : pp_env == 1;
   const bool ps = ps_env < 0 ? fwdt::kTilePersistentDefault : ps_env == 1;
+  // Softcap (numerics.md section 12): one instantiation per head_dim, the
+  // dense default order (the knobs above are read, so a bad value still
+  // throws, but a softcap call ignores them; run_fwd_tile refuses a packed
+  // batch with softcap).
+  if (p.softcap > 0.f) {
+    constexpr bool kPp = fwdt::kTilePingpongDefault && FwdTileTraits<kD, kDv>::kOverlap;
+    return launch<kD, kDv, kPp, fwdt::kTilePersistentDefault, false, true>(p, stream);
+  }
   // A packed batch (varlen_sm90.h): the same choices, kVarlen instantiations
   // (the dense kernels stay free of the metadata reads).
   if (p.num_seqs > 0) {
@@ -211,6 +221,10 @@ void run_fwd_tile(const KernelParams& p, cudaStream_t stream) {
                          p.seqlen_q_pad != int64_t{p.q_tiles_max} * kSeqBlock ||
                          p.seqlen_k_pad != int64_t{p.k_tiles_max} * kSeqBlock))
     fail("a packed batch needs batch 1, its metadata, heads <= 65535 and seqlen_*_pad = *_tiles_max * 128");
+  // Softcap: dense batches only (varlen_attention runs a packed batch with
+  // softcap per sequence, python/fp8attn/varlen.py); c finite and > 0.
+  if (p.softcap != 0.f && (p.num_seqs > 0 || !(p.softcap > 0.f) || !(p.softcap <= 3.4e38f)))
+    fail("softcap needs a dense batch and a finite c > 0 (got " + std::to_string(p.softcap) + ")");
   if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;
   if (p.head_dim_qk == 64) return launch_schedule<64, 64>(p, stream);
   if (p.head_dim_qk == 128) return launch_schedule<128, 128>(p, stream);

@@ -21,6 +21,7 @@ bool fwd_tile_supported(const KernelParams& p);
 //   v_colT [B, Hkv, Dv, Sk_pad] codes, v_col_s [B, Hkv, nblk_k] (one per tile).
 // GQA (query head h reads kv head h / (Hq / Hkv)), causal bottom-right
 // aligned (numerics.md section 1). Any batch x heads (launch_sm90.h chunks).
+// p.softcap > 0: logit softcapping (numerics.md section 12), dense batches only.
 // Throws std::runtime_error for an unsupported configuration or a launch error.
 void run_fwd_tile(const KernelParams& p, cudaStream_t stream);
 

@@ -29,6 +29,7 @@
 //   the same codes as k_row / v_row, transposed; quant_tilescale_e4m3_sm90.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace fp8attn {
@@ -50,6 +51,12 @@ struct KernelParams {
   int delta_mode;          // DeltaMode
   int grad_format;         // Fp8Format of dO and dS
   int scaling;             // Scaling: 0 = `row`, 1 = `tile` (the scale layouts above)
+  // Logit softcap c (numerics.md section 12): the scaled logits x = tau S become
+  // c tanh(x / c) before the softmax; 0 = off. Only the dense `tile` kernels take
+  // c > 0 (their kSoftcap instantiations; run_fwd_tile / run_bwd refuse it
+  // elsewhere). NOTE: placed in the padding before the pointers, so no other
+  // field moves (sizeof 480, the same parameter offsets as without it).
+  float softcap;
 
   // BF16 inputs/outputs at the op boundary, strided [b, s, h, d] (unit d stride).
   const void *q, *k, *v, *o, *dout;
@@ -93,6 +100,10 @@ struct KernelParams {
   int delta_given;
   int prepass_sums;
 };
+
+// softcap sits in the padding that followed `scaling` (no other field moved).
+static_assert(offsetof(KernelParams, q) == offsetof(KernelParams, softcap) + sizeof(float) || sizeof(void*) != 8,
+              "KernelParams::softcap: expected in the padding before the pointers");
 
 // Rows per (batch, head) of the row-major codes and per-token scales (q_row,
 // do_row, q_row_s, do_row_s; k_row, v_row): seqlen (dense), the padded rows

@@ -20,6 +20,13 @@
 //             write-out (main kernel); the halves' partials add in dq_accum.
 // No scale varies along a reduction dimension, so no partial product is
 // promoted element by element.
+// Softcap (numerics.md section 12, kSoftcap instantiations; softcap_sm90.cuh):
+//   P   = exp2(y - p_l2), y = C - 2 C r the capped logit in log2 units, r =
+//         1 / (1 + exp2(acc p_c2)), p_c2 = s_Q(q) kc2, kc2 = __fmul_rn(kc, 2 / c)
+//         (p_softcap: the same function in the pre-pass and the main kernel, so
+//         P stays bitwise shared);
+//   dS  (#6, #7) = dX' (1 - tanh^2) = dX' 4 r (1 - r), dX' = P (dP_hat - delta)
+//         as without softcap (the mask and the pre-cast diagnostics see dX').
 //
 // Fragment conventions are those of the row wgmma backward (wgmma_sm90.cuh):
 // accumulator x[j][e] of this warp = (row 16 warp + g + 8 (e >> 1), column
@@ -50,6 +57,7 @@
 #include "hopper/config_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/scheduler_sm90.cuh"
+#include "hopper/softcap_sm90.cuh"
 #include "hopper/wgmma_sm90.cuh"
 
 namespace fp8attn {
@@ -136,6 +144,17 @@ __device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, float (&
 __device__ __forceinline__ float p_coef(float qs, float kc) { return __fmul_rn(qs, kc); }
 __device__ __forceinline__ float p_lse2(float lse) { return lse == -INFINITY ? INFINITY : __fmul_rn(lse, kLog2e); }
 __device__ __forceinline__ float dp_coef(float dos, float sv) { return __fmul_rn(dos, sv); }
+// Softcap: the per-tile factor kc2 = kc 2 / c of p_c2 = p_coef(s_Q, kc2) (the
+// main kernel's producer and the pre-pass form it the same way: 2 / c from
+// softcap_consts).
+__device__ __forceinline__ float softcap_kc(float kc, const Softcap& sc) { return __fmul_rn(kc, sc.k2); }
+// Softcap: P of one element from its raw S accumulator acc and the column's
+// p_c2, p_l2; r (softcap_sm90.cuh) for the cap's derivative. The one place P
+// is formed with softcap (pre-pass and main kernel: P bitwise shared).
+__device__ __forceinline__ float p_softcap(float acc, float c2, float l2, const Softcap& sc, float& r) {
+  r = softcap_r(__fmul_rn(acc, c2));
+  return ex2(__fsub_rn(softcap_y(r, sc), l2));
+}
 
 // P in place (unmasked) from the per-column coefficients sC = p_c, sL2 = p_l2
 // (q_of_col order), columns [0, NQ).
@@ -153,11 +172,31 @@ __device__ __forceinline__ void p_from_coefs(float (&s)[NQ / 8][4], const float*
     s[j][3] = ex2(fmaf(s[j][3], c.y, -l.y));
   }
 }
-// P in place from the raw per-column s_Q (sQs) and LSE (sLse): p_from_coefs with
-// the coefficients formed here (the pre-pass).
+// Softcap: P in place (unmasked) as p_from_coefs, sC = p_c2 per column, and
+// the cap's derivative 4 r (1 - r) per element into dcap (for cap_grad).
 template <int NQ>
+__device__ __forceinline__ void p_from_coefs_softcap(float (&s)[NQ / 8][4], float (&dcap)[NQ / 8][4], const float* sC,
+                                                     const float* sL2, const Softcap& sc, int lane) {
+  const int t = lane & 3;
+  fence_regs<NQ / 2>(&s[0][0]);
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j) {
+    const float2 c = *reinterpret_cast<const float2*>(sC + 8 * j + 2 * t);
+    const float2 l = *reinterpret_cast<const float2*>(sL2 + 8 * j + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float r;
+      s[j][e] = p_softcap(s[j][e], (e & 1) ? c.y : c.x, (e & 1) ? l.y : l.x, sc, r);
+      dcap[j][e] = softcap_grad(r);
+    }
+  }
+}
+// P in place from the raw per-column s_Q (sQs) and LSE (sLse): p_from_coefs with
+// the coefficients formed here (the pre-pass). kSoftcap: kc is softcap_kc's kc2
+// and P is p_softcap's.
+template <int NQ, bool kSoftcap = false>
 __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const float* sQs, const float* sLse,
-                                         int lane) {
+                                         int lane, const Softcap& sc = Softcap{}) {
   const int t = lane & 3;
   fence_regs<NQ / 2>(&s[0][0]);
 #pragma unroll
@@ -166,10 +205,18 @@ __device__ __forceinline__ void p_from_s(float (&s)[NQ / 8][4], float kc, const 
     const float2 l = *reinterpret_cast<const float2*>(sLse + 8 * j + 2 * t);
     const float cx = p_coef(qs.x, kc), cy = p_coef(qs.y, kc);
     const float lx = p_lse2(l.x), ly = p_lse2(l.y);
-    s[j][0] = ex2(fmaf(s[j][0], cx, -lx));
-    s[j][1] = ex2(fmaf(s[j][1], cy, -ly));
-    s[j][2] = ex2(fmaf(s[j][2], cx, -lx));
-    s[j][3] = ex2(fmaf(s[j][3], cy, -ly));
+    if constexpr (kSoftcap) {
+      float r;
+      s[j][0] = p_softcap(s[j][0], cx, lx, sc, r);
+      s[j][1] = p_softcap(s[j][1], cy, ly, sc, r);
+      s[j][2] = p_softcap(s[j][2], cx, lx, sc, r);
+      s[j][3] = p_softcap(s[j][3], cy, ly, sc, r);
+    } else {
+      s[j][0] = ex2(fmaf(s[j][0], cx, -lx));
+      s[j][1] = ex2(fmaf(s[j][1], cy, -ly));
+      s[j][2] = ex2(fmaf(s[j][2], cx, -lx));
+      s[j][3] = ex2(fmaf(s[j][3], cy, -ly));
+    }
   }
 }
 
@@ -206,6 +253,18 @@ __device__ __forceinline__ void ds_from_dp(const float (&pt)[NQ / 8][4], float (
     dp[j][2] = __fmul_rn(pt[j][2], fmaf(dp[j][2], c.x, -dl.x));
     dp[j][3] = __fmul_rn(pt[j][3], fmaf(dp[j][3], c.y, -dl.y));
   }
+}
+
+// Softcap: dS = dX' (1 - tanh^2) in place over dX' (ds_from_dp's, masked, after
+// the pre-cast diagnostics), dcap from p_from_coefs_softcap. A masked dX' (an
+// exact 0) stays 0 (softcap_grad is never NaN).
+template <int NQ>
+__device__ __forceinline__ void cap_grad(float (&dp)[NQ / 8][4], const float (&dcap)[NQ / 8][4]) {
+  fence_regs<NQ / 2>(&dp[0][0]);
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[j][e] = __fmul_rn(dp[j][e], dcap[j][e]);
 }
 
 // ---- masks of a tile pair that is not interior (TileGeom::interior) ------------------

@@ -19,7 +19,8 @@
 // else permuted in place by warps 1-3 (v_raw -> v_full).
 //
 // Consumer warpgroup (64 query rows), per key tile of the rows it sees:
-//   S = Q_hat K_hat^T (wgmma m64n128k32 SS over head_dim), mask, softmax_tile
+//   S = Q_hat K_hat^T (wgmma m64n128k32 SS over head_dim), [softcap_tile:
+//   the capped logits, kSoftcap], mask, softmax_tile
 //   (softmax_tilescale_sm90.cuh: all scales folded per row), O *= factor,
 //   O += P_hat V_hat (wgmma m64n{Dv}k32 RS straight into the O accumulator).
 // Overlap order (kOverlap, dv <= 128): QK^T (t) and P V (t - 1) are issued
@@ -170,8 +171,10 @@ __device__ __forceinline__ void fwd_tile_producer(uint32_t sbase, uint32_t bar, 
 // kt0, kt1, kb, it: as the producer's; first / last: the CTA's first / last
 // work tile (the pingpong turns continue from one work tile to the next); q0
 // the work tile's first row within its sequence si. kVarlen: a packed batch
-// (O token-major [total_q, Hq, Dv], varlen_sm90.h).
-template <class T, bool kPingpong, bool kVarlen>
+// (O token-major [total_q, Hq, Dv], varlen_sm90.h). kSoftcap: logit softcap
+// p.softcap > 0 (numerics.md section 12): each tile's S becomes the capped
+// logits before the mask (softcap_tile), the softmax runs on them.
+template <class T, bool kPingpong, bool kVarlen, bool kSoftcap = false>
 __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const SeqInfo& si, uint32_t sbase, uint32_t bar,
                                                   int q0, int kt0, int kt1, int64_t bhq, int64_t bhk, int kb, int it,
                                                   bool first, bool last) {
@@ -202,6 +205,8 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
   const float* vs_g = p.v_col_s + ks_off;
 
   TileSoftmaxState st;
+  Softcap sc{};
+  if constexpr (kSoftcap) sc = softcap_consts(p.softcap);
   {
     const float scale_log2 = p.softmax_scale * kLog2e;
     float rq[2];
@@ -210,6 +215,7 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       const int row = row0 + 8 * r;
       const int64_t qs_row = kVarlen ? bhq * code_rows_q(p) + si.row_q + row : bhq * Sq + row;
       rq[r] = row < Sq ? p.q_row_s[qs_row] * scale_log2 : 0.f;
+      if constexpr (kSoftcap) rq[r] = __fmul_rn(rq[r], sc.k2);  // softcap_tile's coefficient (TileSoftmaxState)
     }
     softmax_state_init(st, rq[0], rq[1]);
   }
@@ -395,8 +401,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       wg_wait<0>();
       fence_acc(sacc);
       mbar_arrive(k_empty(stage(m_begin)));
+      if constexpr (kSoftcap) softcap_tile<kNT>(sacc, sk, st, sc);
       mask(sacc, m_begin);
-      softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
+      softmax_tile<kNT, kSoftcap>(sacc, sk, sv, st, pa, factor);  // O = 0: no rescale
       // One tile: settle (kt - 2) (none at kt = m_begin + 1: P V (m_begin) is
       // issued here, and O = 0 takes no rescale), QK^T (kt) with P V (kt - 1)
       // from pa_prev; softmax (kt) into pa_new.
@@ -410,8 +417,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
         wg_wait<1>();  // S (kt); P V (kt - 1) may still run
         fence_acc(sacc);
         mbar_arrive(k_empty(stage(kt)));
+        if constexpr (kSoftcap) softcap_tile<kNT>(sacc, skn, st, sc);
         mask(sacc, kt);
-        softmax_tile<kNT>(sacc, skn, svn, st, pa_new, factor);
+        softmax_tile<kNT, kSoftcap>(sacc, skn, svn, st, pa_new, factor);
       };
       uint32_t pb[kNT / 4][4];
       int kt = m_begin + 1;
@@ -459,8 +467,9 @@ __device__ __forceinline__ void fwd_tile_consumer(const KernelParams& p, const S
       wg_wait<0>();
       fence_acc(sacc);
       mbar_arrive(k_empty(stage(kt)));
+      if constexpr (kSoftcap) softcap_tile<kNT>(sacc, sk, st, sc);
       mask(sacc, kt);
-      softmax_tile<kNT>(sacc, sk, sv, st, pa, factor);
+      softmax_tile<kNT, kSoftcap>(sacc, sk, sv, st, pa, factor);
       rescale_o(o, factor);
       pv_issue(pa, kt, false);
       wg_wait<0>();

@@ -15,6 +15,11 @@
 //            scale ratio folded in (one FMUL per element per tile, as FA3's
 //            rescale). The epilogue multiplies by u / l.
 //   l      the FP32 sum of the unquantized exp values (l = l alpha + sum s_P).
+// Softcap (kSoftcap, numerics.md section 12; softcap_sm90.cuh): softcap_tile
+// first replaces S by the capped logit y = C tanh(u / C) in log2 units, u =
+// S coef, in place (before the mask); softmax_tile then runs on y with
+// coefficient 1 (P = exp2(y - m), m the running max of y), so l, m, the P
+// scales and LSE = (m + log2 l) ln 2 are those of the capped logits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +28,7 @@
 
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_softmax_sm90.cuh"
+#include "hopper/softcap_sm90.cuh"
 
 namespace fp8attn {
 namespace sm90 {
@@ -39,7 +45,8 @@ __device__ __forceinline__ int pow2_exponent(float s) {
 
 // Per-thread online-softmax state of its two rows (g and g + 8 of the warp's
 // 16): running max (log2 domain), this thread's share of l, O's unit exponent,
-// and the row coefficient rq = s_Q tau log2(e).
+// and the row coefficient rq = s_Q tau log2(e) (with softcap rq 2 / c, the
+// coefficient of softcap_tile's exp2 argument; softmax_tile then uses 1).
 struct TileSoftmaxState {
   float m[2], l[2], rq[2];
   int e[2];
@@ -75,7 +82,8 @@ __device__ __forceinline__ float tree_fold(float (&a)[kN], Op op) {
 // as the A fragments of the four k32 steps of P V (pa; the key order the V^T
 // permutation of the producer matches, mainloop_fwd_tilescale_sm90.cuh) and
 // the factor that moves O from the previous tile's unit to this one's.
-template <int kNT>
+// kSoftcap: s holds softcap_tile's capped logits y (log2 units), coefficient 1.
+template <int kNT, bool kSoftcap = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, float sv, TileSoftmaxState& st,
                                              uint32_t (&pa)[kNT / 4][4], float (&factor)[2]) {
   const int e_sv = pow2_exponent(sv);
@@ -85,9 +93,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, floa
     // below ~1e-40 / tau); a masked -inf times 0 would then be NaN for a finite
     // input. The smallest normal float instead gives the same P (every S coef
     // is then below 2^-100: exp2 = 1, as the reference's S of ~0); a NaN
-    // coefficient stays NaN.
-    float coef = st.rq[r] * sk;
-    if (coef == 0.f) coef = 1.17549435e-38f;
+    // coefficient stays NaN. (Softcap: the scales are in y already.)
+    float coef = 1.f;
+    if constexpr (!kSoftcap) {
+      coef = st.rq[r] * sk;
+      if (coef == 0.f) coef = 1.17549435e-38f;
+    }
     // NOTE: the row's max as a balanced tree (depth 6, was a chain of 17):
     // fmaxf is exact and drops a NaN operand, so any order gives the same
     // value; the -inf seed stays (a thread whose 32 values are all NaN still
@@ -131,6 +142,28 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT * 4], float sk, floa
     pa[q][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
     pa[q][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
     pa[q][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+  }
+}
+
+// Softcap (numerics.md section 12): the raw S accumulator of one key tile
+// (s, as softmax_tile's) -> the capped logits y = C - 2 C r in log2 units,
+// r = 1 / (1 + 2^(S rq2 s_K)), rq2 = st.rq = s_Q tau log2(e) 2 / c
+// (softcap_sm90.cuh). Before the mask (a masked entry becomes -inf after the
+// cap). NOTE: no guard for a coefficient that underflows to 0: u2 = 0 gives
+// y = 0, the reference's capped S of ~0, and the masked entries are set after.
+template <int kNT>
+__device__ __forceinline__ void softcap_tile(float (&s)[kNT * 4], float sk, const TileSoftmaxState& st,
+                                             const Softcap& sc) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float coef2 = st.rq[r] * sk;  // sk a power of two: exact but at the ends of the range
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * r + e];
+        x = softcap_y(softcap_r(__fmul_rn(x, coef2)), sc);
+      }
   }
 }
 

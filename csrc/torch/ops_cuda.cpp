@@ -431,12 +431,25 @@ void set_tile_fwd_tensors(KernelParams& kp, const at::Tensor& q, const at::Tenso
 
 // fwd: out [B,Hq,Sq,Dv] contiguous in q's dtype, lse float32 [B,Hq,Sq]
 // (numerics.md s.1-3; padded head dims: s.7).
-// Logit softcapping (numerics.md section 12) runs on the CPU reference only so far.
-void check_no_softcap(double softcap) {
+// Logit softcapping (numerics.md section 12): the `tile` recipe's kernels take it
+// (KernelParams::softcap, their kSoftcap instantiations); with scaling='row' a
+// softcap > 0 raises NotImplementedError naming softcap. Returns c as the
+// kernels' FP32 value (0 = off), within [1e-6, 1e4]: the kernels' capped logit
+// has an absolute error of ~3e-7 c log2(e) (hopper/softcap_sm90.cuh: C - 2 C r
+// cancels where |x| << c), a relative error of P of ~2e-7 c (2e-3 at c = 1e4;
+// past that it would grow towards FP8's own error); 1e-6 keeps 2 / c times the
+// kernels' score coefficients far from FP32 overflow.
+float cuda_softcap(double softcap, Scaling recipe) {
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0,
                     "fp8attn: argument 'softcap': must be finite and >= 0 (0 = off), got ", softcap);
-  TORCH_CHECK_NOT_IMPLEMENTED(softcap == 0.0, "fp8attn: argument 'softcap': logit softcapping has no CUDA kernel "
-                              "yet (CPU tensors run it on the reference), got ", softcap);
+  if (softcap == 0.0) return 0.f;
+  TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kTile, "fp8attn: argument 'softcap': the CUDA kernels of "
+                              "scaling='row' do not take logit softcapping (softcap=", softcap, "); scaling='tile' "
+                              "runs it on CUDA, and the CPU reference runs both recipes: pass CPU tensors");
+  TORCH_CHECK_VALUE(softcap >= 1e-6 && softcap <= 1e4, "fp8attn: argument 'softcap': must be 0 or in [1e-6, 1e4] "
+                    "on CUDA (the kernels' cap has a relative error of ~2e-7 c in P; the CPU reference takes any "
+                    "c >= 0), got ", softcap);
+  return static_cast<float>(softcap);
 }
 
 // Sliding windows (numerics.md section 14): the effective window of a call
@@ -463,8 +476,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             int64_t block_size, c10::string_view scaling,
                                             c10::string_view qk_rotation, bool smooth_k, double softcap,
                                             int64_t window_left, int64_t window_right) {
-  check_no_softcap(softcap);
   const Scaling recipe = parse_scaling(scaling);
+  const float cap = cuda_softcap(softcap, recipe);
   const WindowBounds win = cuda_window(q_in, k_in, causal, window_left, window_right, recipe);
   check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
@@ -491,6 +504,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     KernelParams kp{};
     set_sizes(kp, pr, softmax_scale, win);
     set_tile_fwd_tensors(kp, q, k, v, out_k, lse, c);
+    kp.softcap = cap;
     launch([&] { run_fwd_tile(kp, stream); });
     return {op_output(out_k, pr.dv, q_in.scalar_type()), lse};
   }
@@ -581,10 +595,11 @@ void set_bwd_tensors(KernelParams& kp, const BwdTensors& t) {
 // sharded-key variants: `delta_in` given (main pass: that delta, lse = the global
 // LSE'; delta_matching, no diagnostics) or `sums_only` (bwd_dm_sums: only the
 // pre-pass, returning (sum_pdp, sum_p, undefined, undefined)). win: the
-// effective window (cuda_window; a sliding one only with scaling='tile').
+// effective window (cuda_window; a sliding one only with scaling='tile'); cap:
+// the softcap (cuda_softcap; > 0 only with scaling='tile').
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, const WindowBounds& win,
+    const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, const WindowBounds& win, float cap,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
     const c10::optional<at::Tensor>& delta_in, bool sums_only) {
@@ -719,6 +734,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   kp.delta_mode = static_cast<int>(mode);
   kp.grad_format = static_cast<int>(gfmt);
   kp.scaling = static_cast<int>(recipe);
+  kp.softcap = cap;
   set_bwd_tensors(kp, {q, k, v, out, dout, lse, dq, dk, dv, q_row, q_row_s, k_row, k_row_s, v_row, v_row_s, do_row,
                        do_row_s, q_colT, q_col_s, k_colT, k_col_s, do_colT, do_col_s, delta, delta_dm, lse_bwd,
                        dq_accum, diagnostics ? diag : at::Tensor(), rowsum_ws});
@@ -739,23 +755,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
     c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap,
     int64_t window_left, int64_t window_right) {
-  check_no_softcap(softcap);
-  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, parse_scaling(scaling));
-  return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, win, precision, delta_mode, block_size, grad_format,
-                       diagnostics, scaling, qk_rotation, smooth_k, delta, false);
+  const Scaling recipe = parse_scaling(scaling);
+  const float cap = cuda_softcap(softcap, recipe);
+  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, recipe);
+  return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, win, cap, precision, delta_mode, block_size,
+                       grad_format, diagnostics, scaling, qk_rotation, smooth_k, delta, false);
 }
 
 // bwd_dm_sums: the Delta-Matching pre-pass of one key shard (numerics.md section 11),
-// the same pre-pass kernel as the backward's; `dout` stands in for the O the
-// delta_matching path does not read.
+// the same pre-pass kernel as the backward's (softcap too, scaling='tile'); `dout`
+// stands in for the O the delta_matching path does not read.
 std::tuple<at::Tensor, at::Tensor> bwd_dm_sums_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& lse, double softmax_scale,
                                                     bool causal, int64_t block_size, c10::string_view grad_format,
                                                     c10::string_view scaling, double softcap,
                                                     int64_t window_left, int64_t window_right) {
-  check_no_softcap(softcap);
-  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, parse_scaling(scaling));
-  auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, win, "fp8", "delta_matching", block_size,
+  const Scaling recipe = parse_scaling(scaling);
+  const float cap = cuda_softcap(softcap, recipe);
+  const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, recipe);
+  auto r = bwd_cuda_impl(dout, q, k, v, dout, lse, softmax_scale, win, cap, "fp8", "delta_matching", block_size,
                          grad_format, false, scaling, "none", false, c10::nullopt, true);
   return {std::get<0>(r), std::get<1>(r)};
 }

@@ -539,8 +539,8 @@ def ring_attention(
             all-reduce), gradients mapped back through both; with return_lse the
             LSE is that of the untransformed logits.
         softcap: logit softcapping as in ``fp8attn.attention`` (numerics.md
-            section 12; CPU tensors only so far), in every shard's calls and
-            pre-pass.
+            section 12; CPU tensors, and CUDA tensors with scaling="tile"), in
+            every shard's calls and pre-pass.
         window_size: FlashAttention's sliding window as in ``fp8attn.attention``;
             the ring takes only the windows that mean no window ((-1, -1), any
             negative bounds) or the causal mask ((-1, 0), or any window with
@@ -579,7 +579,7 @@ def ring_attention(
     causal = causal or right == 0
     q, k, v = _ops._autocast_in(q, k, v)   # as SDPA under torch.autocast
     _ops.check_inputs(q, k, v, precision, fn=name)
-    cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name)
+    cap = _ops.check_softcap(softcap, smooth_k, q.device.type, fn=name, scaling=scaling, precision=precision)
     rank, world = _group_info(group)   # RuntimeError when torch.distributed is not initialized
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{fn}: argument 'k': self-attention shards: seqlen of q ({q.shape[2]}) and k "

@@ -717,8 +717,10 @@ def attention(
         softcap: logit softcapping (numerics.md section 12; FlashAttention's
             softcap): the scaled logits x = softmax_scale * Q K^T become
             softcap * tanh(x / softcap) before the softmax; 0 (default) = off.
-            A real number >= 0. CPU tensors only so far (CUDA:
-            NotImplementedError naming it); not with smooth_k (ValueError).
+            A real number >= 0. CPU tensors run it with either scaling; CUDA
+            tensors with scaling="tile" (its kernels, c in
+            [1e-6, 1e4]); scaling="row" on CUDA raises
+            NotImplementedError naming softcap. Not with smooth_k (ValueError).
         window_size: (left, right), FlashAttention's sliding window
             (numerics.md section 14), bottom-right aligned like causal: query i
             sees key j iff j >= i + seqlen_k - seqlen_q - left (when left >= 0)
@@ -752,7 +754,8 @@ def attention(
             is a TypeError).
             The message names the argument.
         NotImplementedError: a sliding window on CUDA tensors with
-            scaling="row" (window_size);
+            scaling="row" (window_size); softcap > 0 on CUDA tensors with
+            scaling="row" (softcap);
             (in backward) scaling="tile" on CUDA tensors
             with FP8ATTN_TILE_BWD=0;
             precision "exact" on CUDA tensors (the exact reference runs on CPU
@@ -767,7 +770,7 @@ def attention(
                                  qk_rotation=qk_rotation, smooth_k=smooth_k)
     left, right = check_window_size(window_size)
     check_inputs(q, k, v, op_precision)
-    cap = check_softcap(softcap, smooth_k, q.device.type)
+    cap = check_softcap(softcap, smooth_k, q.device.type, scaling=scaling, precision=op_precision)
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     in_dtype = q.dtype
@@ -779,10 +782,20 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attention") -> float:
+# The softcap range the CUDA kernels take (csrc/torch/ops_cuda.cpp cuda_softcap: their
+# capped logit is within ~3e-7 c log2(e) of the exact one, a relative error of P of
+# ~2e-7 c, 2e-3 at the upper end; the lower end keeps 2 / c x the score coefficients
+# far from FP32 overflow).
+CUDA_SOFTCAP_RANGE = (1e-6, 1e4)
+
+
+def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attention", scaling: str = "row",
+                  precision: str = "fp8") -> float:
     """softcap as a float (numerics.md section 12): a real number, finite, >= 0 (0 =
     off); not with smooth_k (the mean key shifts the logits before the cap, which
-    the cap no longer ignores); CUDA tensors: 0 only (no kernel yet)."""
+    the cap no longer ignores); CUDA tensors with precision "fp8": scaling="tile"
+    only (its kernels take it, c in CUDA_SOFTCAP_RANGE; scaling="row" raises
+    NotImplementedError naming softcap and saying that scaling="tile" runs it)."""
     cap = _real(softcap)
     if cap is None:
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
@@ -791,9 +804,16 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
     if cap > 0 and smooth_k:
         raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
                                              "invariant to the mean-key shift of the logits)"))
-    if cap > 0 and device_type == "cuda":
-        raise NotImplementedError(_err(fn, "softcap", f"logit softcapping has no CUDA kernel yet (CPU tensors run "
-                                                      f"it on the reference), got {cap}"))
+    if cap > 0 and device_type == "cuda" and precision == "fp8":
+        if scaling != "tile":
+            raise NotImplementedError(_err(fn, "softcap", f"the CUDA kernels of scaling={scaling!r} do not take "
+                                                          f"logit softcapping (got {cap}); scaling='tile' runs it "
+                                                          "on CUDA, and CPU tensors run both recipes"))
+        lo, hi = CUDA_SOFTCAP_RANGE
+        if not lo <= cap <= hi:
+            raise ValueError(_err(fn, "softcap", f"must be 0 or in [{lo:g}, {hi:g}] on CUDA (the kernels' cap has "
+                                                 f"a relative error of ~2e-7 c in P; CPU tensors take any c >= 0), "
+                                                 f"got {cap}"))
     return cap
 
 
@@ -959,8 +979,9 @@ def _flash_attn_func(
     scaling="tile" too, and with scaling="row" raise NotImplementedError naming
     window_size for a window that masks more than causal. Not supported, each raising NotImplementedError
     naming the argument:
-    dropout_p != 0, softcap != 0 on CUDA tensors (CPU tensors run it:
-    `attention`'s softcap), alibi_slopes, qv, attention_chunk != 0, sm_margin != 0,
+    dropout_p != 0, softcap != 0 on CUDA tensors with scaling="row" (CPU tensors and
+    CUDA tensors with scaling="tile" run it: `attention`'s softcap), alibi_slopes, qv,
+    attention_chunk != 0, sm_margin != 0,
     deterministic=True on CUDA tensors (CPU runs are deterministic and accept it). A malformed value (wrong type, a window_size that is not a pair
     of ints) raises ValueError.
 

@@ -454,7 +454,9 @@ def varlen_attention(
             the sequence's cu_seqlens length], checked when the op runs (read on
             the host like cu_seqlens).
         softcap: logit softcapping as in `fp8attn.attention` (numerics.md section
-            12; CPU tensors only, CUDA NotImplementedError naming it).
+            12; CPU tensors, and CUDA tensors with scaling="tile", which run it per
+            sequence on the dense kernels; scaling="row" on CUDA raises
+            NotImplementedError naming it).
         window_size: (left, right), FlashAttention's sliding window as in
             `fp8attn.attention` (numerics.md section 14), bottom-right aligned per
             sequence (on its used lengths with seqused_q / seqused_k); -1 =
@@ -523,7 +525,7 @@ def varlen_attention(
     q, k, v = _autocast_in(q, k, v)   # as SDPA under torch.autocast
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     check_inputs(q4, k4, v4, op_precision, fn=_FN)
-    cap = check_softcap(softcap, smooth_k, q.device.type, fn=_FN)
+    cap = check_softcap(softcap, smooth_k, q.device.type, fn=_FN, scaling=scaling, precision=op_precision)
 
     # ---- cu_seqlens / max_seqlen: static checks here, value checks in the op
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)

@@ -1,6 +1,7 @@
 """benchmarks/bench_gpu.py and the command line of benchmarks/cudnn_fp8.py on the CPU.
 
-* bench_gpu.markdown: the cuDNN fp8 note and the accuracy caption never print
+* bench_gpu.markdown: the --softcap table (tile with and without softcap);
+  the cuDNN fp8 note and the accuracy caption never print
   "None" (--no-cudnn-fp8, frontend missing); the caption names the SDPA backend
   of the accuracy reference; a failed row shows n/a cells and its reason, and the
   table still parses (test_docs_benchmarks.table_ratios).
@@ -121,6 +122,26 @@ def test_issue5_report_table():
     assert "Issue #5 report" not in bench_gpu.markdown([_row()], dict(INFO, cudnn_fp8=None))  # --no-extras
 
 
+def test_softcap_table():
+    # --softcap C: the tile forward / DM backward with and without softcap, ms and the ratio;
+    # no table without it, n/a where a number is missing; the speed tables still parse.
+    rows = [_row(softcap=20.0, tile_fwd_ms=1.0, tile_fwd_softcap_ms=1.5, tile_fwd_kernel_ms=0.8,
+                 tile_fwd_softcap_kernel_ms=1.4, tile_bwd_delta_matching_ms=3.0, tile_bwd_softcap_dm_ms=3.3,
+                 tile_bwd_main_ms=2.0, tile_bwd_prepass_ms=0.5, tile_bwd_softcap_kernels_ms=3.0),
+            _row(causal=True, softcap=20.0, tile_fwd_ms=0.6, tile_fwd_softcap_ms=None)]
+    md = bench_gpu.markdown(rows, dict(INFO, cudnn_fp8=None))
+    assert bench_gpu.SOFTCAP_HEAD in md and "logit softcapping c = 20 " in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| 2x16x8192, 128 |")]
+    assert lines[-2] == ("| 2x16x8192, 128 | no | 1.000 / 1.500 | 1.50 | 0.800 / 1.400 | 1.75 | 3.000 / 3.300 | 1.10 "
+                         "| 2.500 / 3.000 | 1.20 |"), lines[-2]
+    assert lines[-1] == ("| 2x16x8192, 128 | yes | 0.600 / n/a | n/a | n/a / n/a | n/a | n/a / n/a | n/a "
+                         "| n/a / n/a | n/a |"), lines[-1]
+    assert table_ratios(md)["fp8 fwd"] == [0.75, 0.75]
+    assert bench_gpu.SOFTCAP_HEAD not in bench_gpu.markdown([_row()], dict(INFO, cudnn_fp8=None))
+    assert bench_gpu.parser().parse_args(["--softcap", "30"]).softcap == 30.0
+    assert bench_gpu.parser().parse_args([]).softcap is None
+
+
 def test_gemm_ceiling_without_a_gpu_is_none(capsys):
     if torch.cuda.is_available():
         pytest.skip("measures for real on a GPU")
@@ -191,7 +212,8 @@ def test_help_is_complete():
                                        (["--iters", "ten"], "argument --iters"),
                                        (["--iters", "0"], "argument --iters: must be an integer >= 1"),
                                        (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
-                                       (["--cudnn-fp8-tol", "-1"], "argument --cudnn-fp8-tol: must be a finite")])
+                                       (["--cudnn-fp8-tol", "-1"], "argument --cudnn-fp8-tol: must be a finite"),
+                                       (["--softcap", "0"], "argument --softcap: must be a finite")])
 def test_bad_arguments_exit_2(args, want):
     p = _run_script("bench_gpu.py", *args)
     assert p.returncode == 2 and want in p.stderr and "Traceback" not in p.stderr, p.stderr

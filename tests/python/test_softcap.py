@@ -8,7 +8,11 @@ softmax, and the backward multiplies the softmax-input gradient by 1 - tanh^2.
   result and far from the uncapped one (a kernel that ignored softcap would fail);
 - Delta-Matching keeps the zero row sums of the softmax-input gradient with softcap
   (diagnostics rowsum_pre), stale does not (section 6 rule);
-- flash_attn_func takes softcap; errors name it (bad values, smooth_k, CUDA: no kernel).
+- flash_attn_func takes softcap; errors name it (bad values, smooth_k, CUDA with
+  scaling="row": no kernel; CUDA with scaling="tile" runs it, tested on a GPU in
+  test_softcap_tile_cuda.py);
+- the log2-domain form the CUDA kernels use (csrc/hopper/softcap_sm90.cuh) is the
+  formula.
 """
 import math
 
@@ -139,11 +143,77 @@ def test_varlen_takes_softcap_per_sequence():
         fp8attn.varlen_attention(qf, kf, vf, cu, cu, softcap=-1.0)
 
 
+def test_cuda_softcap_rules_without_a_gpu():
+    """check_softcap's CUDA rules (numerics.md section 12): scaling="tile" takes c > 0
+    (its kernels; c in CUDA_SOFTCAP_RANGE), scaling="row" raises NotImplementedError
+    naming softcap and saying that "tile" runs it; CPU tensors take either."""
+    from fp8attn import ops
+    assert ops.check_softcap(5.0, False, "cuda", scaling="tile") == 5.0
+    assert ops.check_softcap(0.0, False, "cuda", scaling="row") == 0.0
+    assert ops.check_softcap(5.0, False, "cpu", scaling="row") == 5.0
+    with pytest.raises(NotImplementedError, match=r"argument 'softcap'.*scaling='row'.*scaling='tile' runs it"):
+        ops.check_softcap(5.0, False, "cuda", scaling="row")
+    lo, hi = ops.CUDA_SOFTCAP_RANGE
+    assert ops.check_softcap(lo, False, "cuda", scaling="tile") == lo
+    for bad in (lo / 2, hi * 2):
+        with pytest.raises(ValueError, match=r"varlen_attention: argument 'softcap'.*on CUDA"):
+            ops.check_softcap(bad, False, "cuda", fn="varlen_attention", scaling="tile")
+        assert ops.check_softcap(bad, False, "cpu", scaling="tile") == bad   # the reference takes any finite c
+    with pytest.raises(ValueError, match="argument 'softcap'.*smooth_k"):
+        ops.check_softcap(5.0, True, "cuda", scaling="tile")
+
+
+def test_public_functions_pass_the_recipe_to_the_softcap_check(monkeypatch):
+    """attention, flash_attn_func and varlen_attention hand their scaling to
+    check_softcap (on CUDA it decides between the `tile` kernels and the refusal)."""
+    from fp8attn import ops, varlen
+    seen = []
+
+    def spy(softcap, smooth_k, device_type, fn="attention", scaling="row", precision="fp8"):
+        seen.append((fn, scaling, precision))
+        return float(softcap)
+
+    monkeypatch.setattr(ops, "check_softcap", spy)
+    monkeypatch.setattr(varlen, "check_softcap", spy)
+    q, k, v, _ = _inputs(5, s=40)
+    fp8attn.attention(q, k, v, softcap=4.0, scaling="tile")
+    fp8attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softcap=4.0, scaling="tile")
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    flat = lambda t: t[0].transpose(0, 1).contiguous()  # noqa: E731
+    fp8attn.varlen_attention(flat(q), flat(k), flat(v), cu, cu, softcap=4.0, scaling="tile", precision="exact")
+    assert seen == [("attention", "tile", "fp8"), ("attention", "tile", "fp8"),
+                    ("varlen_attention", "tile", "exact")], seen
+
+
+def test_kernel_formula_is_the_cap():
+    """The CUDA kernels' form (csrc/hopper/softcap_sm90.cuh), in float32: with the
+    logit in log2 units u = x log2(e) and C = c log2(e), r = 1 / (1 + 2^(u 2 / c)),
+    y = C - 2 C r = c tanh(x / c) log2(e) and 4 r (1 - r) = 1 - tanh^2(x / c):
+    float32 with IEEE exp2 / division gives y within 3.1e-7 C and the derivative
+    within 4.7e-7 (measured; the kernels' ex2 / rcp approximations add ~2 ulp)."""
+    x = torch.linspace(-400.0, 400.0, 200001, dtype=torch.float64)
+    for c in (0.5, 3.0, 20.0, 50.0, 1000.0):
+        log2e = 1.0 / math.log(2.0)
+        u = (x * log2e).float()
+        C, k2 = torch.tensor(c * log2e).float(), torch.tensor(2.0 / c).float()
+        r = 1.0 / (1.0 + torch.exp2(u * k2))
+        y = C - 2.0 * C * r
+        grad = 4.0 * (r - r * r)
+        t = torch.tanh(x / c)
+        assert ((y.double() - c * t * log2e).abs().max() / (c * log2e)).item() < 5e-7, c
+        assert (grad.double() - (1.0 - t * t)).abs().max().item() < 1e-6, c
+    # the ends: 2^(u 2 / c) = inf gives r = 0, y = C; 0 gives r = 1, y = -C; NaN stays NaN
+    u = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    r = 1.0 / (1.0 + torch.exp2(u))
+    assert torch.equal(r[:2], torch.tensor([0.0, 1.0])) and torch.isnan(r[2])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_softcap_on_cuda_is_refused_naming_it():
+    # scaling="row" (the default) has no softcap kernel; "tile" runs it (test_softcap_tile_cuda.py).
     q = torch.randn(1, 2, 64, 64, device="cuda").bfloat16()
-    with pytest.raises(NotImplementedError, match="argument 'softcap'"):
+    with pytest.raises(NotImplementedError, match="argument 'softcap'.*scaling='tile' runs it"):
         fp8attn.attention(q, q, q, softcap=5.0)
-    with pytest.raises(NotImplementedError, match="'softcap'"):
+    with pytest.raises(NotImplementedError, match="'softcap'.*scaling='tile' runs it"):
         torch.ops.fp8attn.fwd(q, q, q, 0.125, False, "fp8", 128, softcap=5.0)
