@@ -56,6 +56,9 @@ def _tile_kernels_on(monkeypatch):
         monkeypatch.delenv(knob, raising=False)
 
 
+INVARIANT_STD = 2.0  # logits for the Delta-Matching invariant checks (test_softcap_dm_invariant_with_cuda_forward)
+
+
 def seed_of(*key):
     return zlib.crc32(repr(key).encode())
 
@@ -94,7 +97,7 @@ def cuda_fwd(q, k, v, causal, tau, cap, **kw):
     return out.cpu(), lse.cpu()
 
 
-def check_fwd(shape, causal, cap, seed, **kw):
+def check_fwd(shape, causal, cap, seed, separation=True, **kw):
     q, k, v, _ = make_qkv(shape, seed)
     tau = f32_scale(shape[5])
     out, lse = cuda_fwd(q, k, v, causal, tau, cap, **kw)
@@ -105,9 +108,11 @@ def check_fwd(shape, causal, cap, seed, **kw):
     check_close("O", out, o_cpu, o_ex, label)
     check_close("LSE", lse, l_cpu, l_ex, label)
     # A kernel that ignored softcap: its uncapped output is this far from the capped one.
-    plain = cuda_fwd(q, k, v, causal, tau, None, **kw)[0]
-    err, sep = rel(out, o_cpu), rel(plain, out)
-    assert sep > MIN_SEPARATION * err, f"{label}: separation from the uncapped O {sep:.4g}, error {err:.4g}"
+    # (Not where every row sees one key: P = 1 whatever the cap, O is V's rounding.)
+    if separation:
+        plain = cuda_fwd(q, k, v, causal, tau, None, **kw)[0]
+        err, sep = rel(out, o_cpu), rel(plain, out)
+        assert sep > MIN_SEPARATION * err, f"{label}: separation from the uncapped O {sep:.4g}, error {err:.4g}"
     return q, k, v, out, lse
 
 
@@ -144,8 +149,11 @@ def test_softcap_tile_fwd_one_key(causal):
 @pytest.mark.parametrize("window", [(64, 0), (5, 5), (0, 129)], ids=lambda w: f"w{w[0]}_{w[1]}")
 def test_softcap_tile_fwd_window(window):
     for causal in (False, True):
+        # (0, 129) with causal is the window (0, 0): one key per row, where the cap changes
+        # nothing (the H100 run of 2026-12-07 measured separation 0 there); O, LSE still checked.
+        one_key = window[0] == 0 and (causal or window[1] == 0)
         check_fwd((1, 4, 2, 300, 333, 128, 128), causal, 20.0, seed_of("scfw", window, causal),
-                  window_left=window[0], window_right=window[1])
+                  separation=not one_key, window_left=window[0], window_right=window[1])
 
 
 def test_softcap_zero_is_no_softcap_bitwise():
@@ -219,10 +227,10 @@ def test_softcap_tile_fwd_nan_outside_the_window():
 # ---- backward --------------------------------------------------------------------------
 
 
-def bwd_inputs(shape, causal, cap, seed, **kw):
+def bwd_inputs(shape, causal, cap, seed, std=LOGIT_STD, **kw):
     """CPU-reference `tile` forward O / LSE (both sides) and the CUDA `tile` forward's
     LSE for the kernel (each side's P normalized against its own S; test_tile_cuda_bwd)."""
-    q, k, v, dout = make_qkv(shape, seed)
+    q, k, v, dout = make_qkv(shape, seed, std)
     tau = f32_scale(shape[5])
     out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128, "tile", softcap=cap, **kw)
     lse_cuda = OPS.fwd(q.cuda(), k.cuda(), v.cuda(), tau, causal, "fp8", 128, "tile", softcap=cap, **kw)[1]
@@ -306,7 +314,15 @@ def test_softcap_dm_invariant_with_cuda_forward(d, causal):
     # numerics.md section 12: the Delta-Matching invariant holds on dX' = P (dP - delta)
     # (its row sums are zero; dX's, after the cap's derivative, are not), which the
     # pre-cast diagnostics measure; stale stays far above it.
-    q, k, v, dout = (t.cuda() for t in make_qkv((1, 4, 2, 384, 384, d, d), seed_of("scdm", d, causal)))
+    # NOTE: logits of std 2 (INVARIANT_STD): the diagnostic is relative per row,
+    # |sum_j dX'| / sum_j |dX'|, and a near one-hot row (std 7 with c = 50, where the cap
+    # barely acts) has sum |dX'| ~ P_2 |dP_1 - dP_2| down at FP32 rounding, so its ratio
+    # reads up to 1 from rounding alone: there the CPU reference itself (the oracle, same
+    # formulas) gives a mean of 8.7e-4 at d = 64 causal (19 rows above 1e-4), and the kernels
+    # matched it (8.6e-4, H100, 2026-12-07). With std 2 the reference gives <= 1e-7 at every
+    # d, mask and cap, stale 3e-3 to 1.4e-2.
+    q, k, v, dout = (t.cuda() for t in make_qkv((1, 4, 2, 384, 384, d, d), seed_of("scdm", d, causal),
+                                                INVARIANT_STD))
     for cap in (3.0, 50.0):
         res = pair_residuals(q, k, v, dout, f32_scale(d), causal, cap)
         assert res["delta_matching"] < 1e-5, (cap, res)
@@ -319,7 +335,7 @@ def test_softcap_tile_bwd_prepass_variants_and_pingpong(monkeypatch):
     # FP8ATTN_TILE_BWD_PINGPONG is ignored with softcap (the default order): dK, dV
     # bitwise, dQ up to the order of its FP32 adds.
     shape = (1, 4, 2, 333, 300, 128, 128)
-    inp = bwd_inputs(shape, True, 20.0, seed_of("scbv"))
+    inp = bwd_inputs(shape, True, 20.0, seed_of("scbv"), std=INVARIANT_STD)  # NOTE at the invariant test
     runs = {}
     for pq, pp in (("64", "0"), ("128", "0"), ("128", "1")):
         monkeypatch.setenv("FP8ATTN_TILE_PREPASS_Q", pq)
