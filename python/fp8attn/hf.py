@@ -41,7 +41,10 @@ is applied as (W - 1, 0) (causal) or (W, W) (bidirectional, HF's |q - k| <= W).
 CPU tensors, and CUDA tensors with scaling "tile" (the register's options); with
 scaling "row" on CUDA the op raises NotImplementedError naming window_size for a
 window that masks more than causal.
-Dropout > 0 in training, softcap, attention sinks (s_aux) and position_bias
+Logit softcapping (Gemma 2's attn_logit_softcapping: HF passes `softcap`) goes to
+the op's `softcap` (numerics.md section 12): CPU tensors, and CUDA tensors with
+scaling "tile"; with scaling "row" on CUDA the op raises NotImplementedError
+naming softcap. Dropout > 0 in training, attention sinks (s_aux) and position_bias
 raise NotImplementedError.
 
 Dtypes: with precision "fp8" Q/K/V are cast to bfloat16 (as the trainer does),
@@ -64,7 +67,7 @@ __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling", "qk_rotation", "smooth_k")
 
 # HF attention kwargs this integration cannot honour when set (not None / not False).
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
 
 
 def _window_mask(seqlen_q: int, seqlen_k: int, window: Tuple[int, int], device) -> torch.Tensor:
@@ -200,9 +203,10 @@ def make_attention_function(**fp8_kwargs) -> Callable:
         else:
             work = torch.float32 if dtype == torch.float16 else dtype
         layer_idx = getattr(module, "layer_idx", None)
+        softcap = kwargs.get("softcap")
         out = attention(query.to(work), key.to(work), value.to(work), causal=causal, softmax_scale=scaling,
                         layer_name=None if layer_idx is None else f"layer{layer_idx}", window_size=window,
-                        **fp8_kwargs)
+                        softcap=0.0 if softcap is None else softcap, **fp8_kwargs)
         return out.to(dtype).transpose(1, 2).contiguous(), None
 
     return fp8attn_attention_forward

@@ -212,8 +212,16 @@ def test_mask_classification():
     holed[..., 3] = False
     with pytest.raises(NotImplementedError, match="attention_mask"):
         fn(module, q, k, v, holed, scaling=0.3)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fn(module, q, k[:, :, :6], v[:, :, :6], None, softcap=30.0)
+    # softcap goes to the op (Gemma 2's attn_logit_softcapping; numerics.md section 12)
+    capped = fn(module, q, k[:, :, :6], v[:, :, :6], None, scaling=0.3, softcap=2.0)[0]
+    torch.testing.assert_close(capped, fp8attn.attention(q, k[:, :, :6], v[:, :, :6], causal=True, softmax_scale=0.3,
+                                                         softcap=2.0, precision="exact").transpose(1, 2),
+                               rtol=0, atol=0)
+    assert not torch.equal(capped, fn(module, q, k[:, :, :6], v[:, :, :6], None, scaling=0.3)[0])
+    with pytest.raises(ValueError, match="softcap"):
+        fn(module, q, k[:, :, :6], v[:, :, :6], None, softcap=-1.0)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        fn(module, q, k[:, :, :6], v[:, :, :6], None, s_aux=torch.zeros(4))
 
 
 def test_register_rejects_bad_options():
@@ -245,7 +253,7 @@ def test_fp8_dtypes_into_the_op(dtype):
 # ---- sliding windows ---------------------------------------------------------------
 
 
-def build_windowed(kind: str, impl: str, seed: int = 0, window=8):
+def build_windowed(kind: str, impl: str, seed: int = 0, window=8, softcap=None):
     """A tiny model with sliding-window attention layers (window W = `window` tokens;
     None: the same model without the window)."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -260,7 +268,7 @@ def build_windowed(kind: str, impl: str, seed: int = 0, window=8):
         return Qwen2ForCausalLM(Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
                                             max_window_layers=0, **common))
     from transformers import Gemma2Config, Gemma2ForCausalLM   # local / global layers alternate
-    return Gemma2ForCausalLM(Gemma2Config(sliding_window=window or 4096, attn_logit_softcapping=None,
+    return Gemma2ForCausalLM(Gemma2Config(sliding_window=window or 4096, attn_logit_softcapping=softcap,
                                           final_logit_softcapping=None, **common))
 
 
@@ -364,3 +372,33 @@ def test_sliding_window_without_a_mask():
     for bad in (0, -3, 2.5, True, "8"):
         with pytest.raises(ValueError, match="sliding_window"):
             fn(module, q, k, v, None, scaling=0.3, sliding_window=bad)
+
+
+def test_gemma2_attn_logit_softcapping_matches_hf_eager():
+    """Gemma 2 with attn_logit_softcapping (HF passes `softcap` to the attention function):
+    fp8attn's exact path trains like HF's eager attention (loss and every gradient), the cap
+    matters on these inputs (without it the loss moves), and the FP8 path is finite and close."""
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(11))
+    ref = build_windowed("gemma2", "eager", softcap=1.5)
+    # Q / K projections scaled up: the tiny model's logits are ~1e-3 at init, where a cap of
+    # 1.5 changes nothing in FP32 (tanh(x) = x); x ~ 1-10 here.
+    state = {k: v.clone() * (40.0 if k.endswith(("q_proj.weight", "k_proj.weight")) else 1.0)
+             for k, v in ref.state_dict().items()}
+    ref.load_state_dict(state)
+    loss_ref, g_ref, _ = train_step(ref, tokens)
+    model = build_windowed("gemma2", "fp8attn_exact", seed=1, softcap=1.5)
+    model.load_state_dict(state)
+    loss, grads, _ = train_step(model, tokens)
+    assert math.isfinite(loss) and abs(loss - loss_ref) <= 1e-5 * abs(loss_ref), (loss, loss_ref)
+    for n in g_ref:
+        assert torch.isfinite(grads[n]).all(), n
+        torch.testing.assert_close(grads[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)
+    plain = build_windowed("gemma2", "eager")
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        loss_plain = float(plain(input_ids=tokens, labels=tokens).loss)
+    assert abs(loss_plain - loss_ref) > 100 * abs(loss - loss_ref) + 1e-6, (loss_plain, loss_ref)
+    fp8 = build_windowed("gemma2", "fp8attn", seed=2, softcap=1.5)
+    fp8.load_state_dict(state)
+    loss8, grads8, _ = train_step(fp8, tokens)
+    assert math.isfinite(loss8) and abs(loss8 - loss_ref) <= 0.03 * loss_ref, (loss8, loss_ref)
