@@ -1,9 +1,13 @@
 """GPU benchmark: packed variable-length batches, causal within each document (issue 19, item 4):
-fp8attn's single-launch varlen path, its per-sequence loop, a dense batch of the same tokens and
-torch SDPA BF16, on one GPU in one run.
+fp8attn's single-launch varlen path, its per-sequence loop, a dense batch of the same tokens, torch
+SDPA BF16 and cuDNN BF16's ragged (THD) attention through the cuDNN frontend, on one GPU in one run.
 
     PYTHONPATH=python python3 benchmarks/bench_varlen_gpu.py [--tokens 16384,65536]
         [--dists 128,512,2048,corpus] [--kv-heads 16] [--head-dim 128] [--bwd] [--out DIR]
+
+(the cuDNN varlen column needs the cuDNN frontend importable: on the device, after
+scripts/device_common.sh's install_cudnn_frontend, keep its PYTHONPATH entry:
+PYTHONPATH=python:$PYTHONPATH.)
 
 What is measured, per (T total tokens, document-length distribution):
   * documents: fixed length L (T // L documents, a shorter last one if L does not divide T), or
@@ -17,7 +21,7 @@ What is measured, per (T total tokens, document-length distribution):
   * inputs: fresh standard-normal BF16 q [T, H, d], k / v [T, H_kv, d], int32 cu_seqlens.
   * time: timing.time_ms, the median of --iters timed calls (CUDA events, a sync after each)
     after --warmup untimed ones; the calls as a user makes them (checks, quantization, host
-    overhead included).
+    overhead included; cuDNN varlen: its graphs' execute, below).
   * columns: single = fp8attn.varlen_attention(q, k, v, cu, cu, causal=True, scaling="tile");
     loop = the same with FP8ATTN_VARLEN_LOOP=1 (one op call per document from the host),
     skipped above --loop-max-docs documents unless --loop; dense = fp8attn.attention(causal=True,
@@ -25,25 +29,46 @@ What is measured, per (T total tokens, document-length distribution):
     SDPA varlen = torch SDPA BF16 on nested jagged views of the packed tensors
     (torch.nested.nested_tensor_from_jagged, made in the timed call, is_causal=True; the backend
     torch picks, named where its selector tells); cuDNN dense = SDPA BF16 with
-    SDPBackend.CUDNN_ATTENTION on the dense batch (orientation). Checks: single's O against SDPA
-    varlen's (relative Frobenius error) and against the loop's (bit-identical).
+    SDPBackend.CUDNN_ATTENTION on the dense batch (orientation); cuDNN varlen = cuDNN BF16 SDPA on
+    the packed tensors themselves, the baseline a user compares against: the cuDNN frontend's
+    pygraph.sdpa (generate_stats=True: the training forward) and, with --bwd, sdpa_backward (pip
+    nvidia-cudnn-frontend, module cudnn, written against 1.32.0; built once per (T, distribution):
+    the lengths are runtime tensors, the graph's S_max = the longest document). The packed [T, H, d]
+    tensors are declared as logical [B, H, S_max, d] with their own strides (token H * d, head d)
+    and ragged offsets ([B + 1, 1, 1, 1] int64 ELEMENT offsets: cu_seqlens * H * d for Q / O / dO /
+    dQ, cu_seqlens * H_kv * d for K / V / dK / dV), seq_len_q = seq_len_kv = the document lengths
+    ([B, 1, 1, 1] int32) with use_padding_mask=True, causal as diagonal_alignment TOP_LEFT and
+    diagonal_band_right_bound 0 (per document; equal q / kv lengths: the same as bottom-right), the
+    softmax stats padded [B, H, S_max, 1] FP32, the backward's max_total_seq_len_q / kv = T rounded
+    up to 64. Timed: the graphs' execute only (outputs preallocated; lengths and offsets made once
+    per batch outside the timed call, as a training step makes them once for all its layers). n/a
+    with the reason when the frontend is missing or no plan builds (--no-cudnn-varlen skips it).
+    Checks: single's O against SDPA varlen's and cuDNN varlen's (relative Frobenius error; FP8
+    against BF16: a few 1e-2 expected) and against the loop's (bit-identical).
+  * cuDNN varlen's self-check, before its numbers (a failing check makes the cells "bad", no
+    number): on T = 2000 tokens of the run's document lengths capped at 512 (the last one cut:
+    >= 4 documents of unequal lengths), fresh standard-normal inputs, its O (with --bwd also dQ,
+    dK, dV) against float32 torch SDPA causal computed document by document (math backend, one call
+    per document): relative Frobenius error < --tol (default 0.02).
   * FLOPs count the attended pairs: forward 4 * H * d * sum over documents of L * (L + 1) / 2
     (causal within each document, the diagonal included), backward 2.5x. bench_gpu.py's
     "4*B*H*S*S*d halved for causal" counts S * S / 2 pairs per sequence: the same up to the
     diagonal's S / 2 (factor (S + 1) / S, 0.8% at S = 128). The dense columns use the same
     formula on their own lengths: ratios are of TFLOP/s, like with like.
-  * ratios: single / dense (issue target >= 0.9 at mean document length >= 512) and
-    single / SDPA varlen (target > 1: faster).
+  * ratios: single / dense (issue target >= 0.9 at mean document length >= 512), single / SDPA
+    varlen (target > 1: faster) and single / cuDNN varlen.
   * --bwd: forward + backward (torch.autograd.grad, fresh randn dO) of single, dense and SDPA
-    varlen; backward = that minus the forward (single: fp8attn::bwd_varlen, one launch per
-    kernel).
-A failing cell (out of memory, an unsupported case: RuntimeError, ValueError) is n/a with its
-reason under the table; the run goes on. Writes bench_varlen_gpu.json (everything, with GPU,
-driver, torch, CUDA, cuDNN versions, date) and bench_varlen_gpu.md under --out; prints the
-markdown last. Exit status: 0; 1 without a CUDA GPU (nothing written); 2 on a bad argument.
+    varlen, and cuDNN varlen's forward then backward graph; backward = that minus the forward
+    (single: fp8attn::bwd_varlen, one launch per kernel).
+A failing cell (out of memory, an unsupported case: RuntimeError, ValueError; cuDNN varlen: any
+frontend error) is n/a with its reason under the table; the run goes on. Writes
+bench_varlen_gpu.json (everything, with GPU, driver, torch, CUDA, cuDNN, cuDNN frontend versions,
+date) and bench_varlen_gpu.md under --out; prints the markdown last. Exit status: 0; 1 without a
+CUDA GPU (nothing written); 2 on a bad argument.
 """
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -57,18 +82,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # NOTE: bench_gpu first: it puts an in-tree fp8attn build ahead of the installed package (as conftest.py).
 from bench_gpu import env_info, tflops, write_results
 from cudnn_fp8 import one_line, rel_fro
-from timing import int_at_least, time_ms
+from timing import int_at_least, positive_float, time_ms
 import fp8attn
+from fp8attn import cudnn_fp8_attention as cfa
 from fp8attn.train.compare import DATA_MAX_MB
 from fp8attn.train.data import DEB_PACKAGE, PreparedData, TokenStream, prepare
 from fp8attn.train.model import PRESETS, document_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"  # NOTE: the CPU tests run bench_case on "cpu" (the fp8attn CPU reference; SDPA's cells n/a)
-COLS = ("single", "loop", "dense", "sdpa_varlen", "cudnn_dense")
-BWD_COLS = ("single", "dense", "sdpa_varlen")
+COLS = ("single", "loop", "dense", "sdpa_varlen", "cudnn_varlen", "cudnn_dense")
+BWD_COLS = ("single", "dense", "sdpa_varlen", "cudnn_varlen")
 LABEL = {"single": "fp8 single launch", "loop": "fp8 per-seq loop", "dense": "fp8 dense ref",
-         "sdpa_varlen": "SDPA BF16 varlen", "cudnn_dense": "cuDNN BF16 dense"}
+         "sdpa_varlen": "SDPA BF16 varlen", "cudnn_varlen": "cuDNN BF16 varlen", "cudnn_dense": "cuDNN BF16 dense"}
+CHECK_TOKENS = 2000   # the cuDNN varlen self-check's T (not a multiple of 64 or 128: a shorter last document)
+CHECK_MAX_LEN = 512   # its documents: the run's lengths capped at this (>= 4 documents)
+GRADS = ("dQ", "dK", "dV")
 
 
 # ---- document lengths and FLOPs (pure, CPU-tested) -------------------------------------
@@ -128,6 +157,128 @@ def load_corpus(args):
     return TokenStream(data.train_path, seq_len), info
 
 
+# ---- cuDNN BF16 varlen: the frontend's ragged (THD) graphs ------------------------------
+
+
+def cu_seqlens(lengths, device=None) -> torch.Tensor:
+    """int32 [B + 1] prefix sums of the document lengths (cu_seqlens), on `device` (default DEVICE)."""
+    return torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=device or DEVICE)
+
+
+def check_lengths(lengths, total: int = CHECK_TOKENS, cap: int = CHECK_MAX_LEN) -> list:
+    """The cuDNN self-check's document lengths: the run's lengths in order (cycled if they sum to less),
+    each capped at `cap`, until `total` tokens, the last one cut."""
+    out, used, i = [], 0, 0
+    while used < total:
+        n = min(lengths[i % len(lengths)], cap, total - used)
+        out.append(n)
+        used, i = used + n, i + 1
+    return out
+
+
+def thd_layout(b: int, heads: int, s_max: int, d: int) -> tuple:
+    """(dims, strides) the frontend declares for a packed [T, heads, d] tensor: logical
+    [B, heads, S_max, d] with the packed tensor's own strides (token heads * d, head d, element 1);
+    the batch stride (S_max * heads * d) is never stepped: each sequence starts at its ragged offset."""
+    return [b, heads, s_max, d], [s_max * heads * d, d, heads * d, 1]
+
+
+def ragged_offsets(cu: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The ragged offset tensor of a packed [T, heads, head_dim] tensor: [B + 1, 1, 1, 1] int64,
+    sequence b's first ELEMENT cu[b] * heads * head_dim (its token offset times the token stride;
+    int64: cuDNN >= 9.6 takes 64-bit offsets)."""
+    return (cu.to(torch.int64) * (heads * head_dim)).reshape(-1, 1, 1, 1)
+
+
+def seq_lens(cu: torch.Tensor) -> torch.Tensor:
+    """The per-sequence lengths [B, 1, 1, 1] int32 (seq_len_q = seq_len_kv here) of cu_seqlens."""
+    return (cu[1:] - cu[:-1]).to(torch.int32).reshape(-1, 1, 1, 1)
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+# the ragged offsets each port reads: q's heads' (H * d elements per token) or k / v's (H_kv * d)
+OFFSET_OF = {"q": "q", "o": "q", "dO": "q", "dQ": "q", "k": "kv", "v": "kv", "dK": "kv", "dV": "kv"}
+
+
+def declare_ragged(cudnn, b: int, h: int, hkv: int, s_max: int, d: int, total: int, bwd: bool = False,
+                   handle=None) -> tuple:
+    """The cuDNN frontend graph (declared, not built) of causal BF16 SDPA on packed q / o [T, h, d],
+    k / v [T, hkv, d] (T = total tokens, B documents of at most s_max): the forward (sdpa, O and
+    the softmax stats for the backward: generate_stats=True) or, bwd, the backward (sdpa_backward).
+    Every packed port is declared with thd_layout and a ragged offset tensor of its own ([B + 1, 1, 1,
+    1] int64, bound to ragged_offsets of q's or k / v's heads: OFFSET_OF; o and dO share one, as in
+    the frontend's tests); seq_len_q / seq_len_kv [B, 1, 1, 1] int32 with use_padding_mask=True;
+    causal = diagonal_alignment TOP_LEFT, diagonal_band_right_bound 0 (per sequence: with equal q / kv
+    lengths the same mask as BOTTOM_RIGHT); the stats padded [B, h, s_max, 1] FP32, not ragged (the
+    frontend's torch op keeps the backward's stats padded too). The backward's
+    max_total_seq_len_q / kv = T rounded up to 64 (sizes its ragged dQ / dK / dV accumulators, as
+    the frontend's tests round it). Returns (graph, {port name: graph tensor})."""
+    bf16, f32 = cudnn.data_type.BFLOAT16, cudnn.data_type.FLOAT
+    i32, i64 = cudnn.data_type.INT32, cudnn.data_type.INT64
+    g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32,
+                      **({} if handle is None else {"handle": handle}))
+    qd, qs = thd_layout(b, h, s_max, d)
+    kd, ks = thd_layout(b, hkv, s_max, d)
+    sd, ss = [b, h, s_max, 1], [h * s_max, s_max, 1, 1]
+    lay = {n: (qd, qs) for n in ("q", "o", "dO", "dQ")}
+    lay.update({n: (kd, ks) for n in ("k", "v", "dK", "dV")})
+
+    def index(name, n, dt):
+        return g.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt)
+    t = {"seq_q": index("seq_len_q", b, i32), "seq_kv": index("seq_len_kv", b, i32)}
+    ports = ("q", "k", "v", "o", "dO", "dQ", "dK", "dV") if bwd else ("q", "k", "v", "o")
+    offs = {n: index(f"ragged_{n}", b + 1, i64) for n in ports if n != "dO"}
+    offs["dO"] = offs.get("o")
+    t.update({f"off_{n}": x for n, x in offs.items() if n != "dO"})
+    for n in ("q", "k", "v") + (("o", "dO") if bwd else ()):
+        t[n] = g.tensor(name=n, dim=lay[n][0], stride=lay[n][1], data_type=bf16)
+        t[n].set_ragged_offset(offs[n])
+    mask = dict(use_padding_mask=True, seq_len_q=t["seq_q"], seq_len_kv=t["seq_kv"],
+                diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, diagonal_band_right_bound=0)
+    tau = 1.0 / math.sqrt(d)
+    if not bwd:
+        o, stats = g.sdpa(q=t["q"], k=t["k"], v=t["v"], attn_scale=tau, generate_stats=True, name="sdpa_varlen",
+                          **mask)
+        outs = {"o": o}
+        stats.set_output(True).set_dim(sd).set_stride(ss).set_data_type(f32)
+        t["stats"] = stats
+    else:
+        t["stats"] = g.tensor(name="stats", dim=sd, stride=ss, data_type=f32)
+        dq, dk, dv = g.sdpa_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+                                     attn_scale=tau, max_total_seq_len_q=_round64(total),
+                                     max_total_seq_len_kv=_round64(total), name="sdpa_varlen_backward", **mask)
+        outs = {"dQ": dq, "dK": dk, "dV": dv}
+    for n, x in outs.items():
+        x.set_output(True).set_dim(lay[n][0]).set_stride(lay[n][1]).set_data_type(bf16)
+        x.set_ragged_offset(offs[n])
+        t[n] = x
+    return g, t
+
+
+def reference_varlen(q, k, v, cu, dout=None) -> tuple:
+    """The self-check's reference: float32 causal attention document by document (torch SDPA, math
+    backend, one call per document; K / V heads repeated for GQA) on packed q [T, H, d], k / v
+    [T, H_kv, d] (every token in a document: cu[-1] == T). (O packed [T, H, d], (dQ, dK, dV) packed
+    for dout [T, H, d], else None)."""
+    rep = q.shape[1] // k.shape[1]
+    leaves = [x.detach().float().requires_grad_(dout is not None) for x in (q, k, v)]
+    bounds = [int(x) for x in cu.tolist()]
+    if bounds[-1] != q.shape[0]:
+        raise ValueError(f"reference_varlen: cu_seqlens ends at {bounds[-1]}, not at T = {q.shape[0]}")
+    outs = []
+    with sdpa_kernel([SDPBackend.MATH]):
+        for a, e in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (x[a:e].transpose(0, 1).unsqueeze(0) for x in leaves)
+            ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1))
+    o = torch.cat(outs)
+    grads = torch.autograd.grad(o, leaves, dout.float()) if dout is not None else None
+    return o.detach(), grads
+
+
 # ---- GPU measurements ------------------------------------------------------------------
 
 
@@ -176,13 +327,151 @@ def measure(r, col, fn, inputs, flops, args, bwd=False) -> None:
         print(f"  {col}: n/a ({r['errors'][col]})")
 
 
+class Column:
+    """fwd() -> O and step() -> (dQ, dK, dV) (forward then backward) as the timed calls."""
+
+    def __init__(self, fwd, step=None):
+        self.fwd, self.step = fwd, step
+
+
+_CUDNN_GRAPHS = {}
+
+
+def cudnn_varlen_graphs(cudnn, b, h, hkv, s_max, d, total, bwd) -> dict:
+    """The built forward (and with bwd backward) ragged graphs, cached per (B, H, H_kv, S_max, d, T,
+    bwd): once per (T, distribution), the lengths being runtime tensors. {'fwd': _Built, 'bwd': ...}."""
+    key = (b, h, hkv, s_max, d, total, bwd)
+    if key not in _CUDNN_GRAPHS:
+        handle = cfa._handle()
+        out = {"fwd": cfa._finish(cudnn, *declare_ragged(cudnn, b, h, hkv, s_max, d, total, False, handle)),
+               "bwd": None}
+        if bwd:
+            out["bwd"] = cfa._finish(cudnn, *declare_ragged(cudnn, b, h, hkv, s_max, d, total, True, handle))
+        _CUDNN_GRAPHS[key] = out
+    return _CUDNN_GRAPHS[key]
+
+
+def _pack(built, ports: dict, offs: dict) -> dict:
+    """The variant pack of a built graph: each port's tensor (ports), each ragged offset port
+    (off_<port>) the offsets of its port's heads (offs['q'] or offs['kv']: OFFSET_OF)."""
+    return {x: offs[OFFSET_OF[n[4:]]] if n.startswith("off_") else ports[n] for n, x in built.t.items()}
+
+
+def cudnn_varlen_column(q, k, v, cu, max_len: int, dout=None) -> Column:
+    """cuDNN BF16 varlen bound to packed q [T, H, d], k / v [T, H_kv, d] and cu_seqlens (every token in
+    a document): the lengths and ragged offsets made here, once per batch (not in the timed calls),
+    outputs and workspaces preallocated; fwd() executes the forward graph, step() (dout given) the
+    forward and then the backward graph."""
+    cudnn = cfa.load()
+    if cudnn is None:
+        raise RuntimeError(f"cuDNN frontend unavailable: {cfa._STATE.get('why') or 'import cudnn failed'}")
+    t, h, d = q.shape
+    hkv, b = k.shape[1], cu.numel() - 1
+    gr = cudnn_varlen_graphs(cudnn, b, h, hkv, max_len, d, t, dout is not None)
+    lens = seq_lens(cu)
+    o = torch.empty_like(q)
+    stats = torch.empty(b, h, max_len, 1, device=q.device, dtype=torch.float32)
+    handle = cfa._handle()
+    fb = gr["fwd"]
+    ports = {"q": q, "k": k, "v": v, "o": o, "stats": stats, "seq_q": lens, "seq_kv": lens}
+    offs = {"q": ragged_offsets(cu, h, d), "kv": ragged_offsets(cu, hkv, d)}
+    fpack = _pack(fb, ports, offs)
+    ws_f = torch.empty(max(fb.workspace, 1), device=q.device, dtype=torch.uint8)
+
+    def fwd():
+        fb.graph.execute(fpack, ws_f, handle=handle)
+        return o
+    if dout is None:
+        return Column(fwd)
+    bb = gr["bwd"]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bpack = _pack(bb, dict(ports, dO=dout, dQ=dq, dK=dk, dV=dv), offs)
+    ws_b = torch.empty(max(bb.workspace, 1), device=q.device, dtype=torch.uint8)
+
+    def step():
+        fb.graph.execute(fpack, ws_f, handle=handle)
+        bb.graph.execute(bpack, ws_b, handle=handle)
+        return dq, dk, dv
+    return Column(fwd, step)
+
+
+_CHECKS = {}
+
+
+def cudnn_self_check(lengths, h: int, hkv: int, d: int, bwd: bool, tol: float) -> dict:
+    """cuDNN varlen against reference_varlen on the check's lengths (check_lengths: the run's, capped
+    at CHECK_MAX_LEN, T = CHECK_TOKENS), fresh standard-normal BF16 inputs: relative Frobenius error of
+    O (and with bwd dQ, dK, dV); 'ok' when every one is < tol, else 'bad' and why. Cached per (check
+    lengths, H, H_kv, d, bwd, tol). A frontend / build error propagates (the column is n/a)."""
+    cl = check_lengths(lengths)
+    key = (tuple(cl), h, hkv, d, bwd, tol)
+    if key in _CHECKS:
+        return _CHECKS[key]
+    t = sum(cl)
+    gen = torch.Generator(device=DEVICE).manual_seed(20261207 + 7 * t + len(cl))
+    rnd = lambda *shape: torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v, dout = rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, d), rnd(t, h, d)
+    cu = cu_seqlens(cl)
+    c = cudnn_varlen_column(q, k, v, cu, max(cl), dout if bwd else None)
+    ref_o, ref_g = reference_varlen(q, k, v, cu, dout if bwd else None)
+    outs = {"O": c.fwd().clone()}
+    refs = {"O": ref_o}
+    if bwd:
+        outs.update(zip(GRADS, (x.clone() for x in c.step())))
+        refs.update(zip(GRADS, ref_g))
+    err = {n: rel_fro(x, refs[n]) for n, x in outs.items()}
+    bad = [n for n, e in err.items() if not (e < tol)]  # NOTE: catches NaN
+    res = {"T": t, "docs": len(cl), "min_len": min(cl), "max_len": max(cl), "err": err, "tol": tol,
+           "status": "bad" if bad else "ok",
+           "reason": f"{bad[0]} error {err[bad[0]]:.3g} >= tol {tol:g}" if bad else ""}
+    _CHECKS[key] = res
+    return res
+
+
+def measure_column(r, col, c: Column, flops, args) -> None:
+    """r[col] / r[col + '_ms'] from c.fwd; with --bwd also the step (c.step) and the backward derived
+    from it, as measure() names them."""
+    ms = time_ms(c.fwd, args.warmup, args.iters)
+    r[f"{col}_ms"], r[col] = ms, tflops(flops, ms)
+    if args.bwd:
+        step = time_ms(c.step, args.warmup, args.iters)
+        r[f"{col}_step_ms"] = step
+        r[f"{col}_bwd_ms"] = step - ms if step > ms else None
+        r[f"{col}_bwd"] = tflops(2.5 * flops, r[f"{col}_bwd_ms"])
+
+
+def bench_cudnn_varlen(r, qkv, cu, lengths, flops, args, single=None) -> None:
+    """The cuDNN BF16 varlen column of row r: the self-check first ('bad', no number, when it fails),
+    then single's O against cuDNN's at the benchmark size (r['single_err_cudnn']) and the timings.
+    A frontend / build / run error leaves n/a with its reason; the run goes on."""
+    col = "cudnn_varlen"
+    try:
+        chk = r["cudnn_check"] = cudnn_self_check(lengths, args.heads, args.kv_heads, args.head_dim, args.bwd,
+                                                  args.tol)
+        if chk["status"] != "ok":
+            r["bad"].append(col)
+            r["errors"][col] = f"self-check at T={chk['T']} ({chk['docs']} documents): {chk['reason']}"
+            print(f"  {col}: bad ({r['errors'][col]})")
+            return
+        dout = torch.randn_like(qkv[0]) if args.bwd else None
+        c = cudnn_varlen_column(*qkv, cu, max(lengths), dout)
+        o = c.fwd().clone()
+        if single is not None and r.get("single") is not None:
+            r["single_err_cudnn"] = rel_fro(single(*qkv), o)
+        del o
+        measure_column(r, col, c, flops, args)
+    except Exception as e:  # noqa: BLE001  (no frontend, no plan, a cuDNN / CUDA error: n/a, the run goes on)
+        r["errors"][col] = one_line(e, 200)
+        print(f"  {col}: n/a ({r['errors'][col]})")
+
+
 def bench_case(r, lengths, args) -> None:
     """Fills row r for one (T, distribution) from its document lengths."""
     h, hkv, d, t = args.heads, args.kv_heads, args.head_dim, sum(lengths)
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed * 1000003 + t + len(lengths))
     rnd = lambda *shape: torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)  # noqa: E731
     qkv = (rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, d))
-    cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=DEVICE)
+    cu = cu_seqlens(lengths)
     flops = fwd_flops(lengths, h, d)
 
     def single(q, k, v):
@@ -202,6 +491,10 @@ def bench_case(r, lengths, args) -> None:
         measure(r, "sdpa_varlen", lambda q, k, v: sdpa_varlen(q, k, v, cu64, mx), qkv, flops, args, args.bwd)
         if r["single"] is not None and r["sdpa_varlen"] is not None:
             r["single_err"] = rel_fro(single(*qkv), sdpa_varlen(*qkv, cu64, mx))
+    if args.no_cudnn_varlen:
+        r["skipped"]["cudnn_varlen"] = "--no-cudnn-varlen"
+    else:
+        bench_cudnn_varlen(r, qkv, cu, lengths, flops, args, single)
     del qkv
     b, lm = r["dense_B"], r["dense_L"]
     dense, dflops = (rnd(b, h, lm, d), rnd(b, hkv, lm, d), rnd(b, hkv, lm, d)), fwd_flops([lm] * b, h, d)
@@ -217,7 +510,8 @@ def bench_case(r, lengths, args) -> None:
 def new_row(t, dist, lengths, args) -> dict:
     """A row of one case with every number n/a (None); the dense batch's shape; lengths' statistics."""
     r = {"T": t, "dist": dist, "docs": len(lengths), "H": args.heads, "H_kv": args.kv_heads, "d": args.head_dim,
-         "errors": {}, "skipped": {}, "sdpa_backend": None, "single_eq_loop": None, "single_err": None}
+         "errors": {}, "skipped": {}, "bad": [], "sdpa_backend": None, "single_eq_loop": None, "single_err": None,
+         "single_err_cudnn": None, "cudnn_check": None}
     if lengths:
         lm = max(1, round(t / len(lengths)))
         r.update(mean_len=t / len(lengths), max_len=max(lengths), min_len=min(lengths),
@@ -237,7 +531,7 @@ def new_row(t, dist, lengths, args) -> dict:
 def _cell(r, col, suffix=""):
     x, ms = r.get(f"{col}{suffix}"), r.get(f"{col}{suffix}_ms")
     if x is None:
-        return "skipped" if col in r.get("skipped", {}) else "n/a"
+        return "bad" if col in r.get("bad", ()) else "skipped" if col in r.get("skipped", {}) else "n/a"
     return f"{x:.0f} ({ms:.3f} ms)"
 
 
@@ -245,52 +539,88 @@ def _ratio(a, b):
     return "n/a" if a is None or b is None else f"{a / b:.2f}"
 
 
+def _e(x):
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def _dist(r):
+    return r["dist"] if r["dist"] == "corpus" else f"fixed {r['dist']}"
+
+
 def _case(r):
-    dist = r["dist"] if r["dist"] == "corpus" else f"fixed {r['dist']}"
-    return f"| {r['T']} | {dist} | {r['docs']} | " + (
+    return f"| {r['T']} | {_dist(r)} | {r['docs']} | " + (
         f"{r['mean_len']:.0f} / {r['max_len']} |" if r.get("mean_len") is not None else "n/a |")
 
 
 HEAD = ("| T | documents | count | mean / max len | " + " | ".join(LABEL[c] + " fwd" for c in COLS)
-        + " | single / dense | single / SDPA varlen | single O err vs SDPA | single = loop |")
+        + " | single / dense | single / SDPA varlen | single / cuDNN varlen | single O err vs SDPA | "
+        "single O err vs cuDNN | single = loop |")
 BWD_HEAD = ("| T | documents | count | mean / max len | " + " | ".join(LABEL[c] + " bwd" for c in BWD_COLS)
-            + " | single / dense bwd | single / SDPA varlen bwd | fwd+bwd ms single / dense / SDPA |")
+            + " | single / dense bwd | single / SDPA varlen bwd | single / cuDNN varlen bwd | "
+            "fwd+bwd ms single / dense / SDPA / cuDNN |")
+CHECK_HEAD = "| T | documents | check: documents (min / max len) | O err | dQ err | dK err | dV err | status |"
+
+
+def _frontend(info) -> str:
+    fe = info.get("cudnn_frontend") or {}
+    return (f"cuDNN frontend {fe['cudnn_frontend']} (backend {fe.get('cudnn_backend', '?')})"
+            if fe.get("cudnn_frontend") else f"cuDNN frontend n/a ({fe.get('why', 'not loaded')})")
 
 
 def markdown(rows, info) -> str:
     """The bench_varlen_gpu.md text: caption, forward table (TFLOP/s (ms), ratios), the backward table
-    with --bwd, the issue targets' summary, and the n/a / skipped reasons."""
+    with --bwd, cuDNN varlen's self-checks, the issue targets' summary, and the n/a / bad / skipped
+    reasons."""
     a = info["args"]
     lines = [f"Packed causal attention (per document), H = {a['heads']}, H_kv = {a['kv_heads']}, d = "
              f"{a['head_dim']}, BF16 inputs; TFLOP/s (median ms) on {info['gpu']} (driver {info['driver']}, "
-             f"torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}), {info['date']}. FLOPs: 4 * H * d "
-             "* sum L (L + 1) / 2 (attended pairs, diagonal included), backward 2.5x; dense ref = fp8attn on "
-             "[T // Lm, H, Lm, d], Lm = mean length; SDPA varlen = nested jagged tensors, backend "
-             f"{', '.join(sorted({r['sdpa_backend'] for r in rows if r.get('sdpa_backend')})) or 'n/a'}.",
+             f"torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}, {_frontend(info)}), {info['date']}. "
+             "FLOPs: 4 * H * d * sum L (L + 1) / 2 (attended pairs, diagonal included), backward 2.5x; dense ref = "
+             "fp8attn on [T // Lm, H, Lm, d], Lm = mean length; SDPA varlen = nested jagged tensors, backend "
+             f"{', '.join(sorted({r['sdpa_backend'] for r in rows if r.get('sdpa_backend')})) or 'n/a'}; "
+             "cuDNN varlen = cuDNN frontend sdpa / sdpa_backward graphs on the packed (THD) layout (ragged offsets, "
+             "per-document seq_len_q / seq_len_kv, padding mask, causal), graph execute only (lengths and offsets "
+             "made once per batch, outside the timed call). bad = failed its self-check (no number).",
              "", HEAD, "|" + "---|" * (HEAD.count("|") - 1)]
     for r in rows:
-        err, eq = r.get("single_err"), r.get("single_eq_loop")
+        eq = r.get("single_eq_loop")
         lines.append(_case(r) + " " + " | ".join(_cell(r, c) for c in COLS) + f" | "
                      f"{_ratio(r.get('single'), r.get('dense'))} | {_ratio(r.get('single'), r.get('sdpa_varlen'))} | "
-                     f"{'n/a' if err is None else f'{err:.4f}'} | {'n/a' if eq is None else 'yes' if eq else 'NO'} |")
+                     f"{_ratio(r.get('single'), r.get('cudnn_varlen'))} | {_e(r.get('single_err'))} | "
+                     f"{_e(r.get('single_err_cudnn'))} | {'n/a' if eq is None else 'yes' if eq else 'NO'} |")
     if a.get("bwd"):
-        lines += ["", "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen).",
+        lines += ["", "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen; cuDNN varlen: the "
+                  "forward graph's execute then the backward graph's).",
                   "", BWD_HEAD, "|" + "---|" * (BWD_HEAD.count("|") - 1)]
         for r in rows:
             steps = " / ".join("n/a" if r.get(f"{c}_step_ms") is None else f"{r[f'{c}_step_ms']:.3f}"
                                for c in BWD_COLS)
             lines.append(_case(r) + " " + " | ".join(_cell(r, c, "_bwd") for c in BWD_COLS) + f" | "
                          f"{_ratio(r.get('single_bwd'), r.get('dense_bwd'))} | "
-                         f"{_ratio(r.get('single_bwd'), r.get('sdpa_varlen_bwd'))} | {steps} |")
+                         f"{_ratio(r.get('single_bwd'), r.get('sdpa_varlen_bwd'))} | "
+                         f"{_ratio(r.get('single_bwd'), r.get('cudnn_varlen_bwd'))} | {steps} |")
+    checked = [r for r in rows if r.get("cudnn_check")]
+    if checked:
+        lines += ["", f"cuDNN varlen self-check, before its timings: its O{' / dQ / dK / dV' if a.get('bwd') else ''} "
+                  "against float32 torch SDPA causal document by document (math backend), on the run's document "
+                  f"lengths capped at {CHECK_MAX_LEN} and cut at T = {CHECK_TOKENS} tokens (fresh standard-normal "
+                  f"inputs); relative Frobenius error, < {a['tol']:g} or bad.", "", CHECK_HEAD,
+                  "|" + "---|" * (CHECK_HEAD.count("|") - 1)]
+        for r in checked:
+            c = r["cudnn_check"]
+            lines.append(f"| {r['T']} | {_dist(r)} | {c['T']}: {c['docs']} ({c['min_len']} / {c['max_len']}) | "
+                         + " | ".join(_e(c["err"].get(n)) for n in ("O",) + GRADS) + f" | {c['status']} |")
     t1 = [r for r in rows if (r.get("mean_len") or 0) >= 512 and r.get("single") and r.get("dense")]
     t2 = [r for r in rows if r.get("single") and r.get("sdpa_varlen")]
+    t3 = [r for r in rows if r.get("single") and r.get("cudnn_varlen")]
     lines += ["", f"Issue 19 targets: single / dense >= 0.9 at mean length >= 512 in "
               f"{sum(r['single'] >= 0.9 * r['dense'] for r in t1)} of {len(t1)} rows; single faster than SDPA "
-              f"BF16 varlen in {sum(r['single'] > r['sdpa_varlen'] for r in t2)} of {len(t2)} rows."]
+              f"BF16 varlen in {sum(r['single'] > r['sdpa_varlen'] for r in t2)} of {len(t2)} rows. Single faster "
+              f"than cuDNN BF16 varlen in {sum(r['single'] > r['cudnn_varlen'] for r in t3)} of {len(t3)} rows."]
     notes = [f"- T={r['T']}, {r['dist']}, {LABEL.get(c, c)}: {kind}{why}" for r in rows
              for kind, d in (("", r.get("errors", {})), ("skipped: ", r.get("skipped", {}))) for c, why in d.items()]
     if notes:
-        lines += ["", "n/a and skipped cells (the run went on):", ""] + notes
+        lines += ["", "n/a, bad and skipped cells (the run went on):", ""] + notes
     return "\n".join(lines)
 
 
@@ -321,11 +651,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int_at_least(1), default=16, help="query heads H (default 16)")
     ap.add_argument("--kv-heads", type=int_at_least(1), default=16, help="key / value heads, divides H (default 16)")
     ap.add_argument("--head-dim", type=int_at_least(1), default=128, help="head dim d (default 128)")
-    ap.add_argument("--bwd", action="store_true", help="also forward + backward of single, dense, SDPA varlen")
+    ap.add_argument("--bwd", action="store_true",
+                    help="also forward + backward of single, dense, SDPA varlen, cuDNN varlen")
     ap.add_argument("--loop", action="store_true", help="time the per-sequence loop at any number of documents")
     ap.add_argument("--loop-max-docs", type=int_at_least(0), default=512,
                     help="skip the per-sequence loop above this many documents (default 512)")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the torch SDPA BF16 columns")
+    ap.add_argument("--no-cudnn-varlen", action="store_true",
+                    help="skip the cuDNN BF16 varlen column (the cuDNN frontend's ragged graphs)")
+    ap.add_argument("--tol", type=positive_float, default=0.02,
+                    help="largest relative Frobenius error of cuDNN varlen's self-check (default 0.02)")
     ap.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed calls before each number (default 3)")
     ap.add_argument("--iters", type=int_at_least(1), default=10,
                     help="timed calls per number; the number is their median CUDA-event time (default 10)")
@@ -358,7 +693,7 @@ def main(argv=None) -> int:
         return 1
     os.makedirs(args.out, exist_ok=True)
     info = env_info()
-    info.update(args=vars(args),
+    info.update(args=vars(args), cudnn_frontend=None if args.no_cudnn_varlen else cfa.version_info(),
                 knobs={n: os.environ.get(n) for n in ("FP8ATTN_VARLEN_LOOP", "FP8ATTN_TILE_FWD", "FP8ATTN_TILE_BWD")})
     stream, corpus = load_corpus(args) if "corpus" in args.dists else (None, None)
     info["corpus"] = corpus if stream is not None or corpus is None else {"unavailable": corpus}

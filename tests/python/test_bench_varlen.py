@@ -9,8 +9,17 @@
   causal count (4 * H * S * S * d / 2: this one adds the diagonal's S / 2 pairs);
 * bench_case's plumbing on CPU tensors (fp8attn's CPU reference; SDPA's cells n/a with a reason,
   the FP8ATTN_VARLEN_LOOP knob restored), with a fake timer;
-* markdown on synthetic rows: the ratio columns, n/a and skipped cells with their reasons, the
-  backward table;
+* cuDNN BF16 varlen (the frontend's ragged graphs): the ragged offsets and lengths, checked by
+  addressing packed tensors the way the graph declares them (logical [B, H, S_max, d] with the
+  packed strides, each sequence from its element offset); the self-check's lengths; its per-document
+  float32 reference against a block-diagonal causal mask; the column's plumbing on the CPU with a
+  fake column that addresses the tensors through those offsets (ok, a number, single's O vs it),
+  and with token instead of element offsets (caught: "bad", no number); graphs built once per key;
+  the frontend missing: n/a with the reason, the run goes on; where the frontend is importable, its
+  own validation and graph analyzer read the declared forward / backward graphs (no GPU needed) as
+  ragged, padded, causal, element offsets on every packed port;
+* markdown on synthetic rows: the ratio columns, n/a, bad and skipped cells with their reasons, the
+  backward table, the cuDNN self-check table;
 * main: without a GPU a one-line message, exit 1, no --out directory; a failing case is recorded
   and the run goes on.
 CPU, a few seconds.
@@ -20,11 +29,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,7 +48,19 @@ from fp8attn.train.data import TokenStream  # noqa: E402
 from fp8attn.train.model import document_segments  # noqa: E402
 from test_bench_gpu import _run_script  # noqa: E402
 
-INFO = {"gpu": "G", "driver": "D", "torch": "T", "cuda": "C", "cudnn": 1, "date": "now"}
+INFO = {"gpu": "G", "driver": "D", "torch": "T", "cuda": "C", "cudnn": 1, "date": "now",
+        "cudnn_frontend": {"cudnn_frontend": "1.32.0", "cudnn_backend": "9.19.0"}}
+
+
+def _table(md, head):
+    """The markdown table starting at the line `head` (its header, separator and rows)."""
+    lines = md.splitlines()
+    out = []
+    for ln in lines[lines.index(head):]:
+        if not ln.startswith("|"):
+            break
+        out.append(ln)
+    return out
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -50,7 +73,10 @@ def test_help_is_complete():
     for want in ("FP8ATTN_VARLEN_LOOP=1", "L * (L + 1) / 2", "the diagonal included", "backward 2.5x",
                  "nested_tensor_from_jagged", "CUDNN_ATTENTION", "fp8attn::bwd_varlen", "Exit status",
                  "single / dense (issue target >= 0.9", "--tokens TOKENS", "--dists DISTS", "--kv-heads",
-                 "--head-dim", "--bwd", "--loop", "--out OUT"):
+                 "--head-dim", "--bwd", "--loop", "--out OUT", "ragged offsets", "ELEMENT offsets",
+                 "cu_seqlens * H * d", "cu_seqlens * H_kv * d", "use_padding_mask=True", "generate_stats=True",
+                 "sdpa_backward", "single / cuDNN varlen", "install_cudnn_frontend", "--no-cudnn-varlen",
+                 "--tol TOL", "T = 2000 tokens", "capped at 512"):
         assert want in text, want
 
 
@@ -65,6 +91,7 @@ def test_help_is_complete():
     (["--iters", "0"], "argument --iters: must be an integer >= 1"),
     (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
     (["--preset", "nope"], "argument --preset: invalid choice"),
+    (["--tol", "0"], "argument --tol: must be a finite number > 0"),
 ])
 def test_bad_arguments_exit_2(args, want):
     p = _run_script("bench_varlen_gpu.py", *args)
@@ -76,6 +103,7 @@ def test_defaults():
     assert (a.tokens, a.dists, a.heads, a.kv_heads, a.head_dim) == (["16384", "65536"],
                                                                      ["128", "512", "2048", "corpus"], 16, 16, 128)
     assert not a.bwd and a.loop_max_docs == 512 and a.preset == "gpu-350m"
+    assert a.tol == 0.02 and not a.no_cudnn_varlen
 
 
 # ---- document lengths ---------------------------------------------------------------------------
@@ -205,6 +233,249 @@ def test_loop_skipped_above_the_limit(monkeypatch):
     assert r["loop_ms"] == 1.0 and not r["skipped"]
 
 
+# ---- cuDNN BF16 varlen: ragged offsets, reference, plumbing ----------------------------------------
+
+
+def test_ragged_offsets_and_lengths_hand_computed():
+    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32)
+    off = bv.ragged_offsets(cu, heads=2, head_dim=4)
+    assert off.shape == (4, 1, 1, 1) and off.dtype == torch.int64 and off.flatten().tolist() == [0, 24, 56, 96]
+    lens = bv.seq_lens(cu)
+    assert lens.shape == (3, 1, 1, 1) and lens.dtype == torch.int32 and lens.flatten().tolist() == [3, 4, 5]
+    assert bv.thd_layout(3, 2, 5, 4) == ([3, 2, 5, 4], [40, 4, 8, 1])
+    assert bv.cu_seqlens([3, 4, 5], "cpu").tolist() == [0, 3, 7, 12]
+    # 64-bit: T * H * d past 2^31 (256K tokens x 64 heads x 128) stays exact
+    big = torch.tensor([0, 1 << 18], dtype=torch.int32)
+    assert bv.ragged_offsets(big, 64, 128).flatten().tolist() == [0, (1 << 18) * 64 * 128]
+
+
+def _ragged_view(x, offsets, lengths, b, max_len):
+    """Document b of packed x [T, heads, d] as the ragged graph addresses it: the logical [heads, L_b, d]
+    slice of [B, heads, S_max, d] with thd_layout's strides, starting at ELEMENT offsets[b] of x's storage
+    (the batch stride never stepped)."""
+    _, strides = bv.thd_layout(len(lengths), x.shape[1], max_len, x.shape[2])
+    return torch.as_strided(x, (x.shape[1], lengths[b], x.shape[2]), strides[1:], x.storage_offset() + offsets[b])
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (3, 1)])
+def test_the_ragged_addressing_reaches_each_document(h, hkv):
+    """The declared layout + ragged_offsets address exactly the packed tensor's documents, for q's heads
+    and for k / v's; token offsets (no H * d factor) would not."""
+    lengths, d = [5, 1, 12, 7], 8
+    cu = bv.cu_seqlens(lengths, "cpu")
+    lens = bv.seq_lens(cu).flatten().tolist()
+    for heads in (h, hkv):
+        x = torch.randn(sum(lengths), heads, d)
+        offs = bv.ragged_offsets(cu, heads, d).flatten().tolist()
+        for b in range(len(lengths)):
+            a, e = int(cu[b]), int(cu[b + 1])
+            assert torch.equal(_ragged_view(x, offs, lens, b, max(lengths)), x[a:e].transpose(0, 1))
+        tokens = cu.long().tolist()
+        assert not torch.equal(_ragged_view(x, tokens, lens, 2, max(lengths)), x[6:18].transpose(0, 1))
+
+
+@pytest.mark.parametrize("lengths,want", [
+    ([128] * 512, [128] * 15 + [80]),
+    ([512] * 128, [512, 512, 512, 464]),
+    ([2048] * 32, [512, 512, 512, 464]),
+    ([100], [100] * 20),                               # a short run: its lengths cycled
+    ([700, 3, 40], [512, 3, 40] * 3 + [335]),          # capped, cycled, the last one cut
+])
+def test_check_lengths(lengths, want):
+    got = bv.check_lengths(lengths)
+    assert got == want and sum(got) == bv.CHECK_TOKENS == 2000 and max(got) <= bv.CHECK_MAX_LEN
+
+
+@pytest.mark.parametrize("h,hkv", [(2, 2), (4, 2), (3, 1)])
+def test_reference_is_block_diagonal_causal_attention(h, hkv):
+    """reference_varlen (one SDPA call per document) = one float64 SDPA over the packed batch with the
+    block-diagonal causal mask, O and dQ / dK / dV."""
+    lengths, d = [5, 1, 12, 7], 8
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(h * 10 + hkv)
+    q, k, v, dout = (torch.randn(t, n, d, generator=g) for n in (h, hkv, hkv, h))
+    o, grads = bv.reference_varlen(q, k, v, bv.cu_seqlens(lengths, "cpu"), dout)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    i = torch.arange(t)
+    mask = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    qq, kk, vv = (x.transpose(0, 1)[None] for x in leaves)
+    ref = F.scaled_dot_product_attention(qq, kk.repeat_interleave(h // hkv, 1), vv.repeat_interleave(h // hkv, 1),
+                                         attn_mask=mask)[0].transpose(0, 1)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    assert o.dtype == torch.float32 and torch.allclose(o.double(), ref, atol=1e-5)
+    for got, w in zip(grads, want):
+        assert got.shape == w.shape and torch.allclose(got.double(), w, atol=1e-4)
+    assert bv.reference_varlen(q, k, v, bv.cu_seqlens(lengths, "cpu"))[1] is None
+    with pytest.raises(ValueError, match="cu_seqlens ends at 24, not at T = 25"):
+        bv.reference_varlen(q, k, v, bv.cu_seqlens(lengths[:-1] + [6], "cpu"))
+
+
+def _fake_cudnn_column(offsets=bv.ragged_offsets):
+    """A CPU stand-in for cudnn_varlen_column that does what the ragged graph is told: reads q / k / v
+    and writes O (and reads dO) through thd_layout + `offsets` + seq_lens (float32 math per document,
+    BF16 out; dQ / dK / dV by autograd through the same views)."""
+    def column(q, k, v, cu, max_len, dout=None):
+        h, hkv = q.shape[1], k.shape[1]
+        lens = bv.seq_lens(cu).flatten().tolist()
+        oq, okv = (offsets(cu, n, q.shape[2]).flatten().tolist() for n in (h, hkv))
+        o = torch.zeros_like(q)
+
+        def attend(leaves):
+            outs = []
+            for b in range(len(lens)):
+                qb = _ragged_view(leaves[0], oq, lens, b, max_len)
+                kb, vb = (_ragged_view(x, okv, lens, b, max_len).repeat_interleave(h // hkv, 0) for x in leaves[1:])
+                outs.append(F.scaled_dot_product_attention(qb[None], kb[None], vb[None], is_causal=True)[0])
+            return outs
+
+        def fwd():
+            for b, ob in enumerate(attend([x.float() for x in (q, k, v)])):
+                _ragged_view(o, oq, lens, b, max_len).copy_(ob)
+            return o
+
+        def step():
+            fwd()
+            leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+            outs = attend(leaves)
+            douts = [_ragged_view(dout.float(), oq, lens, b, max_len) for b in range(len(lens))]
+            return tuple(x.to(torch.bfloat16) for x in torch.autograd.grad(outs, leaves, douts))
+        return bv.Column(fwd, step if dout is not None else None)
+    return column
+
+
+@pytest.fixture
+def cpu_case(monkeypatch):
+    """bench_case on the CPU: DEVICE cpu, a fake timer (2 ms a call), empty cuDNN caches, no SDPA."""
+    monkeypatch.setattr(bv, "DEVICE", "cpu")
+    monkeypatch.setattr(bv, "time_ms", lambda fn, warmup, iters: (fn(), 2.0)[1])
+    monkeypatch.setattr(bv, "_CHECKS", {})
+    monkeypatch.setattr(bv, "_CUDNN_GRAPHS", {})
+
+    def run(argv, lengths):
+        args = bv.parse_args(["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--no-sdpa"] + argv)
+        r = bv.new_row(sum(lengths), "corpus", lengths, args)
+        bv.bench_case(r, lengths, args)
+        return r, args
+    return run
+
+
+@pytest.mark.parametrize("bwd", [False, True])
+def test_cudnn_varlen_column_plumbing_on_cpu(cpu_case, monkeypatch, bwd):
+    monkeypatch.setattr(bv, "cudnn_varlen_column", _fake_cudnn_column())
+    lengths = [50, 7, 33, 30]
+    r, args = cpu_case(["--bwd"] if bwd else [], lengths)
+    chk = r["cudnn_check"]
+    assert chk["status"] == "ok" and (chk["T"], chk["min_len"], chk["max_len"]) == (2000, 7, 50), chk
+    assert set(chk["err"]) == ({"O", "dQ", "dK", "dV"} if bwd else {"O"}) and max(chk["err"].values()) < 0.01
+    assert "cudnn_varlen" not in r["errors"] and not r["bad"]
+    assert r["cudnn_varlen_ms"] == 2.0 and r["cudnn_varlen"] == pytest.approx(bv.fwd_flops(lengths, 2, 16) / 2e-3 / 1e12)
+    assert 0.003 < r["single_err_cudnn"] < 0.1                     # FP8 single against BF16
+    if bwd:
+        assert r["cudnn_varlen_step_ms"] == 2.0 and r["cudnn_varlen_bwd"] is None   # step == fwd: no backward time
+    md = bv.markdown([r], dict(INFO, args=vars(args)))
+    check = _table(md, bv.CHECK_HEAD)
+    assert len(check) == 3 and check[2].startswith("| 120 | corpus | 2000: 67 (7 / 50) | ") and check[2].endswith(" | ok |")
+    assert (check[2].count("n/a") == 0) if bwd else (check[2].count("n/a") == 3)
+
+
+def test_token_offsets_are_caught_by_the_self_check(cpu_case, monkeypatch):
+    """Offsets in tokens (no H * d factor) read and write the wrong rows: 'bad', no number, the reason."""
+    monkeypatch.setattr(bv, "cudnn_varlen_column", _fake_cudnn_column(lambda cu, heads, d: cu.long().reshape(-1, 1, 1, 1)))
+    r, args = cpu_case([], [512, 512])
+    assert r["cudnn_check"]["status"] == "bad" and r["cudnn_check"]["err"]["O"] > 0.5
+    assert r["cudnn_varlen"] is None and r["bad"] == ["cudnn_varlen"] and r["single_err_cudnn"] is None
+    assert r["errors"]["cudnn_varlen"].startswith("self-check at T=2000 (4 documents): O error ")
+    assert r["single"] is not None                                     # the other columns unaffected
+    md = bv.markdown([r], dict(INFO, args=vars(args)))
+    table = [ln for ln in md.splitlines() if ln.startswith("| 1024 | corpus | 2 |")]
+    assert table[0].split(" | ")[8] == "bad" and " | bad |" in _table(md, bv.CHECK_HEAD)[2]
+    assert "- T=1024, corpus, cuDNN BF16 varlen: self-check at T=2000 (4 documents): O error" in md
+
+
+def test_missing_frontend_is_na_with_the_reason(cpu_case, monkeypatch):
+    monkeypatch.setattr(bv.cfa, "load", lambda: None)
+    monkeypatch.setitem(bv.cfa._STATE, "why", "import cudnn failed (ModuleNotFoundError: No module named 'cudnn')")
+    r, args = cpu_case([], [64, 64])
+    assert r["errors"]["cudnn_varlen"] == ("RuntimeError: cuDNN frontend unavailable: import cudnn failed "
+                                           "(ModuleNotFoundError: No module named 'cudnn')")
+    assert r["cudnn_varlen"] is None and not r["bad"] and r["cudnn_check"] is None and r["single"] is not None
+    r2, _ = cpu_case(["--no-cudnn-varlen"], [64, 64])
+    assert r2["skipped"] == {"cudnn_varlen": "--no-cudnn-varlen"} and "cudnn_varlen" not in r2["errors"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the frontend without a GPU")
+def test_frontend_without_a_gpu_is_na_not_a_crash(cpu_case):
+    try:
+        import cudnn  # noqa: F401, PLC0415
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"cuDNN frontend not importable here: {type(e).__name__}: {e}")
+    r, _ = cpu_case([], [64, 64])
+    assert r["cudnn_varlen"] is None and r["errors"]["cudnn_varlen"] and r["single"] is not None
+
+
+def test_graphs_are_built_once_per_key(monkeypatch):
+    built = []
+    monkeypatch.setattr(bv, "_CUDNN_GRAPHS", {})
+    monkeypatch.setattr(bv, "declare_ragged", lambda cudnn, *a: (built.append(a), ("graph", {}))[1])
+    monkeypatch.setattr(bv.cfa, "_finish", lambda cudnn, g, t: "built")
+    monkeypatch.setattr(bv.cfa, "_handle", lambda: "handle")
+    for _ in range(3):
+        assert bv.cudnn_varlen_graphs(None, 4, 2, 1, 512, 16, 2000, True) == {"fwd": "built", "bwd": "built"}
+    assert built == [(4, 2, 1, 512, 16, 2000, False, "handle"), (4, 2, 1, 512, 16, 2000, True, "handle")]
+    assert bv.cudnn_varlen_graphs(None, 4, 2, 1, 512, 16, 2000, False) == {"fwd": "built", "bwd": None}
+    assert len(built) == 3
+
+
+def test_pack_binds_each_offset_port_to_its_heads_offsets():
+    built = types.SimpleNamespace(t={"q": "Tq", "dO": "TdO", "seq_q": "Ts", "off_q": "Oq", "off_o": "Oo",
+                                     "off_k": "Ok", "off_v": "Ov", "off_dQ": "OdQ", "off_dK": "OdK", "off_dV": "OdV"})
+    pack = bv._pack(built, {"q": "q", "dO": "dO", "seq_q": "lens"}, {"q": "OFF_Q", "kv": "OFF_KV"})
+    assert pack == {"Tq": "q", "TdO": "dO", "Ts": "lens", "Oq": "OFF_Q", "Oo": "OFF_Q", "OdQ": "OFF_Q",
+                    "Ok": "OFF_KV", "Ov": "OFF_KV", "OdK": "OFF_KV", "OdV": "OFF_KV"}
+
+
+def test_cudnn_frontend_reads_the_ragged_graphs():
+    """Where the cuDNN frontend is installed (it declares and validates graphs without a GPU): every
+    packed port of the declared forward / backward graphs has the thd_layout dims / strides and a
+    [B + 1, 1, 1, 1] int64 ragged offset in elements (multiplier 1), bound to its heads' offsets; the
+    stats are padded; the frontend's graph analyzer reads the graphs as ragged (THD), padded, causal
+    top-left with the declared B / H / H_kv / S_max / d, the backward's packed totals T rounded to 64."""
+    try:
+        import cudnn  # noqa: PLC0415
+        from cudnn.sdpa import graph_analyzer  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001  (not installed, no libcudnn, another version's layout)
+        pytest.skip(f"cuDNN frontend not importable here: {type(e).__name__}: {e}")
+    b, h, hkv, s_max, d, t = 5, 4, 2, 512, 128, 2000
+    for bwd in (False, True):
+        g, ten = bv.declare_ragged(cudnn, b, h, hkv, s_max, d, t, bwd)
+        ports = ("q", "k", "v", "o", "dO", "dQ", "dK", "dV") if bwd else ("q", "k", "v", "o")
+        for n in ports:
+            heads = h if bv.OFFSET_OF[n] == "q" else hkv
+            assert [ten[n].get_dim(), ten[n].get_stride()] == list(bv.thd_layout(b, heads, s_max, d)), n
+            off = ten[n].ragged_offset
+            assert off is ten[f"off_{'o' if n == 'dO' else n}"] and ten[n].get_ragged_offset_multiplier() == 1, n
+            assert off.get_dim() == [b + 1, 1, 1, 1] and off.get_data_type() == cudnn.data_type.INT64, n
+        assert ten["stats"].ragged_offset is None and ten["stats"].get_dim() == [b, h, s_max, 1]
+        for n in ("seq_q", "seq_kv"):
+            assert ten[n].get_dim() == [b, 1, 1, 1] and ten[n].get_data_type() == cudnn.data_type.INT32
+        try:
+            g.validate()
+            facts = graph_analyzer.analyze(g)
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"this frontend cannot analyze graphs without a GPU: {type(e).__name__}: {e}")
+        if not hasattr(facts, "thd"):
+            pytest.skip("this frontend's analyzer has no thd fact")
+        assert facts.invalid is None and facts.thd and facts.padded and facts.packed_layout
+        assert facts.causal and not facts.bottom_right and facts.right_bound == 0 and facts.window_left is None
+        assert (facts.b, facts.h_q, facts.h_kv, facts.s_q, facts.s_kv, facts.d_qk) == (b, h, hkv, s_max, s_max, d)
+        assert facts.scale == pytest.approx(d ** -0.5) and facts.is_backward == bwd
+        if bwd:
+            assert facts.max_total_seq_len_q == facts.max_total_seq_len_kv == 2048
+        else:
+            assert facts.wants_stats
+
+
 # ---- markdown ------------------------------------------------------------------------------------
 
 
@@ -212,15 +483,21 @@ def _rows(bwd=False):
     args = bv.parse_args(["--bwd"] if bwd else [])
     ok = bv.new_row(16384, "512", bv.fixed_lengths(16384, 512), args)
     ok.update(single=500.0, single_ms=0.5, loop=100.0, loop_ms=2.5, dense=540.0, dense_ms=0.47, sdpa_varlen=400.0,
-              sdpa_varlen_ms=0.62, cudnn_dense=450.0, cudnn_dense_ms=0.55, sdpa_backend="FLASH_ATTENTION",
-              single_err=0.0213, single_eq_loop=True)
+              sdpa_varlen_ms=0.62, cudnn_varlen=625.0, cudnn_varlen_ms=0.4, cudnn_dense=450.0, cudnn_dense_ms=0.55,
+              sdpa_backend="FLASH_ATTENTION", single_err=0.0213, single_err_cudnn=0.0467, single_eq_loop=True)
+    ok["cudnn_check"] = {"T": 2000, "docs": 4, "min_len": 464, "max_len": 512, "status": "ok", "reason": "",
+                         "err": dict(O=0.0031, **({"dQ": 0.0052, "dK": 0.0061, "dV": 0.0043} if bwd else {}))}
     if bwd:
         ok.update(single_bwd=300.0, single_bwd_ms=2.0, single_step_ms=2.5, dense_bwd=350.0, dense_bwd_ms=1.7,
-                  dense_step_ms=2.2)
+                  dense_step_ms=2.2, cudnn_varlen_bwd=400.0, cudnn_varlen_bwd_ms=1.5, cudnn_varlen_step_ms=1.9)
     bad = bv.new_row(65536, "128", bv.fixed_lengths(65536, 128), args)
     bad.update(single=200.0, single_ms=1.0, dense=400.0, dense_ms=0.5)
     bad["errors"]["sdpa_varlen"] = "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
     bad["skipped"]["loop"] = "1024 documents > --loop-max-docs 512 (--loop forces it)"
+    bad["cudnn_check"] = {"T": 2000, "docs": 16, "min_len": 80, "max_len": 128, "status": "bad",
+                          "reason": "O error 0.71 >= tol 0.02", "err": {"O": 0.71}}
+    bad["bad"].append("cudnn_varlen")
+    bad["errors"]["cudnn_varlen"] = "self-check at T=2000 (16 documents): O error 0.71 >= tol 0.02"
     missing = bv.new_row(16384, "corpus", [], args)
     missing["errors"]["corpus"] = "no prepared corpus at data/x"
     return [ok, bad, missing], dict(INFO, args=vars(args))
@@ -229,30 +506,54 @@ def _rows(bwd=False):
 def test_markdown_ratios_and_na():
     rows, info = _rows()
     md = bv.markdown(rows, info)
-    assert "None" not in md and bv.HEAD in md and "single / dense | single / SDPA varlen" in md
-    table = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert "None" not in md and bv.HEAD in md and "single / dense | single / SDPA varlen | single / cuDNN varlen" in md
+    assert "cuDNN frontend 1.32.0 (backend 9.19.0)" in md and "graph execute only" in md
+    table = _table(md, bv.HEAD)
     assert len({ln.count("|") for ln in table}) == 1 and len(table) == 5, md
     assert table[2] == ("| 16384 | fixed 512 | 32 | 512 / 512 | 500 (0.500 ms) | 100 (2.500 ms) | 540 (0.470 ms) | "
-                        "400 (0.620 ms) | 450 (0.550 ms) | 0.93 | 1.25 | 0.0213 | yes |")
-    assert table[3].startswith("| 65536 | fixed 128 | 512 | 128 / 128 | 200 (1.000 ms) | skipped | 400 (0.500 ms) "
-                               "| n/a | n/a | 0.50 | n/a | n/a | n/a |")
-    assert table[4].startswith("| 16384 | corpus | 0 | n/a |") and table[4].count("n/a") == 10
+                        "400 (0.620 ms) | 625 (0.400 ms) | 450 (0.550 ms) | 0.93 | 1.25 | 0.80 | 0.0213 | 0.0467 | yes |")
+    assert table[3] == ("| 65536 | fixed 128 | 512 | 128 / 128 | 200 (1.000 ms) | skipped | 400 (0.500 ms) "
+                        "| n/a | bad | n/a | 0.50 | n/a | n/a | n/a | n/a | n/a |")
+    assert table[4].startswith("| 16384 | corpus | 0 | n/a |") and table[4].count("n/a") == 13
     assert "backend FLASH_ATTENTION" in md
     assert "- T=65536, 128, SDPA BF16 varlen: OutOfMemoryError: CUDA out of memory." in md
     assert "- T=65536, 128, fp8 per-seq loop: skipped: 1024 documents > --loop-max-docs 512" in md
+    assert "- T=65536, 128, cuDNN BF16 varlen: self-check at T=2000 (16 documents): O error 0.71 >= tol 0.02" in md
     assert "- T=16384, corpus, corpus: no prepared corpus at data/x" in md
     assert "single / dense >= 0.9 at mean length >= 512 in 1 of 1 rows; single faster than SDPA BF16 varlen " \
-           "in 1 of 1 rows" in md
+           "in 1 of 1 rows. Single faster than cuDNN BF16 varlen in 0 of 1 rows." in md
+    check = _table(md, bv.CHECK_HEAD)
+    assert check[2:] == ["| 16384 | fixed 512 | 2000: 4 (464 / 512) | 0.0031 | n/a | n/a | n/a | ok |",
+                         "| 65536 | fixed 128 | 2000: 16 (80 / 128) | 0.7100 | n/a | n/a | n/a | bad |"]
+    assert "its O against float32 torch SDPA causal document by document" in md and "< 0.02 or bad" in md
     assert "Backward" not in md
 
 
 def test_markdown_backward_table():
     rows, info = _rows(bwd=True)
     md = bv.markdown(rows, info)
-    assert "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen)." in md
-    bwd = [ln for ln in md.splitlines() if ln.startswith("| 16384 | fixed 512")][1]
-    assert bwd == ("| 16384 | fixed 512 | 32 | 512 / 512 | 300 (2.000 ms) | 350 (1.700 ms) | n/a | 0.86 | n/a | "
-                   "2.500 / 2.200 / n/a |")
+    assert "Backward (= fwd+bwd step minus forward; single: fp8attn::bwd_varlen; cuDNN varlen: the forward " \
+           "graph's execute then the backward graph's)." in md
+    bwd = _table(md, bv.BWD_HEAD)
+    assert len({ln.count("|") for ln in bwd}) == 1 and len(bwd) == 5
+    assert bwd[2] == ("| 16384 | fixed 512 | 32 | 512 / 512 | 300 (2.000 ms) | 350 (1.700 ms) | n/a | 400 (1.500 ms) | "
+                      "0.86 | n/a | 0.75 | 2.500 / 2.200 / n/a / 1.900 |")
+    assert bwd[3] == ("| 65536 | fixed 128 | 512 | 128 / 128 | n/a | n/a | n/a | bad | n/a | n/a | n/a | "
+                      "n/a / n/a / n/a / n/a |")
+    assert "its O / dQ / dK / dV against" in md
+    assert _table(md, bv.CHECK_HEAD)[2] == ("| 16384 | fixed 512 | 2000: 4 (464 / 512) | 0.0031 | 0.0052 | 0.0061 | "
+                                            "0.0043 | ok |")
+
+
+def test_markdown_without_the_frontend():
+    rows, info = _rows()
+    info["cudnn_frontend"] = {"cudnn_frontend": None, "why": "import cudnn failed (ModuleNotFoundError: x)"}
+    for r in rows:
+        r["cudnn_check"] = None
+    md = bv.markdown(rows, info)
+    assert "cuDNN frontend n/a (import cudnn failed (ModuleNotFoundError: x))" in md and bv.CHECK_HEAD not in md
+    info["cudnn_frontend"] = None                                   # --no-cudnn-varlen
+    assert "cuDNN frontend n/a (not loaded)" in bv.markdown(rows, info)
 
 
 # ---- main --------------------------------------------------------------------------------------------
@@ -277,7 +578,8 @@ def test_no_gpu_subprocess_has_no_traceback(tmp_path):
 def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bv, "env_info", lambda: dict(INFO))
+    monkeypatch.setattr(bv, "env_info", lambda: {k: v for k, v in INFO.items() if k != "cudnn_frontend"})
+    monkeypatch.setattr(bv.cfa, "version_info", lambda: {"cudnn_frontend": None, "why": "import cudnn failed"})
 
     def fake_case(r, lengths, args):
         if r["dist"] == "128":
@@ -294,5 +596,7 @@ def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     assert rows[0]["errors"]["case"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
     assert rows[1]["single"] == 100.0 and "unavailable" in got["env"]["corpus"]
     assert "FP8ATTN_VARLEN_LOOP" in got["env"]["knobs"]
+    assert got["env"]["cudnn_frontend"] == {"cudnn_frontend": None, "why": "import cudnn failed"}
     md = (out / "bench_varlen_gpu.md").read_text()
+    assert "cuDNN frontend n/a (import cudnn failed)" in md
     assert "- T=4096, 128, case: OutOfMemoryError" in md and "- T=4096, corpus, corpus: no prepared corpus" in md
