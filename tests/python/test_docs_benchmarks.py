@@ -236,3 +236,22 @@ def test_readme_backward_ranges_are_the_cited_runs():
     for lo, hi, col in ((1, 2, "fp8 bwd DM"), (3, 4, "fp8 bwd stale")):
         claim = (float(m.group(lo)), float(m.group(hi)))
         assert claim == (min(cols[col]), max(cols[col])), (col, claim)
+
+
+def test_softcap_run_cudnn_drift_is_the_raw_jsons():
+    """The 09:22 softcap section compares its cuDNN BF16 baseline with the 00:56 run's
+    (same shapes, same H100 image): the quoted percentage ranges are those of the two raw
+    JSONs, row by row (forward and backward separately). It once said "3 to 16%" where the
+    forward ratios run 3-22% (the 16x16x1024 causal row was left out)."""
+    secs = [sec for title, sec in sections(DOC.read_text()) if title.startswith("2026-12-07 09:22 UTC")]
+    assert len(secs) == 1
+    m = re.search(r"cuDNN BF16 ran (\d+) to (\d+)% faster forward\s+and (\d+) to (\d+)% backward\s+in this process",
+                  secs[0])
+    assert m, "09:22 section: the cuDNN BF16 drift against 00:56, forward and backward"
+    old = json.loads((RAW / "2026-12-07T0056" / "bench_gpu.json").read_text())["rows"]
+    new = json.loads((RAW / "2026-12-07T0922" / "bench_gpu.json").read_text())["rows"]
+    key = lambda r: (r["B"], r["H"], r["S"], r["d"], r["causal"])  # noqa: E731
+    by_old = {key(r): r for r in old}
+    for lo, hi, col in ((1, 2, "cudnn_fwd"), (3, 4, "cudnn_bwd")):
+        pct = [round(100 * (r[col] / by_old[key(r)][col] - 1)) for r in new]
+        assert (int(m.group(lo)), int(m.group(hi))) == (min(pct), max(pct)), (col, pct)
