@@ -123,7 +123,8 @@ def varlen_loop(on: bool):
 
 
 def parse_configs(text: str, delta_mode: str, scaling: str) -> list[dict]:
-    """--configs: a list of {name, mode, scope, scaling, loop} (module docstring's names)."""
+    """--configs: a list of {name, mode, scope, scaling, loop} (module docstring's names);
+    ValueError naming --configs for an unknown or repeated name."""
     out = []
     for c in text.split(","):
         if c == "bf16":
@@ -131,13 +132,13 @@ def parse_configs(text: str, delta_mode: str, scaling: str) -> list[dict]:
             continue
         base, _, variant = c.partition("@")
         if not (base.startswith("fp8/") and base[4:] in SCOPES) or variant not in ("", "row", "tile", "tile-loop"):
-            raise SystemExit(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>"
+            raise ValueError(f"--configs: unknown config {c!r}; use bf16 or fp8/<{'|'.join(SCOPES)}>"
                              "[@row|@tile|@tile-loop]")
         out.append({"name": c, "mode": f"fp8-{delta_mode}", "scope": base[4:],
                     "scaling": variant.split("-")[0] if variant else scaling, "loop": variant == "tile-loop"})
     names = [c["name"] for c in out]
     if len(set(names)) != len(names):
-        raise SystemExit(f"--configs: each config once, got {text!r}")
+        raise ValueError(f"--configs: each config once, got {text!r}")
     return out
 
 
@@ -317,7 +318,12 @@ def main(argv=None) -> None:
     for pr in presets:
         if pr not in M.PRESETS:
             raise SystemExit(f"--presets: unknown preset {pr!r}; choose from {sorted(M.PRESETS)}")
-    configs = parse_configs(args.configs, args.delta_mode, args.scaling)
+    try:
+        configs = parse_configs(args.configs, args.delta_mode, args.scaling)
+    except ValueError as exc:
+        ap.error(str(exc))   # exit status 2, as a bad argument of the other benchmarks
+    if not args.packed and any(k["loop"] for k in configs):
+        ap.error("--configs: @tile-loop needs --packed (it times varlen_attention's per-document loop)")
     ctx_factory, bf16_attn = cudnn_attention_context(device)
     if args.packed:
         bf16_attn = "sdpa default dispatch with a block-diagonal causal mask (packed)"

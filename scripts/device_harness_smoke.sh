@@ -22,8 +22,10 @@
 #
 # Needs: the carried tokenized corpus (the device has no network), .whl/fla_core-*.whl
 # (pure Python; Triton is the image's), .whl/nvidia_cudnn_frontend-*-cp3XY-*.whl.
-# Env: SMOKE_STEPS (30), SMOKE_LONG_STEPS (12), DEVICE_LIB (native | carried),
-# SMOKE_BUILD=0 (use a library already built in place by an earlier call).
+# Env: SMOKE_STEPS (30), SMOKE_LONG_STEPS (12), SMOKE_T1 / SMOKE_T2 / SMOKE_T3 (the stages'
+# time limits in seconds: 240, 180, 120), DEVICE_LIB (native | carried), SMOKE_BUILD=0
+# (use a library already built in place by an earlier call). runs.tgz is rewritten after
+# every stage, so a call cut short still returns what finished.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup device_harness_smoke
@@ -51,6 +53,12 @@ if [ ! -f data/linux-doc-6.1-bpe16384-32mb/meta.json ]; then
   note "data/linux-doc-6.1-bpe16384-32mb is missing: carry it"; exit 1
 fi
 
+# pack_runs: the reports and logs as one archive (the return channel limits the number
+# of files); checkpoints and training states stay out (size).
+pack_runs() {
+  tar czf "$OUT/runs.tgz" --exclude='*.pt' -C "$OUT" runs 2>/dev/null
+}
+
 modes=bf16,fp8-stale,fp8-matched_do,fp8-delta_matching,fp8-cudnn
 runs="$OUT/runs"
 mkdir -p "$runs"
@@ -62,6 +70,7 @@ timeout "${SMOKE_T1:-240}" python3 -m fp8attn.train.compare "${common[@]}" --ste
   --out "$runs/smoke" >"$OUT/stage1.log" 2>&1
 rc=$?
 note "stage 1: rc=$rc, $((SECONDS - t0)) s"
+pack_runs
 tail -15 "$OUT/stage1.log" | tee -a "$SUMMARY"
 
 t0=$SECONDS
@@ -71,6 +80,7 @@ timeout "${SMOKE_T2:-180}" python3 -m fp8attn.train.compare "${common[@]}" --ste
   --out "$runs/smoke-long" >"$OUT/stage2.log" 2>&1
 rc=$?
 note "stage 2: rc=$rc, $((SECONDS - t0)) s"
+pack_runs
 tail -15 "$OUT/stage2.log" | tee -a "$SUMMARY"
 
 t0=$SECONDS
@@ -81,8 +91,6 @@ rc=$?
 note "stage 3: rc=$rc, $((SECONDS - t0)) s"
 tail -25 "$OUT/stage3.log" | tee -a "$SUMMARY"
 
-# Checkpoints and training states stay on the device (size); reports and logs come back
-# as one archive (the return channel limits the number of files).
-find "$runs" \( -name '*.pt' -o -name '*.state.pt' \) -delete
-tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$runs"
+pack_runs
+rm -rf "$runs"
 du -sh "$OUT/runs.tgz" | tee -a "$SUMMARY"

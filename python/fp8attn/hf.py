@@ -203,6 +203,8 @@ def make_attention_function(**fp8_kwargs) -> Callable:
         else:
             work = torch.float32 if dtype == torch.float16 else dtype
         layer_idx = getattr(module, "layer_idx", None)
+        # NOTE: None and 0.0 are "off" (FlashAttention's convention and HF's flash path);
+        # HF's eager path would compute 0 tanh(x / 0) for a config's attn_logit_softcapping = 0.0.
         softcap = kwargs.get("softcap")
         out = attention(query.to(work), key.to(work), value.to(work), causal=causal, softmax_scale=scaling,
                         layer_name=None if layer_idx is None else f"layer{layer_idx}", window_size=window,

@@ -796,6 +796,10 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
     the cap no longer ignores); CUDA tensors with precision "fp8": scaling="tile"
     only (its kernels take it, c in CUDA_SOFTCAP_RANGE; scaling="row" raises
     NotImplementedError naming softcap and saying that scaling="tile" runs it)."""
+    if isinstance(softcap, torch.Tensor) and softcap.requires_grad:
+        # NOTE: float(tensor) would detach it silently: a learnable cap would get no gradient.
+        raise TypeError(_err(fn, "softcap", "is a tensor that requires grad; the cap is a constant here (no "
+                                            "gradient flows to it): pass a float"))
     cap = _real(softcap)
     if cap is None:
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))

@@ -86,8 +86,14 @@ def test_parse_configs_scaling_suffixes():
     assert [c["mode"] for c in cs] == ["bf16"] + ["fp8-delta_matching"] * 3
     assert bench_train.parse_configs("fp8/attn-core", "stale", "tile")[0]["scaling"] == "tile"
     for bad in ("fp8/attn-core@tiles", "fp8/nope@tile", "fp8/attn-core,fp8/attn-core"):
-        with pytest.raises(SystemExit, match="--configs"):
+        with pytest.raises(ValueError, match="--configs"):
             bench_train.parse_configs(bad, "delta_matching", "row")
+    # on the command line: exit status 2 naming the argument, as the other benchmarks
+    for args in (["--configs", "fp8/all@bogus"], ["--configs", "fp8/attn-core@tile-loop"]):
+        p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", *args],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(PY_DIR)})
+        assert p.returncode == 2 and "--configs" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_varlen_loop_context_restores_the_environment(monkeypatch):

@@ -117,6 +117,19 @@ def test_bad_softcap_is_named(value, exc):
         fp8attn.attention(q, k, v, softcap=value)
 
 
+def test_learnable_softcap_tensor_is_refused():
+    # float(tensor) would detach a cap that requires grad: it would train as a constant.
+    q, k, v, _ = _inputs()
+    cap = torch.tensor(3.0, requires_grad=True)
+    with pytest.raises(TypeError, match="argument 'softcap'.*requires grad"):
+        fp8attn.attention(q, k, v, softcap=cap)
+    with pytest.raises(TypeError, match="'softcap'.*requires grad"):
+        fp8attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softcap=cap)
+    # a plain 0-d tensor is a number
+    out = fp8attn.attention(q, k, v, softcap=torch.tensor(3.0))
+    assert torch.equal(out, fp8attn.attention(q, k, v, softcap=3.0))
+
+
 def test_softcap_with_smooth_k_is_refused():
     q, k, v, _ = _inputs()
     with pytest.raises(ValueError, match="argument 'softcap'.*smooth_k"):

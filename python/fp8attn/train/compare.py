@@ -105,7 +105,7 @@ def parse_args(argv=None):
                     help="which matmuls the fp8 modes run in FP8 (the bf16 mode stays BF16)")
     ap.add_argument("--scaling", default="row", choices=["row", "tile"],
                     help="FP8 scaling recipe of the fp8 modes' attention core (docs/numerics.md section 9; "
-                         "tile runs on the CPU reference only so far)")
+                         "both run on the CPU reference and on the CUDA kernels; tile's are the faster)")
     ap.add_argument("--qk-rotation", default="none", choices=["none", "hadamard"],
                     help="rotate Q and K by a fixed Hadamard transform before FP8 quantization in the fp8 modes "
                          "(incoherent processing, docs/numerics.md section 10; unfused on CUDA)")

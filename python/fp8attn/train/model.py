@@ -118,7 +118,7 @@ class ModelConfig:
         if self.arch == "gdn-hybrid" and self.n_layers < self.gdn_ratio + 1:
             raise ValueError(f"arch gdn-hybrid: gdn_ratio {self.gdn_ratio} needs n_layers >= {self.gdn_ratio + 1} "
                              f"(one attention layer after every {self.gdn_ratio} Gated DeltaNet layers), "
-                             f"got {self.n_layers}")
+                             f"got {self.n_layers}; a smaller ratio fits: --model gdn_ratio={max(1, self.n_layers - 1)}")
         if self.arch == "gdn-hybrid" and self.packed:
             raise ValueError("arch gdn-hybrid: packed documents are not supported (the Gated DeltaNet state "
                              "would run across document boundaries)")
