@@ -301,6 +301,14 @@ def main(argv=None) -> None:
     if not lengths:
         raise SystemExit(f"retrieval: the model's max_seq_len ({room + 16}) leaves no length that holds the "
                          f"tasks ({need} tokens needed with this tokenizer, plus 16 for the answer)")
+    # Explicit --lengths checked once, before any checkpoint is probed (each checkpoint
+    # would otherwise fail alone with a traceback). NOTE: against the first checkpoint's
+    # max_seq_len; probe_checkpoint checks every checkpoint's own.
+    bad = [L for L in lengths if not need <= L <= room]
+    if bad:
+        raise SystemExit(f"retrieval: argument --lengths: {bad} outside [{need}, {room}]: a prompt must hold the "
+                         f"tasks ({need} tokens with this tokenizer and --keys {a.keys}) and leave 16 answer tokens "
+                         f"inside the model's max_seq_len ({room + 16})")
     results, failed = [], 0
     for p in paths:
         print(f"[retrieval] {p}", flush=True)
