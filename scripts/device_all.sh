@@ -182,6 +182,16 @@ for bad in ([0, 300, 200, 5000, -7, 1130], [0, 2**31 - 1, 0, -(2**31), 3, 3]):
     o, lse = ops.fwd_varlen(q, k, v, bad, bad, None, None, 0.1, True, 128, "tile")
     ops.bwd_varlen(torch.randn_like(o), q, k, v, o, lse, bad, bad, None, None, 0.1, True, "delta_matching", 128,
                    "e4m3", False, "tile")
+# Logit softcap (numerics.md section 12) in the tile kernels: every head_dim, both masks.
+for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+    for causal in (False, True):
+        q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16) * 3
+        k = torch.randn(1, 2, 270, d, device="cuda", dtype=torch.bfloat16) * 3
+        v = torch.randn(1, 2, 270, dv, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(1, 4, 300, dv, device="cuda", dtype=torch.bfloat16)
+        o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile", softcap=20.0)
+        ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", "delta_matching", 128, "e4m3", True, "tile",
+                softcap=20.0)
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF
