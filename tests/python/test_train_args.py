@@ -26,6 +26,7 @@ def _run(tmp_path, argv):
     "rope_base=nan", "init_std=nan", "init_std=-1", "init_std=0",
     "fp8_block_size=100",    # failed only after the bf16 mode had trained
     "head_dim=300",          # idem (the fp8 op's head_dim limit)
+    "fp8_grad_format=e3m4",  # not an FP8 format of the op
 ])
 def test_compare_rejects_bad_model_overrides_before_any_work(tmp_path, override):
     # NOTE: the text dir does not exist, so reaching data preparation would raise RuntimeError.
@@ -131,3 +132,38 @@ def test_compare_names_bad_init_from_text_dir_and_device_before_any_work(tmp_pat
         with pytest.raises(SystemExit, match=r"--device cuda: no CUDA GPU"):
             compare.run(compare.parse_args(base + ["--device", "cuda", "--text-dir", str(text_dir)]))
     assert not (tmp_path / "data").exists()   # no data work was done
+
+
+def test_grad_format_reaches_the_attention_backward(monkeypatch):
+    """--grad-format e5m2 (issue 23's search): ModelConfig.fp8_grad_format reaches
+    fp8attn.attention's grad_format in every fp8 mode's attention call, and changes the
+    gradients (E5M2 dO / dS codes) but not the forward; e4m3 stays the default."""
+    import torch
+    import fp8attn
+    from fp8attn.train import model as M
+
+    assert compare.parse_args(["--out", "x"]).grad_format == "e4m3"
+    assert compare.parse_args(["--out", "x", "--grad-format", "e5m2"]).grad_format == "e5m2"
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--out", "x", "--grad-format", "e3m4"])
+    seen = []
+    real = fp8attn.attention
+
+    def spy(*a, **kw):
+        seen.append(kw.get("grad_format"))
+        return real(*a, **kw)
+    monkeypatch.setattr(fp8attn, "attention", spy)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, logits = {}, {}
+    for fmt in ("e4m3", "e5m2"):
+        cfg = M.preset_model_config("smoke", attn_mode="fp8-delta_matching", fp8_grad_format=fmt, vocab_size=64,
+                                    head_dim=64)
+        torch.manual_seed(0)
+        model = M.Transformer(cfg)
+        out = model(x)
+        out.float().square().mean().backward()
+        logits[fmt] = out.detach()
+        grads[fmt] = model.blocks[0].attn.wq.weight.grad.clone()
+    assert set(seen) == {"e4m3", "e5m2"} and seen.count("e5m2") == seen.count("e4m3") > 0
+    assert torch.equal(logits["e4m3"], logits["e5m2"])
+    assert not torch.equal(grads["e4m3"], grads["e5m2"])

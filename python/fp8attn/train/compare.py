@@ -109,6 +109,10 @@ def parse_args(argv=None):
     ap.add_argument("--qk-rotation", default="none", choices=["none", "hadamard"],
                     help="rotate Q and K by a fixed Hadamard transform before FP8 quantization in the fp8 modes "
                          "(incoherent processing, docs/numerics.md section 10; unfused on CUDA)")
+    ap.add_argument("--grad-format", default="e4m3", choices=["e4m3", "e5m2"],
+                    help="FP8 format of the fp8 modes' attention-backward gradient codes (dO, dS; "
+                         "docs/numerics.md sections 2-3): e5m2 trades mantissa for range (issue 23's "
+                         "search: a larger dO mismatch for the stale delta)")
     ap.add_argument("--smooth-k", action="store_true",
                     help="subtract the mean key before FP8 quantization in the fp8 modes (K smoothing, "
                          "docs/numerics.md section 10; unfused on CUDA)")
@@ -339,6 +343,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     model_fields = {**model_overrides, "qk_norm": not args.no_qk_norm, "rope": not args.nope,
                     "scope": args.scope, "packed": args.packed, "fp8_scaling": args.scaling,
                     "fp8_qk_rotation": args.qk_rotation, "fp8_smooth_k": args.smooth_k,
+                    "fp8_grad_format": getattr(args, "grad_format", "e4m3"),
                     "max_seq_len": max(cfg.seq_len, preset["model"]["max_seq_len"])}
     model_configs(args.preset, modes, model_fields)   # NOTE: fail before any data or training work
     # After every other flag check (their tests pass a missing --text-dir on purpose).

@@ -56,6 +56,7 @@ ARCHS = ("gqa", "gdn-hybrid")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
 FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
 FP8_QK_ROTATIONS = ("none", "hadamard")  # fp8attn.ops.QK_ROTATIONS (numerics.md section 10)
+FP8_GRAD_FORMATS = ("e4m3", "e5m2")       # fp8attn's grad_format: dO and dS codes (numerics.md sections 2-3)
 FP8_MAX_HEAD_DIM = 256            # fp8attn.ops.MAX_HEAD_DIM
 SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
 EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
@@ -81,6 +82,7 @@ class ModelConfig:
     fp8_scaling: str = "row"     # fp8attn scaling recipe, "row" or "tile" (numerics.md section 9)
     fp8_qk_rotation: str = "none"  # fp8attn qk_rotation, "none" or "hadamard" (numerics.md section 10)
     fp8_smooth_k: bool = False     # fp8attn smooth_k (numerics.md section 10)
+    fp8_grad_format: str = "e4m3"  # fp8attn grad_format of the attention backward's dO / dS codes
     init_std: float | None = None  # None = 1/sqrt(d_model)
     scope: str = "attn-core"     # FP8 precision scope of the fp8 modes (SCOPES)
     packed: bool = False         # per-document causal attention from <|endoftext|> separators
@@ -109,6 +111,8 @@ class ModelConfig:
             raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
         if self.fp8_qk_rotation not in FP8_QK_ROTATIONS:
             raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
+        if self.fp8_grad_format not in FP8_GRAD_FORMATS:
+            raise ValueError(f"fp8_grad_format must be one of {FP8_GRAD_FORMATS}, got {self.fp8_grad_format!r}")
         if not isinstance(self.fp8_smooth_k, bool):
             raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
         if self.arch not in ARCHS:
@@ -151,7 +155,7 @@ class ModelConfig:
 
 def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str,
                       layer_name: str, block_size: int = 128, scaling: str = "row", qk_rotation: str = "none",
-                      smooth_k: bool = False) -> torch.Tensor:
+                      smooth_k: bool = False, grad_format: str = "e4m3") -> torch.Tensor:
     """Causal attention. q [B, Hq, S, D], k/v [B, Hkv, S, D] (GQA by head count).
 
     Returns O [B, Hq, S, D] in q's dtype. Q/K/V are cast to BF16 first (op contract).
@@ -170,7 +174,7 @@ def attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode
         import fp8attn
         o = fp8attn.attention(qb, kb, vb, causal=True, precision="fp8", delta_mode=mode[len("fp8-"):],
                               block_size=block_size, layer_name=layer_name, scaling=scaling,
-                              qk_rotation=qk_rotation, smooth_k=smooth_k)
+                              qk_rotation=qk_rotation, smooth_k=smooth_k, grad_format=grad_format)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
     return o.to(dtype)
@@ -199,7 +203,7 @@ def document_segments(tokens: torch.Tensor, eot_id: int = EOT_ID):
 def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
                              mode: str, layer_name: str, block_size: int = 128,
                              scaling: str = "row", qk_rotation: str = "none",
-                             smooth_k: bool = False) -> torch.Tensor:
+                             smooth_k: bool = False, grad_format: str = "e4m3") -> torch.Tensor:
     """Per-document causal attention on packed rows: q [B, Hq, S, D], k/v [B, Hkv, S, D],
     cu_seqlens from `document_segments` (over the B*S flattened tokens).
     Returns O [B, Hq, S, D] in q's dtype; Q/K/V cast to BF16 as in attention_backend."""
@@ -227,7 +231,7 @@ def packed_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         o = fp8attn.varlen_attention(flat(qb), flat(kb), flat(vb), cu_seqlens, cu_seqlens, causal=True,
                                      precision="fp8", delta_mode=mode[len("fp8-"):], block_size=block_size,
                                      layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation,
-                                     smooth_k=smooth_k)
+                                     smooth_k=smooth_k, grad_format=grad_format)
         o = o.view(b, s, hq, -1).transpose(1, 2)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
@@ -277,7 +281,8 @@ class _GatherSeq(torch.autograd.Function):
 
 def context_parallel_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_ctx: ContextParallel,
                              positions: torch.Tensor, *, mode: str, layer_name: str, block_size: int = 128,
-                             scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False) -> torch.Tensor:
+                             scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
+                             grad_format: str = "e4m3") -> torch.Tensor:
     """Causal attention over a sequence sharded across cp_ctx.group: q [B, Hq, S_local, D],
     k/v [B, Hkv, S_local, D] (this rank's zigzag chunks), positions int64 [S_local] (global).
     fp8 modes: fp8attn.context_parallel.ring_attention (ring, global Delta-Matching delta).
@@ -302,7 +307,7 @@ def context_parallel_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         from fp8attn import context_parallel as cp
         o = cp.ring_attention(qb, kb, vb, cp_ctx.group, causal=True, delta_mode=mode[len("fp8-"):],
                               block_size=block_size, scaling=scaling, layout=cp_ctx.layout,
-                              qk_rotation=qk_rotation, smooth_k=smooth_k, chunk_align=1)
+                              qk_rotation=qk_rotation, smooth_k=smooth_k, chunk_align=1, grad_format=grad_format)
     else:
         raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTN_MODES}")
     return o.to(dtype)
@@ -377,9 +382,11 @@ class AttentionCore(nn.Module):
 
     def forward(self, q, k, v, *, mode: str, layer_name: str, block_size: int = 128,
                 cu_seqlens: torch.Tensor | None = None, scaling: str = "row", qk_rotation: str = "none",
-                smooth_k: bool = False, positions: torch.Tensor | None = None):
+                smooth_k: bool = False, positions: torch.Tensor | None = None, grad_format: str = "e4m3"):
         opts = dict(mode=mode, layer_name=layer_name, block_size=block_size, scaling=scaling,
                     qk_rotation=qk_rotation, smooth_k=smooth_k)
+        if grad_format != "e4m3":  # NOTE: only when set, so backends patched without it keep working
+            opts["grad_format"] = grad_format
         if mode == CUDNN_MODE and self.cp is None and cu_seqlens is None:
             if self.cudnn_fp8 is None:
                 raise ValueError(f"attention mode {CUDNN_MODE!r}: this core has no delayed-scaling state "
@@ -434,6 +441,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin, pos), apply_rope(k, cos, sin, pos)
         o = self.core(q, k, v, mode=c.attn_mode, layer_name=self.layer_name, block_size=c.fp8_block_size,
                       scaling=c.fp8_scaling, qk_rotation=c.fp8_qk_rotation, smooth_k=c.fp8_smooth_k,
+                      grad_format=c.fp8_grad_format,
                       cu_seqlens=None if segments is None else segments[0],
                       positions=None if segments is None or segments[1] is None else segments[1][0])
         return self.wo(o.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))

@@ -195,7 +195,7 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Transformer:
 # init_std, the attention backend and its FP8 options, activation checkpointing); every
 # other field must match the checkpoint's.
 INIT_FROM_FREE = ("max_seq_len", "rope_base", "init_std", "attn_mode", "scope", "packed", "fp8_block_size",
-                  "fp8_scaling", "fp8_qk_rotation", "fp8_smooth_k", "activation_checkpointing",
+                  "fp8_scaling", "fp8_qk_rotation", "fp8_smooth_k", "fp8_grad_format", "activation_checkpointing",
                   "cudnn_amax_history_len", "cudnn_margin")
 
 
