@@ -65,7 +65,7 @@ GRAD_FORMATS = ("e4m3", "e5m2")
 BLOCK_SIZES = (32, 64, 128)
 # FP8 scaling recipes (numerics.md section 9): "row" = 1x128 blocks along each
 # matmul's reduction dim (sections 2-3); "tile" = per-row / per-tile scales
-# that fold into per-row coefficients (CPU reference only so far).
+# that fold into per-row coefficients (CPU reference and the sm_90a tile kernels).
 SCALINGS = ("row", "tile")
 # Outlier transforms of Q and K before quantization (numerics.md section 10):
 # qk_rotation "hadamard" = incoherent processing (one fixed orthogonal rotation of
