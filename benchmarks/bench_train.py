@@ -87,11 +87,11 @@ def cudnn_attention_context(device: torch.device):
         return contextlib.nullcontext, "sdpa default (cuDNN unavailable)"
     original = M.attention_backend
 
-    def repeated(q, k, v, *, mode, layer_name, block_size=128):
+    def repeated(q, k, v, *, mode, **options):
         if mode == "bf16" and q.shape[1] != k.shape[1]:
             r = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-        return original(q, k, v, mode=mode, layer_name=layer_name, block_size=block_size)
+        return original(q, k, v, mode=mode, **options)
 
     @contextlib.contextmanager
     def ctx():

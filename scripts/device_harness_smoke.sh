@@ -64,33 +64,27 @@ runs="$OUT/runs"
 mkdir -p "$runs"
 common=(--preset gpu-125m --modes "$modes" --arch gdn-hybrid --optimizer muon --diag-every 10 --no-progress
         --val-batches 4)
-t0=$SECONDS
-note "== stage 1: gdn-hybrid + muon, ${SMOKE_STEPS:-30} steps, seq 1024"
-timeout "${SMOKE_T1:-240}" python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_STEPS:-30}" \
-  --out "$runs/smoke" >"$OUT/stage1.log" 2>&1
-rc=$?
-note "stage 1: rc=$rc, $((SECONDS - t0)) s"
-pack_runs
-tail -15 "$OUT/stage1.log" | tee -a "$SUMMARY"
+# run_stage N LIMIT_S TAIL_LINES TITLE CMD...: one stage under a time limit, its log in
+# $OUT/stageN.log, the rc and time noted, the log's tail in the summary, runs.tgz refreshed.
+run_stage() {
+  local n=$1 limit=$2 lines=$3 title=$4 t0=$SECONDS rc
+  shift 4
+  note "== stage $n: $title"
+  timeout "$limit" "$@" >"$OUT/stage$n.log" 2>&1
+  rc=$?
+  note "stage $n: rc=$rc, $((SECONDS - t0)) s"
+  tail -"$lines" "$OUT/stage$n.log" | tee -a "$SUMMARY"
+  pack_runs
+}
 
-t0=$SECONDS
-note "== stage 2: --init-from stage 1, seq 2048, lr 3e-4, rope_base 40000, ${SMOKE_LONG_STEPS:-12} steps"
-timeout "${SMOKE_T2:-180}" python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_LONG_STEPS:-12}" \
+run_stage 1 "${SMOKE_T1:-240}" 15 "gdn-hybrid + muon, ${SMOKE_STEPS:-30} steps, seq 1024" \
+  python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_STEPS:-30}" --out "$runs/smoke"
+run_stage 2 "${SMOKE_T2:-180}" 15 "--init-from stage 1, seq 2048, lr 3e-4, rope_base 40000, ${SMOKE_LONG_STEPS:-12} steps" \
+  python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_LONG_STEPS:-12}" \
   --init-from "$runs/smoke" --seq-len 2048 --batch-size 8 --lr 3e-4 --warmup 6 --model rope_base=40000 \
-  --out "$runs/smoke-long" >"$OUT/stage2.log" 2>&1
-rc=$?
-note "stage 2: rc=$rc, $((SECONDS - t0)) s"
-pack_runs
-tail -15 "$OUT/stage2.log" | tee -a "$SUMMARY"
+  --out "$runs/smoke-long"
+run_stage 3 "${SMOKE_T3:-120}" 25 "retrieval probe on stage 2's checkpoints" \
+  python3 -m fp8attn.train.retrieval --run-dir "$runs/smoke-long" --lengths 512,1024,1536 --samples 2
 
-t0=$SECONDS
-note "== stage 3: retrieval probe on stage 2's checkpoints"
-timeout "${SMOKE_T3:-120}" python3 -m fp8attn.train.retrieval --run-dir "$runs/smoke-long" --lengths 512,1024,1536 \
-  --samples 2 >"$OUT/stage3.log" 2>&1
-rc=$?
-note "stage 3: rc=$rc, $((SECONDS - t0)) s"
-tail -25 "$OUT/stage3.log" | tee -a "$SUMMARY"
-
-pack_runs
 rm -rf "$runs"
 du -sh "$OUT/runs.tgz" | tee -a "$SUMMARY"

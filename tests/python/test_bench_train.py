@@ -13,13 +13,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PY_DIR = Path(fp8attn.__file__).resolve().parents[1]
 
 
-def test_bench_train_cpu_smoke(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench_train(*args, timeout=300):
+    """benchmarks/bench_train.py --device cpu ARGS in a child process importing this fp8attn."""
     env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
-                           "--presets", "smoke", "--warmup", "1", "--steps", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_bench_train_cpu_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench_train("--presets", "smoke", "--warmup", "1", "--steps", "1", "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     info = json.loads(out.read_text())
     rows = info["rows"]
@@ -34,11 +38,8 @@ def test_bench_train_rounds_cpu_smoke(tmp_path):
     """--rounds 2: every config timed twice (interleaved), the per-round numbers kept, the table
     gives the median ratio and its range."""
     out = tmp_path / "bench.json"
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
-                           "--presets", "smoke", "--configs", "bf16,fp8/attn-core", "--warmup", "1", "--steps", "1",
-                           "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    proc = _bench_train("--presets", "smoke", "--configs", "bf16,fp8/attn-core", "--warmup", "1", "--steps", "1",
+                        "--rounds", "2", "--json", str(out), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     info = json.loads(out.read_text())
     assert info["rounds"] == 2
@@ -63,11 +64,7 @@ def test_markdown_median_of_round_ratios():
 
 
 def test_repeated_config_is_refused():
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
-                           "--presets", "smoke", "--configs", "bf16,bf16,fp8/attn-core"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = _bench_train("--presets", "smoke", "--configs", "bf16,bf16,fp8/attn-core", timeout=120)
     assert proc.returncode != 0 and "--configs: each config once" in proc.stderr, proc.stderr[-500:]
 
 
@@ -90,9 +87,7 @@ def test_parse_configs_scaling_suffixes():
             bench_train.parse_configs(bad, "delta_matching", "row")
     # on the command line: exit status 2 naming the argument, as the other benchmarks
     for args in (["--configs", "fp8/all@bogus"], ["--configs", "fp8/attn-core@tile-loop"]):
-        p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu", *args],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": str(PY_DIR)})
+        p = _bench_train(*args, timeout=120)
         assert p.returncode == 2 and "--configs" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
@@ -116,12 +111,8 @@ def test_bench_train_scaling_configs_cpu_smoke(tmp_path):
     """The @row / @tile configs build and train on CPU (the CPU reference of each recipe) and
     record their recipe in the JSON rows."""
     out = tmp_path / "bench.json"
-    env = {"PYTHONPATH": str(PY_DIR), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "FP8ATTN_SOURCE_TREE": os.environ.get("FP8ATTN_SOURCE_TREE", "1")}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--device", "cpu",
-                           "--presets", "smoke", "--configs", "fp8/attn-core@row,fp8/attn-core@tile", "--packed",
-                           "--warmup", "1", "--steps", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = _bench_train("--presets", "smoke", "--configs", "fp8/attn-core@row,fp8/attn-core@tile", "--packed",
+                        "--warmup", "1", "--steps", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["config"], r["fp8_scaling"]) for r in rows] == [("fp8/attn-core@row", "row"),

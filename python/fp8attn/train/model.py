@@ -42,6 +42,7 @@ bf16 mode runs SDPA with the equivalent block-diagonal causal mask.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -384,9 +385,7 @@ class AttentionCore(nn.Module):
                 cu_seqlens: torch.Tensor | None = None, scaling: str = "row", qk_rotation: str = "none",
                 smooth_k: bool = False, positions: torch.Tensor | None = None, grad_format: str = "e4m3"):
         opts = dict(mode=mode, layer_name=layer_name, block_size=block_size, scaling=scaling,
-                    qk_rotation=qk_rotation, smooth_k=smooth_k)
-        if grad_format != "e4m3":  # NOTE: only when set, so backends patched without it keep working
-            opts["grad_format"] = grad_format
+                    qk_rotation=qk_rotation, smooth_k=smooth_k, grad_format=grad_format)
         if mode == CUDNN_MODE and self.cp is None and cu_seqlens is None:
             if self.cudnn_fp8 is None:
                 raise ValueError(f"attention mode {CUDNN_MODE!r}: this core has no delayed-scaling state "
@@ -501,9 +500,7 @@ class GatedDeltaNet(nn.Module):
         return self.wo(o.reshape(b, s, self.h * self.d))
 
 
-_GDN_REFUSAL: list = []   # [reason or None], computed once
-
-
+@functools.lru_cache(maxsize=None)
 def _gdn_triton_refusal():
     """Why fla-core's Triton gated delta rule cannot train on this machine, or None.
 
@@ -512,25 +509,23 @@ def _gdn_triton_refusal():
     raises in the backward). The H100 / H200 image has Triton 3.6.0, so there the mixer runs
     fla-core's PyTorch reference on the GPU instead (FP32, slower; the same math as on the CPU),
     saying so once."""
-    if not _GDN_REFUSAL:
-        why = None
-        try:
-            from fla.ops.common import chunk_o as co
-            if (getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
-                    and not getattr(co, "TRITON_ABOVE_3_7_1", True)):
-                try:
-                    import tilelang  # noqa: F401  (fla-core's alternative backend)
-                except ImportError:
-                    import triton
-                    why = (f"fla-core refuses its Triton backward on Hopper with Triton {triton.__version__} "
-                           "(>= 3.4.0, < 3.7.1: wrong results, fla-core issue #640)")
-        except Exception as exc:  # noqa: BLE001 (any import failure: the reference still runs)
-            why = f"fla-core's Triton kernels unavailable ({type(exc).__name__}: {str(exc)[:120]})"
-        _GDN_REFUSAL.append(why)
-        if why:
-            print(f"[gdn] {why}: the Gated DeltaNet layers run fla-core's PyTorch reference on the GPU "
-                  "(FP32, slower)", flush=True)
-    return _GDN_REFUSAL[0]
+    why = None
+    try:
+        from fla.ops.common import chunk_o as co
+        if (getattr(co, "IS_NVIDIA_HOPPER", False) and getattr(co, "TRITON_ABOVE_3_4_0", False)
+                and not getattr(co, "TRITON_ABOVE_3_7_1", True)):
+            try:
+                import tilelang  # noqa: F401  (fla-core's alternative backend)
+            except ImportError:
+                import triton
+                why = (f"fla-core refuses its Triton backward on Hopper with Triton {triton.__version__} "
+                       "(>= 3.4.0, < 3.7.1: wrong results, fla-core issue #640)")
+    except Exception as exc:  # noqa: BLE001 (any import failure: the reference still runs)
+        why = f"fla-core's Triton kernels unavailable ({type(exc).__name__}: {str(exc)[:120]})"
+    if why:
+        print(f"[gdn] {why}: the Gated DeltaNet layers run fla-core's PyTorch reference on the GPU "
+              "(FP32, slower)", flush=True)
+    return why
 
 
 def _fla_naive():
