@@ -39,7 +39,8 @@ Variants (`--variants`, default all):
     (the first graph variant of cudnn_fp8.VARIANTS that builds; named in the note):
     per-tensor E4M3 with current scaling, i.e. every scale from this call's own amax
     (Q, K, V, dO from the BF16 inputs, O / dP / dQ / dK / dV from calibration runs with
-    scale 1, P at 448): delayed scaling at its best. LSE = the graph's Stats output. GQA:
+    scale 1, P at 448): delayed scaling at its best. O, dQ, dK, dV are the graphs' E4M3
+    outputs (Hopper's FP8 graphs write FP8), dequantized. LSE = the graph's Stats output. GQA:
     K and V repeated to the query heads in BF16, dK / dV summed over each group in FP32.
     CUDA only.
   * sdpa-bf16: torch.nn.functional.scaled_dot_product_attention in BF16 (enable_gqa), on
@@ -301,8 +302,12 @@ def run_sdpa_bf16(q, k, v, do, causal: bool) -> dict:
 
 
 def _cudnn_case(q, k, v, do, causal):
-    """(case, fwd _Built, bwd _Built, variant label, group) of cuDNN FP8 on these inputs
-    (K / V repeated to the query heads), forward and backward run once (calibrated)."""
+    """(case, fwd _Built, bwd _Built, variant label, group, O, (dQ, dK, dV)) of cuDNN FP8 on
+    these inputs: K / V repeated to the query heads (group = Hq / Hkv), the first graph variant
+    of cudnn_fp8.VARIANTS whose forward and backward build (VARIANTS[0] in every bench_gpu.py
+    run on the H200), forward and backward run once after their calibration runs. O and the
+    gradients are the graphs' E4M3 outputs dequantized to FP32 [B, Hq, S, d] (dK / dV per
+    query head, not yet summed over the group)."""
     if q.device.type != "cuda" and not CUDNN_ON_CPU:
         raise Unavailable(f"cuDNN FP8 needs a CUDA GPU (this run is on {q.device.type})")
     if cudnn_fp8.load() is None:
