@@ -91,6 +91,25 @@ install_cudnn_frontend() {
   fi
 }
 
+# install_torchao: the torchao baseline of bench_train.py (torchao/<recipe> configs) and
+# bench_linear_gpu.py needs torchao (optional; the device has no network): install the
+# carried .whl/torchao-*.whl (pure-Python float8; abi3) into /tmp/torchao with --no-deps
+# and put it on PYTHONPATH. Sets TORCHAO_NOTE (one line); no wheel or a failed install is
+# not an error (those configs say n/a). NOTE: call it directly, not in a pipeline.
+install_torchao() {
+  local whl
+  whl=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then
+    TORCHAO_NOTE="torchao: no .whl/torchao-*.whl carried (torchao configs n/a)"
+  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target /tmp/torchao "$whl" \
+       >/tmp/torchao_pip.log 2>&1; then
+    export PYTHONPATH="/tmp/torchao${PYTHONPATH:+:$PYTHONPATH}"
+    TORCHAO_NOTE="torchao: $(basename "$whl") -> /tmp/torchao"
+  else
+    TORCHAO_NOTE="torchao: pip install failed: $(tail -1 /tmp/torchao_pip.log)"
+  fi
+}
+
 # has_cuda_kernels: status 0 when the importable fp8attn has its CUDA kernels.
 has_cuda_kernels() {
   python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)"

@@ -2,8 +2,10 @@
 # One short H200 validation of the FP8 linear path and the end-to-end benchmark
 # (issue #7): GPU tests of fp8attn.linear (cuBLASLt block-scaled scaled_mm vs
 # the FP32 emulation), measured scaled_mm-vs-emulation differences and GEMM
-# timings, then benchmarks/bench_train.py. Logs under $OUT.
-#   run(command="bash scripts/device_linear.sh", carry=[".devbuild/lib"], timeout_s=170)
+# timings, benchmarks/bench_linear_gpu.py (every linear shape of a preset, BF16 vs
+# FP8Linear vs torchao float8; issue 21), then benchmarks/bench_train.py. Logs under $OUT.
+#   run(command="bash scripts/device_linear.sh", carry=[".devbuild/lib", ".whl"], timeout_s=300)
+# (.whl: torchao's wheel for the torchao columns / configs; without it they say n/a).
 # (or from a worktree copy: cd .wt/<WT> && bash scripts/device_linear.sh, carry=[".wt/<WT>"]).
 # Needs python/fp8attn/_C*.so built with CUDA (FP8ATTN_BUILD_CUDA=1) for the
 # fp8 attention core in the benchmark; FP8Linear itself needs no extension.
@@ -51,6 +53,11 @@ def step(mod):
     y.backward(dy.bfloat16())
 print(f"fwd+bwd: nn.Linear bf16 autocast {bench(lambda: step(ref)):.3f} ms, FP8Linear {bench(lambda: step(lin)):.3f} ms")
 PY
+install_torchao
+echo "$TORCHAO_NOTE" | tee -a "$OUT/summary.txt"
+echo "== bench_linear_gpu (per-GEMM fwd+bwd: BF16, FP8Linear, torchao float8; LINEAR_ARGS)" | tee -a "$OUT/summary.txt"
+timeout "${T_LINEAR:-120}" python3 benchmarks/bench_linear_gpu.py ${LINEAR_ARGS:-} --json "$OUT/bench_linear_gpu.json" 2>&1 | tee "$OUT/bench_linear_gpu.log" | tail -12 | tee -a "$OUT/summary.txt"
+echo "bench_linear rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
 echo "== bench_train" | tee -a "$OUT/summary.txt"
 timeout "$T_BENCH" python3 benchmarks/bench_train.py ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -14 | tee -a "$OUT/summary.txt"
 echo "bench rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

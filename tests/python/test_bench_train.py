@@ -118,3 +118,166 @@ def test_bench_train_scaling_configs_cpu_smoke(tmp_path):
     assert [(r["config"], r["fp8_scaling"]) for r in rows] == [("fp8/attn-core@row", "row"),
                                                               ("fp8/attn-core@tile", "tile")]
     assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows)
+
+
+# ----------------------------------------------------------------------------
+# torchao float8 baseline (issue 21): torchao/<recipe> configs, n/a without torchao
+# ----------------------------------------------------------------------------
+
+def _bt():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_train
+    return bench_train
+
+
+def _no_torchao(monkeypatch):
+    """`import torchao` (and torchao.float8) raises ImportError, as where it is not installed."""
+    for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+
+
+def test_parse_configs_torchao_recipes():
+    """torchao/<recipe> is a bf16-attention config carrying its recipe; an unknown recipe is refused
+    naming --configs and the recipes (exit 2 on the command line)."""
+    import pytest
+    bt = _bt()
+    cs = bt.parse_configs("bf16,torchao/tensorwise,torchao/rowwise,torchao/rowwise_with_gw_hp,fp8/attn-core",
+                          "delta_matching", "row")
+    assert [(c["name"], c["mode"], c["torchao"]) for c in cs] == [
+        ("bf16", "bf16", None), ("torchao/tensorwise", "bf16", "tensorwise"), ("torchao/rowwise", "bf16", "rowwise"),
+        ("torchao/rowwise_with_gw_hp", "bf16", "rowwise_with_gw_hp"), ("fp8/attn-core", "fp8-delta_matching", None)]
+    for bad in ("torchao/rowwize", "torchao/", "torchao/tensorwise@tile"):
+        with pytest.raises(ValueError, match=r"--configs: unknown torchao recipe .*tensorwise\|rowwise"):
+            bt.parse_configs(bad, "delta_matching", "row")
+    with pytest.raises(ValueError, match="--configs: each config once"):
+        bt.parse_configs("torchao/rowwise,torchao/rowwise", "delta_matching", "row")
+    p = _bench_train("--configs", "bf16,torchao/bogus", timeout=120)
+    assert p.returncode == 2 and "unknown torchao recipe 'bogus'" in p.stderr and "Traceback" not in p.stderr, \
+        p.stderr[-800:]
+
+
+def test_torchao_absent_is_na_and_the_others_run(tmp_path, monkeypatch):
+    """Without torchao (its import made to fail) a torchao config's row is n/a with the reason, in
+    the JSON and under the table, and the other configs are timed as usual (--rounds 1 and 2)."""
+    bt = _bt()
+    _no_torchao(monkeypatch)
+    assert "torchao not importable" in bt.TAO.unavailable(bt.torch.device("cpu"), "rowwise")
+    for rounds in ("1", "2"):
+        out = tmp_path / f"bench{rounds}.json"
+        bt.main(["--device", "cpu", "--presets", "smoke", "--warmup", "1", "--steps", "1", "--rounds", rounds,
+                 "--configs", "bf16,torchao/rowwise,fp8/attn-core", "--json", str(out)])
+        info = json.loads(out.read_text())
+        rows = info["rows"]
+        assert [r["config"] for r in rows] == ["bf16", "torchao/rowwise", "fp8/attn-core"]
+        assert info["torchao"] is None
+        assert rows[1]["tokens_per_s"] is None and "torchao not importable" in rows[1]["na"]
+        assert all(r["tokens_per_s"] > 0 and len(r["rounds_tokens_per_s"]) == int(rounds)
+                   for r in (rows[0], rows[2]))
+        md = bt.markdown(rows)
+        assert "| smoke | torchao/rowwise | n/a | n/a | n/a | n/a |" in md
+        assert "n/a: smoke torchao/rowwise: torchao not importable" in md
+
+
+def test_torchao_build_failure_is_na_other_errors_propagate(monkeypatch):
+    """An exception while building / warming up a torchao config gives its n/a row (the type and
+    message); the same in a fp8attn or bf16 config propagates (without --compile)."""
+    import pytest
+    bt = _bt()
+    args = bt.argparse.Namespace(batch_size=2, seq_len=16, activation_checkpointing="preset", packed=False,
+                                 doc_len=8, warmup=1, compile=False, compile_backend="inductor")
+    cpu = bt.torch.device("cpu")
+    import contextlib
+
+    def boom(*a, **k):
+        raise RuntimeError("no float8 today")
+
+    monkeypatch.setattr(bt.TAO, "unavailable", lambda device, recipe: None)
+    monkeypatch.setattr(bt.TAO, "convert", boom)
+    k_tao, k_fp8 = bt.parse_configs("torchao/tensorwise,fp8/attn-core+projections", "stale", "row")
+    c, why = bt.build_or_na("smoke", k_tao, args, cpu, contextlib.nullcontext)
+    assert c is None and why == "RuntimeError: no float8 today"
+    monkeypatch.setattr(bt.Config, "__init__", lambda self, *a, **k: boom())
+    with pytest.raises(RuntimeError, match="no float8 today"):
+        bt.build_or_na("smoke", k_fp8, args, cpu, contextlib.nullcontext)
+    args.compile = True   # with --compile any config's failure is its n/a
+    assert bt.build_or_na("smoke", k_fp8, args, cpu, contextlib.nullcontext) == (None, "RuntimeError: no float8 today")
+
+
+def test_torchao_converts_the_widest_scope_layers():
+    """torchao's conversion (convert_to_float8_training, module_filter_fn from
+    model.scope_linear_patterns) swaps exactly the modules fp8attn's widest scope makes FP8Linear
+    (same names), for every recipe; the LM head of an untied model stays nn.Linear; the Parameter
+    objects are kept (the optimizer built after sees the same weights). No forward needed."""
+    import pytest
+    if _bt().TAO.version() is None:
+        pytest.skip("torchao not importable (optional dependency)")
+    import torch
+    bt = _bt()
+    M = bt.M
+    for tie in (True, False):
+        fp8 = M.Transformer(M.preset_model_config("smoke", attn_mode="fp8-stale", scope=bt.WIDEST,
+                                                  tie_embeddings=tie))
+        for recipe in bt.TAO.RECIPES:
+            model = M.Transformer(M.preset_model_config("smoke", tie_embeddings=tie))
+            params = {n: p for n, p in model.named_parameters()}
+            names = bt.TAO.convert(model, M.scope_linear_patterns(bt.WIDEST), recipe, torch.device("cpu"))
+            assert names == fp8.fp8_linear_names and len(names) == 14
+            swapped = sorted(n for n, m in model.named_modules()
+                             if type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao."))
+            assert swapped == names
+            assert all(type(m) is torch.nn.Linear for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and n not in names)
+            assert (model.head is None) == tie and (tie or type(model.head) is torch.nn.Linear)
+            assert all(p is params[n] for n, p in model.named_parameters())
+
+
+def test_bench_train_torchao_cpu_smoke(tmp_path):
+    """torchao/<recipe> configs train on the CPU (torchao's emulation), 14 linear layers converted
+    on smoke, their recipe and emulation recorded; --compile (aot_eager: no code generation)
+    runs every config compiled."""
+    import pytest
+    if _bt().TAO.version() is None:
+        pytest.skip("torchao not importable (optional dependency)")
+    out = tmp_path / "bench.json"
+    proc = _bench_train("--presets", "smoke", "--configs", "bf16,torchao/tensorwise,torchao/rowwise",
+                        "--warmup", "1", "--steps", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    info = json.loads(out.read_text())
+    rows = info["rows"]
+    assert [(r["config"], r["torchao_recipe"], r["fp8_linear_layers"]) for r in rows] == [
+        ("bf16", None, 0), ("torchao/tensorwise", "tensorwise", 14), ("torchao/rowwise", "rowwise", 14)]
+    assert [r["torchao_emulated"] for r in rows] == [False, True, True]
+    assert all(r["tokens_per_s"] > 0 and r["final_loss"] > 0 for r in rows) and info["torchao"]
+    proc = _bench_train("--presets", "smoke", "--configs", "bf16,torchao/tensorwise", "--compile",
+                        "--compile-backend", "aot_eager", "--warmup", "1", "--steps", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    info = json.loads(out.read_text())
+    assert info["compile"] and info["compile_backend"] == "aot_eager"
+    assert [r["compile"] for r in info["rows"]] == [True, True] and "torch.compile (aot_eager)" in proc.stdout
+
+
+def test_rounds_mode(monkeypatch, tmp_path):
+    """--rounds-mode auto keeps the configs built unless their FP32 weights, gradients and AdamW
+    state (16 bytes a parameter) exceed half the GPU: gpu-1b's six configs on an 80 GB GPU are
+    rebuilt every round, gpu-125m's kept; rebuild mode times each config once per round."""
+    bt = _bt()
+    import torch
+    props = type("P", (), {"total_memory": 80 * 2 ** 30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    args = bt.argparse.Namespace(rounds_mode="auto", rounds=2)
+    cuda = torch.device("cuda")
+    assert bt.rounds_mode("gpu-1b", 6, args, cuda) == "rebuild"
+    assert bt.rounds_mode("gpu-1b", 2, args, cuda) == "keep"      # 39 GB of 80
+    assert bt.rounds_mode("gpu-125m", 6, args, cuda) == "keep"
+    assert bt.rounds_mode("gpu-1b", 6, args, torch.device("cpu")) == "keep"
+    assert bt.rounds_mode("gpu-1b", 6, bt.argparse.Namespace(rounds_mode="auto", rounds=1), cuda) == "keep"
+    assert bt.rounds_mode("gpu-1b", 6, bt.argparse.Namespace(rounds_mode="keep", rounds=2), cuda) == "keep"
+    out = tmp_path / "bench.json"
+    proc = _bench_train("--presets", "smoke", "--configs", "bf16,fp8/attn-core", "--rounds", "2",
+                        "--rounds-mode", "rebuild", "--warmup", "1", "--steps", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rounds_mode"], len(r["rounds_tokens_per_s"])) for r in rows] == [("rebuild", 2), ("rebuild", 2)]
+    assert proc.stdout.count("(round 2/2)") == 2

@@ -63,6 +63,19 @@ SCOPES = ("attn-core", "attn-core+projections", "attn-core+projections+ffn")
 EOT_ID = 0   # <|endoftext|> (fp8attn.train.data)
 
 
+def scope_linear_patterns(scope: str) -> list[str]:
+    """Glob patterns (on Transformer.named_modules names) of the nn.Linear layers that
+    `scope` runs in FP8: none for "attn-core"; the attention projections Wq, Wk, Wv, Wo
+    of the GQA layers for "attn-core+projections"; + the SwiGLU W1, W2, W3 for
+    "attn-core+projections+ffn". Never the LM head (nor the embedding, not a linear
+    layer), nor the Gated DeltaNet layers' projections. benchmarks/bench_train.py's
+    torchao configs convert the same layers as the widest scope."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    pats = [] if scope == "attn-core" else ["blocks.*.attn.w[qkvo]"]
+    return pats + (["blocks.*.mlp.w[123]"] if scope.endswith("+ffn") else [])
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Model shape. n_heads must be a multiple of n_kv_heads (GQA)."""
@@ -597,8 +610,7 @@ class Transformer(nn.Module):
         if not c.attn_mode.startswith("fp8-") or c.scope == "attn-core":
             return []
         from fp8attn.linear import convert_to_fp8_linear
-        pats = ["blocks.*.attn.w[qkvo]"] + (["blocks.*.mlp.w[123]"] if c.scope.endswith("+ffn") else [])
-        return convert_to_fp8_linear(self, pats)
+        return convert_to_fp8_linear(self, scope_linear_patterns(c.scope))
 
     def _init_weights(self):
         # Normal(0, init_std) for matrices (default 1/sqrt(d_model): with GPT-2's 0.02
