@@ -474,16 +474,19 @@ def references(pt, both, names, got, qkvdo, packing, ref_dtype):
     return ref, emu
 
 
-def run_point(pt: Point, window=None, override=None):
+def run_point(pt: Point, window=None, override=None, twin=None):
     with one_thread(pt.device):
-        return _run_point(pt, window, override)
+        return _run_point(pt, window, override, twin)
 
 
-def _run_point(pt: Point, window=None, override=None):
+def _run_point(pt: Point, window=None, override=None, twin=None):
     """Runs fp8attn at grid point pt (its window drawn unless given; `override`: a
     function of the window giving fp8attn arguments that replace the point's, for the
     negative controls) and its reference and emulation. Returns (window, None) for a
-    refused point (after asserting the error), else (window, [(name, ok, text)])."""
+    refused point (after asserting the error), else (window, [(name, ok, text)]).
+    `twin`: a dict that receives the outputs of the same call on CPU copies of the
+    inputs (the CPU reference of the same recipe; "cuda", "cpu", "ref", "emu": dicts of
+    O, dQ, dK, dV), for a CUDA point whose result is to be told apart from the recipe's."""
     dev = torch.device(pt.device)
     ref_dtype = torch.float32
     gen = torch.Generator(device=dev).manual_seed(seed_of(pt.name))
@@ -542,6 +545,15 @@ def _run_point(pt: Point, window=None, override=None):
 
     names = ("O", "dQ", "dK", "dV")
     ref, emu = references(pt, both, names, got, (q, k, v, do), packing, ref_dtype)
+    if twin is not None:
+        host = {key: (val.cpu() if torch.is_tensor(val) else val) for key, val in common.items()}
+        qc, kc, vc = (t.detach().cpu().clone().requires_grad_() for t in (q, k, v))
+        if pt.kind == "varlen":
+            oc = fp8attn.varlen_attention(qc, kc, vc, cu_q.cpu(), cu_k.cpu(), max(pq), max(pk), **host)
+        else:
+            oc = fp8attn.flash_attn_func(qc, kc, vc, **host)
+        oc.backward(do.cpu())
+        twin.update(cuda=got, cpu={"O": oc.detach(), "dQ": qc.grad, "dK": kc.grad, "dV": vc.grad}, ref=ref, emu=emu)
 
     rtol = FEW_KEYS_RTOL if pt.sk <= FEW_KEYS else RTOL
     checks = []
@@ -626,6 +638,52 @@ def test_fa3_grid_cpu(pt):
 @pytest.mark.parametrize("pt", params(GPU_POINTS) or [pytest.param(None, id="no-gpu")])
 def test_fa3_grid_gpu(pt, _no_tf32):
     check_point(pt)
+
+
+# The two points of the first GPU run over the rule (H100, 2026-12-07: O at 3.36x and dQ at
+# 3.16x the emulation's max error; the CPU reference of the same configurations stayed at or
+# below 2.65x over 52 seeds) and a passing neighbour of each. On the point's own GPU inputs,
+# CUDA must agree with the CPU reference of the same recipe (the kernels' tolerance of
+# numerics.md section 6, as test_tile_cuda_bwd.py: relative Frobenius < 2e-2): a kernel fault
+# fails here, a tail of the recipe's error passes here while the grid point stays over 3x.
+TWIN_POINTS = [
+    Point("varlen", "cuda", 3, 513, 128, 128, False, False, "fp16", "gqa", False, False, 0.0, False),
+    Point("varlen", "cuda", 3, 513, 128, 128, False, False, "bf16", "gqa", False, False, 0.0, False),
+    Point("varlen", "cuda", 256, 512, 128, 128, False, False, "bf16", "gqa", True, True, 0.0, True),
+    Point("varlen", "cuda", 256, 512, 128, 128, False, False, "bf16", "gqa", True, True, 0.0, False),
+]
+TWIN_TOL = 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and fp8attn's CUDA kernels")
+@pytest.mark.parametrize("pt", TWIN_POINTS, ids=[p.name for p in TWIN_POINTS])
+def test_fa3_grid_gpu_point_matches_cpu_reference(pt, _no_tf32):
+    twin = {}
+    window, _ = run_point(pt, twin=twin)
+    report = []
+    for n in ("O", "dQ", "dK", "dV"):
+        c, r = twin["cuda"][n].float().cpu(), twin["cpu"][n].float()
+        ref, emu = twin["ref"][n].float().cpu(), twin["emu"][n].float().cpu()
+        assert not torch.isnan(c).any(), f"{pt.name} {n}: NaN"
+        diff = ((c - r).norm() / r.norm().clamp_min(1e-30)).item()
+        emu_max = (emu - ref).abs().max().item()
+        report.append((n, diff, (c - ref).abs().max().item() / emu_max, (r - ref).abs().max().item() / emu_max))
+    text = "; ".join(f"{n}: cuda vs cpu {d:.2e}, max-error ratio cuda {a:.2f} cpu {b:.2f}" for n, d, a, b in report)
+    print(pt.name, "window", window, "|", text)
+    assert all(d < TWIN_TOL for _, d, _, _ in report), f"{pt.name} (window {window}): {text}"
+
+
+def test_twin_repeats_the_points_call_on_cpu():
+    # On a CPU point the twin is the same call again: equal outputs, for a dense and a
+    # packed point with seqused and a window (the plumbing test_fa3_grid_gpu_point_matches_cpu_reference uses).
+    for pt in (Point("dense", "cpu", 37, 70, 64, 64, False, False, "bf16", "gqa", True, True, 0.0, False),
+               Point("varlen", "cpu", 40, 70, 64, 64, False, False, "fp16", "gqa", True, True, 0.0, True)):
+        twin = {}
+        run_point(pt, twin=twin)
+        for n in ("O", "dQ", "dK", "dV"):
+            assert torch.equal(twin["cuda"][n], twin["cpu"][n]), (pt.name, n)
+        assert twin["ref"]["O"].shape == twin["cpu"]["O"].shape
 
 
 # ---- negative controls: the rule separates wrong results from right ones ---------------
