@@ -77,18 +77,11 @@ library_linkage() {
 # an error (the columns say n/a). NOTE: call it directly, not in a pipeline (the
 # export must reach this shell).
 install_cudnn_frontend() {
-  local xy whl
+  local xy
   xy=$(python3 -c 'import sys; print(sys.version_info[1])')
-  whl=$(ls .whl/nvidia_cudnn_frontend-*-cp3"$xy"-*.whl 2>/dev/null | head -1)
-  if [ -z "$whl" ]; then
-    CUDNN_FE_NOTE="cudnn frontend: no .whl/nvidia_cudnn_frontend-*-cp3$xy-*.whl carried (cuDNN FP8 columns n/a)"
-  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target /tmp/cudnn_fe "$whl" \
-       >/tmp/cudnn_fe_pip.log 2>&1; then
-    export PYTHONPATH="/tmp/cudnn_fe${PYTHONPATH:+:$PYTHONPATH}"
-    CUDNN_FE_NOTE="cudnn frontend: $(basename "$whl") -> /tmp/cudnn_fe"
-  else
-    CUDNN_FE_NOTE="cudnn frontend: pip install failed: $(tail -1 /tmp/cudnn_fe_pip.log)"
-  fi
+  install_carried_wheel ".whl/nvidia_cudnn_frontend-*-cp3$xy-*.whl" /tmp/cudnn_fe "cudnn frontend" \
+    "cuDNN FP8 columns n/a"
+  CUDNN_FE_NOTE=$WHEEL_NOTE
 }
 
 # install_torchao: the torchao baseline of bench_train.py (torchao/<recipe> configs) and
@@ -97,16 +90,26 @@ install_cudnn_frontend() {
 # and put it on PYTHONPATH. Sets TORCHAO_NOTE (one line); no wheel or a failed install is
 # not an error (those configs say n/a). NOTE: call it directly, not in a pipeline.
 install_torchao() {
+  install_carried_wheel ".whl/torchao-*.whl" /tmp/torchao torchao "torchao configs n/a"
+  TORCHAO_NOTE=$WHEEL_NOTE
+}
+
+# install_carried_wheel GLOB DIR NAME WITHOUT: pip-installs the first carried wheel matching
+# GLOB into DIR (--no-deps --no-index: the device has no network) and puts DIR on PYTHONPATH;
+# WHEEL_NOTE says what happened (WITHOUT: what a run lacks when no wheel was carried). A
+# missing wheel or a failed install is not an error.
+install_carried_wheel() {
   local whl
-  whl=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
+  # shellcheck disable=SC2086
+  whl=$(ls $1 2>/dev/null | head -1)
   if [ -z "$whl" ]; then
-    TORCHAO_NOTE="torchao: no .whl/torchao-*.whl carried (torchao configs n/a)"
-  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target /tmp/torchao "$whl" \
-       >/tmp/torchao_pip.log 2>&1; then
-    export PYTHONPATH="/tmp/torchao${PYTHONPATH:+:$PYTHONPATH}"
-    TORCHAO_NOTE="torchao: $(basename "$whl") -> /tmp/torchao"
+    WHEEL_NOTE="$3: no $1 carried ($4)"
+  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target "$2" "$whl" \
+       >"$2_pip.log" 2>&1; then
+    export PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}"
+    WHEEL_NOTE="$3: $(basename "$whl") -> $2"
   else
-    TORCHAO_NOTE="torchao: pip install failed: $(tail -1 /tmp/torchao_pip.log)"
+    WHEEL_NOTE="$3: pip install failed: $(tail -1 "$2_pip.log")"
   fi
 }
 
