@@ -81,7 +81,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # NOTE: bench_gpu first: it puts an in-tree fp8attn build ahead of the installed package (as conftest.py).
 from bench_gpu import env_info, tflops, write_results
-from cudnn_fp8 import one_line, rel_fro
+from cudnn_fp8 import bound_fwd_bwd, frontend, one_line, rel_fro
 from timing import int_at_least, positive_float, time_ms
 import fp8attn
 from fp8attn import cudnn_fp8_attention as cfa
@@ -362,37 +362,21 @@ def cudnn_varlen_column(q, k, v, cu, max_len: int, dout=None) -> Column:
     a document): the lengths and ragged offsets made here, once per batch (not in the timed calls),
     outputs and workspaces preallocated; fwd() executes the forward graph, step() (dout given) the
     forward and then the backward graph."""
-    cudnn = cfa.load()
-    if cudnn is None:
-        raise RuntimeError(f"cuDNN frontend unavailable: {cfa._STATE.get('why') or 'import cudnn failed'}")
+    cudnn = frontend()
     t, h, d = q.shape
     hkv, b = k.shape[1], cu.numel() - 1
     gr = cudnn_varlen_graphs(cudnn, b, h, hkv, max_len, d, t, dout is not None)
     lens = seq_lens(cu)
     o = torch.empty_like(q)
     stats = torch.empty(b, h, max_len, 1, device=q.device, dtype=torch.float32)
-    handle = cfa._handle()
-    fb = gr["fwd"]
     ports = {"q": q, "k": k, "v": v, "o": o, "stats": stats, "seq_q": lens, "seq_kv": lens}
     offs = {"q": ragged_offsets(cu, h, d), "kv": ragged_offsets(cu, hkv, d)}
-    fpack = _pack(fb, ports, offs)
-    ws_f = torch.empty(max(fb.workspace, 1), device=q.device, dtype=torch.uint8)
-
-    def fwd():
-        fb.graph.execute(fpack, ws_f, handle=handle)
-        return o
+    fb, bb = gr["fwd"], gr["bwd"]
     if dout is None:
-        return Column(fwd)
-    bb = gr["bwd"]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bpack = _pack(bb, dict(ports, dO=dout, dQ=dq, dK=dk, dV=dv), offs)
-    ws_b = torch.empty(max(bb.workspace, 1), device=q.device, dtype=torch.uint8)
-
-    def step():
-        fb.graph.execute(fpack, ws_f, handle=handle)
-        bb.graph.execute(bpack, ws_b, handle=handle)
-        return dq, dk, dv
-    return Column(fwd, step)
+        return Column(*bound_fwd_bwd(fb, _pack(fb, ports, offs), o))
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    bpack = _pack(bb, dict(ports, dO=dout, dQ=grads[0], dK=grads[1], dV=grads[2]), offs)
+    return Column(*bound_fwd_bwd(fb, _pack(fb, ports, offs), o, bb, bpack, grads))
 
 
 _CHECKS = {}

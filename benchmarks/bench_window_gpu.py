@@ -82,7 +82,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # NOTE: bench_gpu first: it puts an in-tree fp8attn build ahead of the installed package (as conftest.py).
 from bench_gpu import _shapes_arg, env_info, kernel_ms, tflops, write_results
-from cudnn_fp8 import one_line, rel_fro
+from cudnn_fp8 import bound_fwd_bwd, frontend, one_line, rel_fro
 from timing import int_at_least, positive_float, time_ms
 import fp8attn
 from fp8attn import cudnn_fp8_attention as cfa
@@ -352,9 +352,7 @@ def _cudnn_graphs(cudnn, b, h, hkv, s, d, window, bwd):
 def cudnn_column(q, k, v, dout, leaves, window, bwd=True) -> Column:
     """cuDNN BF16 window graphs bound to these tensors (outputs preallocated): fwd() executes the
     forward graph, step() the forward and then the backward graph."""
-    cudnn = cfa.load()
-    if cudnn is None:
-        raise RuntimeError(f"cuDNN frontend unavailable: {cfa._STATE.get('why') or 'import cudnn failed'}")
+    cudnn = frontend()
     b, h, s, d = q.shape
     hkv = k.shape[1]
     gr = _cudnn_graphs(cudnn, b, h, hkv, s, d, window, bwd)
@@ -362,25 +360,13 @@ def cudnn_column(q, k, v, dout, leaves, window, bwd=True) -> Column:
     stats = torch.empty(b, h, s, 1, device=q.device, dtype=torch.float32)
     fb = gr["fwd"]
     fpack = {fb.t["q"]: q, fb.t["k"]: k, fb.t["v"]: v, fb.t["o"]: o, fb.t["stats"]: stats}
-    handle = cfa._handle()
-    ws_f = torch.empty(max(fb.workspace, 1), device=q.device, dtype=torch.uint8)
-
-    def fwd():
-        fb.graph.execute(fpack, ws_f, handle=handle)
-        return o
     if not bwd:
-        return Column(fwd, None)
+        return Column(*bound_fwd_bwd(fb, fpack, o))
     bb = gr["bwd"]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     bpack = {bb.t["q"]: q, bb.t["k"]: k, bb.t["v"]: v, bb.t["o"]: o, bb.t["dO"]: dout, bb.t["stats"]: stats,
-             bb.t["dQ"]: dq, bb.t["dK"]: dk, bb.t["dV"]: dv}
-    ws_b = torch.empty(max(bb.workspace, 1), device=q.device, dtype=torch.uint8)
-
-    def step():
-        fb.graph.execute(fpack, ws_f, handle=handle)
-        bb.graph.execute(bpack, ws_b, handle=handle)
-        return dq, dk, dv
-    return Column(fwd, step)
+             bb.t["dQ"]: grads[0], bb.t["dK"]: grads[1], bb.t["dV"]: grads[2]}
+    return Column(*bound_fwd_bwd(fb, fpack, o, bb, bpack, grads))
 
 
 MAKERS = {"fp8": fp8_column, "cudnn": cudnn_column, "flex": flex_column, "sdpa_causal": sdpa_causal_column}

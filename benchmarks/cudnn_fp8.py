@@ -103,6 +103,39 @@ def _launcher(built: _Built, pack: dict, ws: torch.Tensor) -> Callable:
     return lambda: g.execute(varpack, ws, handle=handle)
 
 
+def frontend():
+    """The cuDNN frontend module; RuntimeError naming why when it cannot be imported."""
+    cudnn = load()
+    if cudnn is None:
+        raise RuntimeError(f"cuDNN frontend unavailable: {_STATE.get('why') or 'import cudnn failed'}")
+    return cudnn
+
+
+def bound_fwd_bwd(fb: _Built, fpack: dict, o: torch.Tensor, bb: _Built = None, bpack: dict = None, grads=None):
+    """A built forward graph (and backward graph) bound to preallocated buffers, for timing:
+    (fwd, step) with fwd() executing the forward and returning o, step() the forward then the
+    backward and returning grads (None without bb). fpack / bpack: graph Tensor -> buffer; the
+    workspaces are allocated here, once."""
+    handle = _handle()
+
+    def workspace(built):
+        return torch.empty(max(built.workspace, 1), device=o.device, dtype=torch.uint8)
+    ws_f = workspace(fb)
+
+    def fwd():
+        fb.graph.execute(fpack, ws_f, handle=handle)
+        return o
+    if bb is None:
+        return fwd, None
+    ws_b = workspace(bb)
+
+    def step():
+        fb.graph.execute(fpack, ws_f, handle=handle)
+        bb.graph.execute(bpack, ws_b, handle=handle)
+        return grads
+    return fwd, step
+
+
 def host_us(fn: Callable, device="cuda", n: int = 5) -> float:
     """Host microseconds per fn() call, back to back without a sync (the launch
     overhead the CUDA-event timing includes when it exceeds the kernel time)."""

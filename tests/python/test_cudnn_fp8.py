@@ -238,3 +238,38 @@ def test_backward_fallback_skips_forward_runs_of_variants_without_a_backward(fak
     assert res.fwd_variant == cf.VARIANTS[0].label() and res.bwd_variant == cf.VARIANTS[2].label()
     # variant 1 (bshd, no backward): its backward is asked first and its forward never built
     assert ("fwd", cf.VARIANTS[1]) not in built and ("bwd", cf.VARIANTS[1]) in built
+
+
+def test_bound_fwd_bwd_executes_forward_then_backward(monkeypatch):
+    # The benchmarks' timed cuDNN calls (bench_window_gpu / bench_varlen_gpu): fwd() runs the
+    # forward graph once and returns O; step() runs forward then backward with the packs and
+    # workspaces bound once, returning the gradient buffers; without a backward, step is None.
+    calls = []
+
+    class G:
+        def __init__(self, name):
+            self.name = name
+
+        def execute(self, pack, ws, handle=None):
+            calls.append((self.name, pack, ws.numel(), handle))
+
+    class B:
+        def __init__(self, name, workspace):
+            self.graph, self.workspace = G(name), workspace
+
+    monkeypatch.setattr(cf, "_handle", lambda: "h")
+    o, grads = torch.zeros(2), (torch.ones(1), torch.ones(2), torch.ones(3))
+    fwd, step = cf.bound_fwd_bwd(B("f", 0), {"f": 1}, o, B("b", 7), {"b": 2}, grads)
+    assert fwd() is o and calls == [("f", {"f": 1}, 1, "h")]
+    calls.clear()
+    assert step() is grads
+    assert calls == [("f", {"f": 1}, 1, "h"), ("b", {"b": 2}, 7, "h")]
+    fwd_only, none = cf.bound_fwd_bwd(B("f", 3), {}, o)
+    assert none is None and fwd_only() is o
+
+
+def test_frontend_names_why_it_is_missing(monkeypatch):
+    monkeypatch.setattr(cf, "load", lambda: None)
+    monkeypatch.setitem(cf._STATE, "why", "no wheel")
+    with pytest.raises(RuntimeError, match="cuDNN frontend unavailable: no wheel"):
+        cf.frontend()
