@@ -6,7 +6,8 @@ m the mean key per batch and kv head).
 The CPU reference (csrc/reference/attention_ref.cpp, csrc/reference/qk_transform.h)
 is the oracle; this module is how the op applies the same rules around the CUDA
 kernels, which have no fused transform yet: the transforms run as separate torch
-ops in FP32 (extra memory traffic: Q and K are read and written once more in the
+ops in FP32 (the rotation optionally as one Triton kernel, fp8attn.hadamard_triton,
+FP8ATTN_TRITON_HADAMARD=1) (extra memory traffic: Q and K are read and written once more in the
 forward and the backward, dQ and dK once more in the backward). The operations
 and their order are those of the reference, so on the same inputs they give the
 same FP32 values (tests/python/test_qk_transform.py checks it bit for bit on the
@@ -21,6 +22,8 @@ import math
 from typing import List, Optional, Tuple
 
 import torch
+
+from . import _env
 
 __all__ = ["QK_ROTATIONS", "hadamard_blocks", "hadamard_signs", "hadamard_matrix", "rotate", "rotate_transposed",
            "key_mean", "lse_shift", "shift_lse", "transform_qk", "map_grads_back"]
@@ -91,11 +94,30 @@ def _check_rotation(fn: str, qk_rotation) -> None:
                          f"got {qk_rotation!r}")
 
 
+def _triton_rows(x: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
+    """x R (or x R^T) by fp8attn.hadamard_triton when FP8ATTN_TRITON_HADAMARD=1 and x is an
+    FP32 CUDA tensor (the same FP32 values as the torch ops below); else None."""
+    if not (x.is_cuda and x.dtype == torch.float32 and _env.flag("FP8ATTN_TRITON_HADAMARD", False)):
+        return None
+    from . import hadamard_triton as _ht  # noqa: PLC0415 (triton imported on use)
+    if not _ht.available():
+        return None
+    d = x.shape[-1]
+    blocks = hadamard_blocks(d)
+    return _ht.rotate_rows(x, hadamard_signs(d, x.dtype, x.device), blocks,
+                           [float(_norm(n, x.dtype)) for n in blocks], transposed)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x R along the last dim (head_dim), in x's dtype (the working precision):
-    per block, times the signs, FWHT, times 1/sqrt(n). Raises TypeError for a
-    non-floating x, ValueError for head_dim outside [1, 256]."""
+    per block, times the signs, FWHT, times 1/sqrt(n) (FP32 CUDA tensors with
+    FP8ATTN_TRITON_HADAMARD=1: the same values from one Triton kernel,
+    fp8attn.hadamard_triton). Raises TypeError for a non-floating x, ValueError for
+    head_dim outside [1, 256]."""
     _check_head_dim_input("rotate", "x", x)
+    fused = _triton_rows(x, False)
+    if fused is not None:
+        return fused
     d = x.shape[-1]
     s = hadamard_signs(d, x.dtype, x.device)
     x = x * s
@@ -110,6 +132,9 @@ def rotate_transposed(g: torch.Tensor) -> torch.Tensor:
     """g R^T along the last dim: per block, FWHT, times 1/sqrt(n), times the signs
     (errors as rotate's)."""
     _check_head_dim_input("rotate_transposed", "g", g)
+    fused = _triton_rows(g, True)
+    if fused is not None:
+        return fused
     d = g.shape[-1]
     out, o = [], 0
     for n in hadamard_blocks(d):

@@ -1,0 +1,100 @@
+"""fp8attn.hadamard_triton: the Hadamard rotation of qk_rotation="hadamard" (numerics.md
+section 10) in one Triton kernel gives bit for bit the FP32 values of the torch-op path
+(fp8attn.qk_transform.rotate / rotate_transposed).
+
+On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, in a child
+process: the switch is read when the kernel is defined); on a GPU (marked gpu) compiled,
+and through the op with FP8ATTN_TRITON_HADAMARD=1 against the default torch ops."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fp8attn
+from fp8attn import qk_transform as qkt
+
+HAS_TRITON = True
+try:
+    import triton  # noqa: F401
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
+
+HAS_GPU = torch.cuda.is_available() and fp8attn._lib.HAS_CUDA_KERNELS
+
+# Every block size of hadamard_blocks (1 .. 256), a non-power-of-two head_dim (192 =
+# 128 + 64, 80 = 64 + 16, 3 = 2 + 1), row counts that do not fill the last program.
+CHILD = textwrap.dedent("""
+    import torch
+    from fp8attn import hadamard_triton as ht, qk_transform as qkt
+    def fused(x, transposed):
+        d = x.shape[-1]
+        b = qkt.hadamard_blocks(d)
+        return ht.rotate_rows(x, qkt.hadamard_signs(d), b, [float(qkt._norm(n, torch.float32)) for n in b],
+                              transposed)
+    g = torch.Generator().manual_seed(3)
+    bad = []
+    for d in (1, 2, 3, 4, 8, 16, 32, 64, 80, 128, 192, 256):
+        for rows in (1, 17, 40):
+            x = torch.randn(rows, 2, d + 5, generator=g)[..., 2:2 + d] * 100   # strided rows
+            if not torch.equal(fused(x, False), qkt.rotate(x)):
+                bad.append(("rotate", d, rows))
+            if not torch.equal(fused(x, True), qkt.rotate_transposed(x)):
+                bad.append(("rotate_transposed", d, rows))
+    # The comparison tells the two rotations apart (R != R^T in general: signs first or last).
+    x = torch.randn(5, 128, generator=g)
+    distinct = not torch.equal(fused(x, False), fused(x, True))
+    print("BAD", bad, "DISTINCT", distinct)
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_equals_torch_ops_bitwise_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = res.stdout.strip().splitlines()[-1]
+    assert line == "BAD [] DISTINCT True", line
+
+
+def test_switch_is_off_by_default_and_validated(monkeypatch):
+    x = torch.randn(4, 64)
+    monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD", raising=False)
+    assert qkt._triton_rows(x, False) is None          # CPU tensor: torch ops whatever the switch
+    if HAS_GPU:
+        assert qkt._triton_rows(x.cuda(), False) is None   # unset: torch ops
+        monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "yes")
+        with pytest.raises(ValueError, match="FP8ATTN_TRITON_HADAMARD"):
+            qkt.rotate(x.cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_GPU and HAS_TRITON), reason="needs a CUDA GPU, fp8attn's CUDA kernels and triton")
+def test_gpu_kernel_and_op_equal_the_torch_path(monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for d in (64, 128, 192, 256, 80):
+        x = torch.randn(3, 4, 333, d, device="cuda", generator=g) * 30
+        monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "0")
+        ref = (qkt.rotate(x), qkt.rotate_transposed(x))
+        monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "1")
+        got = (qkt.rotate(x), qkt.rotate_transposed(x))
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), d
+    # Through the op (tile recipe, forward and backward): the same outputs with and without it.
+    q = torch.randn(1, 8, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    do = torch.randn(1, 8, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", flag)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fp8attn.attention(*leaves, causal=True, scaling="tile", qk_rotation="hadamard", smooth_k=True)
+        o.backward(do)
+        outs.append([o.detach()] + [t.grad for t in leaves])
+    for a, b, name in zip(*outs, ("O", "dQ", "dK", "dV")):
+        assert not torch.isnan(a).any(), name
+        assert torch.equal(a, b), name
