@@ -28,7 +28,6 @@ except Exception:  # pragma: no cover - triton missing
     _HAVE_TRITON = False
 
 _ROWS = 16           # rows per program
-_MAX_LOG2 = 8        # blocks of up to 256 channels (head_dim <= 256)
 
 
 def available() -> bool:
@@ -49,11 +48,10 @@ if _HAVE_TRITON:
         signs = tl.load(s_ptr + cols)[None, :]
         if SIGNS_FIRST:
             x = x * signs
-        for st in tl.static_range(0, _MAX_LOG2):
+        for st in tl.static_range(0, 8):  # butterfly stages of blocks up to 256 = 2^8 channels
             if (1 << st) < N:
-                H: tl.constexpr = 1 << st
-                # [row, group of 2H, pair member (0: j, 1: j + H), j] with the member axis last
-                y = tl.permute(tl.reshape(x, (ROWS, N // (2 * H), 2, H)), (0, 1, 3, 2))
+                # h = 2^st: [row, group of 2h, pair member (0: j, 1: j + h), j], the member axis last
+                y = tl.permute(tl.reshape(x, (ROWS, N // (2 << st), 2, 1 << st)), (0, 1, 3, 2))
                 a, b = tl.split(y)
                 x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, N))
         x = x * norm
@@ -81,6 +79,7 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, blocks, norms, transposed:
         o = 0
         for n, norm in zip(blocks, norms):
             _fwht_rows[(triton.cdiv(m, _ROWS),)](x2[:, o:], y[:, o:], signs[o:o + n], m, x2.stride(0), y.stride(0),
-                                                 norm, N=n, ROWS=_ROWS, SIGNS_FIRST=not transposed)
+                                                 norm, N=n, ROWS=_ROWS, SIGNS_FIRST=not transposed,
+                                                 enable_fp_fusion=False)  # no FMA contraction: the torch ops' roundings
             o += n
     return y.reshape(x.shape)

@@ -61,6 +61,29 @@ def test_kernel_equals_torch_ops_bitwise_in_the_interpreter():
     assert line == "BAD [] DISTINCT True", line
 
 
+def _ptxas() -> bool:
+    return HAS_TRITON and os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                      "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas(), reason="needs triton with its bundled ptxas")
+def test_kernel_compiles_for_sm90():
+    # The interpreter runs the kernel as Python and accepts what the compiler refuses (a
+    # non-constexpr global, a constexpr reassigned in an unrolled loop: both happened
+    # while writing it); compile it for sm_90 ahead of time, every block size, both orders,
+    # with the launch's options (no FMA contraction), no GPU needed.
+    from triton.backends.compiler import GPUTarget
+    from fp8attn import hadamard_triton as ht
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "s_ptr": "*fp32", "M": "i32", "stride_x": "i32", "stride_y": "i32",
+           "norm": "fp32", "N": "constexpr", "ROWS": "constexpr", "SIGNS_FIRST": "constexpr"}
+    for n in (1, 2, 16, 64, 128, 256):
+        for first in (True, False):
+            src = triton.compiler.ASTSource(fn=ht._fwht_rows, signature=sig,
+                                            constexprs={"N": n, "ROWS": ht._ROWS, "SIGNS_FIRST": first})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+            assert ".target sm_90" in k.asm["ptx"], (n, first)
+
+
 def test_switch_is_off_by_default_and_validated(monkeypatch):
     x = torch.randn(4, 64)
     monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD", raising=False)
