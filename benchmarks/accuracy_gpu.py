@@ -252,8 +252,7 @@ def errors(got: dict, ref: dict) -> dict:
 
 # ---- variants ------------------------------------------------------------------------
 
-def one_line(e: BaseException, width: int = 160) -> str:
-    return cudnn_fp8.one_line(e, width)
+one_line = cudnn_fp8.one_line   # an exception as one short line (the n/a reasons)
 
 
 def run_fp8attn(q, k, v, do, causal: bool, scaling: str, option: str) -> dict:
