@@ -26,7 +26,7 @@
 # runs the CPU pytest suites, DEVICE_SLOW=1 also the slow limit tests (test_cuda_limits.py),
 # DEVICE_TESTS replaces the GPU test list, DEVICE_TESTS_PART=1|2 runs half of the default list,
 # DEVICE_PYTEST_ARGS extra pytest arguments,
-# DEVICE_SAN=0 skips the sanitizers, DEVICE_BENCH_TRAIN_ARGS more bench_train.py arguments, DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# DEVICE_SAN=0 skips the sanitizers, DEVICE_BENCH_TRAIN_ARGS more bench_train.py arguments, DEVICE_ACCURACY=1 the accuracy table (DEVICE_ACCURACY_ARGS), DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
 # Exit status: 0 iff every stage that ran passed (a per-stage table ends the output and
 # summary.txt); 1 when one failed or the library did not build / load; 2 for a bad knob.
 set -uo pipefail
@@ -270,6 +270,23 @@ if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
   note "bench_train: rc=$rc"
   stage "bench_train" "$rc"
   tail -12 /tmp/bench_train.log | tee -a "$SUMMARY"
+fi
+
+# The accuracy table of docs/results.md section 9 (DEVICE_ACCURACY=1; off by default, ~100 s
+# at the default 1K-64K; DEVICE_ACCURACY_ARGS more accuracy_gpu.py arguments, e.g.
+# "--seqlens 16384 --variants tile/none,tile/hadamard,tile/both,sdpa-bf16"). The cuDNN FP8
+# rows need the frontend that install_cudnn_frontend put on PYTHONPATH above.
+if [ "${DEVICE_ACCURACY:-0}" = 1 ]; then
+  echo "== accuracy table"
+  # shellcheck disable=SC2086
+  timeout "${DEVICE_T_ACCURACY:-240}" python3 benchmarks/accuracy_gpu.py --out /tmp/accuracy ${DEVICE_ACCURACY_ARGS:-} \
+    >/tmp/accuracy.log 2>&1
+  rc=$?
+  # one file back (the return channel takes 8): accuracy.md, accuracy.json and the log
+  cp /tmp/accuracy.log /tmp/accuracy/ 2>/dev/null; tar -czf "$OUT/accuracy.tgz" -C /tmp accuracy
+  note "accuracy: rc=$rc"
+  stage "accuracy" "$rc"
+  tail -16 /tmp/accuracy.log | tee -a "$SUMMARY"
 fi
 
 bench="${DEVICE_BENCH:-quick}"
