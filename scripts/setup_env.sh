@@ -18,13 +18,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-stamp="$VENV/.fp8attn-deps-v3"
+stamp="$VENV/.fp8attn-deps-v4"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing Python dependencies (${FP8ATTN_TORCH:-torch==2.11.*}: ~0.5-1 GB plus ~3 GB of CUDA libraries)"
   # --no-cache-dir: the wheels are installed once per venv; caching them as well would
   # double the disk this takes (~3.5 GB per torch), and CI machines' free disk varies.
   python -m pip install -q --no-cache-dir --upgrade pip
-  python -m pip install -q --no-cache-dir "${FP8ATTN_TORCH:-torch==2.11.*}" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers fla-core einops
+  python -m pip install -q --no-cache-dir "${FP8ATTN_TORCH:-torch==2.11.*}" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers fla-core einops ruff
   touch "$stamp"
 fi
 # CMake/GoogleTest for the C++ suite (Debian packages; present on the dev image).

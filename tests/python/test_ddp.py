@@ -372,3 +372,27 @@ def test_two_gpus_ddp_and_fsdp_train_the_same(tmp_path, text_dir):
             assert fps[0] != s["init_fingerprint"], (name, mode)      # ... that training changed
     for mode in MODES:
         assert_trains_alike(logs["fsdp"][mode], logs["ddp"][mode], TOL_GPU, f"{mode}: FSDP vs DDP")
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu"])
+def test_forced_one_rank_group_initializes_for_every_device_choice(device):
+    """FP8ATTN_DIST=1 under a 1-process torchrun environment: init_from_env makes a
+    1-rank group for --device auto as for cpu. Guards the fault of 2026-12-07: an
+    `import torch.distributed.nn.functional` inside init_from_env made `torch` a local
+    name, so the torch.cuda calls before it raised UnboundLocalError on every path that
+    reached them (--device auto here; --device cuda on the GPU) while --device cpu,
+    which short-circuits past them, passed."""
+    code = (
+        "import os, torch, torch.distributed as dist\n"
+        "torch.cuda.is_available = lambda: False\n"   # the gloo path of 'auto' on any machine
+        "from fp8attn.train import ddp\n"
+        f"ctx = ddp.init_from_env({device!r})\n"
+        "assert ctx.enabled and ctx.world_size == 1 and dist.get_backend() == 'gloo', ctx\n"
+        "ddp.shutdown()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FP8ATTN_DIST="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               PYTHONPATH=os.pathsep.join([str(PY_DIR), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr

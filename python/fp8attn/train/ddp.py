@@ -41,6 +41,7 @@ CI's torchrun tests (a non-zero exit after a complete run); see shutdown.
 from __future__ import annotations
 
 import gc
+import importlib
 import math
 import os
 import sys
@@ -111,7 +112,10 @@ def init_from_env(device: str = "auto") -> DistContext:
         # imports torch._dynamo, which imports it), the default group's gloo threads
         # outlived destroy_process_group and gc until the interpreter's exit (measured on
         # torch 2.11: 2 pt_gloo_runloop threads per rank); see shutdown.
-        import torch.distributed.nn.functional  # noqa: F401
+        # NOTE: importlib, not an import statement: `import torch.x` inside this function
+        # made `torch` a local name, and the torch.cuda calls above raised
+        # UnboundLocalError on every CUDA init (ruff F823; tests/python/test_static_checks.py).
+        importlib.import_module("torch.distributed.nn.functional")
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     return context()
 
