@@ -12,9 +12,11 @@ rotation signs last). tests/python/test_hadamard_triton.py checks it in Triton's
 interpreter on the CPU (every head_dim block size, odd row counts, strided rows) and on
 a GPU.
 
-Switch: FP8ATTN_TRITON_HADAMARD=1 makes qk_transform.rotate / rotate_transposed use it
-for FP32 CUDA tensors; unset or 0 keeps the torch ops (the default until a GPU run has
-measured it). Requires triton.
+Switch: qk_transform.rotate / rotate_transposed use it for FP32 CUDA tensors in eager
+mode by default (H100, 2026-12-07: the op with qk_rotation="hadamard" at 16K tokens
+1.23x of the op without it, against 1.98x with the torch ops; the same errors to four
+digits); FP8ATTN_TRITON_HADAMARD=0 keeps the torch ops; under torch.compile the torch ops
+are traced. Without triton: the torch ops.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ m the mean key per batch and kv head).
 The CPU reference (csrc/reference/attention_ref.cpp, csrc/reference/qk_transform.h)
 is the oracle; this module is how the op applies the same rules around the CUDA
 kernels, which have no fused transform yet: the transforms run as separate torch
-ops in FP32 (the rotation optionally as one Triton kernel, fp8attn.hadamard_triton,
-FP8ATTN_TRITON_HADAMARD=1) (extra memory traffic: Q and K are read and written once more in the
+ops in FP32 (the rotation of FP32 CUDA tensors as one Triton kernel in eager mode,
+fp8attn.hadamard_triton; FP8ATTN_TRITON_HADAMARD=0 turns it off) (extra memory traffic: Q and K are read and written once more in the
 forward and the backward, dQ and dK once more in the backward). The operations
 and their order are those of the reference, so on the same inputs they give the
 same FP32 values (tests/python/test_qk_transform.py checks it bit for bit on the
@@ -95,9 +95,13 @@ def _check_rotation(fn: str, qk_rotation) -> None:
 
 
 def _triton_rows(x: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
-    """x R (or x R^T) by fp8attn.hadamard_triton when FP8ATTN_TRITON_HADAMARD=1 and x is an
-    FP32 CUDA tensor (the same FP32 values as the torch ops below); else None."""
-    if not (x.is_cuda and x.dtype == torch.float32 and _env.flag("FP8ATTN_TRITON_HADAMARD", False)):
+    """x R (or x R^T) by fp8attn.hadamard_triton for an FP32 CUDA tensor in eager mode
+    (the same FP32 values as the torch ops below) unless FP8ATTN_TRITON_HADAMARD=0; else
+    None. Under torch.compile the torch ops are traced instead (inductor fuses them; no
+    user Triton kernel in the graph)."""
+    if not (x.is_cuda and x.dtype == torch.float32 and _env.flag("FP8ATTN_TRITON_HADAMARD", True)):
+        return None
+    if torch.compiler.is_compiling():
         return None
     from . import hadamard_triton as _ht  # noqa: PLC0415 (triton imported on use)
     if not _ht.available():
@@ -110,9 +114,9 @@ def _triton_rows(x: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x R along the last dim (head_dim), in x's dtype (the working precision):
-    per block, times the signs, FWHT, times 1/sqrt(n) (FP32 CUDA tensors with
-    FP8ATTN_TRITON_HADAMARD=1: the same values from one Triton kernel,
-    fp8attn.hadamard_triton). Raises TypeError for a non-floating x, ValueError for
+    per block, times the signs, FWHT, times 1/sqrt(n) (FP32 CUDA tensors in eager mode:
+    the same values from one Triton kernel, fp8attn.hadamard_triton, unless
+    FP8ATTN_TRITON_HADAMARD=0). Raises TypeError for a non-floating x, ValueError for
     head_dim outside [1, 256]."""
     _check_head_dim_input("rotate", "x", x)
     fused = _triton_rows(x, False)

@@ -4,7 +4,7 @@ section 10) in one Triton kernel gives bit for bit the FP32 values of the torch-
 
 On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, in a child
 process: the switch is read when the kernel is defined); on a GPU (marked gpu) compiled,
-and through the op with FP8ATTN_TRITON_HADAMARD=1 against the default torch ops."""
+and through the op (the default, on) against the torch ops (FP8ATTN_TRITON_HADAMARD=0)."""
 from __future__ import annotations
 
 import os
@@ -84,12 +84,16 @@ def test_kernel_compiles_for_sm90():
             assert ".target sm_90" in k.asm["ptx"], (n, first)
 
 
-def test_switch_is_off_by_default_and_validated(monkeypatch):
+def test_switch_is_on_by_default_off_with_0_and_validated(monkeypatch):
     x = torch.randn(4, 64)
     monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD", raising=False)
     assert qkt._triton_rows(x, False) is None          # CPU tensor: torch ops whatever the switch
-    if HAS_GPU:
-        assert qkt._triton_rows(x.cuda(), False) is None   # unset: torch ops
+    if HAS_GPU and HAS_TRITON:
+        xc = x.cuda()
+        assert qkt._triton_rows(xc, False) is not None     # unset: the Triton kernel
+        assert qkt._triton_rows(xc.double(), False) is None  # FP32 only
+        monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "0")
+        assert qkt._triton_rows(xc, False) is None         # 0: torch ops
         monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "yes")
         with pytest.raises(ValueError, match="FP8ATTN_TRITON_HADAMARD"):
             qkt.rotate(x.cuda())
@@ -106,6 +110,11 @@ def test_gpu_kernel_and_op_equal_the_torch_path(monkeypatch):
         monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "1")
         got = (qkt.rotate(x), qkt.rotate_transposed(x))
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), d
+    # Under torch.compile (fullgraph) the torch ops are traced, not the user kernel: it compiles
+    # and gives the eager values (inductor's fused code; tolerance for its FP32 reassociation).
+    torch._dynamo.reset()
+    comp = torch.compile(qkt.rotate, fullgraph=True)(x)
+    torch.testing.assert_close(comp, qkt.rotate(x), rtol=1e-5, atol=1e-5)
     # Through the op (tile recipe, forward and backward): the same outputs with and without it.
     q = torch.randn(1, 8, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 700, 128, device="cuda", generator=g, dtype=torch.bfloat16)
