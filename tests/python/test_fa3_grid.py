@@ -91,6 +91,16 @@ yardstick must be an FP8 computation, so here:
     rejects fp8attn's own O and gradients computed with the softcap ignored (O at
     3.9 times the emulation's error, gradients 4.8-12) and with either window bound
     off by one (4-13), and accepts the correct runs (0.7-1.6).
+  * The recipe's tail (CUDA points only). The first GPU run (H100, 2026-12-07,
+    3561 points) had two outputs over RTOL (3.36 and 3.16) where the CPU reference
+    of the same recipe on the same inputs was over it too (3.14; the CUDA result
+    equal to it within TWIN_TOL): the tile recipe's own max-error tail, not a kernel
+    fault. A CUDA output over the rule therefore gets a second look (twin_verdict):
+    it passes when it agrees with the CPU reference on the inputs the kernels read
+    (relative Frobenius < 2e-2) and its ratio is at most 1.25 times the reference's
+    (never above 1.5 RTOL); the report counts those apart
+    (checks_passed_as_recipe_tail). A kernel fault disagrees with the reference and
+    still fails.
 
 Sizes. The CPU subset (default; CI) runs the seqlen pairs with seqlen_q * seqlen_k
 <= 256^2 (so 1 x 1, 239 x 1, 799 x 3, 113 x 203, 108 x 256, 3 x 513, ... stay;
@@ -547,12 +557,19 @@ def _run_point(pt: Point, window=None, override=None, twin=None):
     ref, emu = references(pt, both, names, got, (q, k, v, do), packing, ref_dtype)
     if twin is not None:
         host = {key: (val.cpu() if torch.is_tensor(val) else val) for key, val in common.items()}
-        qc, kc, vc = (t.detach().cpu().clone().requires_grad_() for t in (q, k, v))
+        # The inputs the CUDA kernels read: float16 / float32 rounded to BF16 (numerics.md
+        # section 7, "float32 inputs on CUDA"); the reference quantizes float16 directly, and
+        # that one extra rounding alone moves an FP8 result by ~4% (3 x 513 packed, d 128:
+        # measured on the CPU reference, 2026-12-07), which is not a kernel fault.
+        def kernel_input(t):
+            t = t.detach().cpu()
+            return t if pt.device != "cuda" or t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+        qc, kc, vc = (kernel_input(t).clone().requires_grad_() for t in (q, k, v))
         if pt.kind == "varlen":
             oc = fp8attn.varlen_attention(qc, kc, vc, cu_q.cpu(), cu_k.cpu(), max(pq), max(pk), **host)
         else:
             oc = fp8attn.flash_attn_func(qc, kc, vc, **host)
-        oc.backward(do.cpu())
+        oc.backward(kernel_input(do))
         twin.update(cuda=got, cpu={"O": oc.detach(), "dQ": qc.grad, "dK": kc.grad, "dV": vc.grad}, ref=ref, emu=emu)
 
     rtol = FEW_KEYS_RTOL if pt.sk <= FEW_KEYS else RTOL
@@ -578,9 +595,21 @@ def check_point(pt: Point):
     for _, ok, _ in checks:
         TALLY["checks_passed" if ok else "checks_failed"] += 1
     text = "; ".join(t for _, _, t in checks)
+    failed = [n for n, ok, _ in checks if not ok]
+    if failed and pt.device == "cuda" and "O_one_key" not in failed:
+        # Over the rule on CUDA: the recipe's own tail if the CPU reference of the same recipe
+        # on the inputs the kernels read is there too and CUDA agrees with it (twin_verdict).
+        twin = {}
+        run_point(pt, window=window, twin=twin)
+        tail_ok, tail_text = twin_verdict(twin, failed)
+        text += f" | twin: {tail_text}"
+        if tail_ok:
+            TALLY["checks_failed"] -= len(failed)
+            TALLY["checks_passed_as_recipe_tail"] += len(failed)
+            failed = []
     if os.environ.get("FP8ATTN_FA3_GRID_TRACE"):
         print(pt.name, "window", window, "|", text)
-    assert all(ok for _, ok, _ in checks), f"FA3 grid point {pt.name} (window {window}): {text}"
+    assert not failed, f"FA3 grid point {pt.name} (window {window}): {text}"
 
 
 # ---- the tests ----------------------------------------------------------------------
@@ -643,9 +672,12 @@ def test_fa3_grid_gpu(pt, _no_tf32):
 # The two points of the first GPU run over the rule (H100, 2026-12-07: O at 3.36x and dQ at
 # 3.16x the emulation's max error; the CPU reference of the same configurations stayed at or
 # below 2.65x over 52 seeds) and a passing neighbour of each. On the point's own GPU inputs,
-# CUDA must agree with the CPU reference of the same recipe (the kernels' tolerance of
-# numerics.md section 6, as test_tile_cuda_bwd.py: relative Frobenius < 2e-2): a kernel fault
-# fails here, a tail of the recipe's error passes here while the grid point stays over 3x.
+# CUDA must agree with the CPU reference of the same recipe on the inputs the kernels read
+# (float16 rounded to BF16; the kernels' tolerance of numerics.md section 6, as
+# test_tile_cuda_bwd.py: relative Frobenius < 2e-2): a kernel fault fails here, a tail of
+# the recipe's error passes here (the first GPU run's twin of the float16 point compared
+# against the reference on the float16 values: 4e-2 apart, the extra BF16 rounding alone).
+# check_point applies the same comparison to every CUDA point over the rule (twin_verdict).
 TWIN_POINTS = [
     Point("varlen", "cuda", 3, 513, 128, 128, False, False, "fp16", "gqa", False, False, 0.0, False),
     Point("varlen", "cuda", 3, 513, 128, 128, False, False, "bf16", "gqa", False, False, 0.0, False),
@@ -653,6 +685,35 @@ TWIN_POINTS = [
     Point("varlen", "cuda", 256, 512, 128, 128, False, False, "bf16", "gqa", True, True, 0.0, False),
 ]
 TWIN_TOL = 2e-2
+# A CUDA output over the rule passes as the recipe's tail when its max error is at most
+# TAIL_FACTOR times the CPU reference's on the same inputs (or within RTOL), never above
+# TAIL_CAP times the emulation's, and CUDA agrees with the reference (TWIN_TOL).
+TAIL_FACTOR = 1.25
+TAIL_CAP = 1.5 * RTOL
+
+
+def twin_verdict(twin: dict, failed) -> tuple:
+    """(ok, text) for the outputs `failed` (names among O, dQ, dK, dV) of a CUDA point that
+    failed the rule, from run_point's twin: ok iff for each of them the CUDA result agrees
+    with the CPU reference of the same recipe on the inputs the kernels read (relative
+    Frobenius < TWIN_TOL, no NaN) and its max-error ratio to the emulation is at most
+    min(TAIL_CAP, max(RTOL, TAIL_FACTOR x the reference's ratio)). A kernel fault
+    disagrees with the reference; the recipe's own tail (the reference over RTOL on those
+    inputs) passes, and is counted apart (checks_passed_as_recipe_tail)."""
+    ok, parts = True, []
+    for n in failed:
+        c, r = twin["cuda"][n].float().cpu(), twin["cpu"][n].float()
+        ref, emu = twin["ref"][n].float().cpu(), twin["emu"][n].float().cpu()
+        emu_max = (emu - ref).abs().max().item()
+        diff = ((c - r).norm() / r.norm().clamp_min(1e-30)).item()
+        rc = (c - ref).abs().max().item() / emu_max if emu_max else math.inf
+        rr = (r - ref).abs().max().item() / emu_max if emu_max else math.inf
+        bound = min(TAIL_CAP, max(RTOL, TAIL_FACTOR * rr))
+        good = bool(torch.isfinite(c).all()) and diff < TWIN_TOL and rc <= bound
+        ok &= good
+        parts.append(f"{n}: cuda vs cpu {diff:.2e} (< {TWIN_TOL:g}), ratio cuda {rc:.2f} cpu {rr:.2f} "
+                     f"(bound {bound:.2f}){'' if good else '  FAIL'}")
+    return ok, "; ".join(parts)
 
 
 @pytest.mark.gpu
@@ -684,6 +745,39 @@ def test_twin_repeats_the_points_call_on_cpu():
         for n in ("O", "dQ", "dK", "dV"):
             assert torch.equal(twin["cuda"][n], twin["cpu"][n]), (pt.name, n)
         assert twin["ref"]["O"].shape == twin["cpu"]["O"].shape
+
+
+def test_twin_verdict_passes_the_recipes_tail_and_rejects_kernel_faults():
+    # Synthetic twin: ref exact, emu with max error 1, the CPU reference at ratio 3.2 (over
+    # RTOL: the recipe's tail). A CUDA result equal to it up to noise passes; one that
+    # disagrees with it (a fault), one with a NaN, or one far over a reference that is
+    # within the rule fails.
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4, 300, 6, 64, generator=g)
+    emu = ref.clone()
+    emu.view(-1)[7] += 1.0
+    noise = torch.randn(ref.shape, generator=g) * 0.05
+    cpu = ref + noise
+    cpu.view(-1)[11] += 3.2
+    def twin(cuda, cpu_=cpu):
+        return {"cuda": {"O": cuda}, "cpu": {"O": cpu_}, "ref": {"O": ref}, "emu": {"O": emu}}
+    close = cpu + torch.randn(ref.shape, generator=g) * 1e-3
+    assert twin_verdict(twin(close), ["O"])[0]
+    fault = cpu.clone()
+    fault[:, :, 0] += 0.5                                      # one head's output shifted
+    ok, text = twin_verdict(twin(fault), ["O"])
+    assert not ok and "FAIL" in text
+    nan = close.clone()
+    nan.view(-1)[5] = float("nan")
+    assert not twin_verdict(twin(nan), ["O"])[0]
+    within = ref + noise                                       # reference inside the rule ...
+    within.view(-1)[11] += 2.0
+    over = within.clone()
+    over.view(-1)[11] += 1.5                                   # ... CUDA at 3.5 > max(RTOL, 1.25 x 2.0)
+    assert not twin_verdict(twin(over, within), ["O"])[0]
+    capped = cpu.clone()
+    capped.view(-1)[11] += 2.0                                 # both at 5.2 > TAIL_CAP
+    assert not twin_verdict(twin(capped, capped.clone()), ["O"])[0]
 
 
 # ---- negative controls: the rule separates wrong results from right ones ---------------
