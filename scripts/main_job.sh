@@ -20,7 +20,9 @@ if python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)
 else
   preset="${FP8ATTN_PRESET:-cpu-tiny}"
 fi
-modes="${FP8ATTN_MODES:-bf16,fp8-stale,fp8-matched_do,fp8-delta_matching}"
+# NOTE: the default is compare's (compare.DEFAULT_MODES: every mode of model.ATTN_MODES but the
+# opt-in fp8-cudnn), read from it so the two cannot drift apart.
+modes="${FP8ATTN_MODES:-$(python -c 'from fp8attn.train.compare import DEFAULT_MODES; print(",".join(DEFAULT_MODES))')}"
 out="${FP8ATTN_RUN_DIR:-runs/main-$preset}"
 steps=()
 [ -n "${FP8ATTN_STEPS:-}" ] && steps=(--steps "$FP8ATTN_STEPS")

@@ -336,3 +336,67 @@ def test_recipe_study_captured_activations_table(run_dir):
         for cfg, errs in res.items():
             assert set(errs) == {"o", "lse", "dq", "dk", "dv"}
             assert all(math.isfinite(e) and 0 < e < 0.5 for e in errs.values()), (name, cfg, errs)
+
+
+# ---- the fp8-cudnn mode in the downstream tools --------------------------------------
+
+
+def _with_cudnn_checkpoint(run_dir: Path, d: Path, modes=("bf16",)) -> Path:
+    """A run dir `d` with the fixture run's `modes` (links) and an fp8-cudnn.pt / .jsonl: the
+    bf16 weights saved as a checkpoint of mode fp8-cudnn (smoke: head_dim 32, so fp8-cudnn
+    cannot run here whatever the machine), its log the bf16 log with the mode renamed."""
+    from fp8attn.train.model import CUDNN_MODE
+    d.mkdir(parents=True, exist_ok=True)
+    for m in modes:
+        for ext in (".pt", ".jsonl"):
+            (d / f"{m}{ext}").symlink_to(run_dir / f"{m}{ext}")
+    model, info = load_checkpoint(run_dir / "bf16.pt", attn_mode=CUDNN_MODE)
+    save_checkpoint(d / f"{CUDNN_MODE}.pt", model, mode=CUDNN_MODE, step=info["step"],
+                    train_config=info["train_config"], data_root=info["data_root"])
+    recs = [json.loads(line) for line in (run_dir / "bf16.jsonl").open()]
+    for r in recs:
+        if "mode" in r:
+            r["mode"] = CUDNN_MODE
+    (d / f"{CUDNN_MODE}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    return d
+
+
+def test_find_checkpoints_and_load_run_include_fp8_cudnn(run_dir, tmp_path):
+    """Every mode of model.ATTN_MODES is found (break, 2026-12-07: the GPU smoke run's
+    fp8-cudnn.pt and fp8-cudnn.jsonl were silently left out of probe / retrieval / results)."""
+    from fp8attn.train.model import ATTN_MODES
+    d = _with_cudnn_checkpoint(run_dir, tmp_path / "run", modes=("bf16", "fp8-stale"))
+    assert [p.name for p in probe.find_checkpoints(d)] == ["bf16.pt", "fp8-stale.pt", "fp8-cudnn.pt"]
+    for m in ATTN_MODES:                                 # the order is model.ATTN_MODES'
+        (tmp_path / "all" / f"{m}.pt").parent.mkdir(exist_ok=True)
+        (tmp_path / "all" / f"{m}.pt").write_bytes(b"")
+    assert [p.stem for p in probe.find_checkpoints(tmp_path / "all")] == list(ATTN_MODES)
+    run = results.load_run(d)
+    assert [s["mode"] for s in run["summaries"]] == ["bf16", "fp8-stale", "fp8-cudnn"]
+    text = results.build({"r": run}, [], tmp_path / "r.md", tmp_path / "figs", None)
+    assert "fp8-cudnn (cuDNN FP8, delayed scaling) val" in text        # findings: compare's row label
+    assert "| fp8-cudnn (cuDNN FP8, delayed scaling) |" in text         # the training table's row
+    assert "fp8-cudnn - bf16" in text                                   # its gap in the stress table
+
+
+def test_probe_skips_an_fp8_cudnn_checkpoint_it_cannot_run(run_dir, tmp_path, capsys):
+    """On a device where fp8-cudnn cannot run, probe says why in one line, records the
+    checkpoint as skipped and probes the others (no failure); named with --modes it stops."""
+    d = _with_cudnn_checkpoint(run_dir, tmp_path / "run")
+    probe.main(["--run-dir", str(d), "--batch-size", "1", "--val-batches", "1", "--device", "cpu"])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("[probe] skipped"))
+    assert "fp8-cudnn" in line and "head_dim 32" in line and "needs a CUDA GPU (this run is on cpu)" in line
+    pj = json.loads((d / "probe" / "probe.json").read_text())
+    assert [c["mode"] for c in pj["checkpoints"]] == ["bf16", "fp8-cudnn"]
+    assert "kernel" in pj["checkpoints"][0] and "head_dim 32" in pj["checkpoints"][1]["skipped"]
+    md = (d / "probe" / "probe.md").read_text()
+    assert "## fp8-cudnn (cuDNN FP8, delayed scaling): skipped" in md
+    run = results.load_run(d)
+    text = results.build({"r": run}, [], tmp_path / "r.md", tmp_path / "figs", None)
+    assert "probe skipped `" in text and "probe failed" not in text
+    with pytest.raises(SystemExit, match="--modes fp8-cudnn: cannot run .*head_dim 32"):
+        probe.main(["--run-dir", str(d), "--modes", "bf16,fp8-cudnn", "--device", "cpu", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--ckpt .*fp8-cudnn.pt: cannot run .*head_dim 32"):
+        probe.main(["--ckpt", str(d / "fp8-cudnn.pt"), "--device", "cpu", "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

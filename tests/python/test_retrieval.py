@@ -134,3 +134,34 @@ def test_lengths_outside_the_model_are_refused_up_front(run, length):
     with pytest.raises(SystemExit, match=r"argument --lengths: \[" + length + r"\] outside"):
         R.main(["--run-dir", str(run / "run"), "--lengths", length, "--out", str(run / "bad")])
     assert not (run / "bad").exists()
+
+
+def test_fp8_cudnn_checkpoint_is_found_and_skipped_where_it_cannot_run(run, tmp_path, capsys):
+    """--run-dir finds fp8-cudnn.pt (break, 2026-12-07: the GPU smoke run's table had no
+    fp8-cudnn row); where the mode cannot run (here: the CPU, and the smoke model's head_dim
+    32) it is skipped with a one-line reason, listed as skipped, and the others are scored.
+    Named with --modes (or given as a file) it is an error naming the argument."""
+    from fp8attn.train.checkpoint import load_checkpoint, save_checkpoint
+    from fp8attn.train.model import CUDNN_MODE
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "bf16.pt").symlink_to(run / "run" / "bf16.pt")
+    model, info = load_checkpoint(run / "run" / "bf16.pt", attn_mode=CUDNN_MODE)
+    save_checkpoint(d / "fp8-cudnn.pt", model, mode=CUDNN_MODE, step=info["step"],
+                    train_config=info["train_config"], data_root=info["data_root"])
+    args = ["--samples", "1", "--depths", "0.5", "--tasks", "passkey", "--lengths", "120", "--device", "cpu"]
+    R.main(["--run-dir", str(d), *args])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("[retrieval] skipped"))
+    assert "fp8-cudnn" in line and "needs a CUDA GPU (this run is on cpu)" in line and "head_dim 32" in line
+    res = json.loads((d / "retrieval" / "retrieval.json").read_text())
+    assert [c["mode"] for c in res["checkpoints"]] == ["bf16", "fp8-cudnn"]
+    assert "cells" in res["checkpoints"][0] and "head_dim 32" in res["checkpoints"][1]["skipped"]
+    md = (d / "retrieval" / "retrieval.md").read_text()
+    assert "| bf16 |" in md and "| fp8-cudnn (cuDNN FP8, delayed scaling) (skipped) | n/a | n/a |" in md
+    assert "fp8-cudnn skipped: needs a CUDA GPU" in md
+    with pytest.raises(SystemExit, match="--modes fp8-cudnn: cannot run .*head_dim 32"):
+        R.main(["--run-dir", str(d), "--modes", "fp8-cudnn", *args, "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="checkpoint .*fp8-cudnn.pt: cannot run .*head_dim 32"):
+        R.main([str(d / "fp8-cudnn.pt"), *args, "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

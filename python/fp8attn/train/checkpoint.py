@@ -76,6 +76,22 @@ def check_intact(path: str | os.PathLike) -> None:
         raise ValueError(f"checkpoint {path}: damaged (CRC mismatch in {bad})")
 
 
+def read_info(path: str | os.PathLike) -> dict:
+    """The checkpoint dict without its state_dict (mode, step, model_config, ...), the
+    weights memory-mapped, not read (a look at the header before choosing to load).
+    FileNotFoundError for a missing file, ValueError for one not of this format."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001  (pickle, zip, EOF errors of a file that is no checkpoint)
+        raise ValueError(f"checkpoint {path}: not a readable {FORMAT} file ({type(exc).__name__})") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or not isinstance(obj.get("model_config"), dict):
+        raise ValueError(f"checkpoint {path}: not an {FORMAT} file")
+    return {k: v for k, v in obj.items() if k != "state_dict"}
+
+
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
                     attn_mode: str | None = None) -> tuple[Transformer, dict]:
     """Rebuilds the model from a checkpoint. Returns (model in eval mode on `device`, info)

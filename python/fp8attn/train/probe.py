@@ -28,6 +28,13 @@ layer (`--mask-layers all`: of each layer in turn) set to zero
 
 Outputs under --out (default <run-dir>/probe): probe.json (everything above +
 provenance), probe.md (tables), probe_rowsum.png, probe_eps.png.
+
+Checkpoints of every attention mode (model.ATTN_MODES) are probed in the mode they were
+trained with. One that cannot run on this device (fp8-cudnn without a CUDA sm_90 GPU,
+the cuDNN frontend or head_dim 128: compare's check, trainer.checkpoint_unavailable_reason)
+is skipped with a one-line reason ("[probe] skipped ...") and listed in probe.json as
+{"checkpoint", "mode", "skipped": reason}; the others are probed. Named by --modes or
+--ckpt, such a checkpoint stops the command before any work, naming the argument.
 """
 from __future__ import annotations
 
@@ -44,9 +51,11 @@ import torch.nn.functional as F
 
 from . import provenance
 from .capture import CoreCapture, zero_attention_output
-from .checkpoint import load_checkpoint
+from .checkpoint import load_checkpoint, read_info
 from .data import TokenStream
-from .trainer import evaluate, resolve_device
+from .model import ATTN_MODES, CUDNN_MODE
+from .report import mode_label
+from .trainer import checkpoint_unavailable_reason, evaluate, resolve_device
 
 DELTA_MODES = ("stale", "matched_do", "delta_matching")
 _QUANTS = (0.5, 0.9, 0.99)
@@ -234,9 +243,14 @@ def markdown(result: dict) -> str:
         if "error" in ck:
             lines += [f"## {Path(ck['checkpoint']).name}: probe failed", "", f"`{ck['error']}`", ""]
             continue
+        if "skipped" in ck:
+            lines += [f"## {mode_label(ck.get('mode') or '?')}: skipped", "",
+                      f"`{Path(ck['checkpoint']).name}` cannot run on {ck.get('device', 'this device')}: "
+                      f"{ck['skipped']}", ""]
+            continue
         k = ck["kernel"]
         c = ck["capture"]
-        lines += [f"## {ck['mode']} (step {ck['step']})", "",
+        lines += [f"## {mode_label(ck['mode'])} (step {ck['step']})", "",
                   f"Capture: {c['batch_size']} x {c['seq_len']} validation tokens, loss {c['loss']:.4f}; "
                   f"device {ck['device']}; checkpoint `{Path(ck['checkpoint']).name}`.", "",
                   "All layers (per-row values pooled):", "",
@@ -278,7 +292,7 @@ def make_plots(result: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cks = [ck for ck in result["checkpoints"] if "error" not in ck]
+    cks = [ck for ck in result["checkpoints"] if "kernel" in ck]   # not the failed or skipped ones
     paths = []
     if not cks:
         return paths
@@ -302,7 +316,7 @@ def make_plots(result: dict, out_dir: Path) -> list[Path]:
             ax.set_yscale("log")
             ax.set_xticks(xs)
             ax.set_xlabel("layer")
-            ax.set_title(f"{ck['mode']} ckpt, step {ck['step']}", fontsize=9)
+            ax.set_title(f"{mode_label(ck['mode'])} ckpt, step {ck['step']}", fontsize=9)
             ax.grid(alpha=0.3, which="both")
         axes[0][0].set_ylabel("mean_i |sum_j dS_ij| / sum_j |dS_ij|" if draw == "rowsum"
                               else "|eps_i| / (|dO_i| |O_i|)")
@@ -324,22 +338,58 @@ def write_outputs(result: dict, out_dir: str | os.PathLike) -> list[Path]:
 
 # ---- CLI ----------------------------------------------------------------------
 
-_MODE_ORDER = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
-
-
 def find_checkpoints(run_dir: str | os.PathLike, modes=None, step: int | None = None) -> list[Path]:
     """<run_dir>/<mode>.pt (or <mode>.step<step>.pt) for the given modes (default: all present),
-    in the order bf16, stale, matched_do, delta_matching."""
+    in the order of model.ATTN_MODES (bf16, stale, matched_do, delta_matching, cudnn)."""
     run_dir = Path(run_dir)
     suffix = ".pt" if step is None else f".step{step}.pt"
     found = []
-    for m in modes or _MODE_ORDER:
+    for m in modes or ATTN_MODES:
         p = run_dir / f"{m}{suffix}"
         if p.is_file():
             found.append(p)
         elif modes:
             raise FileNotFoundError(f"--modes: no checkpoint {p}")
     return found
+
+
+def runnable(paths, requested: dict, device, tool: str) -> dict:
+    """{path: (mode, why it cannot run on `device`)} for the checkpoints among `paths` whose
+    model cannot run there (trainer.checkpoint_unavailable_reason: fp8-cudnn where compare
+    would skip it); the caller skips those. requested: {path: the argument that named it
+    ("--modes fp8-cudnn", "--ckpt", ...)}: such a checkpoint that cannot run is a SystemExit
+    naming the argument, before any work. A file whose header cannot be read, or a device
+    that cannot be resolved, is left to the load (its error is the checkpoint's)."""
+    try:
+        dev = resolve_device(device)
+    except ValueError:
+        return {}
+    out = {}
+    for p in paths:
+        try:
+            info = read_info(p)
+        except (OSError, ValueError):
+            continue
+        why = checkpoint_unavailable_reason(info["model_config"], dev)
+        if why is None:
+            continue
+        mode = info.get("mode") or info["model_config"].get("attn_mode")
+        if p in requested:
+            arg = requested[p]
+            raise SystemExit(f"{tool}: argument {arg}: cannot run on {dev}"
+                             + ("" if arg.endswith(f" {mode}") else f" ({mode})") + f": {why}")
+        out[p] = (mode, why)
+    return out
+
+
+def requested_paths(paths_given, run_paths, modes, given_arg: str) -> dict:
+    """{path: argument} for the checkpoints the user named: files given (`given_arg`, e.g.
+    "--ckpt"), and those of --run-dir chosen by --modes ("--modes <mode>"); the rest of
+    --run-dir (every mode present) are not requested one by one."""
+    out = {Path(p): f"{given_arg} {p}" for p in paths_given}
+    for m, p in zip(modes or [], run_paths):   # NOTE: find_checkpoints gives one path per mode, in order
+        out.setdefault(p, f"--modes {m}")
+    return out
 
 
 def parse_args(argv=None):
@@ -381,24 +431,49 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    from fp8attn.cudnn_fp8_attention import CudnnFP8Unavailable
     if a.threads:
         torch.set_num_threads(a.threads)
     paths = [Path(p) for p in a.ckpt]
+    modes = run_paths = None
     if a.run_dir:
         modes = [m.strip() for m in a.modes.split(",")] if a.modes else None
-        paths += find_checkpoints(a.run_dir, modes, a.step)
+        run_paths = find_checkpoints(a.run_dir, modes, a.step)
+        paths += run_paths
     if not paths:
         want = "<mode>.pt" if a.step is None else f"<mode>.step{a.step}.pt (--step {a.step})"
         raise SystemExit(f"probe: no checkpoints {want} found in {a.run_dir}")
+    requested = requested_paths(a.ckpt, run_paths or [], modes, "--ckpt")
+    cannot = runnable(paths, requested, a.device, "probe")
     out = Path(a.out or Path(a.run_dir) / "probe")
     results, failed = [], 0
     for p in paths:
+        if p in cannot:
+            mode, why = cannot[p]
+            dev = resolve_device(a.device)
+            print(f"[probe] skipped {mode} ({p}): cannot run on {dev}: {why}; the other checkpoints are probed",
+                  flush=True)
+            results.append({"checkpoint": str(p), "mode": mode, "device": str(dev), "skipped": why})
+            continue
         print(f"[probe] {p}", flush=True)
         try:
             r = probe_checkpoint(p, device=a.device, data_root=a.data_root, batch_size=a.batch_size,
                              seq_len=a.seq_len, val_batches=a.val_batches, mask_batch_size=a.mask_batch_size,
                              mask_layers=a.mask_layers,
                              delta_modes=tuple(a.delta_modes.split(",")))
+        except CudnnFP8Unavailable as exc:
+            if p not in requested:
+                # NOTE: the static check passed and cuDNN refused the probe's shape: skipped as well
+                # (a checkpoint the user named is a failure instead, below)
+                print(f"[probe] skipped {p}: {exc}; the other checkpoints are probed", flush=True)
+                results.append({"checkpoint": str(p), "mode": CUDNN_MODE, "device": str(resolve_device(a.device)),
+                                "skipped": str(exc)})
+                cannot[p] = (CUDNN_MODE, str(exc))
+                continue
+            results.append({"checkpoint": str(p), "error": f"{type(exc).__name__}: {exc}"})
+            print(f"[probe] failed: {exc}", flush=True)
+            failed += 1
+            continue
         except Exception as exc:  # noqa: BLE001 - NOTE: one bad checkpoint must not lose the others' results
             import traceback
             traceback.print_exc()
@@ -420,7 +495,7 @@ def main(argv=None) -> None:
     files = write_outputs(result, out)
     print(f"[probe] wrote {', '.join(str(f) for f in files)}")
     if failed:
-        raise SystemExit(f"probe: {failed} of {len(paths)} checkpoints failed (see above)")
+        raise SystemExit(f"probe: {failed} of {len(paths) - len(cannot)} checkpoints failed (see above)")
 
 
 if __name__ == "__main__":

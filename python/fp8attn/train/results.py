@@ -34,9 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from . import provenance
-from .report import markdown_table, make_plots, read_log
+from .model import ATTN_MODES, CUDNN_MODE
+from .report import markdown_table, make_plots, mode_label, read_log
 
-MODE_ORDER = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+MODE_ORDER = ATTN_MODES   # NOTE: one source of truth: every mode the harness trains, fp8-cudnn included
 
 
 # ---- loading --------------------------------------------------------------------
@@ -210,14 +211,21 @@ def _rel(path: Path, out: Path) -> str:
 
 
 def _probed(run: dict) -> list[dict]:
-    """The probe's checkpoint results without the failed ones."""
-    return [ck for ck in (run["probe"] or {}).get("checkpoints", []) if "error" not in ck]
+    """The probe's checkpoint results without the failed and the skipped ones."""
+    return [ck for ck in (run["probe"] or {}).get("checkpoints", []) if "kernel" in ck]
 
 
 def _probe_failures(run: dict) -> list[str]:
-    """One markdown line per checkpoint the probe failed on (shown, not dropped silently)."""
-    return [f"- probe failed on `{ck.get('checkpoint', '?')}`: {ck['error']}"
-            for ck in (run["probe"] or {}).get("checkpoints", []) if "error" in ck]
+    """One markdown line per checkpoint the probe failed on or skipped (a mode that cannot
+    run on the probe's device: fp8-cudnn), shown, not dropped silently."""
+    out = []
+    for ck in (run["probe"] or {}).get("checkpoints", []):
+        if "error" in ck:
+            out.append(f"- probe failed on `{ck.get('checkpoint', '?')}`: {ck['error']}")
+        elif "skipped" in ck:
+            out.append(f"- probe skipped `{ck.get('checkpoint', '?')}` ({mode_label(ck.get('mode') or '?')}): "
+                       f"cannot run on {ck.get('device', 'the probe device')}: {ck['skipped']}")
+    return out
 
 
 def _final_layer_gains(log: dict, key: str) -> dict:
@@ -241,7 +249,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
     L += ["## Findings in numbers", ""]
     for label, run in runs.items():
         ss = run["summaries"]
-        parts = [f"{s['mode']} val {_e(s.get('final_val_loss'), '.4f')}"
+        parts = [f"{mode_label(s['mode'])} val {_e(s.get('final_val_loss'), '.4f')}"
                  + (f" (gap to bf16 {_gap(ss, s['mode']):+.4f})" if _gap(ss, s["mode"]) is not None
                     and s["mode"] != "bf16" else "")
                  + (" DIVERGED" if s.get("diverged") else "") + (" INCOMPLETE" if s.get("incomplete") else "")
@@ -251,13 +259,13 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
             for ck in _probed(run):
                 r = ck["kernel"]["ratios"].get("stale/delta_matching")
                 if r:
-                    L.append(f"  - kernel probe on the {ck['mode']} checkpoint: stale/DM dS row-sum residual "
+                    L.append(f"  - kernel probe on the {mode_label(ck['mode'])} checkpoint: stale/DM dS row-sum residual "
                              f"{r['pre']:.3g}x pre-cast, {r['post']:.3g}x post-cast (ratio of the means; "
                              f"of the medians {r['pre_p50']:.3g}x and {r['post_p50']:.3g}x).")
     for p in priors:
         ss = p["summary_json"]["summaries"]
         L.append(f"- prior **{p['dir'].name}**: " + "; ".join(
-            f"{s['mode']} val {_e(s.get('final_val_loss'), '.4f')}" for s in ss) + ".")
+            f"{mode_label(s['mode'])} val {_e(s.get('final_val_loss'), '.4f')}" for s in ss) + ".")
     L.append("")
 
     # 1. Kernel probe.
@@ -280,7 +288,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
             lr = [v["stale/delta_matching"]["post"] for v in k["layer_ratios"].values() if "stale/delta_matching" in v]
             for m, s in k["all"].items():
                 cell = f"{min(lr):.2f}-{max(lr):.2f}" if (lr and m == "stale") else ""
-                L.append(f"| {ck['mode']} step {ck['step']} | {m} "
+                L.append(f"| {mode_label(ck['mode'])} step {ck['step']} | {m} "
                          f"| {_e(s['rowsum_pre']['mean'])} / {_e(s['rowsum_pre'].get('p50'))} "
                          f"| {_e(s['rowsum_post']['mean'])} / {_e(s['rowsum_post'].get('p50'))} "
                          f"| {_e(s['rowsum_post'].get('p99'))} "
@@ -299,7 +307,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
     for label, run in runs.items():
         meta = _run_meta(run)
         L += [f"### {label}", "", f"Config: {_config_line(meta)}.", "", f"Command: `{_command(run)}`", "",
-              markdown_table(run["summaries"]), ""]
+              markdown_table(run["summaries"], (run["summary_json"] or {}).get("skipped")), ""]
         if not run["complete"]:
             L += ["NOTE: this run was cut short; rows marked incomplete are read from the logs.", ""]
         if "loss" in figs[label]:
@@ -308,19 +316,21 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
 
     # 3. Stress configurations tried.
     L += ["## 3. Configurations tried (stress search)", "",
-          "| run | model / training | stale - bf16 | DM - bf16 | matched_do - bf16 | diverged |",
-          "|---|---|---|---|---|---|"]
+          f"| run | model / training | stale - bf16 | DM - bf16 | matched_do - bf16 | {CUDNN_MODE} - bf16 | diverged |",
+          "|---|---|---|---|---|---|---|"]
+
+    def gaps(ss):
+        return " | ".join(_e(_gap(ss, m), "+.4f") for m in ("fp8-stale", "fp8-delta_matching", "fp8-matched_do",
+                                                            CUDNN_MODE))
     for label, run in runs.items():
         ss = run["summaries"]
         div = ", ".join(s["mode"] for s in ss if s.get("diverged")) or "none"
-        L.append(f"| {label} | {_config_line(_run_meta(run))} | {_e(_gap(ss, 'fp8-stale'), '+.4f')} "
-                 f"| {_e(_gap(ss, 'fp8-delta_matching'), '+.4f')} | {_e(_gap(ss, 'fp8-matched_do'), '+.4f')} | {div} |")
+        L.append(f"| {label} | {_config_line(_run_meta(run))} | {gaps(ss)} | {div} |")
     for p in priors:
         ss = p["summary_json"]["summaries"]
         div = ", ".join(s["mode"] for s in ss if s.get("diverged")) or "none"
         desc = " ".join(h.split(":", 1)[1].strip() for h in p["header"][:2])
-        L.append(f"| {p['dir'].name} (prior) | {desc} | {_e(_gap(ss, 'fp8-stale'), '+.4f')} "
-                 f"| {_e(_gap(ss, 'fp8-delta_matching'), '+.4f')} | {_e(_gap(ss, 'fp8-matched_do'), '+.4f')} | {div} |")
+        L.append(f"| {p['dir'].name} (prior) | {desc} | {gaps(ss)} | {div} |")
     L.append("")
 
     for i, d in enumerate(scans):
@@ -358,7 +368,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
                     cells += [f"{fg[layer][0]:.3f} ({layer})", f"{fg[layer][1]:.3f}"]
                 else:
                     cells += ["n/a", "n/a"]
-            L.append(f"| {mode} | " + " | ".join(cells) + " |")
+            L.append(f"| {mode_label(mode)} | " + " | ".join(cells) + " |")
         L.append("")
         if "gains" in figs[label]:
             L += [f"![{label} gains]({_rel(figs[label]['gains'], out)})", ""]
@@ -378,7 +388,7 @@ def build(runs: dict, priors: list[dict], out: Path, fig_dir: Path, verdict: str
             if len(mk["layers"]) > 1:
                 i, v = max(mk["layers"].items(), key=lambda kv: kv[1]["increase"])
                 allc = f"{v['increase']:+.4f} (layer {i})"
-            L.append(f"| {label} | {ck['mode']} step {ck['step']} | {mk['base']:.4f} | {_e(inc, '+.4f')} | {allc} |")
+            L.append(f"| {label} | {mode_label(ck['mode'])} step {ck['step']} | {mk['base']:.4f} | {_e(inc, '+.4f')} | {allc} |")
     L.append("")
 
     # 6. Prior evidence.

@@ -29,6 +29,13 @@ mode x length, averaged over depths), retrieval.png (accuracy vs length per mode
 task). With --run-dir the run's report.md is rebuilt with these included
 (report.write_report picks up retrieval/retrieval.md).
 
+Checkpoints of every attention mode (model.ATTN_MODES) are found in --run-dir. One that
+cannot run on this device (fp8-cudnn without a CUDA sm_90 GPU, the cuDNN frontend or
+head_dim 128: compare's check, as in the kernel probe) is skipped with a one-line reason
+("[retrieval] skipped ..."), listed in retrieval.json as {"checkpoint", "mode", "skipped"}
+and in the tables as a "(skipped)" row; the others are scored. Named by --modes or given
+as a file, such a checkpoint stops the command before any work, naming the argument.
+
 Scores of small models trained for minutes are near 0 for long contexts (and may be at
 every length): the probe is for comparing modes on the same checkpoints' lineage,
 where Delta-Matching's claim is that FP8 retrieval stays at BF16's.
@@ -45,7 +52,9 @@ import torch
 
 from . import provenance
 from .checkpoint import load_checkpoint
-from .probe import _autocast, find_checkpoints
+from .model import CUDNN_MODE
+from .probe import _autocast, find_checkpoints, requested_paths, runnable
+from .report import mode_label
 from .trainer import resolve_device
 
 TASKS = ("passkey", "mkar")
@@ -171,8 +180,11 @@ def probe_checkpoint(path, *, tok, val_tokens, lengths, depths, tasks=TASKS, sam
 def tables(result: dict) -> str:
     """Markdown: per task, accuracy per mode x length (mean over depths), plus the overall mean."""
     ok = [r for r in result["checkpoints"] if "cells" in r]
+    skipped = [r for r in result["checkpoints"] if "skipped" in r]
+    notes = [f"{r.get('mode')} skipped: {r['skipped']} (`{Path(r['checkpoint']).name}`, device "
+             f"{r.get('device', '?')})" for r in skipped]
     if not ok:
-        return "No checkpoint was probed.\n"
+        return "No checkpoint was probed.\n" + "".join(f"\n{n}\n" for n in notes)
     lines = []
     for task in TASKS:
         lengths = sorted({c["length"] for r in ok for c in r["cells"] if c["task"] == task})
@@ -187,8 +199,13 @@ def tables(result: dict) -> str:
         for r in ok:
             accs = [np.mean([c["accuracy"] for c in r["cells"] if c["task"] == task and c["length"] == L])
                     for L in lengths]
-            lines.append(f"| {r['mode']} | " + " | ".join(f"{a:.2f}" for a in accs) + f" | {np.mean(accs):.2f} |")
+            lines.append(f"| {mode_label(r['mode'])} | " + " | ".join(f"{a:.2f}" for a in accs)
+                         + f" | {np.mean(accs):.2f} |")
+        for r in skipped:
+            lines.append(f"| {mode_label(r.get('mode') or '?')} (skipped) | " + " | ".join(["n/a"] * (len(lengths) + 1))
+                         + " |")
         lines.append("")
+    lines += [n + "\n" for n in notes]
     return "\n".join(lines)
 
 
@@ -212,12 +229,13 @@ def write_outputs(result: dict, out: Path) -> list:
                 accs = [np.mean([c["accuracy"] for c in r["cells"] if c["task"] == task and c["length"] == L])
                         for L in lengths]
                 if lengths:
-                    ax.plot(lengths, accs, marker="o", label=r["mode"])
+                    ax.plot(lengths, accs, marker="o", label=mode_label(r["mode"]))
             ax.set_title(task)
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("exact match")
             ax.set_ylim(-0.05, 1.05)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:   # NOTE: a task left out by --tasks has no lines
+                ax.legend(fontsize=7)
         fig.tight_layout()
         png = out / "retrieval.png"
         fig.savefig(png, dpi=110)
@@ -277,13 +295,18 @@ def main(argv=None) -> None:
     if a.samples < 1 or a.keys < 1:
         raise SystemExit("--samples and --keys must be >= 1")
     paths = [Path(p) for p in a.ckpt]
+    modes = run_paths = None
     if a.run_dir:
         modes = [m.strip() for m in a.modes.split(",")] if a.modes else None
-        paths += find_checkpoints(a.run_dir, modes, a.step)
+        run_paths = find_checkpoints(a.run_dir, modes, a.step)
+        paths += run_paths
     if not paths:
         raise SystemExit("retrieval: no checkpoints (give files, or --run-dir with <mode>.pt checkpoints)")
     if not a.out and not a.run_dir:
         raise SystemExit("retrieval: --out is required without --run-dir")
+    # NOTE: before anything is read or written: a checkpoint the user named that cannot run here stops
+    cannot = runnable(paths, requested_paths(a.ckpt, run_paths or [], modes, "ckpt: checkpoint"), a.device,
+                      "retrieval")
     out = Path(a.out or Path(a.run_dir) / "retrieval")
     from tokenizers import Tokenizer
     info0 = torch.load(paths[0], map_location="cpu", weights_only=True)
@@ -309,12 +332,33 @@ def main(argv=None) -> None:
         raise SystemExit(f"retrieval: argument --lengths: {bad} outside [{need}, {room}]: a prompt must hold the "
                          f"tasks ({need} tokens with this tokenizer and --keys {a.keys}) and leave 16 answer tokens "
                          f"inside the model's max_seq_len ({room + 16})")
+    from fp8attn.cudnn_fp8_attention import CudnnFP8Unavailable
+    dev = resolve_device(a.device) if cannot else None
     results, failed = [], 0
     for p in paths:
+        if p in cannot:
+            mode, why = cannot[p]
+            print(f"[retrieval] skipped {mode} ({p}): cannot run on {dev}: {why}; the other checkpoints are scored",
+                  flush=True)
+            results.append({"checkpoint": str(p), "mode": mode, "device": str(dev), "skipped": why})
+            continue
         print(f"[retrieval] {p}", flush=True)
         try:
             r = probe_checkpoint(p, tok=tok, val_tokens=val_tokens, lengths=lengths, depths=depths, tasks=tasks,
                                  samples=a.samples, seed=a.seed, keys=a.keys, device=a.device)
+        except CudnnFP8Unavailable as exc:
+            # NOTE: the static check passed and cuDNN refused the prompts' shape: skipped too (a file or
+            # --modes the user named: a failure)
+            if Path(p) in requested_paths(a.ckpt, run_paths or [], modes, ""):
+                results.append({"checkpoint": str(p), "error": f"{type(exc).__name__}: {exc}"})
+                print(f"[retrieval] failed: {exc}", flush=True)
+                failed += 1
+                continue
+            print(f"[retrieval] skipped {p}: {exc}; the other checkpoints are scored", flush=True)
+            results.append({"checkpoint": str(p), "mode": CUDNN_MODE, "device": str(resolve_device(a.device)),
+                            "skipped": str(exc)})
+            cannot[p] = (CUDNN_MODE, str(exc))
+            continue
         except Exception as exc:  # noqa: BLE001 - NOTE: one bad checkpoint must not lose the others' results
             import traceback
             traceback.print_exc()
@@ -334,7 +378,7 @@ def main(argv=None) -> None:
         files.append(write_report(a.run_dir, modes)[0])
     print(f"[retrieval] wrote {', '.join(str(f) for f in files)}")
     if failed:
-        raise SystemExit(f"retrieval: {failed} of {len(paths)} checkpoints failed (see above)")
+        raise SystemExit(f"retrieval: {failed} of {len(paths) - len(cannot)} checkpoints failed (see above)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ aggregate: writes <out>/seeds.md, seeds.json, seeds_loss.png, seeds_gain.png
   paired differences: within a seed every mode starts from the same weights and
     sees the same batches, so val(mode, seed) - val(ref, seed) is a paired
     difference; per seed, mean, and whether the sign agrees across seeds
-    (fp8 modes vs bf16, fp8-stale and fp8-matched_do vs fp8-delta_matching).
+    (fp8 modes vs bf16, fp8-stale and fp8-matched_do vs fp8-delta_matching,
+    fp8-delta_matching vs fp8-cudnn: fp8attn against the FP8 attention a user would pick instead).
   Errors (ValueError naming the run): a missing run dir or log, a log without a
   meta line, runs that differ in the training or model configuration (step
   count, lr, batch, model shape, ...: the lr schedule must be the same), runs of
@@ -67,17 +68,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import OPTIMIZER_NAMES, read_log
+from .model import ATTN_MODES, CUDNN_MODE
+from .report import OPTIMIZER_NAMES, mode_label, read_log
 
-MODE_ORDER = ("bf16", "fp8-stale", "fp8-matched_do", "fp8-delta_matching")
+MODE_ORDER = ATTN_MODES   # NOTE: one source of truth: every mode the harness trains, fp8-cudnn included
+# Plot color per mode (one each, so no two modes share one; ATTN_MODES order).
+MODE_COLORS = dict(zip(ATTN_MODES, ("k", "tab:red", "tab:orange", "tab:blue", "tab:green")))
 _DIR_RE = re.compile(r"^(?P<mode>bf16|fp8-[a-z_]+)-s(?P<seed>-?\d+)$")
 # Training-config fields every run of a study must share (seed/data_seed differ by design;
 # device/threads/progress/saving do not change the numbers).
 _SHARED_TRAIN = ("steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay", "betas",
                  "grad_clip", "diag_every", "val_every", "val_batches", "loss_avg_last")
 _SHARED_DATA = ("source", "vocab_size", "train_tokens", "val_tokens")
-PAIRS = (("fp8-stale", "bf16"), ("fp8-matched_do", "bf16"), ("fp8-delta_matching", "bf16"),
-         ("fp8-stale", "fp8-delta_matching"), ("fp8-matched_do", "fp8-delta_matching"))
+PAIRS = tuple((m, "bf16") for m in ATTN_MODES if m != "bf16") + (
+    ("fp8-stale", "fp8-delta_matching"), ("fp8-matched_do", "fp8-delta_matching"),
+    ("fp8-delta_matching", CUDNN_MODE))
 CALIB_SKIP = 3   # calibration steps left out of the step time (warm-up, staggered starts)
 
 
@@ -354,7 +359,7 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
             if r["complete"]:
                 return "no val loss" if r["final_val_loss"] is None else f"val {r['final_val_loss']}"
             return f"cut at {r['steps_done']}"
-        row = ([mode] + [cell(s) for s in seeds] + [_f(st["mean"]), _f(st["spread"]), _f(st["gap_to_bf16"], "+.4f")]
+        row = ([mode_label(mode)] + [cell(s) for s in seeds] + [_f(st["mean"]), _f(st["spread"]), _f(st["gap_to_bf16"], "+.4f")]
                + [_f(st["max_gain"].get(s), ".3f") for s in seeds]
                + ([_f(st["rowsum_post"].get(s), ".3e") for s in seeds] if any_rowsum else []))
         lines.append("| " + " | ".join(row) + " |")
@@ -441,7 +446,7 @@ def make_plots(study: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {m: c for m, c in zip(MODE_ORDER, ("k", "tab:red", "tab:orange", "tab:blue"))}
+    colors = MODE_COLORS
     styles = ("-", "--", ":", "-.")
     logs = study["logs"]
     n = max((len(l["steps"]) for l in logs.values()), default=0)

@@ -253,6 +253,17 @@ def cudnn_unavailable_reason(model_cfg: ModelConfig, cfg: TrainConfig, device, b
                                   shape=shape)
 
 
+def checkpoint_unavailable_reason(model_config: dict, device) -> str | None:
+    """Why a trained model (a checkpoint's model_config dict) cannot run on `device`
+    (None: it can), for the tools that run checkpoints (probe, retrieval). Only fp8-cudnn
+    has such limits; they are compare's (cudnn_unavailable_reason: a CUDA sm_90 device,
+    head_dim 128, the cuDNN frontend, no packed documents) without the graph build, whose
+    shape is the tool's (a build that fails there raises CudnnFP8Unavailable)."""
+    if model_config.get("attn_mode") != CUDNN_MODE:
+        return None
+    return cudnn_unavailable_reason(ModelConfig(**model_config), TrainConfig(), torch.device(device), build=False)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup over cfg.warmup steps, then cosine to lr * min_lr_ratio at cfg.steps."""
     if step < cfg.warmup:
