@@ -16,6 +16,15 @@ What is measured:
     many the model has (gpu-1b, 24 layers: Wq and Wo 2048 -> 2048, Wk and Wv 2048 -> 512,
     W1 and W3 2048 -> 5632, 48 each; W2 5632 -> 2048, 24). M = tokens per training step =
     batch x seq_len (--batch-size / --seq-len, default the preset's: gpu-1b 4 x 8192 = 32768).
+  * and one row "attn.qkv (wq+wk+wv)" (qkv_shape; --no-fused-qkv leaves it out): Wq, Wk, Wv
+    on one x as one timed call, K -> N = the three out_features summed (gpu-1b 2048 -> 2048 +
+    512 + 512 = 3072), count = the attention layers. fp8attn runs them as the trainer's
+    projections scope does, fused (fp8attn.linear.fp8_linear_fused: x quantized once, one
+    block-scaled GEMM per pass against [Wq; Wk; Wv], one quantization of the concatenated dY);
+    bf16 and torchao run their three layers on the same x (dX summed by autograd). The
+    unfused FP8Linear time is the sum of the attn.wq and attn.wk / attn.wv rows' fp8attn
+    cells (wq's row + 2 x wk's). The table's total row counts the separate layers; a second
+    total line counts this row instead of the attn.wq, attn.wk and attn.wv layers.
   * one timed call = the layer's part of a training step: y = layer(x) under BF16 autocast
     (the trainer's), then y.backward(dY) (dX and dW), the gradients set to None first (as
     the optimizer's zero_grad(set_to_none=True)); weight W [N, K] FP32 (the master weight),
@@ -101,6 +110,44 @@ def linear_shapes(preset: str, batch_size: int | None = None, seq_len: int | Non
     return list(out.values())
 
 
+def qkv_shape(preset: str, batch_size: int | None = None, seq_len: int | None = None) -> dict:
+    """The fused-QKV row of `preset`: {"layers": ["attn.qkv (wq+wk+wv)"], "count": attention
+    layers, "M", "K": d_model, "N": the sum of Wq, Wk, Wv's out_features, "parts": [N_q, N_k,
+    N_v], "roles": ["attn.wq", "attn.wk", "attn.wv"]}, from the model on the meta device."""
+    p = M.PRESETS[preset]
+    m_tokens = (batch_size or p["train"]["batch_size"]) * (seq_len or p["train"]["seq_len"])
+    with torch.device("meta"):
+        model = M.Transformer(M.preset_model_config(preset))
+    attn = [blk.attn for blk in model.blocks if blk.attn is not None]
+    parts = [attn[0].wq.out_features, attn[0].wk.out_features, attn[0].wv.out_features]
+    return {"layers": ["attn.qkv (wq+wk+wv)"], "count": len(attn), "M": m_tokens, "K": attn[0].wq.in_features,
+            "N": sum(parts), "parts": parts, "roles": ["attn.wq", "attn.wk", "attn.wv"]}
+
+
+class QKV(nn.Module):
+    """Three projections of one input: fused (fp8attn.linear.fp8_linear_fused on the three
+    FP8Linear layers' weights, as the trainer's Attention.qkv) or the three layers called."""
+
+    def __init__(self, layers: list, fused: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.fused = fused
+
+    def forward(self, x):
+        if self.fused:
+            from fp8attn.linear import fp8_linear_fused  # noqa: PLC0415
+            first = self.layers[0]
+            return fp8_linear_fused(x, [m.weight for m in self.layers], [m.bias for m in self.layers],
+                                    grad_format=first.grad_format, backend=first.backend)
+        return tuple(m(x) for m in self.layers)
+
+
+def make_qkv(variant: str, k: int, parts: list, device: torch.device) -> nn.Module:
+    """The fused-QKV row's module: `variant`'s three layers [parts[i], k] on one input; fp8attn's
+    fused (QKV)."""
+    return QKV([make_layer(variant, k, n, device) for n in parts], fused=variant == "fp8attn")
+
+
 def make_layer(variant: str, k: int, n: int, device: torch.device) -> nn.Module:
     """The variant's layer with an FP32 weight [n, k] ~ N(0, 1/k), no bias; ValueError for an
     unknown variant, RuntimeError with the reason where it cannot run on `device`."""
@@ -127,19 +174,26 @@ def time_variant(variant: str, shape: dict, device: torch.device, warmup: int, i
     m, k, n = shape["M"], shape["K"], shape["N"]
     cuda = device.type == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
+    parts = shape.get("parts")
     try:
-        layer = make_layer(variant, k, n, device)
+        layer = make_qkv(variant, k, parts, device) if parts else make_layer(variant, k, n, device)
         fwd = torch.compile(layer, backend=compile_backend) if compile_backend else layer
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(m, k, device=device, dtype=dt, generator=g).requires_grad_()
         dy = torch.randn(m, n, device=device, dtype=dt, generator=g)
+        dys = dy.split(parts, dim=1) if parts else None
+        params = list(layer.parameters())
 
         def step():
             x.grad = None
-            layer.weight.grad = None
+            for p in params:
+                p.grad = None
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 y = fwd(x)
-            y.backward(dy)
+            if parts:
+                torch.autograd.backward(list(y), list(dys))
+            else:
+                y.backward(dy)
 
         if cuda:
             ms = time_ms(step, warmup, iters)
@@ -158,16 +212,17 @@ def time_variant(variant: str, shape: dict, device: torch.device, warmup: int, i
     else:
         res = {"ms": ms, "tflops": 6 * m * k * n / (ms * 1e-3) / 1e12}
     # NOTE: out of the except block: the traceback's tensors are gone before the cache is emptied
-    layer = fwd = x = dy = None
+    layer = fwd = x = dy = dys = params = None
     if cuda:
         torch.cuda.empty_cache()
     return res
 
 
 def markdown(rows: list[dict], variants: list[str]) -> str:
-    """rows: linear_shapes rows, each with "results": {variant: time_variant's dict}. One line a
-    shape (ms and speed vs bf16), a total line (sum of count x ms; n/a if any shape is), then
-    the n/a reasons, one line each."""
+    """rows: linear_shapes rows, each with "results": {variant: time_variant's dict}, and
+    optionally qkv_shape's row (with "parts"). One line a shape (ms and speed vs bf16), a total
+    line (sum of count x ms over the separate layers; n/a if any shape is), with a qkv row a
+    second total line counting it in place of its three roles' layers, then the n/a reasons."""
     head = "| layers (count) | M x K -> N | " + " | ".join(variants) + " |"
     lines = [head, "|" + "---|" * (2 + len(variants))]
     notes = []
@@ -179,6 +234,7 @@ def markdown(rows: list[dict], variants: list[str]) -> str:
         return f"{ms:.3f}{rel}"
 
     totals = {v: 0.0 for v in variants}
+    qkv = None
     for r in rows:
         res = r["results"]
         base = res.get("bf16", {}).get("ms")
@@ -187,14 +243,31 @@ def markdown(rows: list[dict], variants: list[str]) -> str:
             ms = res[v].get("ms")
             if ms is None:
                 notes.append(f"n/a: {v} at {'/'.join(r['layers'])} ({r['M']} x {r['K']} -> {r['N']}): {res[v]['na']}")
-                totals[v] = None
-            elif totals[v] is not None:
-                totals[v] += r["count"] * ms
             cells.append(cell(ms, base))
-        lines.append(f"| {', '.join(r['layers'])} ({r['count']}) | {r['M']} x {r['K']} -> {r['N']} | "
-                     + " | ".join(cells) + " |")
+        if r.get("parts"):
+            qkv = r
+            size = f"{r['M']} x {r['K']} -> {' + '.join(str(n) for n in r['parts'])}"
+        else:
+            size = f"{r['M']} x {r['K']} -> {r['N']}"
+            for v in variants:
+                ms = res[v].get("ms")
+                totals[v] = None if ms is None or totals[v] is None else totals[v] + r["count"] * ms
+        lines.append(f"| {', '.join(r['layers'])} ({r['count']}) | {size} | " + " | ".join(cells) + " |")
     base = totals.get("bf16")
     lines.append("| all of them, count x ms | per step | " + " | ".join(cell(totals[v], base) for v in variants) + " |")
+    if qkv is not None:
+        # the separate Wq, Wk, Wv layers' share (count of the qkv row each: one per attention layer)
+        # swapped for the qkv row
+        by_role = {role: r for r in rows if not r.get("parts") for role in r["layers"]}
+        fused = {}
+        for v in variants:
+            sep = [by_role[role]["results"][v].get("ms") if role in by_role else None for role in qkv["roles"]]
+            ms = qkv["results"][v].get("ms")
+            fused[v] = (None if totals[v] is None or ms is None or None in sep
+                        else totals[v] - qkv["count"] * sum(sep) + qkv["count"] * ms)
+        base = fused.get("bf16")
+        lines.append("| all of them, attn.qkv for wq, wk, wv | per step | "
+                     + " | ".join(cell(fused[v], base) for v in variants) + " |")
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -213,6 +286,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                     help="auto: CUDA (exit 1 without a GPU); cpu: a smoke run")
+    ap.add_argument("--no-fused-qkv", action="store_true",
+                    help="leave out the attn.qkv row (Wq, Wk, Wv on one x; fp8attn's fused)")
     ap.add_argument("--json", default=None, help="write the environment and rows here")
     return ap
 
@@ -230,6 +305,8 @@ def main(argv=None) -> int:
         return 1
     device = torch.device("cpu" if args.device == "cpu" else "cuda")
     shapes = linear_shapes(args.preset, args.batch_size, args.seq_len)
+    if not args.no_fused_qkv:
+        shapes.append(qkv_shape(args.preset, args.batch_size, args.seq_len))
     if args.compile:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    4 * len(shapes) * len(variants))

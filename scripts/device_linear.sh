@@ -17,8 +17,8 @@ use_carried_so
 T_BENCH="${T_BENCH:-80}"   # BENCH_ARGS: extra bench_train.py arguments
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/summary.txt"
 python3 -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"
-echo "== pytest tests/python/test_linear.py" | tee -a "$OUT/summary.txt"
-timeout 60 python3 -m pytest -q -rs tests/python/test_linear.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -4 | tee -a "$OUT/summary.txt"
+echo "== pytest tests/python/test_linear.py tests/python/test_linear_fused.py" | tee -a "$OUT/summary.txt"
+timeout 150 python3 -m pytest -q -rs tests/python/test_linear.py tests/python/test_linear_fused.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -4 | tee -a "$OUT/summary.txt"
 echo "== scaled_mm vs emulation, GEMM timing" | tee -a "$OUT/summary.txt"
 timeout 30 python3 - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import math, time, torch

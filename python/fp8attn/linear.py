@@ -618,3 +618,195 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
             new[id(lin)] = FP8Linear.from_linear(lin, grad_format=grad_format, backend=backend)
         setattr(parent, child, new[id(lin)])
     return sorted(n for n, _ in targets)
+
+
+# ----------------------------------------------------------------------------
+# Fused projections sharing one input (the attention's Wq, Wk, Wv):
+# x quantized once, one GEMM per pass against the concatenated weights
+# ----------------------------------------------------------------------------
+
+__all__ += ["fp8_linear_fused"]
+
+_FUSED_ARGS = 7   # non-tensor-list arguments of _FP8FusedLinearFn.forward before *params
+
+
+class _FP8FusedLinearFn(torch.autograd.Function):
+    """x2 [M, K], weights W_i [N_i, K] (i < n), biases b_i [N_i] or None -> y [M, sum N_i],
+    y[:, part i] = x W_i^T + b_i (docs/numerics.md section 8, fused projections).
+
+    Forward: x quantized once (1x128 along K; with the scaled_mm backend also x^T along
+    the tokens for wgrad, from the same read); each W_i quantized in its own 128x128 tiles
+    (the tiles of FP8Linear(W_i); N_i % 128 == 0 on scaled_mm, so the concatenated codes
+    and scales are the tiles of [W_0; W_1; ...]); one GEMM. Backward: dy of all parts
+    (one [M, sum N_i] tensor) quantized once along N (dgrad) and along the tokens (wgrad):
+    dx = one GEMM, dW = one GEMM whose row blocks are the dW_i. Saved: the weight codes
+    and scales and x^T's FP8 codes once (scaled_mm) or x (emulated)."""
+
+    @staticmethod
+    def forward(ctx, x2, grad_format, backend, out_dtype, need_wgrad, n_parts, has_bias, *params):
+        weights, biases = params[:n_parts], params[n_parts:]
+        ns = [w.shape[0] for w in weights]
+        dev = x2.device.type
+        m = x2.shape[0]
+        xtq = xts = None
+        with _no_autocast(dev):
+            q = [quantize_128x128(w, "e4m3") for w in weights]
+            wq = torch.cat([c for c, _ in q], 0)
+            if backend == "scaled_mm":
+                # NOTE: every N_i % 128 == 0 (_scaled_mm_blocker): the per-weight tiles
+                # are the tiles of the concatenation, so their scales stack too.
+                ws = torch.cat([s for _, s in q], 0)
+                mp = m + (-m) % _BLOCK
+                if need_wgrad:
+                    xq, xs, xtq, xts = _q_rows_cols(x2, "e4m3", mp)
+                else:
+                    xq, xs = _q_rows(x2, "e4m3", mp)
+                y = _gemm_1x128_128x128(xq, xs, wq, ws, _direct(out_dtype) if not has_bias else torch.float32)[:m]
+            else:
+                # NOTE: any N_i: each weight dequantized with its own (edge) tiles.
+                ws = torch.cat([dequantize_128x128(c, s) for c, s in q], 0)   # FP32 W_i values
+                xq, xs = quantize_1x128(x2, "e4m3")
+                y = dequantize_1x128(xq, xs) @ ws.t()
+            if has_bias:
+                y = y + torch.cat([torch.zeros(n, dtype=torch.float32, device=x2.device) if b is None
+                                   else b.float() for b, n in zip(biases, ns)])
+        if backend == "scaled_mm":
+            ctx.save_for_backward(wq, ws, xtq, xts)
+        else:
+            ctx.save_for_backward(ws, x2)
+        ctx.m, ctx.ns = m, ns
+        ctx.grad_format, ctx.backend = grad_format, backend
+        ctx.x_dtype = x2.dtype
+        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.b_dtypes = [None if b is None else b.dtype for b in biases]
+        return as_dtype(y, out_dtype)  # NOTE: not y.to(): ops.as_dtype (torch.compile)
+
+    @staticmethod
+    @single_backward("fp8_linear_fused")
+    def backward(ctx, dy):
+        gf, m, ns = ctx.grad_format, ctx.m, ctx.ns
+        n = len(ns)
+        need = ctx.needs_input_grad
+        need_dx = need[0]
+        need_w = need[_FUSED_ARGS:_FUSED_ARGS + n]
+        need_dw = any(need_w)
+        dx = dw = None
+        with _no_autocast(dy.device.type):
+            if ctx.backend == "scaled_mm":
+                wq, ws, xtq, xts = ctx.saved_tensors
+                mp = m + (-m) % _BLOCK
+                # NOTE: every N_i % 128 == 0: the 1x128 blocks of dy along N never straddle
+                # two parts, so these are the codes and scales of each dy_i on its own.
+                if need_dx and need_dw:
+                    gq, gs, gtq, gts = _q_rows_cols(dy, gf, mp)
+                elif need_dx:
+                    gq, gs = _q_rows(dy, gf, mp)
+                elif need_dw:
+                    gtq, gts = _q_cols(dy, gf, mp)
+                if need_dx:
+                    # one GEMM over all sum N_i: the three products summed in FP32, rounded once
+                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), _direct(ctx.x_dtype))[:m]
+                if need_dw:
+                    dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
+            else:
+                wd, x2 = ctx.saved_tensors
+                if need_dx:
+                    # dy_i quantized on its own (1x128 along N_i), as FP8Linear(W_i) does
+                    gd = torch.cat([dequantize_1x128(*quantize_1x128(g, gf)) for g in dy.split(ns, 1)], 1)
+                    dx = gd @ wd
+                if need_dw:
+                    # blocks along the tokens: per output channel, so dy^T of all parts at once
+                    gtq, gts = quantize_1x128(dy.t(), gf)
+                    xtq, xts = quantize_1x128(x2.t(), "e4m3")
+                    dw = dequantize_1x128(gtq, gts) @ dequantize_1x128(xtq, xts).t()
+            dws = [None] * n if dw is None else [
+                d.to(dt) if nd else None for d, dt, nd in zip(dw.split(ns, 0), ctx.w_dtypes, need_w)]
+            dbs = [None if (bt is None or not nd) else g.sum(0, dtype=torch.float32).to(bt)
+                   for g, bt, nd in zip(dy.split(ns, 1), ctx.b_dtypes, need[_FUSED_ARGS + n:])]
+        return (None if dx is None else dx.to(ctx.x_dtype),) + (None,) * (_FUSED_ARGS - 1) + tuple(dws) + tuple(dbs)
+
+
+def fp8_linear_fused(x: torch.Tensor, weights, biases=None, *, grad_format: str = "e4m3",
+                     backend: str = "auto") -> tuple:
+    """(x W_0^T + b_0, x W_1^T + b_1, ...) for several weights on the same input (the
+    attention's Wq, Wk, Wv): `fp8_linear(x, W_i, b_i)` for every i, fused.
+
+    x is quantized once and each pass is one block-scaled GEMM against the concatenated
+    weights [W_0; W_1; ...] (N = sum N_i): forward y = x [W_0; W_1; ...]^T split into the
+    parts; backward one quantization of the concatenated dy, dx = one GEMM (the parts'
+    products summed in FP32, rounded once), dW = one GEMM split back into the dW_i.
+    Same quantized operands as the separate calls (x, every W_i's tiles, dy_i along N_i
+    and along the tokens), so y and every dW_i are the separate results up to FP32
+    summation order; dx differs only in that rounding (docs/numerics.md section 8).
+    The weights stay separate tensors (parameters and state_dicts unchanged); each step
+    concatenates their FP8 codes (scaled_mm) or dequantized values (emulated).
+
+    Args:
+        x: [..., K] float32 / bfloat16 / float16 (CPU or CUDA).
+        weights: a non-empty list / tuple of [N_i, K] float tensors.
+        biases: None, or a list of the same length of [N_i] tensors or None.
+        grad_format, backend: as `fp8_linear`; "auto" / "scaled_mm" need every N_i, K and
+            the format to meet the scaled_mm rules (else emulated / ValueError).
+    Returns:
+        A tuple of y_i [..., N_i] (views into one [..., sum N_i] output), dtypes as
+        `fp8_linear`. Gradients: dx in x's dtype, dW_i / db_i in W_i's / b_i's dtype.
+    Raises:
+        TypeError / ValueError: as `fp8_linear` (naming weights[i] / biases[i]), weights
+            not a non-empty list or tuple, biases of another length, in_features differing.
+        RuntimeError: (in backward) double backward, as `fp8_linear`.
+    """
+    _fmt(grad_format, "grad_format")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
+    if not isinstance(weights, (list, tuple)) or not weights:
+        raise TypeError(_err("weights", f"expected a non-empty list or tuple of tensors, got {weights!r}"))
+    weights = list(weights)
+    if biases is None:
+        biases = [None] * len(weights)
+    elif not isinstance(biases, (list, tuple)) or len(biases) != len(weights):
+        raise ValueError(_err("biases", f"expected None or a list of {len(weights)} tensors / None"))
+    biases = list(biases)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(_err("x", f"must be a torch.Tensor, got {type(x).__name__}"))
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(_err("x", f"dtype must be float32, bfloat16 or float16, got {x.dtype}"))
+    for kind, ts in (("weights", weights), ("biases", biases)):
+        for i, t in enumerate(ts):
+            name = f"{kind}[{i}]"
+            if t is None and kind == "biases":
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(_err(name, f"must be a torch.Tensor, got {type(t).__name__}"))
+            if t.dtype not in _FLOAT_DTYPES:
+                raise TypeError(_err(name, f"dtype must be float32, bfloat16 or float16, got {t.dtype}"))
+            if t.device != x.device:
+                raise ValueError(_err(name, f"must be on x's device {x.device}, got {t.device}"))
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        if w.dim() != 2:
+            raise ValueError(_err(f"weights[{i}]", f"expected [out_features, in_features], got shape {tuple(w.shape)}"))
+        if w.shape[1] != weights[0].shape[1]:
+            raise ValueError(_err(f"weights[{i}]", f"in_features {w.shape[1]} differs from weights[0]'s "
+                                                  f"{weights[0].shape[1]}"))
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(_err(f"biases[{i}]", f"expected shape ({w.shape[0]},), got {tuple(b.shape)}"))
+    if x.dim() < 1 or x.shape[-1] != weights[0].shape[1]:
+        raise ValueError(_err("x", f"last dim {tuple(x.shape)[-1:]} must equal in_features {weights[0].shape[1]}"))
+    dev = x.device.type
+    autocast_on = dev != "meta" and torch.is_autocast_enabled(dev)
+    out_dtype = torch.get_autocast_dtype(dev) if autocast_on else x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(lead.numel(), x.shape[-1])
+    if x2.numel() == 0 or any(w.numel() == 0 for w in weights) or dev == "meta":
+        # nothing to fuse (empty products; meta tensors): the separate calls' exact results
+        return tuple(fp8_linear(x, w, b, grad_format=grad_format, backend=backend)
+                     for w, b in zip(weights, biases))
+    if out_dtype != x2.dtype and x2.element_size() > torch.empty((), dtype=out_dtype).element_size():
+        x2 = x2.to(out_dtype)   # as fp8_linear: the autocast dtype's activation is saved
+    bes = {_resolve_backend(backend, x2, w, grad_format) for w in weights}
+    be = "scaled_mm" if bes == {"scaled_mm"} else "emulated"
+    need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    has_bias = any(b is not None for b in biases)
+    ns = [w.shape[0] for w in weights]
+    y = _FP8FusedLinearFn.apply(x2, grad_format, be, out_dtype, need_wgrad, len(weights), has_bias,
+                                *weights, *(biases if has_bias else []))
+    return tuple(y.reshape(*lead, sum(ns)).split(ns, dim=-1))

@@ -50,7 +50,9 @@ def test_cpu_smoke_run(tmp_path):
     out = tmp_path / "lin.json"
     assert bl.main(["--device", "cpu", "--preset", "smoke", "--warmup", "0", "--iters", "1", "--json", str(out)]) == 0
     info = json.loads(out.read_text())
-    assert info["variants"] == list(bl.DEFAULT_VARIANTS) and len(info["rows"]) == 5   # smoke: 5 distinct shapes
+    # smoke: 5 distinct shapes and the fused-QKV row
+    assert info["variants"] == list(bl.DEFAULT_VARIANTS) and len(info["rows"]) == 6
+    assert info["rows"][-1]["parts"] == [128, 64, 64] and info["rows"][-1]["N"] == 256
     have_tao = bl.TAO.version() is not None
     for r in info["rows"]:
         for v, got in r["results"].items():
@@ -59,7 +61,29 @@ def test_cpu_smoke_run(tmp_path):
             else:
                 assert got["ms"] > 0, (v, got)
     md = bl.markdown(info["rows"], info["variants"])
-    assert md.count("\n| attn.") == 3 and "| all of them, count x ms | per step |" in md
+    assert md.count("\n| attn.") == 4 and "| all of them, count x ms | per step |" in md
+    assert "| attn.qkv (wq+wk+wv) (2) | 512 x 64 -> 128 + 64 + 64 |" in md
+    assert "| all of them, attn.qkv for wq, wk, wv | per step |" in md
+    assert bl.main(["--device", "cpu", "--preset", "smoke", "--warmup", "0", "--iters", "1", "--variants", "bf16",
+                    "--no-fused-qkv", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["rows"]) == 5
+
+
+def test_gpu1b_qkv_row_and_the_fused_layer():
+    """gpu-1b's qkv row: 2048 -> 2048 + 512 + 512 = 3072 in 24 attention layers; fp8attn's QKV
+    module makes one fp8_linear_fused call (three FP8Linear weights), bf16's three nn.Linear."""
+    r = bl.qkv_shape("gpu-1b")
+    assert (r["K"], r["N"], r["parts"], r["count"], r["M"]) == (2048, 3072, [2048, 512, 512], 24, 32768)
+    assert r["roles"] == ["attn.wq", "attn.wk", "attn.wv"]
+    from fp8attn import linear as L
+    q = bl.make_qkv("fp8attn", 128, [128, 64, 64], torch.device("cpu"))
+    assert q.fused and all(isinstance(m, L.FP8Linear) for m in q.layers)
+    x = torch.randn(8, 128)
+    ys = q(x)
+    assert [tuple(y.shape) for y in ys] == [(8, 128), (8, 64), (8, 64)]
+    assert all(torch.equal(y, m(x)) for y, m in zip(ys, q.layers))
+    b = bl.make_qkv("bf16", 128, [128, 64, 64], torch.device("cpu"))
+    assert not b.fused and all(type(m) is nn.Linear for m in b.layers)
 
 
 def test_markdown_na_cells_and_totals():
@@ -73,6 +97,18 @@ def test_markdown_na_cells_and_totals():
     # totals: bf16 2*2 + 4 = 8, fp8attn 2*1 + 8 = 10 (0.80x), torchao n/a (a shape is)
     assert "| all of them, count x ms | per step | 8.000 (1.00x) | 10.000 (0.80x) | n/a |" in md
     assert "n/a: torchao/rowwise at attn.wq/attn.wo (8 x 4 -> 4): why not" in md
+    # a qkv row (Wq in the first row, Wk / Wv in a second): left out of the first total, and a
+    # second total with it in place of one wq + one wk + one wv per attention layer
+    rows[1:] = [{"layers": ["attn.wk", "attn.wv"], "count": 2, "M": 8, "K": 4, "N": 2,
+                 "results": {"bf16": {"ms": 1.0}, "fp8attn": {"ms": 3.0}}},
+                {"layers": ["attn.qkv (wq+wk+wv)"], "count": 1, "M": 8, "K": 4, "N": 8, "parts": [4, 2, 2],
+                 "roles": ["attn.wq", "attn.wk", "attn.wv"],
+                 "results": {"bf16": {"ms": 4.0}, "fp8attn": {"ms": 2.0}}}]
+    md = bl.markdown(rows, ["bf16", "fp8attn"])
+    assert "| attn.qkv (wq+wk+wv) (1) | 8 x 4 -> 4 + 2 + 2 | 4.000 (1.00x) | 2.000 (2.00x) |" in md
+    # separate: bf16 2*2 + 2*1 = 6, fp8attn 2*1 + 2*3 = 8; fused: bf16 6 - (2+1+1) + 4 = 6, fp8attn 8 - (1+3+3) + 2 = 3
+    assert "| all of them, count x ms | per step | 6.000 (1.00x) | 8.000 (0.75x) |" in md
+    assert "| all of them, attn.qkv for wq, wk, wv | per step | 6.000 (1.00x) | 3.000 (2.00x) |" in md
 
 
 def test_torchao_missing_is_na(monkeypatch):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fp8attn.linear import FP8Linear
 from fp8attn.train import compare
-from fp8attn.train.model import SCOPES, ModelConfig, Transformer, document_segments, preset_model_config
+from fp8attn.train.model import SCOPES, Attention, ModelConfig, Transformer, document_segments, preset_model_config
 from fp8attn.train.report import read_log
 from fp8attn.train.trainer import build_model, init_fingerprint
 
@@ -51,7 +51,8 @@ def test_scope_converts_the_right_layers_and_keeps_the_init():
 def test_fp8_scope_layers_run_in_fp8_within_the_bound():
     """Every FP8Linear of the +ffn scope, on the activations it sees in the model,
     is within the FP8 bound sqrt(2) rho_E4M3 of F.linear on the same input (and
-    clearly not exact); the scopes' logits differ."""
+    clearly not exact); the scopes' logits differ. Wq, Wk, Wv run fused (Attention.qkv,
+    not their forward), so their outputs are checked from the attention's input."""
     import math
     bound = math.sqrt(2) * 2.0 ** -4 / math.sqrt(3)
     toks = torch.randint(1, 512, (2, 64))
@@ -62,9 +63,16 @@ def test_fp8_scope_layers_run_in_fp8_within_the_bound():
         ref = F.linear(inp[0], mod.weight, mod.bias).detach()
         errs.append(float((out.detach() - ref).norm() / ref.norm()))
 
+    def qkv_hook(attn, inp, out):
+        assert attn.fused_fp8_qkv()
+        for lin, y in zip((attn.wq, attn.wk, attn.wv), attn.qkv(inp[0])):
+            hook(lin, inp, y)
+
     for mod in m.modules():
         if isinstance(mod, FP8Linear):
             mod.register_forward_hook(hook)
+        if isinstance(mod, Attention):
+            mod.register_forward_hook(qkv_hook)
     m(toks)
     assert len(errs) == 14 and all(0.1 * bound < e <= bound for e in errs), errs
     out = {s: smoke("fp8-delta_matching", s)(toks).detach() for s in SCOPES}

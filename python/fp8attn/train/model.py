@@ -28,7 +28,8 @@ every backend, also on CPU, and O is cast back to the compute dtype.
 
 Precision scopes (`scope`, fp8 modes only; the "bf16" mode stays BF16 everywhere):
   "attn-core"                  only the attention core is FP8 (the op above);
-  "attn-core+projections"      + Wq, Wk, Wv, Wo as fp8attn.linear.FP8Linear;
+  "attn-core+projections"      + Wq, Wk, Wv, Wo as fp8attn.linear.FP8Linear (Wq, Wk, Wv
+                               applied as one fused FP8 projection: fp8_linear_fused);
   "attn-core+projections+ffn"  + W1, W2, W3 (SwiGLU) as FP8Linear.
 FP8Linear shares the nn.Linear parameters, so every scope starts from the same
 weights. The embedding / tied LM head and the norms stay in the compute dtype.
@@ -426,7 +427,13 @@ def is_scaling_state_key(name: str) -> bool:
 
 
 class Attention(nn.Module):
-    """GQA self-attention with optional QK-RMSNorm (gains q_norm.weight = g_q, k_norm.weight = g_k)."""
+    """GQA self-attention with optional QK-RMSNorm (gains q_norm.weight = g_q, k_norm.weight = g_k).
+
+    In the FP8 "projections" scopes Wq, Wk, Wv run as one fused FP8 projection (`qkv`;
+    numerics.md section 8); `fuse_fp8_qkv = False` (class or instance) runs the three
+    FP8Linear layers separately (the A/B of that fusion; same parameters)."""
+
+    fuse_fp8_qkv = True
 
     def __init__(self, cfg: ModelConfig, layer_name: str):
         super().__init__()
@@ -440,13 +447,36 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim) if cfg.qk_norm else None
         self.core = AttentionCore(cudnn_scaling_state(cfg))
 
+    def fused_fp8_qkv(self) -> bool:
+        """True when Wq, Wk, Wv run as one fused FP8 projection (`qkv`): all three are
+        FP8Linear (the "projections" scopes) with the same grad_format and backend, and
+        `fuse_fp8_qkv` is on."""
+        if not self.fuse_fp8_qkv:
+            return False
+        from fp8attn.linear import FP8Linear   # noqa: PLC0415 (lazy, as _apply_scope)
+        lins = (self.wq, self.wk, self.wv)
+        return (all(type(m) is FP8Linear for m in lins)
+                and len({(m.grad_format, m.backend) for m in lins}) == 1)
+
+    def qkv(self, x):
+        """(x Wq^T, x Wk^T, x Wv^T), each [B, S, out_features]. FP8 projections: one fused
+        fp8attn.linear.fp8_linear_fused call (x quantized once, one GEMM against
+        [Wq; Wk; Wv] per pass; the three parameters stay separate), else three calls."""
+        if self.fused_fp8_qkv():
+            from fp8attn.linear import fp8_linear_fused   # noqa: PLC0415
+            lins = (self.wq, self.wk, self.wv)
+            return fp8_linear_fused(x, [m.weight for m in lins], [m.bias for m in lins],
+                                    grad_format=self.wq.grad_format, backend=self.wq.backend)
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x, cos, sin, segments=None):
         b, s, _ = x.shape
         c = self.cfg
         pos = None if segments is None else segments[1]
-        q = self.wq(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k, v = self.qkv(x)
+        q = q.view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope:
