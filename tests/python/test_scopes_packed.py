@@ -48,11 +48,14 @@ def test_scope_converts_the_right_layers_and_keeps_the_init():
         ModelConfig(scope="ffn")
 
 
-def test_fp8_scope_layers_run_in_fp8_within_the_bound():
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-qkv", "fused-qkv"])
+def test_fp8_scope_layers_run_in_fp8_within_the_bound(fused, monkeypatch):
     """Every FP8Linear of the +ffn scope, on the activations it sees in the model,
     is within the FP8 bound sqrt(2) rho_E4M3 of F.linear on the same input (and
-    clearly not exact); the scopes' logits differ. Wq, Wk, Wv run fused (Attention.qkv,
-    not their forward), so their outputs are checked from the attention's input."""
+    clearly not exact); the scopes' logits differ. With Attention.fuse_fp8_qkv, Wq, Wk, Wv
+    run fused (Attention.qkv, not their forward), so their outputs are checked from the
+    attention's input."""
+    monkeypatch.setattr(Attention, "fuse_fp8_qkv", fused)
     import math
     bound = math.sqrt(2) * 2.0 ** -4 / math.sqrt(3)
     toks = torch.randint(1, 512, (2, 64))
@@ -71,7 +74,7 @@ def test_fp8_scope_layers_run_in_fp8_within_the_bound():
     for mod in m.modules():
         if isinstance(mod, FP8Linear):
             mod.register_forward_hook(hook)
-        if isinstance(mod, Attention):
+        if fused and isinstance(mod, Attention):
             mod.register_forward_hook(qkv_hook)
     m(toks)
     assert len(errs) == 14 and all(0.1 * bound < e <= bound for e in errs), errs
