@@ -489,6 +489,8 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         issue_dp<DV, FMT, kQ, kTile>(v_lo, st_lo + L::kSDO / 16 + S * kDescStepRows, dp);
       };
       const bool pair1 = m0 + kSubQ < Sq;  // CTA-uniform: pair 1 has a query of the sequence
+      constexpr bool kPfDp = bwdts::kV6PrefetchDp;
+      constexpr int kPreDq = bwdts::kV6PreDq;
       auto step = [&](auto s_c, float (&pt)[kQ / 8][4], float (&dp)[kQ / 8][4], float (&ptn)[kQ / 8][4],
                       float (&dpn)[kQ / 8][4], uint32_t (&a_p)[1][4], uint32_t (&a_s)[1][4],
                       uint32_t (&a_p_prev)[1][4], uint32_t (&a_s_prev)[1][4]) {
@@ -498,12 +500,26 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         tg.m0 = m0s;
         const bool interior = n0 + kTile <= Sk && m0s + kQ <= Sq &&
                               window_covers(n0, kTile, m0s, kQ, causal_off, p.window_left, p.window_right);
-        // The pair's second step in flight during this one's elementwise work.
-        if constexpr (S % 2 == 0) issue_step(S + 1, ptn, dpn);
-        // ---- P. Pending commit groups, oldest first: step 0: S0, dP0, S1, dP1;
-        // odd S: S(S), dP(S), B(S - 1); step 2: S3, dP3 only (S2, dP2 were
-        // completed by pair 0's dQ wait), so it waits for nothing here.
-        if constexpr (S != 2) wg_wait<S == 0 ? 3 : 2>();
+        // Issue: what of this step is not in flight yet, then what of the next
+        // step goes in flight during this one's elementwise work (S^T, and dP^T
+        // with kPfDp; even steps only: the pair's second step).
+        if constexpr ((S % 2 == 1 && !kPfDp) || (S == 2 && kPreDq == 1))
+          issue_dp<DV, FMT, kQ, kTile>(v_lo, st_lo + L::kSDO / 16 + S * kDescStepRows, dp);
+        if constexpr (S == 2 && kPreDq == 0) issue_step(2, pt, dp);
+        if constexpr (S % 2 == 0) {
+          if constexpr (kPfDp)
+            issue_step(S + 1, ptn, dpn);
+          else
+            issue_s<DQK, kQ, kTile>(k_lo, st_lo + L::kSQ / 16 + (S + 1) * kDescStepRows, ptn);
+        }
+        // ---- P. wg_wait<N>: N = the commit groups issued after this step's S^T
+        // (groups retire in order; B = a step's dV / dK group). Step 0: dP0, S1
+        // (, dP1); odd S: B(S - 1) and dP(S) in some order (dP(S) first with kPfDp);
+        // step 2: nothing if S2 went before pair 0's dQ (retired by its wait), else
+        // dP2, S3 (, dP3).
+        constexpr int kAfterS = S % 2 == 1 ? 2 : (S == 2 && kPreDq > 0) ? -1 : 2 + (kPfDp ? 1 : 0);
+        constexpr int kAfterDp = S % 2 == 1 ? (kPfDp ? 1 : 0) : (S == 2 && kPreDq == 2) ? -1 : 1 + (kPfDp ? 1 : 0);
+        if constexpr (kAfterS >= 0) wg_wait<kAfterS>();
         p_from_coefs<kQ>(pt, Fs + L::kFPc, Fs + L::kFPl2, lane);
         if (!interior) mask_tile<kQ>(pt, tg, warp, lane, p.window_left, p.window_right);
         {
@@ -511,7 +527,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           if (lane == 0) sBlk[warp] = m;
         }
         // ---- dS = P o (dP_hat - delta) in place over dP.
-        if constexpr (S != 2) wg_wait<S == 0 ? 2 : 1>();
+        if constexpr (kAfterDp >= 0) wg_wait<kAfterDp>();
         ds_from_dp<kQ>(pt, dp, Fs + L::kFDPc, Fs + L::kFDelta, lane);
         if (!interior) mask_tile<kQ>(dp, tg, warp, lane, p.window_left, p.window_right);
         if (diag) diag_pre<kQ>(dp, p.rowsum_ws, n_rows, R::q_tok0(p, wc, bhq), m0s, Sq, lane);
@@ -597,8 +613,13 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         }
         if constexpr (S % 2 == 1) {
           // The next pair's first step in flight during this pair's dQ.
-          if constexpr (S == 1)
-            if (pair1) issue_step(2, ptn, dpn);
+          // NOTE: unconditional (when pair 1 has no query of the sequence these
+          // wgmmas read the stage's zero-filled rows and are retired unused): the
+          // same issue under `if (pair1)` made ptxas 13.0 serialize every wgmma
+          // of the kernel (C7515).
+          if constexpr (S == 1 && kPreDq == 2) issue_step(2, ptn, dpn);
+          if constexpr (S == 1 && kPreDq == 1)
+            issue_s<DQK, kQ, kTile>(k_lo, st_lo + L::kSQ / 16 + 2 * kDescStepRows, ptn);
           fence_async_smem();           // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
           named_bar_sync(bar_wg, 128);  // (3) the pair's dS codes
           // Diagnostics: post-cast row sums of the #6 operand over this

@@ -363,6 +363,19 @@ constexpr bool kPreQ2Default = true;
 constexpr int kQStep6 = 32;
 constexpr int kQStep6Dim = 128;
 constexpr int kQStepDefault = kSubQ;  // FP8ATTN_TILE_BWD_QSTEP unset: v5
+// v6 issue schedule (docs/kernels/bwd_tilescale_e4m3_sm90.md "v6", ptxas table):
+// kV6PrefetchDp: the pair's second step gets S^T and dP^T in flight during the
+// first step's elementwise work (true), or S^T only (false; its dP^T at the top
+// of the second step). kV6PreDq: what of pair 1's first step is issued before pair
+// 0's dQ wgmmas (0 none, 1 S^T, 2 S^T and dP^T). Compile-time (-D for A/B builds).
+#ifndef FP8ATTN_V6_PREFETCH_DP
+#define FP8ATTN_V6_PREFETCH_DP 1
+#endif
+#ifndef FP8ATTN_V6_PRE_DQ
+#define FP8ATTN_V6_PRE_DQ 1
+#endif
+constexpr bool kV6PrefetchDp = FP8ATTN_V6_PREFETCH_DP != 0;
+constexpr int kV6PreDq = FP8ATTN_V6_PRE_DQ;
 
 static_assert(kTile == 128, "fragment maps: 8 warps x 16 key rows, one 128-byte swizzle row per 128 codes");
 static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
@@ -386,6 +399,7 @@ static_assert(kQStep6 % 16 == 0 && 2 * kQStep6 == kSubQ && kTile % (2 * kQStep6)
 static_assert(kQStep6 / 8 == 4 && kQStep6 / 32 == 1,
               "v6: S^T / dP^T of a step are 4 n8 column groups per thread (16 + 16 registers), one k32 step "
               "of the dV / dK RS wgmmas");
+static_assert(kV6PreDq >= 0 && kV6PreDq <= 2, "v6: nothing, S^T or S^T and dP^T before pair 0's dQ");
 static_assert(kQStepDefault == kSubQ, "the default (v5) walks kSubQ-query sub-tiles");
 static_assert(kBarWg > 0 && kBarPingpong >= kBarWg + kConsumerWGs && kBarPingpong + kConsumerWGs <= 16,
               "hardware named barriers 1..15, distinct");
