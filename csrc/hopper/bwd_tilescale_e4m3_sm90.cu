@@ -37,6 +37,10 @@
 //       shared FP32 panel -> one TMA bulk reduce-add per panel into dq_accum
 //       (chunk order, kernel_params_sm90.h dq_accum_rows; both warpgroups add
 //       into the same chunk)                                                 #6
+// v6 (kQ32, FP8ATTN_TILE_BWD_QSTEP=32, head_dim 128 dense, opt-in): the same
+// roles, each stage walked in four 32-query steps (32 x 64 P / dS blocks, S^T /
+// dP^T as m64n32k32 chains, the next step's in flight during this one's
+// elementwise work), dQ per pair of steps as v5's sub-tile; docs "v6 built".
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
 // kVarlen (a packed batch, varlen_sm90.h): blockIdx.x runs over the padded key
