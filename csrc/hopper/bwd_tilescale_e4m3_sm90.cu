@@ -471,14 +471,15 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       // dK RS), P / dS blocks of 32 queries x this warpgroup's 64 keys (#5 / #7,
       // numerics.md section 9 with tile_pds_rows = 32), #6 row scales per query over
       // the 64 keys as v5. Pairs (2u, 2u + 1) = v5's sub-tile u: their #6 dS codes
-      // fill sDS and feed one dQ wgmma per panel. Issue order (commit groups: S, dP
-      // of a step are two; B = the step's dV / dK):
+      // fill sDS and feed one dQ wgmma per panel. Issue order as committed
+      // (kV6PrefetchDp, kV6PreDq = 1; commit groups: S, dP of a step are two; B =
+      // the step's dV / dK):
       //   S/dP(0); S/dP(1) | wait S0, P(0), wait dP0, dS(0), amaxes, B(0), codes
-      //   | wait S1 .. dS(1), wait B(0), B(1), codes, S/dP(2) | dQ(pair 0), wait all
-      //   | S/dP(3) | step 2 | step 3 (wait B(2) before its rescale), dQ(pair 1).
-      // So S/dP(1) runs under step 0's elementwise work, S/dP(2) under dQ(pair 0)'s
-      // issue and S/dP(3) under step 2's; step 0's are exposed (no prefetch across
-      // stages yet).
+      //   | wait S1 .. dS(1), wait B(0), B(1), codes, S(2) | dQ(pair 0), wait all
+      //   | dP(2), S/dP(3) | step 2 | step 3 (wait B(2) before its rescale), dQ(pair 1).
+      // So S/dP(1) runs under step 0's elementwise work, S(2) under dQ(pair 0)'s
+      // issue and S/dP(3) under step 2's; step 0's chains and dP(2) are exposed (no
+      // prefetch across stages yet).
       constexpr int kQ = bwdts::kQStep6;
       constexpr uint32_t kDescStepRows = kQ * 128 / 16;
       const uint32_t base = opaque_u32(d_base);
