@@ -743,6 +743,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     kp.delta_given = 1;
   }
   kp.prepass_sums = sums_only ? 1 : 0;
+  {
+    // The P / dS block rows (FP8ATTN_TILE_BWD_QSTEP; the CPU op's rule on the same
+    // problem, op_args.h tile_pds_rows_of_env): 32 runs the v6 main kernel.
+    AttnParams ap;
+    ap.scaling = recipe;
+    ap.precision = parse_precision(precision);
+    ap.block_size = static_cast<int>(block_size);
+    ap.head_dim_qk = pr.dqk;
+    ap.head_dim_v = pr.dv;
+    ap.softcap = cap;
+    kp.tile_pds_rows = tile_pds_rows_of_env(ap);
+  }
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();

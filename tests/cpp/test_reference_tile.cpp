@@ -672,5 +672,111 @@ void check_invariant(bool causal) {
 TEST(ReferenceFp8Tile, DeltaMatchingRowSumInvariant) { check_invariant(false); }
 TEST(ReferenceFp8Tile, DeltaMatchingRowSumInvariantCausal) { check_invariant(true); }
 
+// ---- P (#5) / dS (#7) blocks of 32 queries (tile_pds_rows = 32, the v6 kernel) ----
+
+// The reference with p.tile_pds_rows = rows against emulate_tile with pds_rows = rows.
+void expect_matches_emulation_rows(const Problem& pr, int64_t T, int64_t rows, Fp8Format gf, DeltaMode mode,
+                                   uint32_t seed, int spread = 0) {
+  AttnParams p = tile_params(pr, mode, static_cast<int>(T), gf);
+  p.tile_pds_rows = static_cast<int>(rows);
+  expect_reference_matches(pr, p, seed, spread,
+                           [&](const Inputs& in) { return emulate_tile(pr, in, T, gf, mode, rows); });
+}
+
+// The v6 contract (numerics.md section 9, "P / dS block rows"): T = 128, P / dS blocks
+// of 32 queries x 64 keys, bit for bit the literal emulation with 32-row sub-tiles:
+// ragged lengths (a last query tile of 1-31 or 33-63 rows: shorter sub-tiles), causal
+// both ways (rows that see no key), GQA, every delta mode, both grad formats, a wide
+// dynamic range, and sliding windows.
+TEST(ReferenceFp8Tile, PdsRows32MatchesLiteralEmulation) {
+  Problem pr = emulation_problem();
+  pr.causal = true;
+  pr.Sq = 150;  // query tiles of 128 and 22 rows
+  pr.Sk = 140;
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 31);
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 32, 12);
+  pr.Sq = 100;  // Sq < Sk: the last sub-tile of 4 rows
+  pr.Sk = 200;
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE5M2, DeltaMode::kStale, 33, 12);
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kMatchedDO, 34);
+  pr.causal = false;
+  pr.Sq = 173;
+  pr.Sk = 90;
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 35, 12);
+  // Sliding windows (middle ranges of a sub-tile see a key column).
+  pr.Sq = 160;
+  pr.Sk = 160;
+  pr.window_left = 20;
+  pr.window_right = 9;
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kDeltaMatching, 36, 12);
+  pr.window_left = 70;
+  pr.window_right = -1;
+  pr.causal = true;
+  expect_matches_emulation_rows(pr, 128, 32, Fp8Format::kE4M3, DeltaMode::kStale, 37);
+}
+
+// The parameter takes effect: with a wide dynamic range the 32-row blocks give other
+// dV / dK bits than the 64-row ones (and tile_pds_rows = 64 equals the default, 0).
+TEST(ReferenceFp8Tile, PdsRows32DiffersFrom64WhereBlocksDiffer) {
+  Problem pr = emulation_problem();
+  pr.Sq = 128;
+  pr.Sk = 128;
+  std::mt19937 rng(38);
+  Inputs in = random_inputs(pr, rng);
+  spread_inputs(in, 12, rng);
+  AttnParams p = tile_params(pr, DeltaMode::kDeltaMatching, 128, Fp8Format::kE4M3);
+  const RefOutputs r0 = run_bf16(pr, in, p, DType::kFloat32);
+  p.tile_pds_rows = 64;
+  const RefOutputs r64 = run_bf16(pr, in, p, DType::kFloat32);
+  p.tile_pds_rows = 32;
+  const RefOutputs r32 = run_bf16(pr, in, p, DType::kFloat32);
+  EXPECT_EQ(max_abs_diff(r0.dk, r64.dk), 0.0);
+  EXPECT_EQ(max_abs_diff(r0.dv, r64.dv), 0.0);
+  EXPECT_GT(max_abs_diff(r32.dk, r64.dk) + max_abs_diff(r32.dv, r64.dv), 0.0);
+  // dQ and the forward do not read the #5 / #7 blocks.
+  EXPECT_EQ(max_abs_diff(r32.dq, r64.dq), 0.0);
+  EXPECT_EQ(max_abs_diff(r32.o, r64.o), 0.0);
+}
+
+// A finer block never raises the error bound (numerics.md section 9): on random
+// Gaussian and training-shaped inputs (B = 128, d = 128, GQA, both masks) the 32-row
+// blocks' dK / dV errors against the exact path are no larger than the 64-row ones'
+// (kSlack: rounding noise of a sum over other codes; measured below, printed).
+void check_rows32_error(bool training, bool causal) {
+  Problem pr;
+  pr.B = 1;
+  pr.Sq = 384;
+  pr.Sk = 384;
+  pr.Hq = 2;
+  pr.Hkv = 1;
+  pr.d = 128;
+  pr.dv = 128;
+  pr.causal = causal;
+  std::mt19937 rng(641 + 2 * training + causal);
+  const Inputs in = training ? training_inputs(pr, rng) : random_inputs(pr, rng);
+  const RefOutputs ex = run_bf16(pr, in, pr.params(Precision::kExact), DType::kFloat64);
+  AttnParams p = tile_params(pr, DeltaMode::kDeltaMatching, 128, Fp8Format::kE4M3);
+  const Errors e64 = errors_vs_exact(run_bf16(pr, in, p, DType::kFloat32), ex);
+  p.tile_pds_rows = 32;
+  const Errors e32 = errors_vs_exact(run_bf16(pr, in, p, DType::kFloat32), ex);
+  std::printf("[tile 32-row P/dS blocks] %s causal=%d  rel err 64 / 32 rows: dQ %.6f / %.6f  dK %.6f / %.6f  "
+              "dV %.6f / %.6f\n",
+              training ? "training-shaped" : "gaussian", causal, e64.dq, e32.dq, e64.dk, e32.dk, e64.dv, e32.dv);
+  const double kSlack = 1.0 + 1e-3;
+  EXPECT_EQ(e32.dq, e64.dq);
+  EXPECT_EQ(e32.o, e64.o);
+  EXPECT_LE(e32.dk, kSlack * e64.dk);
+  EXPECT_LE(e32.dv, kSlack * e64.dv);
+}
+
+TEST(ReferenceFp8Tile, PdsRows32ErrorNotWorseGaussian) {
+  check_rows32_error(false, false);
+  check_rows32_error(false, true);
+}
+TEST(ReferenceFp8Tile, PdsRows32ErrorNotWorseTrainingShaped) {
+  check_rows32_error(true, false);
+  check_rows32_error(true, true);
+}
+
 }  // namespace
 }  // namespace fp8attn

@@ -230,3 +230,57 @@ def test_cuda_tile_backward_default_and_switch(monkeypatch, knob):
     o, lse = torch.ops.fp8attn.fwd(q, k, v, s, True, "fp8", 128, "tile")
     with pytest.raises(NotImplementedError, match="'scaling'"):
         torch.ops.fp8attn.bwd(do, q, k, v, o, lse, s, True, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+
+
+def _spread_rows(x, gen, binades=6):
+    """x with each row times 2^u, u uniform in [-binades, binades] (a wide dynamic range:
+    P / dS blocks of 32 and 64 rows then give different codes)."""
+    e = torch.randint(-binades, binades + 1, x.shape[:-1] + (1,), generator=gen).double()
+    return (x.double() * torch.exp2(e)).to(x.dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_qstep_knob_selects_the_pds_block_rows(monkeypatch, causal):
+    # FP8ATTN_TILE_BWD_QSTEP=32 (docs/architecture.md) selects the v6 contract, P (#5) /
+    # dS (#7) blocks of 32 queries x 64 keys (numerics.md section 9, "P / dS block rows"),
+    # in the CPU op too (csrc/torch/op_args.h), where v6 serves the problem (block 128,
+    # head_dim 128, no softcap): there dK / dV change on wide-range inputs, dQ does not
+    # (#6 keeps its blocks) and both stay as accurate against exact; at head_dim 64 the
+    # knob changes nothing. A bad value is a ValueError naming it.
+    gen = torch.Generator().manual_seed(731 + causal)
+    B, Hq, Hkv, S = 1, 2, 1, 192
+
+    def run(d):
+        q = _spread_rows(torch.randn(B, Hq, S, d, generator=gen).bfloat16(), gen)
+        k = torch.randn(B, Hkv, S, d, generator=gen).bfloat16()
+        v = torch.randn(B, Hkv, S, d, generator=gen).bfloat16()
+        do = _spread_rows(torch.randn(B, Hq, S, d, generator=gen).bfloat16(), gen)
+        tau = 1.0 / math.sqrt(d)
+        o, lse = torch.ops.fp8attn.fwd(q, k, v, tau, causal, "fp8", 128, "tile")
+        got = {}
+        for qs in ("64", "32", None):
+            if qs is None:
+                monkeypatch.delenv("FP8ATTN_TILE_BWD_QSTEP", raising=False)
+            else:
+                monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", qs)
+            got[qs] = torch.ops.fp8attn.bwd(do, q, k, v, o, lse, tau, causal, "fp8", "delta_matching", 128,
+                                            "e4m3", False, "tile")[:3]
+        ex = torch.ops.fp8attn.bwd(do.double(), q.double(), k.double(), v.double(), o.double(), lse, tau, causal,
+                                   "exact", "delta_matching", 128, "e4m3", False)[:3]
+        return got, ex
+
+    got, ex = run(128)
+    assert all(torch.equal(a, b) for a, b in zip(got[None], got["64"])), "unset is 64"
+    assert torch.equal(got["32"][0], got["64"][0]), "dQ does not read the #5 / #7 blocks"
+    assert not (torch.equal(got["32"][1], got["64"][1]) and torch.equal(got["32"][2], got["64"][2]))
+    for i in (1, 2):  # not less accurate (a finer block never raises the bound)
+        assert _rel(got["32"][i], ex[i]) <= 1.001 * _rel(got["64"][i], ex[i]) + 1e-6
+    got, _ = run(64)
+    assert all(torch.equal(a, b) for a, b in zip(got["32"], got["64"])), "head_dim 64: v5 blocks"
+    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "16")
+    q, k, v, do = _inputs(Sq=64, Sk=64, d=128, dv=128)
+    o, lse = torch.ops.fp8attn.fwd(q, k, v, 0.125, causal, "fp8", 128, "tile")
+    with pytest.raises(ValueError, match="FP8ATTN_TILE_BWD_QSTEP='16' is not one of 64, 32"):
+        torch.ops.fp8attn.bwd(do, q, k, v, o, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+    # row scaling never reads it
+    torch.ops.fp8attn.bwd(do, q, k, v, o, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "row")
