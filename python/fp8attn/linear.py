@@ -46,7 +46,6 @@ Backends:
 from __future__ import annotations
 
 import fnmatch
-import re
 import warnings
 from typing import Callable, Iterable, Optional, Tuple, Union
 
@@ -371,6 +370,26 @@ def _q_rows_cols(t: torch.Tensor, fmt: str, mp: int):
     return (*_q_rows(t, fmt, mp), *_q_cols(t, fmt, mp))
 
 
+def _scaled_mm_backward(dy, gf, m, wq, ws, xtq, xts, need_dx, need_dw, x_dtype):
+    """(dx, dw) of the cuBLASLt path (None where not needed) from dy [m, N] and the saved
+    weight codes / tiles (wq, ws) and x^T codes / scales (xtq, xts). dgrad reduces over N:
+    dy 1x128 along N, W^T codes reuse the forward tiles; wgrad reduces over tokens: dy^T
+    and x^T quantized along the tokens (numerics.md section 8)."""
+    mp = m + (-m) % _BLOCK
+    dx = dw = None
+    if need_dx and need_dw:
+        gq, gs, gtq, gts = _q_rows_cols(dy, gf, mp)
+    elif need_dx:
+        gq, gs = _q_rows(dy, gf, mp)
+    elif need_dw:
+        gtq, gts = _q_cols(dy, gf, mp)
+    if need_dx:
+        dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), _direct(x_dtype))[:m]
+    if need_dw:
+        dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
+    return dx, dw
+
+
 class _FP8LinearFn(torch.autograd.Function):
     """x2 [M, K], weight [N, K], bias [N] or None -> y [M, N] (see module docstring).
 
@@ -421,20 +440,7 @@ class _FP8LinearFn(torch.autograd.Function):
         with _no_autocast(dy.device.type):
             dx = dw = db = None
             if ctx.backend == "scaled_mm":
-                wq, ws, xtq, xts = ctx.saved_tensors
-                mp = m + (-m) % _BLOCK
-                # dgrad reduces over N: dy 1x128 along N; W^T codes reuse the forward tiles.
-                # wgrad reduces over tokens: dy^T and x^T (saved) quantized along the tokens.
-                if need_dx and need_dw:
-                    gq, gs, gtq, gts = _q_rows_cols(dy, gf, mp)
-                elif need_dx:
-                    gq, gs = _q_rows(dy, gf, mp)
-                elif need_dw:
-                    gtq, gts = _q_cols(dy, gf, mp)
-                if need_dx:
-                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), _direct(x_dt))[:m]
-                if need_dw:
-                    dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
+                dx, dw = _scaled_mm_backward(dy, gf, m, *ctx.saved_tensors, need_dx, need_dw, x_dt)
             else:
                 wq, ws, x2 = ctx.saved_tensors
                 if need_dx:
@@ -693,21 +699,10 @@ class _FP8FusedLinearFn(torch.autograd.Function):
         dx = dw = None
         with _no_autocast(dy.device.type):
             if ctx.backend == "scaled_mm":
-                wq, ws, xtq, xts = ctx.saved_tensors
-                mp = m + (-m) % _BLOCK
                 # NOTE: every N_i % 128 == 0: the 1x128 blocks of dy along N never straddle
-                # two parts, so these are the codes and scales of each dy_i on its own.
-                if need_dx and need_dw:
-                    gq, gs, gtq, gts = _q_rows_cols(dy, gf, mp)
-                elif need_dx:
-                    gq, gs = _q_rows(dy, gf, mp)
-                elif need_dw:
-                    gtq, gts = _q_cols(dy, gf, mp)
-                if need_dx:
-                    # one GEMM over all sum N_i: the three products summed in FP32, rounded once
-                    dx = _gemm_1x128_128x128(gq, gs, wq.t().contiguous(), ws.t(), _direct(ctx.x_dtype))[:m]
-                if need_dw:
-                    dw = _gemm_1x128_1x128(gtq, gts, xtq, xts, torch.float32)
+                # two parts, so these are the codes and scales of each dy_i on its own; dx is
+                # one GEMM over all sum N_i (the products summed in FP32, rounded once).
+                dx, dw = _scaled_mm_backward(dy, gf, m, *ctx.saved_tensors, need_dx, need_dw, ctx.x_dtype)
             else:
                 wd, x2 = ctx.saved_tensors
                 if need_dx:
