@@ -51,6 +51,7 @@ last: TFLOP/s and the ratio to cuDNN BF16.
 Exit status: 0; 1 without a CUDA GPU (nothing written); 2 on a bad argument.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import glob
@@ -81,6 +82,20 @@ FULL = [(16, 16, 1024, 128), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 16, 163
         (2, 16, 8192, 64), (2, 16, 8192, 256)]
 QUICK = [(4, 16, 4096, 128), (2, 16, 8192, 64), (2, 16, 8192, 256)]
 
+
+
+@contextlib.contextmanager
+def _env_set(name: str, value: str):
+    """os.environ[name] = value inside the block, the previous value (or none) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 def sdpa_times(backend, q, k, v, dout, causal, warmup, iters):
     """(fwd ms, bwd ms) of torch SDPA with one backend, or (None, None) if unavailable."""
@@ -607,28 +622,14 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
         r["tile_bwd_main_ms"], r["tile_bwd_prepass_ms"] = main_ms, pre_ms
         # The two pre-passes side by side (FP8ATTN_TILE_PREPASS_Q, read at every call): v1 64, v2 128
         # queries per CTA; the rows above ran the default.
-        old_q = os.environ.get("FP8ATTN_TILE_PREPASS_Q")
-        try:
-            for qpc in ("64", "128"):
-                os.environ["FP8ATTN_TILE_PREPASS_Q"] = qpc
+        for qpc in ("64", "128"):
+            with _env_set("FP8ATTN_TILE_PREPASS_Q", qpc):
                 r[f"tile_bwd_prepass_q{qpc}_ms"] = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
-        finally:
-            if old_q is None:
-                del os.environ["FP8ATTN_TILE_PREPASS_Q"]
-            else:
-                os.environ["FP8ATTN_TILE_PREPASS_Q"] = old_q
         # The main kernel v5 / v6 side by side (FP8ATTN_TILE_BWD_QSTEP=64 / 32, read at every call; v6
         # serves head_dim 128 only, elsewhere both runs are v5); the rows above ran the default.
-        old_qs = os.environ.get("FP8ATTN_TILE_BWD_QSTEP")
-        try:
-            for qs in ("64", "32"):
-                os.environ["FP8ATTN_TILE_BWD_QSTEP"] = qs
+        for qs in ("64", "32"):
+            with _env_set("FP8ATTN_TILE_BWD_QSTEP", qs):
                 r[f"tile_bwd_main_qstep{qs}_ms"] = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
-        finally:
-            if old_qs is None:
-                del os.environ["FP8ATTN_TILE_BWD_QSTEP"]
-            else:
-                os.environ["FP8ATTN_TILE_BWD_QSTEP"] = old_qs
         r["tile_bwd_kernels"] = (None if main_ms is None or pre_ms is None
                                  else tflops(bwd_flops, main_ms + pre_ms))
         if "tile_pingpong" in getattr(args, "scaling", ()):
