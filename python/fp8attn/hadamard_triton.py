@@ -20,6 +20,8 @@ are traced. Without triton: the torch ops.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 try:
@@ -46,7 +48,9 @@ if _HAVE_TRITON:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, N)
         live = rows[:, None] < M
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=live, other=0.0)
+        # NOTE: 64-bit offsets: rows x stride passes 2^31 elements at 2^24 rows of head_dim 128.
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=live, other=0.0)
         signs = tl.load(s_ptr + cols)[None, :]
         if SIGNS_FIRST:
             x = x * signs
@@ -59,7 +63,7 @@ if _HAVE_TRITON:
         x = x * norm
         if not SIGNS_FIRST:
             x = x * signs
-        tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], x, mask=live)
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], x, mask=live)
 
 
 def rotate_rows(x: torch.Tensor, signs: torch.Tensor, blocks, norms, transposed: bool) -> torch.Tensor:
@@ -79,9 +83,12 @@ def rotate_rows(x: torch.Tensor, signs: torch.Tensor, blocks, norms, transposed:
     m = x2.shape[0]
     if m > 0:
         o = 0
-        for n, norm in zip(blocks, norms):
-            _fwht_rows[(triton.cdiv(m, _ROWS),)](x2[:, o:], y[:, o:], signs[o:o + n], m, x2.stride(0), y.stride(0),
-                                                 norm, N=n, ROWS=_ROWS, SIGNS_FIRST=not transposed,
-                                                 enable_fp_fusion=False)  # no FMA contraction: the torch ops' roundings
-            o += n
+        # NOTE: Triton launches on the current device; x may live on another GPU.
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # CPU: interpreter
+            for n, norm in zip(blocks, norms):
+                _fwht_rows[(triton.cdiv(m, _ROWS),)](x2[:, o:], y[:, o:], signs[o:o + n], m, x2.stride(0),
+                                                     y.stride(0), norm, N=n, ROWS=_ROWS,
+                                                     SIGNS_FIRST=not transposed,
+                                                     enable_fp_fusion=False)  # no FMA: the torch ops' roundings
+                o += n
     return y.reshape(x.shape)

@@ -94,14 +94,31 @@ def _check_rotation(fn: str, qk_rotation) -> None:
                          f"got {qk_rotation!r}")
 
 
-def _triton_rows(x: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
-    """x R (or x R^T) by fp8attn.hadamard_triton for an FP32 CUDA tensor in eager mode
-    (the same FP32 values as the torch ops below) unless FP8ATTN_TRITON_HADAMARD=0; else
-    None. Under torch.compile the torch ops are traced instead (inductor fuses them; no
-    user Triton kernel in the graph)."""
+def _triton_eligible(x) -> bool:
+    """True when the rotation of x may run as the Triton kernel: an FP32 CUDA tensor, in
+    eager mode, unless FP8ATTN_TRITON_HADAMARD=0. Never when autograd would record the
+    rotation (grad mode on and x requires grad: the kernel has no backward, so a caller
+    that differentiates through rotate, as context_parallel's transform does, gets the
+    torch ops), under torch.compile (dynamo traces the torch ops; inductor fuses them), or
+    under a fake / proxy dispatch mode or on a FakeTensor (AOT traces outside dynamo,
+    shape propagation: no kernel launch on fake data)."""
     if not (x.is_cuda and x.dtype == torch.float32 and _env.flag("FP8ATTN_TRITON_HADAMARD", True)):
-        return None
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
     if torch.compiler.is_compiling():
+        return False
+    keys = torch._C._TorchDispatchModeKey
+    if any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY)):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor   # noqa: PLC0415
+    return not isinstance(x, FakeTensor)
+
+
+def _triton_rows(x: torch.Tensor, transposed: bool) -> Optional[torch.Tensor]:
+    """x R (or x R^T) by fp8attn.hadamard_triton when _triton_eligible(x) (the same FP32
+    values as the torch ops below); else None."""
+    if not _triton_eligible(x):
         return None
     from . import hadamard_triton as _ht  # noqa: PLC0415 (triton imported on use)
     if not _ht.available():

@@ -110,6 +110,15 @@ def test_gpu_kernel_and_op_equal_the_torch_path(monkeypatch):
         monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "1")
         got = (qkt.rotate(x), qkt.rotate_transposed(x))
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), d
+    # A leaf that requires grad takes the torch ops (autograd records them): same values, a
+    # grad_fn, the gradient g R^T (what context_parallel's transform relies on).
+    monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD", raising=False)
+    leaf = x.clone().requires_grad_()
+    y = qkt.rotate(leaf)
+    assert y.grad_fn is not None and torch.equal(y.detach(), ref[0])
+    dy = torch.randn(y.shape, device="cuda", generator=g)
+    y.backward(dy)
+    torch.testing.assert_close(leaf.grad, qkt.rotate_transposed(dy), rtol=1e-5, atol=1e-5)
     # Under torch.compile (fullgraph) the torch ops are traced, not the user kernel: it compiles
     # and gives the eager values (inductor's fused code; tolerance for its FP32 reassociation).
     torch._dynamo.reset()
@@ -130,3 +139,39 @@ def test_gpu_kernel_and_op_equal_the_torch_path(monkeypatch):
     for a, b, name in zip(*outs, ("O", "dQ", "dK", "dV")):
         assert not torch.isnan(a).any(), name
         assert torch.equal(a, b), name
+
+
+def test_kernel_only_where_nothing_records_or_traces_the_rotation(monkeypatch):
+    """_triton_eligible: the kernel has no backward and launches on real data, so it runs
+    only where autograd does not record the rotation and no fake / proxy trace is on.
+    Guards the fault found in review (2026-12-07): with the kernel on by default,
+    context_parallel's transform (which differentiates through rotate) got Q', K' without
+    grad_fn, so ring attention with qk_rotation="hadamard" on CUDA dropped dQ and dK
+    silently; and a FakeTensor under FakeTensorMode reached the kernel."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD", raising=False)
+    # Stand-ins for an FP32 CUDA tensor (this check runs on machines without a GPU).
+    plain = SimpleNamespace(is_cuda=True, dtype=torch.float32, requires_grad=False)
+    leaf = SimpleNamespace(is_cuda=True, dtype=torch.float32, requires_grad=True)
+    assert qkt._triton_eligible(plain)
+    assert not qkt._triton_eligible(leaf)               # autograd would record the rotation
+    with torch.no_grad():
+        assert qkt._triton_eligible(leaf)               # nothing records it: the kernel
+    assert not qkt._triton_eligible(SimpleNamespace(is_cuda=True, dtype=torch.float64, requires_grad=False))
+    monkeypatch.setenv("FP8ATTN_TRITON_HADAMARD", "0")
+    assert not qkt._triton_eligible(plain)
+    monkeypatch.delenv("FP8ATTN_TRITON_HADAMARD")
+
+    # A fake CUDA tensor (no GPU needed) never reaches the kernel; the torch ops give the shape.
+    def spy(*a, **k):
+        raise AssertionError("the Triton kernel was called on a fake tensor")
+    from fp8attn import hadamard_triton as ht
+    monkeypatch.setattr(ht, "rotate_rows", spy)
+    with FakeTensorMode():
+        x = torch.empty(3, 5, 128, device="cuda")
+        assert not qkt._triton_eligible(x)
+        assert qkt.rotate(x).shape == (3, 5, 128) and qkt.rotate_transposed(x).shape == (3, 5, 128)
+    assert not qkt._triton_eligible(x)                  # a FakeTensor outside the mode too
