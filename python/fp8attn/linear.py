@@ -743,8 +743,9 @@ def fp8_linear_fused(x: torch.Tensor, weights, biases=None, *, grad_format: str 
         grad_format, backend: as `fp8_linear`; "auto" / "scaled_mm" need every N_i, K and
             the format to meet the scaled_mm rules (else emulated / ValueError).
     Returns:
-        A tuple of y_i [..., N_i] (views into one [..., sum N_i] output), dtypes as
-        `fp8_linear`. Gradients: dx in x's dtype, dW_i / db_i in W_i's / b_i's dtype.
+        A tuple of y_i [..., N_i] (views into one [..., sum N_i] output, so autograd
+        refuses in-place changes to them: y_i.clone() first, or use the results out of
+        place as the trainer does), dtypes as `fp8_linear`. Gradients: dx in x's dtype, dW_i / db_i in W_i's / b_i's dtype.
     Raises:
         TypeError / ValueError: as `fp8_linear` (naming weights[i] / biases[i]), weights
             not a non-empty list or tuple, biases of another length, in_features differing.
