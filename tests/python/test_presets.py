@@ -116,10 +116,18 @@ def test_compiled_checkpointing_saves_no_more_than_eager(linear_backend, monkeyp
     assert len(model.fp8_linear_names) == 7 * cfg.n_layers
     x = torch.randint(1, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5))
     eager, loss_e = _activation_bytes(model, model, x)
+    grads_e = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager_decomp_partition")
     comp, loss_c = _activation_bytes(compiled, model, x)
     torch.testing.assert_close(loss_c, loss_e)
+    # The recomputation gives eager's gradients (every parameter's, not only the loss).
+    grads_c = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads_c.keys() == grads_e.keys() and len(grads_e) == len(list(model.parameters()))
+    for n, g in grads_e.items():
+        rel = ((grads_c[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert rel < 1e-3, (n, rel)
     # NOTE: eager's checkpoint holds the block inputs outside the saved-tensor hooks; the
     # compiled graph saves them (one [2, 64, d_model] FP32 tensor per block) as activations.
     block_inputs = cfg.n_layers * x.numel() * cfg.d_model * 4
