@@ -56,10 +56,16 @@ inline QkRotation parse_qk_rotation(c10::string_view s) {
 // the v5 blocks, `32` the v6 kernel's 32 x 64 P / dS blocks where it serves the problem
 // (common/params.h tile_bwd_pds_rows). Read at every backward of scaling "tile", by the
 // CPU op (the reference) and the CUDA op alike, so both sides of a comparison compute
-// one contract; a bad value throws std::invalid_argument (ValueError) naming the knob.
+// one contract; a bad value is a ValueError naming the knob (c10::ValueError: a bare
+// std::invalid_argument reached Python as RuntimeError on the newest torch, 2026-12-07 CI).
 inline int tile_pds_rows_of_env(const AttnParams& p) {
   if (p.scaling != Scaling::kTile) return 0;
-  const int v = env_choice("FP8ATTN_TILE_BWD_QSTEP", {"64", "32"});
+  int v = -1;
+  try {
+    v = env_choice("FP8ATTN_TILE_BWD_QSTEP", {"64", "32"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
   return tile_bwd_pds_rows(p, v == 1 ? 32 : 64);
 }
 
