@@ -370,6 +370,17 @@ def _q_rows_cols(t: torch.Tensor, fmt: str, mp: int):
     return (*_q_rows(t, fmt, mp), *_q_cols(t, fmt, mp))
 
 
+def _check_tensor_arg(name: str, t, x: Optional[torch.Tensor] = None) -> None:
+    """TypeError unless t is a float32 / bfloat16 / float16 tensor; ValueError when x is
+    given and t is not on x's device (each naming the argument)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(_err(name, f"must be a torch.Tensor, got {type(t).__name__}"))
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(_err(name, f"dtype must be float32, bfloat16 or float16, got {t.dtype}"))
+    if x is not None and t.device != x.device:
+        raise ValueError(_err(name, f"must be on x's device {x.device}, got {t.device}"))
+
+
 def _scaled_mm_backward(dy, gf, m, wq, ws, xtq, xts, need_dx, need_dw, x_dtype):
     """(dx, dw) of the cuBLASLt path (None where not needed) from dy [m, N] and the saved
     weight codes / tiles (wq, ws) and x^T codes / scales (xtq, xts). dgrad reduces over N:
@@ -480,15 +491,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     _fmt(grad_format, "grad_format")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is None and name == "bias":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(_err(name, f"must be a torch.Tensor, got {type(t).__name__}"))
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(_err(name, f"dtype must be float32, bfloat16 or float16, got {t.dtype}"))
-        if name != "x" and t.device != x.device:
-            raise ValueError(_err(name, f"must be on x's device {x.device}, got {t.device}"))
+    _check_tensor_arg("x", x)
+    _check_tensor_arg("weight", weight, x)
+    if bias is not None:
+        _check_tensor_arg("bias", bias, x)
     if weight.dim() != 2:
         raise ValueError(_err("weight", f"expected [out_features, in_features], got shape {tuple(weight.shape)}"))
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -762,21 +768,11 @@ def fp8_linear_fused(x: torch.Tensor, weights, biases=None, *, grad_format: str 
     elif not isinstance(biases, (list, tuple)) or len(biases) != len(weights):
         raise ValueError(_err("biases", f"expected None or a list of {len(weights)} tensors / None"))
     biases = list(biases)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(_err("x", f"must be a torch.Tensor, got {type(x).__name__}"))
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(_err("x", f"dtype must be float32, bfloat16 or float16, got {x.dtype}"))
+    _check_tensor_arg("x", x)
     for kind, ts in (("weights", weights), ("biases", biases)):
         for i, t in enumerate(ts):
-            name = f"{kind}[{i}]"
-            if t is None and kind == "biases":
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(_err(name, f"must be a torch.Tensor, got {type(t).__name__}"))
-            if t.dtype not in _FLOAT_DTYPES:
-                raise TypeError(_err(name, f"dtype must be float32, bfloat16 or float16, got {t.dtype}"))
-            if t.device != x.device:
-                raise ValueError(_err(name, f"must be on x's device {x.device}, got {t.device}"))
+            if not (t is None and kind == "biases"):
+                _check_tensor_arg(f"{kind}[{i}]", t, x)
     for i, (w, b) in enumerate(zip(weights, biases)):
         if w.dim() != 2:
             raise ValueError(_err(f"weights[{i}]", f"expected [out_features, in_features], got shape {tuple(w.shape)}"))
