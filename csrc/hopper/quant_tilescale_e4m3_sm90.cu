@@ -20,8 +20,12 @@
 // integer max of the BF16 bits, quant_codec_sm90.cuh), codes the hardware RNE
 // conversion (finite blocks) or fp8attn::fp8_encode (blocks holding NaN / inf),
 // so both are bit-identical to the CPU quantize_tilescale op.
+// FP32 input (TileQuantJob::x_fp32) and the fused Q / K rotation (rotate;
+// numerics.md 10.1, hadamard_sm90.cuh) turn the registers into BF16(x R)
+// right after the loads: the rest is the same.
 #include "hopper/quant_tilescale_e4m3_sm90.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,6 +33,7 @@
 #include <string>
 
 #include "hopper/config_sm90.h"
+#include "hopper/hadamard_sm90.cuh"
 #include "hopper/quant_codec_sm90.cuh"
 
 namespace fp8attn {
@@ -76,7 +81,7 @@ __device__ __forceinline__ uint32_t amax16(const uint4& a, const uint4& b) {
   return vmax_u16x2(m0, m1);
 }
 
-template <int kDim>
+template <int kDim, bool kXform>
 __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, int sblk, int64_t bh, uint8_t* sT,
                                               uint32_t* red) {
   using G = TileGeom<kDim>;
@@ -108,11 +113,61 @@ __device__ __forceinline__ void quant_tile_ts(const TileQuantJob& j, int nblk, i
   for (int k = 0; k < G::kPasses; ++k) {
     const int r = k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
     raw[k][0] = raw[k][1] = make_uint4(0u, 0u, 0u, 0u);  // rows past the tile's tokens are never read
-    if (active && r < n_valid) {
+    if (!(kXform && j.x_fp32) && active && r < n_valid) {
       const uint4* src =
           reinterpret_cast<const uint4*>(xb + static_cast<int64_t>(src0 + r) * j.stride_seq + u * G::kUnit);
       raw[k][0] = src[0];
       raw[k][1] = src[1];
+    }
+  }
+
+  // ---- FP32 input and / or the fused Q / K rotation (numerics.md 10.1): the
+  // registers then hold BF16(x R) (BF16(x) without rotation), the value the
+  // unfused path hands a kernel, and everything below quantizes that.
+  // NOTE: a separate instantiation (kXform), launched only for such jobs: the
+  // FP32 registers raise the kernel's register count (at head_dim 256 from 112
+  // to 155, one CTA per SM fewer), which the plain jobs should not pay.
+  if constexpr (kXform) {
+    const uint32_t neg = j.rotate ? hadamard::unit_sign_mask(u) : 0u;
+    const float* xf = static_cast<const float*>(j.x) + b * j.stride_batch + h * j.stride_head;
+#pragma unroll
+    for (int k = 0; k < G::kPasses; ++k) {
+      const int r = k * G::kRowsPerPass + warp * G::kRowsPerWarp + rsub;
+      const bool valid = active && r < n_valid;
+      float x[hadamard::kUnit];
+      if (j.x_fp32) {
+#pragma unroll
+        for (int i = 0; i < hadamard::kUnit; ++i) x[i] = 0.f;
+        if (valid) {
+          const float4* src =
+              reinterpret_cast<const float4*>(xf + static_cast<int64_t>(src0 + r) * j.stride_seq + u * G::kUnit);
+#pragma unroll
+          for (int q4 = 0; q4 < 4; ++q4) {
+            const float4 v4 = src[q4];
+            x[4 * q4] = v4.x;
+            x[4 * q4 + 1] = v4.y;
+            x[4 * q4 + 2] = v4.z;
+            x[4 * q4 + 3] = v4.w;
+          }
+        }
+      } else {
+        const uint32_t w[8] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w,
+                               raw[k][1].x, raw[k][1].y, raw[k][1].z, raw[k][1].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          x[2 * i] = bf16_bits_to_float(w[i] & 0xffffu);
+          x[2 * i + 1] = bf16_bits_to_float(w[i] >> 16);
+        }
+      }
+      if (j.rotate) hadamard::rotate_unit<kDim>(x, u, neg, lane);  // every lane (shuffles)
+      uint32_t o[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const __nv_bfloat162 p2 = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);  // .x (low half) = x[2 i]
+        o[i] = valid ? *reinterpret_cast<const uint32_t*>(&p2) : 0u;
+      }
+      raw[k][0] = make_uint4(o[0], o[1], o[2], o[3]);
+      raw[k][1] = make_uint4(o[4], o[5], o[6], o[7]);
     }
   }
 
@@ -210,7 +265,7 @@ struct TileQuantLaunch {
   int64_t cta_base = 0;
 };
 
-template <int kDim>
+template <int kDim, bool kXform>
 __global__ void __launch_bounds__(kQuantThreads) quant_tilescale_kernel(const __grid_constant__ TileQuantLaunch p) {
   extern __shared__ __align__(16) uint8_t sT[];  // kSeqBlock x kDim tile codes when a job writes tileT
   __shared__ uint32_t red[kWarps];
@@ -222,7 +277,7 @@ __global__ void __launch_bounds__(kQuantThreads) quant_tilescale_kernel(const __
   const int64_t local = cta - (ji == 0 ? 0 : p.cta_end[ji - 1]);
   const int nblk = p.nblk[ji];
   const int64_t bh = local / nblk;
-  quant_tile_ts<kDim>(p.job[ji], nblk, static_cast<int>(local - bh * nblk), bh, sT, red);
+  quant_tile_ts<kDim, kXform>(p.job[ji], nblk, static_cast<int>(local - bh * nblk), bh, sT, red);
 }
 
 [[noreturn]] void bad(const char* field, const std::string& what) {
@@ -251,7 +306,7 @@ bool check_job(const TileQuantJob& j) {
   return j.row != nullptr || j.tile != nullptr || j.tileT != nullptr;
 }
 
-template <int kDim>
+template <int kDim, bool kXform>
 void launch_dim(TileQuantLaunch p, cudaStream_t stream) {
   bool transposed = false;
   int64_t total = 0;
@@ -269,7 +324,7 @@ void launch_dim(TileQuantLaunch p, cudaStream_t stream) {
   for (int64_t base = 0; base < total; base += kChunk) {
     p.cta_base = base;
     const unsigned grid = static_cast<unsigned>(std::min(kChunk, total - base));
-    quant_tilescale_kernel<kDim><<<grid, kQuantThreads, smem, stream>>>(p);
+    quant_tilescale_kernel<kDim, kXform><<<grid, kQuantThreads, smem, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: quantize_tilescale_bf16_sm90 launch failed: ") +
@@ -285,18 +340,24 @@ void quantize_tilescale_bf16_sm90(const TileQuantJob* jobs, int n_jobs, cudaStre
   if (n_jobs > 0 && jobs == nullptr) bad("jobs", "must not be null");
   bool work[kMaxTileQuantJobs] = {};
   for (int i = 0; i < n_jobs; ++i) work[i] = check_job(jobs[i]);  // every job checked before any launch
-  for (const int dim : {64, 128, 192, 256}) {
-    TileQuantLaunch p;
-    for (int i = 0; i < n_jobs; ++i)
-      if (work[i] && jobs[i].dim == dim) p.job[p.n++] = jobs[i];
-    if (p.n == 0) continue;
-    switch (dim) {
-      case 64: launch_dim<64>(p, stream); break;
-      case 128: launch_dim<128>(p, stream); break;
-      case 192: launch_dim<192>(p, stream); break;
-      default: launch_dim<256>(p, stream); break;
+  // One launch per (dim, transform or not) that has jobs.
+  for (const bool xform : {false, true})
+    for (const int dim : {64, 128, 192, 256}) {
+      TileQuantLaunch p;
+      for (int i = 0; i < n_jobs; ++i)
+        if (work[i] && jobs[i].dim == dim && (jobs[i].x_fp32 || jobs[i].rotate) == xform) p.job[p.n++] = jobs[i];
+      if (p.n == 0) continue;
+      switch (dim * 2 + (xform ? 1 : 0)) {
+        case 128: launch_dim<64, false>(p, stream); break;
+        case 129: launch_dim<64, true>(p, stream); break;
+        case 256: launch_dim<128, false>(p, stream); break;
+        case 257: launch_dim<128, true>(p, stream); break;
+        case 384: launch_dim<192, false>(p, stream); break;
+        case 385: launch_dim<192, true>(p, stream); break;
+        case 512: launch_dim<256, false>(p, stream); break;
+        default: launch_dim<256, true>(p, stream); break;
+      }
     }
-  }
 }
 
 void quantize_tilescale_bf16_sm90(const TileQuantJob& job, cudaStream_t stream) {

@@ -37,8 +37,16 @@ namespace sm90 {
 // only where causal masking makes it requantize the visible part of a
 // diagonal tile, numerics.md section 9 "Masking before quantization").
 struct TileQuantJob {
-  const void* x = nullptr;  // BF16
+  const void* x = nullptr;  // BF16 (float32 with x_fp32)
   int64_t stride_batch = 0, stride_head = 0, stride_seq = 0;
+  // x_fp32: x holds float32 (strides in its elements, the same alignment rule),
+  // read and rounded to BF16 before quantizing. rotate: the fused
+  // qk_rotation="hadamard" (numerics.md 10.1, hadamard_sm90.cuh): each row x
+  // becomes x R in FP32 (read as FP32, the reference's operations in its
+  // order), rounded to BF16, then quantized: the codes of the unfused path
+  // (torch / Triton rotation, then this kernel on the BF16 result) bit for bit.
+  bool x_fp32 = false;
+  bool rotate = false;
   int batch = 0, heads = 0, seqlen = 0, dim = 0;
   Fp8Format fmt = Fp8Format::kE4M3;
   Scaling recipe = Scaling::kTile;  // only kTile here (the `row` recipe: QuantJob)
@@ -73,8 +81,8 @@ struct TileQuantJob {
 void quantize_tilescale_bf16_sm90(const TileQuantJob& job, cudaStream_t stream);
 
 // Several operands (the forward's Q, K, V; later dO) in one launch per
-// distinct dim (one launch when every job has the same dim, two for head dims
-// 192 / 128): one CTA per (128-token tile, batch, head) of every job, the
+// distinct (dim, x_fp32 || rotate) (one launch when every job has the same dim and
+// none transforms, two for head dims 192 / 128 or rotated Q / K): one CTA per (128-token tile, batch, head) of every job, the
 // jobs' tiles on one linear grid (more than 2^30 CTAs: several launches).
 // Each job is checked as above; outputs bit-identical to one call per job.
 constexpr int kMaxTileQuantJobs = 4;

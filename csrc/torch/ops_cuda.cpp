@@ -71,6 +71,7 @@
 #include "hopper/config_sm90.h"
 #include "hopper/fwd_e4m3_blockscale_sm90.h"
 #include "hopper/fwd_tilescale_e4m3_sm90.h"
+#include "hopper/hadamard_rows_bf16_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 #include "hopper/quant_e4m3_blockscale_sm90.h"
 #include "hopper/quant_tilescale_e4m3_sm90.h"
@@ -148,16 +149,38 @@ bool tile_fwd_enabled() {
   return v != 0;
 }
 
-// numerics.md section 10: the kernels have no fused rotation / smoothing. The
-// public functions (fp8attn.attention, ...) apply them around these raw ops
-// (python/fp8attn/qk_transform.py); the raw CUDA ops take the defaults only.
-void check_qk_transform(c10::string_view qk_rotation, bool smooth_k) {
-  TORCH_CHECK_NOT_IMPLEMENTED(parse_qk_rotation(qk_rotation) == QkRotation::kNone,
-                              "fp8attn: argument 'qk_rotation': the raw CUDA op has no fused rotation; call "
-                              "fp8attn.attention (it rotates around the kernels), or pass qk_rotation='none'");
+// numerics.md section 10.3: the raw CUDA ops rotate Q and K in the `tile`
+// quantization (qk_rotation="hadamard", TileQuantJob::rotate) where the kernel
+// head dims need no padding (head_dim_qk 64, 128, 192 or 256); K smoothing and
+// the `row` recipe's rotation run around the raw ops (fp8attn.ops,
+// python/fp8attn/qk_transform.py). Returns whether to rotate; raises
+// NotImplementedError naming the argument for what the raw op cannot do.
+// FP8ATTN_FUSED_ROTATION=0 refuses the fused rotation too (fp8attn.ops then
+// rotates around the op, the A/B of docs/architecture.md "Environment variables").
+bool fused_rotation_enabled() {
+  int v = -1;
+  try {
+    v = env_choice("FP8ATTN_FUSED_ROTATION", {"0", "1"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return v != 0;
+}
+bool cuda_qk_rotation(c10::string_view qk_rotation, bool smooth_k, Scaling recipe, int64_t head_dim_qk,
+                      int64_t kernel_head_dim_qk) {
   TORCH_CHECK_NOT_IMPLEMENTED(!smooth_k,
                               "fp8attn: argument 'smooth_k': the raw CUDA op has no fused K smoothing; call "
                               "fp8attn.attention (it smooths around the kernels), or pass smooth_k=False");
+  if (parse_qk_rotation(qk_rotation) == QkRotation::kNone) return false;
+  TORCH_CHECK_NOT_IMPLEMENTED(recipe == Scaling::kTile && head_dim_qk == kernel_head_dim_qk &&
+                                  fused_rotation_enabled(),
+                              "fp8attn: argument 'qk_rotation': the raw CUDA op rotates in its quantization only "
+                              "with scaling='tile' and head_dim_qk 64, 128, 192 or 256 (got scaling='",
+                              recipe == Scaling::kTile ? "tile" : "row", "', head_dim_qk ", head_dim_qk,
+                              fused_rotation_enabled() ? "" : ", FP8ATTN_FUSED_ROTATION=0",
+                              "); call fp8attn.attention (it rotates around the kernels otherwise), or pass "
+                              "qk_rotation='none'");
+  return true;
 }
 
 // NOTE: FP8ATTN_TILE_BWD (docs/architecture.md, "Environment variables"): the
@@ -247,6 +270,17 @@ at::Tensor kernel_input(const at::Tensor& x, int64_t d) {
   return y;
 }
 
+// x as the fused rotation's quantization reads it (TileQuantJob::x_fp32): BF16
+// as kernel_input gives it, any other dtype as float32 (exact for float16), so
+// the rotation works on the values the unfused path reads (numerics.md 10.1).
+at::Tensor rotation_input(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) return aligned_bf16(x);
+  const at::Tensor y = x.to(at::kFloat);
+  const bool ok = y.stride(3) == 1 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0 &&
+                  eff_stride(y, 0) % 8 == 0 && eff_stride(y, 1) % 8 == 0 && eff_stride(y, 2) % 8 == 0;
+  return ok ? y : y.clone(at::MemoryFormat::Contiguous);
+}
+
 // The op's output from a kernel output y [B, H, S, kd] (BF16, contiguous): its
 // first d channels in `dtype`, contiguous; y itself when that is the same.
 at::Tensor op_output(const at::Tensor& y, int64_t d, at::ScalarType dtype) {
@@ -269,6 +303,20 @@ void launch(Fn&& fn) {
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, e.what());
   }
+}
+
+// dQ / dK of the rotated problem mapped back (numerics.md 10.1 "Gradients"): g R^T
+// row by row in FP32 from the kernel's BF16 g [B, H, S, d], rounded once to
+// `dtype` (BF16 directly; else through float32, exact for float32).
+at::Tensor rotate_back(const at::Tensor& g, at::ScalarType dtype, cudaStream_t stream) {
+  const bool fp32 = dtype != at::kBFloat16;
+  at::Tensor y = at::empty(g.sizes(), g.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  const at::Tensor gc = g.contiguous();
+  launch([&] {
+    sm90::hadamard_rows_transposed_bf16_sm90(gc.data_ptr(), gc.numel() / gc.size(3), static_cast<int>(gc.size(3)),
+                                             y.data_ptr(), fp32, stream);
+  });
+  return y.scalar_type() == dtype ? y : y.to(dtype);
 }
 
 // Quantizes x [B, H, S, D] (BF16, aligned; B * H < 2^31, S < 2^30) on `stream`; outputs that are
@@ -315,6 +363,7 @@ TileQuantJob tile_job(const at::Tensor& x, Fp8Format fmt, const at::Tensor& row,
   j.dim = static_cast<int>(x.size(3));
   j.fmt = fmt;
   j.recipe = Scaling::kTile;
+  j.x_fp32 = x.scalar_type() == at::kFloat;  // rotation_input's float32 (the fused rotation only)
   if (row.defined()) {
     j.row = row.data_ptr<uint8_t>();
     j.row_s = row_s.data_ptr<float>();
@@ -370,8 +419,9 @@ std::pair<at::Tensor, at::Tensor> alloc_col(const at::Tensor& x) {
 struct TileFwdCodes {
   at::Tensor q, q_s, k, k_s, vT, v_s;
 };
+// rotate: Q and K rotated in the quantization (cuda_qk_rotation; q / k from rotation_input).
 TileFwdCodes quantize_tile_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Fp8Format fmt,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool rotate = false) {
   const at::Tensor none;
   TileFwdCodes c{alloc_codes(q), alloc_token_scales(q), alloc_codes(k), alloc_tile_scales(k), alloc_codesT(v),
                  alloc_tile_scales(v)};
@@ -379,6 +429,7 @@ TileFwdCodes quantize_tile_fwd(const at::Tensor& q, const at::Tensor& k, const a
                                 tile_job(k, fmt, none, none, c.k, none, c.k_s),
                                 tile_job(v, fmt, none, none, none, c.vT, c.v_s)};
   jobs[2].tileT_perm16 = fwdt::kVPermutedInQuant;  // the order the forward's P V reads
+  jobs[0].rotate = jobs[1].rotate = rotate;
   launch([&] { quantize_tilescale_bf16_sm90(jobs, 3, stream); });
   return c;
 }
@@ -479,8 +530,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const Scaling recipe = parse_scaling(scaling);
   const float cap = cuda_softcap(softcap, recipe);
   const WindowBounds win = cuda_window(q_in, k_in, causal, window_left, window_right, recipe);
-  check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
+  const bool rotate = cuda_qk_rotation(qk_rotation, smooth_k, recipe, pr.dqk, pr.kqk);
   TORCH_CHECK_NOT_IMPLEMENTED(recipe != Scaling::kTile || tile_fwd_enabled(),
                               "fp8attn: argument 'scaling': the CUDA forward of scaling='tile' is switched off by "
                               "FP8ATTN_TILE_FWD=0; unset it (or set FP8ATTN_TILE_FWD=1) to run it, or use "
@@ -491,16 +542,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {at::zeros({pr.batch, pr.heads_q, pr.seqlen_q, pr.dv}, q_in.options()), lse};
   }
-  const at::Tensor q = kernel_input(q_in, pr.kqk), k = kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
+  // The quantization's inputs: BF16 (kernel_input), or with the fused rotation
+  // Q and K as rotation_input gives them (BF16 or float32).
+  const at::Tensor q = rotate ? rotation_input(q_in) : kernel_input(q_in, pr.kqk);
+  const at::Tensor k = rotate ? rotation_input(k_in) : kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   // The kernel's O (BF16, the kernel's head_dim_v); the op's out is it unless
   // the head dims are padded or q is float32 (op_output).
-  at::Tensor out_k = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kv}, q.options());
+  at::Tensor out_k = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kv}, q_in.options().dtype(at::kBFloat16));
 
   if (recipe == Scaling::kTile) {
     // numerics.md section 9: Q one scale per row, K and V one per 128-key tile
-    // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h).
-    const TileFwdCodes c = quantize_tile_fwd(q, k, v, Fp8Format::kE4M3, stream);
+    // (K row-major, V transposed), all of head_dim (quant_tilescale_e4m3_sm90.h);
+    // section 10.1: Q R and K R there with the fused rotation.
+    const TileFwdCodes c = quantize_tile_fwd(q, k, v, Fp8Format::kE4M3, stream, rotate);
     KernelParams kp{};
     set_sizes(kp, pr, softmax_scale, win);
     set_tile_fwd_tensors(kp, q, k, v, out_k, lse, c);
@@ -604,8 +659,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
     const c10::optional<at::Tensor>& delta_in, bool sums_only) {
   const Scaling recipe = check_bwd_scaling(scaling);
-  check_qk_transform(qk_rotation, smooth_k);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
+  const bool rotate = cuda_qk_rotation(qk_rotation, smooth_k, recipe, pr.dqk, pr.kqk);
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const bool delta_given = delta_in.has_value() && delta_in->defined();
   if (delta_given || sums_only) {
@@ -660,8 +715,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
             at::zeros({pr.batch, pr.heads_kv, pr.seqlen_k, pr.dv}, opts), diag};
   }
 
-  // The kernels' operands: BF16, head dims padded to the kernel's (kernel_input).
-  const at::Tensor q = kernel_input(q_in, pr.kqk), k = kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
+  // The kernels' operands: BF16, head dims padded to the kernel's (kernel_input);
+  // with the fused rotation Q and K as rotation_input gives them.
+  const at::Tensor q = rotate ? rotation_input(q_in) : kernel_input(q_in, pr.kqk);
+  const at::Tensor k = rotate ? rotation_input(k_in) : kernel_input(k_in, pr.kqk), v = kernel_input(v_in, pr.kv);
   const at::Tensor dout = kernel_input(dout_in, pr.kv), out = kernel_input(out_in, pr.kv);
   const at::Tensor lse = lse_in.contiguous();
   // The kernels' gradients (BF16, padded head dims); op_output slices / converts.
@@ -697,10 +754,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     do_col_s = alloc_tile_scales(dout);
     // NOTE: one launch for the four operands (two when head_dim_qk != head_dim_v):
     // outputs bit-identical to one launch per operand (quant_tilescale_e4m3_sm90.h).
-    const TileQuantJob jobs[4] = {tile_job(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s),
-                                  tile_job(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s),
-                                  tile_job(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s),
-                                  tile_job(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s)};
+    TileQuantJob jobs[4] = {tile_job(q, Fp8Format::kE4M3, q_row, q_row_s, none, q_colT, q_col_s),
+                            tile_job(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s),
+                            tile_job(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s),
+                            tile_job(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s)};
+    jobs[0].rotate = jobs[1].rotate = rotate;  // numerics.md 10.1: the codes of Q R and K R
     static_assert(sm90::kMaxTileQuantJobs >= 4, "the backward's four operands in one launch");
     launch([&] { quantize_tilescale_bf16_sm90(jobs, 4, stream); });
   } else {
@@ -758,6 +816,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
+  // The fused rotation's dQ' = dQ R, dK' = dK R mapped back (no padded head dims there).
+  if (rotate) return {rotate_back(dq, dt, stream), rotate_back(dk, dt, stream), op_output(dv, pr.dv, dt), diag};
   return {op_output(dq, pr.dqk, dt), op_output(dk, pr.dqk, dt), op_output(dv, pr.dv, dt), diag};
 }
 

@@ -36,6 +36,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
+from . import _env
 from . import _lib
 from . import diagnostics as _diag
 from . import qk_transform as _qkt
@@ -387,6 +388,35 @@ def _has_transform(qk_rotation: str, smooth_k: bool) -> bool:
     return qk_rotation != "none" or smooth_k
 
 
+# The CUDA kernels' head-dim pairs (csrc/hopper/config_sm90.h kKernelHeadDims): a call
+# runs on the first pair that holds it, its head dims zero-padded up to the pair's.
+_KERNEL_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+
+
+def _fused_rotation(q: torch.Tensor, v: torch.Tensor, qk_rotation: str, scaling: str) -> bool:
+    """Whether the raw CUDA op rotates Q and K inside its quantization (numerics.md 10.3,
+    the fused rotation): CUDA tensors, qk_rotation="hadamard", scaling="tile", and a
+    head_dim_qk the kernels take unpadded (64, 128, 192 with head_dim_v <= 128, 256);
+    not with FP8ATTN_FUSED_ROTATION=0. Elsewhere the rotation runs around the raw op."""
+    if not (q.device.type == "cuda" and qk_rotation == "hadamard" and scaling == "tile"):
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    pair = next((p for p in _KERNEL_HEAD_DIMS if d <= p[0] and dv <= p[1]), None)
+    return pair is not None and pair[0] == d and _env.flag("FP8ATTN_FUSED_ROTATION", True)
+
+
+def _around_op_inputs(q, k, v, qk_rotation, smooth_k, scaling):
+    """(Q', K', mean, rotation the raw op applies, dtype handed to the raw op) of the
+    path that applies the transforms around the raw op (numerics.md 10.3): with the fused
+    rotation only the smoothing (K - m in FP32, Q read as FP32) runs here and the raw op
+    rotates; otherwise qk_transform.transform_qk forms Q', K' here."""
+    if _fused_rotation(q, v, qk_rotation, scaling):
+        q_t, k_t, mean = _qkt.smooth_only(q, k, smooth_k)
+        return q_t, k_t, mean, qk_rotation, q_t.dtype
+    q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
+    return q_t, k_t, mean, "none", _unfused_dtype(q)
+
+
 def _exact_lse_t(q: torch.Tensor, precision: str, smooth_k: bool) -> bool:
     """Whether LSE_t (fwd_op) differs from the public LSE and bwd_op takes it as it is:
     smooth_k on the torch path (always on CUDA; the fp8 path on CPU, numerics.md 10.2)."""
@@ -419,10 +449,9 @@ def fwd_op(q, k, v, scale, causal, precision, block_size, scaling="row", qk_rota
         out, lse = torch.ops.fp8attn.fwd(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation,
                                          smooth_k, softcap, wl, wr)
         return (out, lse, lse) if return_lse_t else (out, lse)  # rotation only: no shift, LSE_t = LSE
-    q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
-    w = _unfused_dtype(q)
+    q_t, k_t, mean, rot, w = _around_op_inputs(q, k, v, qk_rotation, smooth_k, scaling)
     out, lse_t = torch.ops.fp8attn.fwd(q_t.to(w), k_t.to(w), v.to(w), scale, causal, precision, block_size, scaling,
-                                       softcap=softcap, window_left=wl, window_right=wr)
+                                       rot, softcap=softcap, window_left=wl, window_right=wr)
     lse = lse_t if mean is None else _qkt.shift_lse(lse_t, q, mean, scale, +1)
     out = as_dtype(out, q.dtype)
     return (out, lse, lse_t) if return_lse_t else (out, lse)
@@ -473,16 +502,16 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap,
                                      window_left=wl, window_right=wr)
-    q_t, k_t, mean = _qkt.transform_qk(q, k, qk_rotation, smooth_k)
+    q_t, k_t, mean, rot, w = _around_op_inputs(q, k, v, qk_rotation, smooth_k, scaling)
     if exact_lse_t:
         lse = lse_t
     elif mean is not None:
         lse = _qkt.shift_lse(lse, q, mean, scale, -1)
-    w = _unfused_dtype(q)
     dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
                                                  causal, precision, delta_mode, block_size, grad_format, diagnostics,
-                                                 scaling, softcap=softcap, window_left=wl, window_right=wr)
-    dq, dk = _qkt.map_grads_back(dq_t, dk_t, qk_rotation, smooth_k, q.dtype, k.dtype)
+                                                 scaling, rot, softcap=softcap, window_left=wl, window_right=wr)
+    # The fused rotation's raw op returns dQ and dK_s mapped back through R^T already.
+    dq, dk = _qkt.map_grads_back(dq_t, dk_t, "none" if rot != "none" else qk_rotation, smooth_k, q.dtype, k.dtype)
     return dq, dk, dv.to(v.dtype), diag
 
 

@@ -212,6 +212,18 @@ def transform_qk(q: torch.Tensor, k: torch.Tensor, qk_rotation: str, smooth_k: b
     return qw.to(q.dtype), kw.to(k.dtype), mean
 
 
+def smooth_only(q: torch.Tensor, k: torch.Tensor, smooth_k: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The inputs of the raw CUDA op that rotates inside its quantization (numerics.md
+    10.3): q and k themselves without smooth_k; with it Q read as FP32 and K_s = K - m
+    in FP32 (transform_qk's values before its rotation), and the FP32 mean key."""
+    if not smooth_k:
+        return q, k, None
+    w = torch.float32
+    mean = key_mean(k, w)
+    return q.to(w), k.to(w) - mean, mean
+
+
 def shift_lse(lse: torch.Tensor, q: torch.Tensor, mean: torch.Tensor, softmax_scale: float, sign: int
               ) -> torch.Tensor:
     """fp8 path: lse + sign * shift_i (FP32 add of the FP32-rounded shift), -inf

@@ -1,6 +1,8 @@
 """GPU tests of qk_rotation="hadamard" and smooth_k on CUDA (docs/numerics.md
 section 10): the op applies them around the row kernels with torch ops
-(ops.fwd_op / bwd_op, unfused). Checked against the CPU reference with the same
+(ops.fwd_op / bwd_op, unfused); with scaling="tile" the rotation runs inside the
+quantization kernel (the fused rotation, section 10.3), checked against the
+path around the op bit for bit and against the reference. Checked against the CPU reference with the same
 options on the same inputs, every element, with the kernel tolerances of
 numerics.md section 6 (check_close of test_cuda.py, whose exact results are the
 CPU exact path, unchanged by the options); the CUDA transforms equal the CPU
@@ -82,12 +84,133 @@ def test_cuda_transforms_equal_the_cpu_ones(d):
         assert torch.allclose(mc, mg.cpu(), rtol=2 ** -23, atol=0)
 
 
-def test_raw_cuda_op_refuses_the_options_naming_them():
+def test_raw_cuda_op_refuses_the_options_naming_them(monkeypatch):
+    """The raw CUDA op rotates only inside the `tile` quantization at unpadded head dims
+    (numerics.md 10.3) and never smooths; everything else is refused naming the argument."""
     q, k, v = (t.cuda() for t in make_qkv(1, 2, 2, 16, 16, 64, 64, seed=1))
     with pytest.raises(NotImplementedError, match="'qk_rotation'"):
         torch.ops.fp8attn.fwd(q, k, v, 0.125, False, "fp8", 128, "row", "hadamard", False)
     with pytest.raises(NotImplementedError, match="'smooth_k'"):
         torch.ops.fp8attn.fwd(q, k, v, 0.125, False, "fp8", 128, "row", "none", True)
+    with pytest.raises(NotImplementedError, match="'smooth_k'"):
+        torch.ops.fp8attn.fwd(q, k, v, 0.125, False, "fp8", 128, "tile", "hadamard", True)
+    q80, k80, v80 = (t.cuda() for t in make_qkv(1, 2, 2, 16, 16, 80, 80, seed=1))
+    with pytest.raises(NotImplementedError, match="'qk_rotation'.*head_dim_qk 80"):
+        torch.ops.fp8attn.fwd(q80, k80, v80, 0.125, False, "fp8", 128, "tile", "hadamard", False)
+    monkeypatch.setenv("FP8ATTN_FUSED_ROTATION", "0")
+    with pytest.raises(NotImplementedError, match="FP8ATTN_FUSED_ROTATION=0"):
+        torch.ops.fp8attn.fwd(q, k, v, 0.125, False, "fp8", 128, "tile", "hadamard", False)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (64, 128), (192, 128), (192, 192), (256, 256),
+                                  (128, 64), (256, 200)])
+def test_fused_rotation_eligibility_is_the_raw_ops(d, dv):
+    """ops._fused_rotation (which path fp8attn.attention takes) says yes exactly where the
+    raw CUDA op accepts qk_rotation (its kernel head dims unpadded)."""
+    from fp8attn import ops
+    q, k, v = (t.cuda() for t in make_qkv(1, 2, 1, 40, 50, d, dv, seed=2))
+    try:
+        torch.ops.fp8attn.fwd(q, k, v, d ** -0.5, False, "fp8", 128, "tile", "hadamard", False)
+        accepted = True
+    except NotImplementedError:
+        accepted = False
+    assert ops._fused_rotation(q, v, "hadamard", "tile") == accepted
+    assert accepted == (d in (64, 128, 256) and dv <= d or d == 192 and dv <= 128)
+
+
+FUSED_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv): every head_dim the fused rotation takes, GQA, ragged tiles
+    (1, 4, 2, 200, 333, 64, 64),
+    (2, 6, 2, 257, 129, 128, 128),
+    (1, 4, 2, 300, 300, 192, 128),
+    (1, 2, 1, 130, 260, 256, 256),
+]
+
+
+def _paths(q, k, v, do, causal, sm, monkeypatch, dtype):
+    """(O, LSE, dQ, dK, dV) of attention(scaling='tile', hadamard) with the rotation fused
+    into the quantization and around the raw op (FP8ATTN_FUSED_ROTATION=1 / 0)."""
+    out = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("FP8ATTN_FUSED_ROTATION", fused)
+        qq, kk, vv = (t.detach().clone().to(dtype).cuda().requires_grad_() for t in (q, k, v))
+        o, lse = fp8attn.attention(qq, kk, vv, causal=causal, scaling="tile", qk_rotation="hadamard",
+                                   smooth_k=sm, return_lse=True)
+        o.backward(do.to(dtype).cuda())
+        out[fused] = tuple(t.detach().cpu() for t in (o, lse, qq.grad, kk.grad, vv.grad))
+    return out["1"], out["0"]
+
+
+def _fused_inputs(shape, *key):
+    b, hq, hkv, sq, sk, d, dv = shape
+    q, k, v = make_qkv(*shape, seed=seed_of("fused-rot", shape, *key))
+    k = (k.float() + 2.0 * torch.randn(b, hkv, 1, d)).bfloat16()  # a common key component
+    q = (q.float() * (1 + 8 * (torch.arange(d) < 2))).bfloat16()  # two outlier channels
+    do = randn(b, hq, sq, dv, gen=torch.Generator().manual_seed(seed_of("fused-rot-do", shape)))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sm", [False, True], ids=["rot", "rot+smooth"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_rotation_equals_the_rotation_around_the_op(shape, causal, sm, dtype, monkeypatch):
+    """numerics.md 10.3: the quantizer's rotation forms BF16(Q R), BF16(K R) from the
+    values the torch / Triton path reads (its operations in its order), so the forward
+    (deterministic kernels) is the same bit for bit, and so are dK and dV (no atomics;
+    the map-back is the same FP32 arithmetic). dQ sums its partials with atomics in
+    either path, in an order that changes from run to run: within one BF16 ulp of its
+    largest entry. The failure guarded: a butterfly across the wrong lanes, a sign or
+    norm off, an FP32 input read as BF16 before the rotation."""
+    q, k, v, do = _fused_inputs(shape, causal, sm)
+    fused, around = _paths(q, k, v, do, causal, sm, monkeypatch, dtype)
+    label = f"{shape} causal={causal} smooth_k={sm} {dtype}"
+    for name, f, a in zip(("O", "LSE", "dQ", "dK", "dV"), fused, around):
+        assert not torch.isnan(f).any(), f"{label} {name}: NaN"
+        if name == "dQ":
+            scale = a.double().abs().max().clamp_min(1e-30)
+            assert (f.double() - a.double()).abs().max() <= 2 ** -7 * scale, f"{label} dQ"
+        else:
+            assert torch.equal(f, a), f"{label} {name}: max diff {(f.double() - a.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+def test_fused_rotation_fp16_is_no_worse_than_around_the_op(shape, monkeypatch):
+    """FP16 inputs: the fused path rotates the FP16 values read exactly as FP32 and
+    rounds Q' to BF16 once; the path around the op stores Q' in FP16 and the kernels
+    round that to BF16 (two roundings). So they differ in the last bits; each output's
+    error against float64 attention is no more than 1.1x the other path's (+1e-4)."""
+    q, k, v, do = _fused_inputs(shape, "fp16")
+    fused, around = _paths(q, k, v, do, True, True, monkeypatch, torch.float16)
+    exact = _run(q.double(), k.double(), v.double(), do.double(), True, "none", False, "cpu", "exact")
+    for name, f, a, e in zip(("O", "LSE", "dQ", "dK", "dV"), fused, around, exact):
+        fin = torch.isfinite(e)  # LSE = -inf where a causal row sees no key (seqlen_q > seqlen_k)
+        assert torch.equal(torch.isfinite(f), fin), f"{shape} {name}: non-finite pattern"
+        f, a, e = f[fin], a[fin], e[fin]
+        err = lambda x: ((x.double() - e).norm() / e.norm()).item()  # noqa: E731
+        assert err(f) <= 1.1 * err(a) + 1e-4, (shape, name, err(f), err(a))
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rot,sm", [("hadamard", False), ("hadamard", True)])
+def test_fused_rotation_matches_the_reference(shape, causal, rot, sm):
+    """The `tile` CUDA path with the fused rotation against the CPU reference with the same
+    options, every element, with the kernel tolerances (check_close)."""
+    b, hq, hkv, sq, sk, d, dv = shape
+    q, k, v = make_qkv(*shape, seed=seed_of("fused-ref", shape, causal, rot, sm))
+    k = (k.float() + 3.0 * torch.randn(b, hkv, 1, d)).bfloat16()
+    do = randn(b, hq, sq, dv, gen=torch.Generator().manual_seed(seed_of("fused-ref-do", shape)))
+    res = {}
+    for dev in ("cuda", "cpu"):
+        qq, kk, vv = (t.detach().clone().to(dev).requires_grad_() for t in (q, k, v))
+        o, lse = fp8attn.attention(qq, kk, vv, causal=causal, scaling="tile", qk_rotation=rot, smooth_k=sm,
+                                   return_lse=True)
+        o.backward(do.to(dev))
+        res[dev] = tuple(t.detach().cpu() for t in (o, lse, qq.grad, kk.grad, vv.grad))
+    exact = _run(q.double(), k.double(), v.double(), do.double(), causal, "none", False, "cpu", "exact")
+    label = f"{shape} causal={causal} tile {rot} smooth_k={sm}"
+    for name, c, r, e in zip(("O", "LSE", "dQ", "dK", "dV"), res["cuda"], res["cpu"], exact):
+        check_close(name, c, r, e, label)
 
 
 def test_cuda_varlen_smooths_per_sequence():
