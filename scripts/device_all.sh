@@ -182,6 +182,17 @@ for bad in ([0, 300, 200, 5000, -7, 1130], [0, 2**31 - 1, 0, -(2**31), 3, 3]):
     o, lse = ops.fwd_varlen(q, k, v, bad, bad, None, None, 0.1, True, 128, "tile")
     ops.bwd_varlen(torch.randn_like(o), q, k, v, o, lse, bad, bad, None, None, 0.1, True, "delta_matching", 128,
                    "e4m3", False, "tile")
+# The rotation fused into the tile quantization (numerics.md 10.3; BF16 and float32 inputs,
+# the FP32-input path of the quantizer) and its gradient map-back, with and without smooth_k.
+import fp8attn
+for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+    for dt in (torch.bfloat16, torch.float32):
+        for sm in (False, True):
+            q = torch.randn(1, 4, 300, d, device="cuda", dtype=dt, requires_grad=True)
+            k = torch.randn(1, 2, 270, d, device="cuda", dtype=dt, requires_grad=True)
+            v = torch.randn(1, 2, 270, dv, device="cuda", dtype=dt, requires_grad=True)
+            o = fp8attn.attention(q, k, v, causal=True, scaling="tile", qk_rotation="hadamard", smooth_k=sm)
+            o.backward(torch.randn_like(o))
 # Logit softcap (numerics.md section 12) in the tile kernels: every head_dim, both masks.
 for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
     for causal in (False, True):
