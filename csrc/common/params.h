@@ -76,11 +76,6 @@ struct AttnParams {
   int block_size = 128;                       // B in {32, 64, 128}
   Fp8Format grad_format = Fp8Format::kE4M3;   // format of dO and dS (E4M3 or E5M2)
   Scaling scaling = Scaling::kRow;            // FP8 recipe (numerics.md section 9); kTile: block_size = tile edge
-  // kTile only: the query rows of the backward's P (#5) and dS (#7) blocks (numerics.md
-  // section 9, "P / dS block rows"); 0 = block_size / 2 (the v5 kernel's 64 at B = 128),
-  // else a divisor of block_size (32 at B = 128: the removed v6 kernel's 32-query steps).
-  // No op sets it any more; the reference only reads it.
-  int tile_pds_rows = 0;
   QkRotation qk_rotation = QkRotation::kNone; // rotate Q and K before quantization (numerics.md section 10)
   bool smooth_k = false;                      // subtract the mean key per (batch, kv head) (section 10)
   double softcap = 0.0;  // logit softcapping (numerics.md section 12): x' = c tanh(x / c) on the scaled
