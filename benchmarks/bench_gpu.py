@@ -305,22 +305,18 @@ def markdown(rows, info):
         # NOTE: the pre-pass A/B column only where a run measured it (older JSON renders as before).
         pre_ab = any(r.get("tile_bwd_prepass_q64_ms") is not None or r.get("tile_bwd_prepass_q128_ms") is not None
                      for r in rows)
-        # The pingpong column likewise (tile_pingpong in --scaling), and the main kernel v5 / v6 one.
+        # The pingpong column likewise (tile_pingpong in --scaling).
         bwd_pp = any(r.get("tile_bwd_kernels_pingpong") is not None for r in rows)
-        main_ab = any(r.get("tile_bwd_main_qstep32_ms") is not None for r in rows)
         bwd_head = (TILE_BWD_HEAD + (" pre-pass ms v1 / v2 |" if pre_ab else "")
-                    + (" tile DM kernels pingpong |" if bwd_pp else "")
-                    + (" main ms v5 / v6 |" if main_ab else ""))
+                    + (" tile DM kernels pingpong |" if bwd_pp else ""))
         lines += ["", "scaling=\"tile\" backward (FP8ATTN_TILE_BWD=1), TFLOP/s (x = ratio to cuDNN BF16 bwd above): "
                   "op = the op as called (Q / K / V / dO quantization included); kernels = main + pre-pass "
                   "kernels' CUDA time alone (torch.profiler); pre-pass share of the kernels; step = tile fwd + "
                   "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||"
                   + ("; pre-pass v1 / v2 = the pre-pass kernel's CUDA time with FP8ATTN_TILE_PREPASS_Q=64 / 128 "
                      "(64 / 128 queries per CTA)" if pre_ab else "")
-                  + ("; kernels pingpong = main kernel with FP8ATTN_TILE_BWD_PINGPONG=1 + pre-pass" if bwd_pp
-                     else "")
-                  + ("; main v5 / v6 = the main kernel's CUDA time with FP8ATTN_TILE_BWD_QSTEP=64 / 32 (v6 at "
-                     "head_dim 128 only)" if main_ab else "") + ".", "",
+                  + ("; kernels pingpong = main kernel with FP8ATTN_TILE_BWD_PINGPONG=1 + pre-pass." if bwd_pp
+                     else "."), "",
                   bwd_head, "|" + "---|" * (bwd_head.count("|") - 1)]
         for r in rows:
             cb = r.get("cudnn_bwd")
@@ -337,9 +333,7 @@ def markdown(rows, info):
                          + (" " + " / ".join(_fmt_ms(r.get(f"tile_bwd_prepass_q{n}_ms")) for n in (64, 128)) + " |"
                             if pre_ab else "")
                          + (f" {fmt_t(r.get('tile_bwd_kernels_pingpong'))}"
-                            f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else "")
-                         + (" " + " / ".join(_fmt_ms(r.get(f"tile_bwd_main_qstep{n}_ms")) for n in (64, 32)) + " |"
-                            if main_ab else ""))
+                            f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else ""))
     if any(r.get("softcap") for r in rows):
         caps = sorted({r["softcap"] for r in rows if r.get("softcap")})
         lines += ["", f"scaling=\"tile\" with logit softcapping c = {', '.join(f'{c:g}' for c in caps)} "
@@ -625,11 +619,6 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
         for qpc in ("64", "128"):
             with _env_set("FP8ATTN_TILE_PREPASS_Q", qpc):
                 r[f"tile_bwd_prepass_q{qpc}_ms"] = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
-        # The main kernel v5 / v6 side by side (FP8ATTN_TILE_BWD_QSTEP=64 / 32, read at every call; v6
-        # serves head_dim 128 only, elsewhere both runs are v5); the rows above ran the default.
-        for qs in ("64", "32"):
-            with _env_set("FP8ATTN_TILE_BWD_QSTEP", qs):
-                r[f"tile_bwd_main_qstep{qs}_ms"] = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
         r["tile_bwd_kernels"] = (None if main_ms is None or pre_ms is None
                                  else tflops(bwd_flops, main_ms + pre_ms))
         if "tile_pingpong" in getattr(args, "scaling", ()):

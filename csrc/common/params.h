@@ -76,11 +76,6 @@ struct AttnParams {
   int block_size = 128;                       // B in {32, 64, 128}
   Fp8Format grad_format = Fp8Format::kE4M3;   // format of dO and dS (E4M3 or E5M2)
   Scaling scaling = Scaling::kRow;            // FP8 recipe (numerics.md section 9); kTile: block_size = tile edge
-  // kTile only: the query rows of the backward's P (#5) and dS (#7) blocks (numerics.md
-  // section 9, "P / dS block rows"); 0 = block_size / 2 (the v5 kernel's 64 at B = 128),
-  // else a divisor of block_size (32 at B = 128: the v6 kernel's 32-query steps). The op
-  // sets it with tile_bwd_pds_rows below; the reference only reads it.
-  int tile_pds_rows = 0;
   QkRotation qk_rotation = QkRotation::kNone; // rotate Q and K before quantization (numerics.md section 10)
   bool smooth_k = false;                      // subtract the mean key per (batch, kv head) (section 10)
   double softcap = 0.0;  // logit softcapping (numerics.md section 12): x' = c tanh(x / c) on the scaled
@@ -142,16 +137,5 @@ struct BackwardDiagnostics {
   float* rowsum_pre = nullptr;    // |sum_j dS_ij| / sum_j |dS_ij|, FP32 dS
   float* rowsum_post = nullptr;   // same on the decoded row-blocked FP8 dS (matmul #6 operand)
 };
-
-// The P (#5) / dS (#7) block rows of a `tile` backward for FP8ATTN_TILE_BWD_QSTEP (the
-// knob's value: 64 or 32; docs/architecture.md): 32 only where the CUDA v6 main kernel
-// serves the problem (B = 128, head_dim_qk = head_dim_v = 128, no softcap), so the CPU
-// reference and the CUDA backward of one op call agree on the contract; else 0 (the v5
-// blocks, B / 2). The same rule on every device (the CPU op follows the knob too).
-inline int tile_bwd_pds_rows(const AttnParams& p, int qstep) {
-  const bool v6 = qstep == 32 && p.scaling == Scaling::kTile && p.precision == Precision::kFP8 &&
-                  p.block_size == 128 && p.head_dim_qk == 128 && p.head_dim_v == 128 && p.softcap == 0.0;
-  return v6 ? 32 : 0;
-}
 
 }  // namespace fp8attn

@@ -37,10 +37,6 @@
 //       shared FP32 panel -> one TMA bulk reduce-add per panel into dq_accum
 //       (chunk order, kernel_params_sm90.h dq_accum_rows; both warpgroups add
 //       into the same chunk)                                                 #6
-// v6 (kQ32, FP8ATTN_TILE_BWD_QSTEP=32, head_dim 128 dense, opt-in): the same
-// roles, each stage walked in four 32-query steps (32 x 64 P / dS blocks, S^T /
-// dP^T as m64n32k32 chains, the next step's in flight during this one's
-// elementwise work), dQ per pair of steps as v5's sub-tile; docs "v6 built".
 // Slices (head_dim > 128): CTA slice s owns dK / dQ / dV columns [128 s,
 // 128 s + 128) and recomputes S, P, dP, dS (their sums run over all of head_dim).
 // kVarlen (a packed batch, varlen_sm90.h): blockIdx.x runs over the padded key
@@ -253,14 +249,8 @@ struct SeqRows {
 // default order only: launch_tilescale_main). P is p_softcap's (the producer's
 // p_c is kc2's), the cap's derivative is kept per element from P to dS
 // (p_from_coefs_softcap, cap_grad; mainloop_bwd_tilescale_sm90.cuh).
-// kQ32 (v6, FP8ATTN_TILE_BWD_QSTEP=32; dense, no softcap, no pingpong turns,
-// head_dim 128): the consumers walk each stage in four 32-query steps with the
-// next step's S^T / dP^T in flight (consumer_stage_q32 below; the producer, the
-// ring and the epilogue are v5's).
-template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen, bool kSoftcap = false, bool kQ32 = false>
+template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen, bool kSoftcap = false>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
-  static_assert(!kQ32 || (DQK == bwdts::kQStep6Dim && DV == bwdts::kQStep6Dim && !kPingpong && !kVarlen && !kSoftcap),
-                "v6: dense head_dim 128, default order, no softcap (bwdts::kQStep6)");
   using L = MainLayout<DQK, DV>;
   using R = SeqRows<kVarlen>;
   constexpr int kStages = L::kStages;
@@ -464,250 +454,6 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
     // Q (#7) and dO (#5): one scale per query tile.
     const float s_qc = p.q_col_s[R::q_tile(p, wc, bhq, m_tile)], s_doc = p.do_col_s[R::q_tile(p, wc, bhq, m_tile)];
 
-    if constexpr (kQ32) {
-      // ---- v6: four 32-query steps (docs/kernels/bwd_tilescale_e4m3_sm90.md "v6").
-      // Step S: query rows [32 S, 32 S + 32) of the stage's row tiles (S^T / dP^T as
-      // one m64n32k32 chain each over head_dim), k32 step S of its column tiles (dV /
-      // dK RS), P / dS blocks of 32 queries x this warpgroup's 64 keys (#5 / #7,
-      // numerics.md section 9 with tile_pds_rows = 32), #6 row scales per query over
-      // the 64 keys as v5. Pairs (2u, 2u + 1) = v5's sub-tile u: their #6 dS codes
-      // fill sDS and feed one dQ wgmma per panel. Issue order as committed
-      // (kV6PrefetchDp, kV6PreDq = 1; commit groups: S, dP of a step are two; B =
-      // the step's dV / dK):
-      //   S/dP(0); S/dP(1) | wait S0, P(0), wait dP0, dS(0), amaxes, B(0), codes
-      //   | wait S1 .. dS(1), wait B(0), B(1), codes, S(2) | dQ(pair 0), wait all
-      //   | dP(2), S/dP(3) | step 2 | step 3 (wait B(2) before its rescale), dQ(pair 1).
-      // So S/dP(1) runs under step 0's elementwise work, S(2) under dQ(pair 0)'s
-      // issue and S/dP(3) under step 2's; step 0's chains and dP(2) are exposed (no
-      // prefetch across stages yet).
-      constexpr int kQ = bwdts::kQStep6;
-      constexpr uint32_t kDescStepRows = kQ * 128 / 16;
-      const uint32_t base = opaque_u32(d_base);
-      const uint32_t k_lo = base + L::kK / 16 + wg * kDesc64Rows;
-      const uint32_t v_lo = base + L::kV / 16 + wg * kDesc64Rows;
-      const uint32_t st_lo = base + (L::kStage0 + st * L::kStageBytes) / 16;
-      const uint32_t qc_lo = st_lo + L::kSQc / 16, doc_lo = st_lo + L::kSDOc / 16;
-      float ptA[kQ / 8][4], dpA[kQ / 8][4], ptB[kQ / 8][4], dpB[kQ / 8][4];
-      uint32_t apA[1][4], asA[1][4], apB[1][4], asB[1][4];  // RS A fragments of steps 2u (A), 2u + 1 (B)
-      auto issue_step = [&](int S, float (&pt)[kQ / 8][4], float (&dp)[kQ / 8][4]) {
-        issue_s<DQK, kQ, kTile>(k_lo, st_lo + L::kSQ / 16 + S * kDescStepRows, pt);
-        issue_dp<DV, FMT, kQ, kTile>(v_lo, st_lo + L::kSDO / 16 + S * kDescStepRows, dp);
-      };
-      const bool pair1 = m0 + kSubQ < Sq;  // CTA-uniform: pair 1 has a query of the sequence
-      constexpr bool kPfDp = bwdts::kV6PrefetchDp;
-      constexpr int kPreDq = bwdts::kV6PreDq;
-      auto step = [&](auto s_c, float (&pt)[kQ / 8][4], float (&dp)[kQ / 8][4], float (&ptn)[kQ / 8][4],
-                      float (&dpn)[kQ / 8][4], uint32_t (&a_p)[1][4], uint32_t (&a_s)[1][4],
-                      uint32_t (&a_p_prev)[1][4], uint32_t (&a_s_prev)[1][4]) {
-        constexpr int S = decltype(s_c)::value;
-        const int m0s = m0 + kQ * S, m0u = m0 + kSubQ * (S / 2);
-        const float* Fs = F + kQ * S;  // this step's per-column floats
-        tg.m0 = m0s;
-        const bool interior = n0 + kTile <= Sk && m0s + kQ <= Sq &&
-                              window_covers(n0, kTile, m0s, kQ, causal_off, p.window_left, p.window_right);
-        // Issue: what of this step is not in flight yet, then what of the next
-        // step goes in flight during this one's elementwise work (S^T, and dP^T
-        // with kPfDp; even steps only: the pair's second step).
-        if constexpr ((S % 2 == 1 && !kPfDp) || (S == 2 && kPreDq == 1))
-          issue_dp<DV, FMT, kQ, kTile>(v_lo, st_lo + L::kSDO / 16 + S * kDescStepRows, dp);
-        if constexpr (S == 2 && kPreDq == 0) issue_step(2, pt, dp);
-        if constexpr (S % 2 == 0) {
-          if constexpr (kPfDp)
-            issue_step(S + 1, ptn, dpn);
-          else
-            issue_s<DQK, kQ, kTile>(k_lo, st_lo + L::kSQ / 16 + (S + 1) * kDescStepRows, ptn);
-        }
-        // ---- P. wg_wait<N>: N = the commit groups issued after this step's S^T
-        // (groups retire in order; B = a step's dV / dK group). Step 0: dP0, S1
-        // (, dP1); odd S: B(S - 1) and dP(S) in some order (dP(S) first with kPfDp);
-        // step 2: nothing if S2 went before pair 0's dQ (retired by its wait), else
-        // dP2, S3 (, dP3).
-        constexpr int kAfterS = S % 2 == 1 ? 2 : (S == 2 && kPreDq > 0) ? -1 : 2 + (kPfDp ? 1 : 0);
-        constexpr int kAfterDp = S % 2 == 1 ? (kPfDp ? 1 : 0) : (S == 2 && kPreDq == 2) ? -1 : 1 + (kPfDp ? 1 : 0);
-        if constexpr (kAfterS >= 0) wg_wait<kAfterS>();
-        p_from_coefs<kQ>(pt, Fs + L::kFPc, Fs + L::kFPl2, lane);
-        if (!interior) mask_tile<kQ>(pt, tg, warp, lane, p.window_left, p.window_right);
-        {
-          const float m = warp_amax(pt);
-          if (lane == 0) sBlk[warp] = m;
-        }
-        // ---- dS = P o (dP_hat - delta) in place over dP.
-        if constexpr (kAfterDp >= 0) wg_wait<kAfterDp>();
-        ds_from_dp<kQ>(pt, dp, Fs + L::kFDPc, Fs + L::kFDelta, lane);
-        if (!interior) mask_tile<kQ>(dp, tg, warp, lane, p.window_left, p.window_right);
-        if (diag) diag_pre<kQ>(dp, p.rowsum_ws, n_rows, R::q_tok0(p, wc, bhq), m0s, Sq, lane);
-        // ---- amaxes over this warpgroup's 64 keys: P and dS per 32 x 64 block
-        // (#5, #7), dS per query (#6: sAmax [warp][column], one column per lane).
-        {
-          float v[8];
-#pragma unroll
-          for (int j = 0; j < kQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) v[2 * j + e] = max_nan(fabsf(dp[j][e]), fabsf(dp[j][e + 2]));
-          const float m = reduce_cols_q32(v, lane, OpMaxNan());
-          sAmax[warp * kSubQ + q32_reduced_col(lane)] = m;
-          float mb = m;
-#pragma unroll
-          for (int o = 1; o <= 16; o <<= 1) mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, o));
-          if (lane == 0) sBlk[kWarps + warp] = mb;
-        }
-        // The pair's dQ panel has been read by its last bulk reduce-add before
-        // anyone passes (1) of the pair's first step.
-        if constexpr (S % 2 == 0)
-          if (dq_issuer) bulk_wait_read<0>();
-        named_bar_sync(bar_wg, 128);  // (1) the amaxes of this warpgroup's 4 warps
-        if (wt < kQ) {
-          const int n = wt;  // step column n: pair column kQ (S & 1) + n, query m0s + q_of_col(n)
-          float m = 0.f;
-#pragma unroll
-          for (int w = 0; w < 4; ++w) m = max_nan(m, sAmax[(4 * wg + w) * kSubQ + n]);
-          const float2 sc = fast_scale<FMT>(m);
-          sRowInv[kQ * (S & 1) + n] = sc.y;
-          sRowSq[kQ * (S & 1) + q_of_col(n)] = sc.x;
-        }
-        float m_p = 0.f, m_s = 0.f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          m_p = max_nan(m_p, sBlk[4 * wg + w]);
-          m_s = max_nan(m_s, sBlk[kWarps + 4 * wg + w]);
-        }
-        const float2 sc_p = fast_scale<kFmtE4M3>(m_p), sc_s = fast_scale<FMT>(m_s);
-        // ---- dV += s_P s_dO(qt) P_hat^T dO_hat (#5), dK += s_dS s_Q(qt) dS_hat^T
-        // Q_hat (#7): one k32 step (the step's 32 queries), RS, left in flight.
-        // B(S - 1) (odd S) completes first: the rescale reads the accumulators and
-        // its A fragments may be overwritten after it.
-        if constexpr (S % 2 == 1) {
-          wg_wait<0>();
-          fence_regs_u(&a_p_prev[0][0], 4);
-          fence_regs_u(&a_s_prev[0][0], 4);
-        }
-        if (m_s != 0.f) rescale_to<L::kWk / 2>(&dk_acc[0][0][0], ek, sc_s.x, s_qc);
-        if (m_p != 0.f) rescale_to<L::kWv / 2>(&dv_acc[0][0][0], ev, sc_p.x, s_doc);
-        codes_block<kFmtE4M3, kQ / 8>(pt, sc_p.y, a_p);
-        codes_block<FMT, kQ / 8>(dp, sc_s.y, a_s);
-        fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-        fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
-        wg_arrive();
-#pragma unroll
-        for (int h = 0; h < L::kWv / 64; ++h)
-          gmma_rs<kFmtE4M3, FMT, 64>(a_p[0], desc_of(doc_lo + h * (64 * 128 / 16) + kDescK32 * S), &dv_acc[h][0][0],
-                                     true);
-#pragma unroll
-        for (int h = 0; h < L::kWk / 64; ++h)
-          gmma_rs<FMT, kFmtE4M3, 64>(a_s[0], desc_of(qc_lo + h * (64 * 128 / 16) + kDescK32 * S), &dk_acc[h][0][0],
-                                     true);
-        wg_commit();
-        named_bar_sync(bar_wg, 128);  // (2) this step's #6 row scales in sRowInv / sRowSq
-        // ---- #6 dS codes into sDS [pair query][key] (v5's addressing; this step's
-        // queries are pair rows [32 (S & 1), 32 (S & 1) + 32)).
-        {
-          uint8_t* ds_base[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            ds_base[c] = sDS + 128 * (kQ * (S & 1) + 4 * t + c) + ((warp ^ (4 * (t & 1)) ^ c) << 4) + 2 * g;
-#pragma unroll
-          for (int j = 0; j < kQ / 8; ++j) {
-            const float2 inv = *reinterpret_cast<const float2*>(sRowInv + kQ * (S & 1) + 8 * j + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float iv = e ? inv.y : inv.x;
-              const uint32_t two = cvt2<FMT>(dp[j][e] * iv, dp[j][e + 2] * iv);
-              *reinterpret_cast<uint16_t*>(ds_base[2 * (j & 1) + e] + 2048 * (j >> 1)) = static_cast<uint16_t>(two);
-            }
-          }
-        }
-        if constexpr (S % 2 == 1) {
-          // The next pair's first step in flight during this pair's dQ.
-          // NOTE: unconditional (when pair 1 has no query of the sequence these
-          // wgmmas read the stage's zero-filled rows and are retired unused): the
-          // same issue under `if (pair1)` made ptxas 13.0 serialize every wgmma
-          // of the kernel (C7515).
-          if constexpr (S == 1 && kPreDq == 2) issue_step(2, ptn, dpn);
-          if constexpr (S == 1 && kPreDq == 1)
-            issue_s<DQK, kQ, kTile>(k_lo, st_lo + L::kSQ / 16 + 2 * kDescStepRows, ptn);
-          fence_async_smem();           // st.shared (generic proxy) -> the dQ wgmmas (async proxy)
-          named_bar_sync(bar_wg, 128);  // (3) the pair's dS codes
-          // Diagnostics: post-cast row sums of the #6 operand over this
-          // warpgroup's 64 keys, two threads per query row of the pair (v5's).
-          if (diag) {
-            const int ql = wt >> 1, qr = wt & 1;
-            const float sq = sRowSq[ql];
-            float acc[2] = {0.f, 0.f};
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-              const uint4 c16 = *reinterpret_cast<const uint4*>(sDS + sw128(ql, 4 * wg + 2 * qr + u));
-              const uint32_t w4[4] = {c16.x, c16.y, c16.z, c16.w};
-#pragma unroll
-              for (int k = 0; k < 4; ++k)
-#pragma unroll
-                for (int hw = 0; hw < 2; ++hw) {
-                  const float2 d = half2_bits_to_float2(f16x2_from_fp8x2<FMT>(w4[k] >> (16 * hw)));
-                  acc[0] += d.x + d.y;
-                  acc[1] += fabsf(d.x) + fabsf(d.y);
-                }
-            }
-#pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {
-              float r = acc[pass] * sq;
-              r += __shfl_xor_sync(0xffffffffu, r, 1);
-              if (qr == 0 && m0u + ql < Sq)
-                atomicAdd(p.rowsum_ws + (2 + pass) * n_rows + R::q_tok0(p, wc, bhq) + m0u + ql, r);
-            }
-          }
-          // ---- dQ partial (#6) of the pair's 64 queries: v5's panels (the
-          // wg_wait<0> also completes B(S) and S / dP(S + 1)).
-          {
-            const uint32_t ds_lo = base + L::kDS / 16 + 2 * kDescK32 * wg;
-            const int w4 = warp & 3, q0 = w4 * 16 + g;
-            const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
-#pragma unroll
-            for (int h = 0; h < L::kWk / 64; ++h) {
-              const uint32_t kc_lo = base + L::kKc / 16 + h * (64 * 128 / 16) + 2 * kDescK32 * wg;
-              float pq[8][4];
-              fence_regs<32>(&pq[0][0]);
-              wg_arrive();
-#pragma unroll
-              for (int k = 0; k < 2; ++k)
-                gmma_ss<FMT, kFmtE4M3, 64>(desc_of(ds_lo + kDescK32 * k), desc_of(kc_lo + kDescK32 * k), &pq[0][0],
-                                           k > 0);
-              wg_commit();
-              wg_wait<0>();
-              fence_regs<32>(&pq[0][0]);
-              if (h > 0) {  // the panel's previous bulk read is done before it is rewritten
-                if (dq_issuer) bulk_wait_read<0>();
-                named_bar_sync(bar_wg, 128);
-              }
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const float f = hh ? f1 : f0;
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj)
-                  *reinterpret_cast<float2*>(panel + (((w4 * 2 + hh) * 8 + jj) * 32 + lane) * 2) =
-                      make_float2(pq[jj][2 * hh] * f, pq[jj][2 * hh + 1] * f);
-              }
-              fence_async_smem();           // st.shared (generic proxy) -> the bulk reduce's reads (async proxy)
-              named_bar_sync(bar_wg, 128);  // the warpgroup's whole panel
-              if (dq_issuer) {
-                float* dst = p.dq_accum + (bhq * dq_rows + m0u) * DQK + static_cast<int64_t>(cb + 64 * h) * 64;
-                bulk_reduce_add_f32(dst, smem_u32(panel), L::kDQPanelFloats * 4);
-                bulk_commit();
-              }
-            }
-          }
-          fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
-          fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
-          fence_regs_u(&a_p[0][0], 4);
-          fence_regs_u(&a_s[0][0], 4);
-        }
-      };
-      issue_step(0, ptA, dpA);
-      step(std::integral_constant<int, 0>{}, ptA, dpA, ptB, dpB, apA, asA, apB, asB);
-      step(std::integral_constant<int, 1>{}, ptB, dpB, ptA, dpA, apB, asB, apA, asA);
-      if (pair1) {
-        step(std::integral_constant<int, 2>{}, ptA, dpA, ptB, dpB, apA, asA, apB, asB);
-        step(std::integral_constant<int, 3>{}, ptB, dpB, ptA, dpA, apB, asB, apA, asA);
-      }
-    } else {
     // Two sub-tiles of 64 queries per stage (query rows [64 s, 64 s + 64) of
     // the stage's row tiles, k32 steps 2s, 2s + 1 of its column tiles).
 #pragma unroll 1
@@ -934,7 +680,6 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
       fence_regs_u(&a_p[0][0], 8);
       fence_regs_u(&a_s[0][0], 8);
     }
-    }  // kQ32
     // Every read of stage st by this thread is done (S, dP, dV, dK wgmmas
     // completed, the per-column floats read): the producer may refill it.
     mbar_arrive(bar_empty(st));
@@ -1075,25 +820,6 @@ void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
                              : bwd_tilescale_main_kernel<DQK, DV, FMT, false, true>)
                        : (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, false>
                              : bwd_tilescale_main_kernel<DQK, DV, FMT, false, false>);
-    // v6 (p.tile_pds_rows == 32: the op chose the 32 x 64 P / dS blocks with
-    // FP8ATTN_TILE_BWD_QSTEP=32 where v6 serves the shape, common/params.h
-    // tile_bwd_pds_rows): the kQ32 kernel, whatever FP8ATTN_TILE_BWD_PINGPONG says
-    // (read above, so a bad value still raises). A v6 contract the shape has no
-    // kernel for is refused, never computed with the v5 blocks.
-    if (p.tile_pds_rows == bwdts::kQStep6) {
-      if constexpr (DQK == bwdts::kQStep6Dim && DV == bwdts::kQStep6Dim) {
-        if (vl || p.softcap > 0.f)
-          throw std::invalid_argument("fp8attn: bwd tile main: the v6 kernel (tile_pds_rows = 32) is dense and "
-                                      "without softcap");
-        kernel = bwd_tilescale_main_kernel<DQK, DV, FMT, false, false, false, true>;
-      } else {
-        throw std::invalid_argument("fp8attn: bwd tile main: the v6 kernel (tile_pds_rows = 32) serves head_dim 128 "
-                                    "only");
-      }
-    } else if (p.tile_pds_rows != 0) {
-      throw std::invalid_argument("fp8attn: bwd tile main: tile_pds_rows must be 0 (v5) or 32 (v6), got " +
-                                  std::to_string(p.tile_pds_rows));
-    }
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
     if (err != cudaSuccess)
       throw std::runtime_error(std::string("fp8attn: bwd tile main: cudaFuncSetAttribute failed: ") +

@@ -352,30 +352,6 @@ constexpr int pre2_stages(int d_qk, int d_v) { return pre2_tiles(d_qk, d_v) == 3
 // not yet run on a GPU (docs/kernels/bwd_tilescale_e4m3_sm90.md, "Pre-pass v2");
 // FP8ATTN_TILE_PREPASS_Q=64 is v1, as validated.
 constexpr bool kPreQ2Default = true;
-// v6 main kernel (FP8ATTN_TILE_BWD_QSTEP=32, opt-in; docs/kernels/bwd_tilescale_e4m3_sm90.md
-// "v6"): each consumer warpgroup walks a stage's 128 queries in kQStep6-query steps
-// (S^T / dP^T as m64n32k32 chains, P / dS blocks kQStep6 x kKeyHalf: the contract's
-// tile_pds_rows = 32, numerics.md section 9), the next step's S^T / dP^T in flight
-// during this step's elementwise work; the #6 dS codes of a pair of steps
-// (kSubQ queries) feed one dQ wgmma as in v5. Served at head_dim (kQStep6Dim,
-// kQStep6Dim), dense, no softcap (tile_bwd_pds_rows in common/params.h says the same
-// for the contract); elsewhere the knob runs v5.
-constexpr int kQStep6 = 32;
-constexpr int kQStep6Dim = 128;
-constexpr int kQStepDefault = kSubQ;  // FP8ATTN_TILE_BWD_QSTEP unset: v5
-// v6 issue schedule (docs/kernels/bwd_tilescale_e4m3_sm90.md "v6", ptxas table):
-// kV6PrefetchDp: the pair's second step gets S^T and dP^T in flight during the
-// first step's elementwise work (true), or S^T only (false; its dP^T at the top
-// of the second step). kV6PreDq: what of pair 1's first step is issued before pair
-// 0's dQ wgmmas (0 none, 1 S^T, 2 S^T and dP^T). Compile-time (-D for A/B builds).
-#ifndef FP8ATTN_V6_PREFETCH_DP
-#define FP8ATTN_V6_PREFETCH_DP 1
-#endif
-#ifndef FP8ATTN_V6_PRE_DQ
-#define FP8ATTN_V6_PRE_DQ 1
-#endif
-constexpr bool kV6PrefetchDp = FP8ATTN_V6_PREFETCH_DP != 0;
-constexpr int kV6PreDq = FP8ATTN_V6_PRE_DQ;
 
 static_assert(kTile == 128, "fragment maps: 8 warps x 16 key rows, one 128-byte swizzle row per 128 codes");
 static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
@@ -393,14 +369,6 @@ static_assert(pre2_stages(64, 64) == 2 && pre2_stages(128, 128) == 2 && pre2_sta
               "pre-pass v2 stages / CTAs per SM of the instantiated head dims (sizes asserted in its layout)");
 static_assert(slices(64, 64) == 1 && slices(128, 128) == 1 && slices(192, 128) == 2 && slices(256, 256) == 2,
               "slices of the instantiated head dims");
-static_assert(kQStep6 % 16 == 0 && 2 * kQStep6 == kSubQ && kTile % (2 * kQStep6) == 0,
-              "v6: q_of_col permutes within 16 columns, so a step's columns are its own queries; two steps "
-              "make one dQ sub-tile (the #6 dS codes of kSubQ queries), whole pairs per stage");
-static_assert(kQStep6 / 8 == 4 && kQStep6 / 32 == 1,
-              "v6: S^T / dP^T of a step are 4 n8 column groups per thread (16 + 16 registers), one k32 step "
-              "of the dV / dK RS wgmmas");
-static_assert(kV6PreDq >= 0 && kV6PreDq <= 2, "v6: nothing, S^T or S^T and dP^T before pair 0's dQ");
-static_assert(kQStepDefault == kSubQ, "the default (v5) walks kSubQ-query sub-tiles");
 static_assert(kBarWg > 0 && kBarPingpong >= kBarWg + kConsumerWGs && kBarPingpong + kConsumerWGs <= 16,
               "hardware named barriers 1..15, distinct");
 

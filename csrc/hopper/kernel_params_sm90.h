@@ -99,11 +99,6 @@ struct KernelParams {
   //   sum_j P dP_hat to delta_dm and sum_j P to lse_bwd (prepass_delta_sm90.cuh).
   int delta_given;
   int prepass_sums;
-  // `tile` backward: the P (#5) / dS (#7) block rows the op chose (AttnParams::
-  // tile_pds_rows, common/params.h tile_bwd_pds_rows, from FP8ATTN_TILE_BWD_QSTEP):
-  // 0 = 64, the v5 main kernel; 32 = the v6 main kernel (launch_tilescale_main).
-  // Host-side only; last, so no other field moves.
-  int tile_pds_rows;
 };
 
 // softcap sits in the padding that followed `scaling` (no other field moved).

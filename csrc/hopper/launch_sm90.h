@@ -131,8 +131,8 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // window_left / window_right, 2026-12-07: ints, no pointers. num_seqs ..
 // varlen_meta, 2026-12-07: a packed batch is never chunked, below. softcap,
 // 2026-12-07: a float in the padding after `scaling`, the size unchanged.
-// tile_pds_rows, 2026-12-07: an int, host-side only, no pointer: 480 -> 488.)
-static_assert(sizeof(KernelParams) == 488 || sizeof(void*) != 8,
+// tile_pds_rows, 2026-12-07: 480 -> 488, gone with the tile v6 kernel: 480.)
+static_assert(sizeof(KernelParams) == 480 || sizeof(void*) != 8,
               "KernelParams changed: advance its new per-(batch, head) pointers in at_chunk, then update this size");
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;

@@ -112,20 +112,13 @@ __device__ __forceinline__ void issue_rows_dot(uint32_t a_lo, uint32_t b_lo, int
     }
   }
 }
-// Chain width of NQ query columns: m64n64k32 chains, or one m64n32k32 chain for
-// the v6 kernel's 32-query steps (NQ = 32). NOTE: each element is the same k32
-// sequence over head_dim either way; that the n32 chain gives the n64 chain's
-// bits per element (the pre-pass's P / dP_hat, below) is assumed, not yet
-// checked on a GPU (the Delta-Matching residual tests would show it).
-template <int NQ>
-constexpr int s_chain_cols() { return NQ < 64 ? NQ : 64; }
 // S^T = K Q^T for this warpgroup's 64 key rows x NQ query columns, one
-// m64n64k32 chain per 64 columns (NQ = 32: one m64n32k32 chain; one commit group).
+// m64n64k32 chain per 64 columns (one commit group).
 template <int DQK, int NQ, int QROWS>
 __device__ __forceinline__ void issue_s(uint32_t k_lo, uint32_t q_lo, float (&s)[NQ / 8][4]) {
   fence_regs<NQ / 2>(&s[0][0]);
   wg_arrive();
-  issue_rows_dot<DQK, s_chain_cols<NQ>(), NQ, QROWS, kFmtE4M3, kFmtE4M3>(k_lo, q_lo, 0, &s[0][0]);
+  issue_rows_dot<DQK, 64, NQ, QROWS, kFmtE4M3, kFmtE4M3>(k_lo, q_lo, 0, &s[0][0]);
   wg_commit();
 }
 // dP^T = V dO^T for NQ query columns (one m64n64k32 chain per 64 columns, one
@@ -135,7 +128,7 @@ template <int DV, int FMT, int NQ, int QROWS>
 __device__ __forceinline__ void issue_dp(uint32_t v_lo, uint32_t do_lo, float (&dp)[NQ / 8][4]) {
   fence_regs<NQ / 2>(&dp[0][0]);
   wg_arrive();
-  issue_rows_dot<DV, s_chain_cols<NQ>(), NQ, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, 0, &dp[0][0]);
+  issue_rows_dot<DV, 64, NQ, QROWS, kFmtE4M3, FMT>(v_lo, do_lo, 0, &dp[0][0]);
   wg_commit();
 }
 
@@ -417,37 +410,6 @@ __device__ __forceinline__ void rescale_to(float* acc, int& e, float sa, float s
   e = ef;
 }
 
-// ---- 32-query steps (v6 main kernel) ---------------------------------------------------
-
-// Column reduction of a 32-column step: v[2j + e] is this thread's value for
-// column 8j + 2t + e (j < 4, over its two key rows); returns op over the warp's
-// 16 key rows of column q32_reduced_col(lane) (one column per lane). The
-// exchange-halving butterfly of reduce_cols (bwd_tile_sm90.cuh) at 8 values: 7
-// shuffles.
-template <class Op>
-__device__ __forceinline__ float reduce_cols_q32(const float (&v)[8], int lane, Op op) {
-  const int g = lane >> 2;
-  const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
-  float w[4], x[2];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float mine = b2 ? v[i + 4] : v[i], send = b2 ? v[i] : v[i + 4];
-    w[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 16));
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float mine = b1 ? w[i + 2] : w[i], send = b1 ? w[i] : w[i + 2];
-    x[i] = op(mine, __shfl_xor_sync(0xffffffffu, send, 8));
-  }
-  const float mine = b0 ? x[1] : x[0], send = b0 ? x[0] : x[1];
-  return op(mine, __shfl_xor_sync(0xffffffffu, send, 4));
-}
-// The column reduce_cols_q32 leaves in `lane`: 16 b2 + 8 b1 + 2t + b0 (g = 4 b2 + 2 b1 + b0).
-__device__ __forceinline__ int q32_reduced_col(int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  return 16 * ((g >> 2) & 1) + 8 * ((g >> 1) & 1) + 2 * t + (g & 1);
-}
-
 // ---- diagnostics -----------------------------------------------------------------------
 
 // Pre-cast row sums of dS over this CTA's keys for every query column (sum,
@@ -457,20 +419,6 @@ template <int NQ>
 __device__ __forceinline__ void diag_pre(const float (&x)[NQ / 8][4], float* ws, int64_t n_rows, int64_t row0,
                                          int m0, int Sq, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  if constexpr (NQ == 32) {  // a v6 step: one column per lane
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      float v[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          v[2 * j + e] = pass == 0 ? x[j][e] + x[j][e + 2] : fabsf(x[j][e]) + fabsf(x[j][e + 2]);
-      const float r = reduce_cols_q32(v, lane, OpAdd());
-      const int q = m0 + q_of_col(q32_reduced_col(lane));
-      if (q < Sq) atomicAdd(ws + pass * n_rows + row0 + q, r);
-    }
-  } else {
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
@@ -490,7 +438,6 @@ __device__ __forceinline__ void diag_pre(const float (&x)[NQ / 8][4], float* ws,
         if (q < Sq) atomicAdd(ws + pass * n_rows + row0 + q, rs[e]);
       }
     }
-  }
 }
 
 // ---- producer fills (main kernel; one producer warp per operand) ----------------------

@@ -1254,8 +1254,7 @@ void fp8_backward_tile(const AttnParams& p, const Geometry& g, const TensorView&
   const DeltaMode mode = p.delta_mode;
   const bool need_o = mode != DeltaMode::kDeltaMatching;
   const int64_t nqt = ceil_div(Sq, B), nkt = ceil_div(Sk, B);
-  // query sub-tile of the P / dS blocks of #5 / #7 (p.tile_pds_rows; 0 = B / 2)
-  const int64_t H = p.tile_pds_rows > 0 ? p.tile_pds_rows : B / 2;
+  const int64_t H = B / 2;   // query sub-tile of the P / dS blocks of #5 / #7
   const int64_t KH = B / 2;  // key half of a key tile: the P / dS blocks of #5 / #7, dS of #6
   const ShardedDelta* sd = p.sharded;
   const bool sums_only = sd != nullptr && sd->sum_pdp != nullptr;
@@ -1669,9 +1668,6 @@ void check_attention_params(const AttnParams& p) {
                     "must be Fp8Format::kE4M3 or kE5M2, got enum value ", fmt);
   FP8ATTN_CHECK_ARG(p.block_size == 32 || p.block_size == 64 || p.block_size == 128, "block_size",
                     "must be 32, 64 or 128, got ", p.block_size);
-  FP8ATTN_CHECK_ARG(p.tile_pds_rows == 0 || (p.tile_pds_rows > 0 && p.block_size % p.tile_pds_rows == 0),
-                    "tile_pds_rows", "must be 0 (block_size / 2) or a divisor of block_size ", p.block_size,
-                    ", got ", p.tile_pds_rows);
   const int sc = static_cast<int>(p.scaling);
   FP8ATTN_CHECK_ARG(sc == 0 || sc == 1, "scaling",
                     "must be Scaling::kRow or kTile, got enum value ", sc);

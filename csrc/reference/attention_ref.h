@@ -70,10 +70,9 @@
 //   one V_hat for #2/#4); P (forward) one per (row, key tile); dS (#6) one
 //   per (row, key half of T/2 keys), each half's dQ partial summed on its own;
 //   Q (#7) and dO (#5) one per tile of T queries; P (#5) and dS (#7) one per
-//   (query sub-tile of H queries, key half of T/2 keys) block, H =
-//   p.tile_pds_rows (0: T/2; 32 at T = 128 for the v6 kernel), sub-tiles
-//   and halves starting at token 0 of the tile (T/H sub-tiles and two halves
-//   per tile; a last tile's shorter ones). Each partial product is one FP32 sum
+//   (query sub-tile of T/2 queries, key half of T/2 keys) block, sub-tiles
+//   and halves starting at token 0 of the tile (two per tile; a last tile of
+//   at most T/2 queries / keys has one). Each partial product is one FP32 sum
 //   (over all of head_dim for #1/#3/#4; over the keys of one half for #6;
 //   over the queries of one sub-tile for #5/#7, added in increasing sub-tile
 //   order) times the product of its two scales. The masking rule is
@@ -114,7 +113,7 @@ namespace fp8attn {
 // and num_heads_kv >= 1 with num_heads_q a multiple of num_heads_kv, head_dim_qk
 // and head_dim_v in [1, 256], softmax_scale positive and finite, precision /
 // delta_mode / grad_format / scaling valid enum values, block_size in
-// {32, 64, 128}, tile_pds_rows 0 or a divisor of block_size, num_threads >= 0. Throws ArgumentError naming the argument.
+// {32, 64, 128}, num_threads >= 0. Throws ArgumentError naming the argument.
 void check_attention_params(const AttnParams& p);
 
 // Optional helper for bindings: checks tensor sizes given in the views' logical

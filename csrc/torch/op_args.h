@@ -7,7 +7,6 @@
 
 #include <string>
 
-#include "common/env_choice.h"
 #include "common/params.h"
 
 namespace fp8attn {
@@ -50,23 +49,6 @@ inline QkRotation parse_qk_rotation(c10::string_view s) {
   if (s == "hadamard") return QkRotation::kHadamard;
   TORCH_CHECK_VALUE(false, "fp8attn: argument 'qk_rotation': expected \"none\" or \"hadamard\", got \"",
                     std::string(s), "\"");
-}
-
-// FP8ATTN_TILE_BWD_QSTEP (docs/architecture.md, "Environment variables"): unset / `64`
-// the v5 blocks, `32` the v6 kernel's 32 x 64 P / dS blocks where it serves the problem
-// (common/params.h tile_bwd_pds_rows). Read at every backward of scaling "tile", by the
-// CPU op (the reference) and the CUDA op alike, so both sides of a comparison compute
-// one contract; a bad value is a ValueError naming the knob (c10::ValueError: a bare
-// std::invalid_argument reached Python as RuntimeError on the newest torch, 2026-12-07 CI).
-inline int tile_pds_rows_of_env(const AttnParams& p) {
-  if (p.scaling != Scaling::kTile) return 0;
-  int v = -1;
-  try {
-    v = env_choice("FP8ATTN_TILE_BWD_QSTEP", {"64", "32"});
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return tile_bwd_pds_rows(p, v == 1 ? 32 : 64);
 }
 
 }  // namespace fp8attn

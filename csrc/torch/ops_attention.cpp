@@ -217,7 +217,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   }
   if (p.sharded != nullptr) check_sharded_args(p, diagnostics);
   p.grad_format = parse_grad_format(grad_format);
-  p.tile_pds_rows = tile_pds_rows_of_env(p);  // FP8ATTN_TILE_BWD_QSTEP (the CUDA op reads it too)
 
   // dO and O come in q's dtype (the op boundary dtype; what autograd hands back): another
   // dtype is the caller's mistake (as on CUDA), not something to convert silently.

@@ -801,18 +801,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     kp.delta_given = 1;
   }
   kp.prepass_sums = sums_only ? 1 : 0;
-  {
-    // The P / dS block rows (FP8ATTN_TILE_BWD_QSTEP; the CPU op's rule on the same
-    // problem, op_args.h tile_pds_rows_of_env): 32 runs the v6 main kernel.
-    AttnParams ap;
-    ap.scaling = recipe;
-    ap.precision = parse_precision(precision);
-    ap.block_size = static_cast<int>(block_size);
-    ap.head_dim_qk = pr.dqk;
-    ap.head_dim_v = pr.dv;
-    ap.softcap = cap;
-    kp.tile_pds_rows = tile_pds_rows_of_env(ap);
-  }
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
@@ -1154,21 +1142,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const Problem pr = check_problem(q4, k4, v4, softmax_scale, "fp8", block_size);
   TORCH_CHECK_NOT_IMPLEMENTED(pr.heads_q <= 65535, "fp8attn: argument 'q': the single-launch varlen kernels take "
                               "num_heads_q <= 65535, got ", pr.heads_q, "; varlen_attention runs it per sequence");
-  {
-    // One contract on every route (op_args.h tile_pds_rows_of_env): the packed backward has
-    // no v6 kernel, so a problem FP8ATTN_TILE_BWD_QSTEP=32 gives 32 x 64 P / dS blocks is
-    // refused here, never computed with v5's 64 x 64 (varlen_attention loops over the
-    // sequences then, through the dense op, which applies the blocks as the CPU reference).
-    AttnParams ap;
-    ap.scaling = recipe;
-    ap.precision = Precision::kFP8;
-    ap.block_size = static_cast<int>(block_size);
-    ap.head_dim_qk = pr.dqk;
-    ap.head_dim_v = pr.dv;
-    TORCH_CHECK_NOT_IMPLEMENTED(tile_pds_rows_of_env(ap) == 0, "fp8attn: bwd_varlen: FP8ATTN_TILE_BWD_QSTEP=32 asks ",
-                                "for the v6 blocks, which the single-launch backward does not have; unset it or ",
-                                "run the sequences through the dense op (varlen_attention does)");
-  }
   const DeltaMode mode = parse_delta_mode(delta_mode);
   const Fp8Format gfmt = parse_grad_format(grad_format);
   const at::Device device = q_in.device();

@@ -178,11 +178,6 @@ def _single_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
     csrc/torch/ops_cuda.cpp packed_batch) the loop runs it, as before."""
     if _env.flag("FP8ATTN_VARLEN_LOOP", False):
         return False
-    # NOTE: the single-launch backward has no v6 kernel; with FP8ATTN_TILE_BWD_QSTEP=32 the
-    # loop runs the per-sequence op, which applies the 32 x 64 P / dS blocks by the same rule
-    # as the CPU reference (op_args.h tile_pds_rows_of_env): one contract on every route.
-    if _env.choice("FP8ATTN_TILE_BWD_QSTEP", ("64", "32")) == "32":
-        return False
     n = cu_seqlens_q.shape[0] - 1
     fits = max(q.shape[0], k.shape[0]) < 2**30 and ((max(q.shape[0], k.shape[0]) + 127) // 128 + n) * 128 < 2**31
     return (q.is_cuda and HAS_CUDA_KERNELS and precision == "fp8" and scaling == "tile" and qk_rotation == "none"

@@ -142,19 +142,6 @@ def test_softcap_table():
     assert bench_gpu.parser().parse_args([]).softcap is None
 
 
-def test_tile_bwd_main_v5_v6_column():
-    # The main kernel with FP8ATTN_TILE_BWD_QSTEP=64 / 32 (v5 / v6): a column only where a run
-    # measured it (older JSON renders as before), n/a where a number is missing.
-    base = dict(tile_bwd_delta_matching=200.0, tile_bwd_stale=210.0, tile_bwd_main_ms=2.0, tile_bwd_prepass_ms=0.5)
-    md = bench_gpu.markdown([_row(**base, tile_bwd_main_qstep64_ms=2.0, tile_bwd_main_qstep32_ms=1.5),
-                             _row(causal=True, **base, tile_bwd_main_qstep64_ms=1.0)], dict(INFO, cudnn_fp8=None))
-    assert " main ms v5 / v6 |" in md and "FP8ATTN_TILE_BWD_QSTEP=64 / 32" in md
-    lines = [ln for ln in md.splitlines() if ln.startswith("| 2x16x8192, 128 |") and "2.000 / 1.500" in ln]
-    assert len(lines) == 1 and lines[0].endswith(" 2.000 / 1.500 |"), lines
-    assert any(ln.endswith(" 1.000 / n/a |") for ln in md.splitlines())
-    assert " main ms v5 / v6 |" not in bench_gpu.markdown([_row(**base)], dict(INFO, cudnn_fp8=None))
-
-
 def test_gemm_ceiling_without_a_gpu_is_none(capsys):
     if torch.cuda.is_available():
         pytest.skip("measures for real on a GPU")

@@ -29,10 +29,7 @@ uses the rare-flip rule of test_cuda_bwd (close_to_reference).
 The CUDA `tile` backward runs by default (FP8ATTN_TILE_BWD=0 switches it off,
 docs/architecture.md, "Environment variables"); the fixture below sets
 FP8ATTN_TILE_BWD=1 and FP8ATTN_TILE_FWD=1 so a knob left in the environment
-changes nothing. FP8ATTN_TILE_BWD_QSTEP is the exception: the CPU op reads it too, so
-with it set in the environment both sides compute its contract (32: the v6 kernel
-against the 32-row P / dS blocks at head_dim 128); the test_tile_bwd_v6_* tests set it
-themselves. Skips cleanly without a GPU or without the CUDA kernels compiled in.
+changes nothing. Skips cleanly without a GPU or without the CUDA kernels compiled in.
 Run: PYTHONPATH=python python3 -m pytest -q tests/python/test_tile_cuda_bwd.py
 """
 import zlib
@@ -338,91 +335,6 @@ def test_tile_bwd_nan_never_passes(where, causal):
             seen = seen or bool(nan_r.any())
             assert torch.isnan(c)[nan_r].all(), f"{where} {mode} causal={causal} {name}: NaN was lost"
         assert seen, f"{where} {mode}: the planted NaN did not reach the reference's gradients"
-
-
-# ---- v6: 32-query steps (FP8ATTN_TILE_BWD_QSTEP=32, head_dim 128) --------------------------
-#
-# The knob is read by the CPU op as well (csrc/torch/op_args.h tile_pds_rows_of_env), so
-# with it set both sides of run_bwd compute the 32 x 64 P / dS blocks (numerics.md
-# section 9, "P / dS block rows"): every check below compares the v6 kernel with the
-# 32-row reference, every output element. Running this whole file with the variable
-# set in the environment does the same for every head_dim-128 test (other head dims
-# run v5 against the 64-row reference: the rule of common/params.h tile_bwd_pds_rows).
-
-V6_SEQLENS = [(1, 77), (77, 1), (33, 40), (64, 300), (96, 96), (129, 128), (128, 257), (200, 333), (333, 200),
-              (640, 640)]
-
-
-@needs_gpu
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_tile_bwd_v6_modes_formats(monkeypatch, mode, fmt, causal):
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "32")
-    check_mode((128, 128), mode, fmt, causal)
-
-
-@needs_gpu
-@pytest.mark.parametrize("sq,sk", V6_SEQLENS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_tile_bwd_v6_seqlens(monkeypatch, sq, sk, causal):
-    # Ragged query tiles: a pair past seqlen_q (pair 1 skipped), a step past it inside a
-    # live pair (fully masked), single queries / keys, rows that see no key.
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "32")
-    inp = make_inputs(1, 2, 1, sq, sk, 128, 128, causal, seed=seed_of("v6sl", sq, sk, causal))
-    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
-    check_grads(cuda, cpu, exact, f"tile v6 sq={sq} sk={sk} causal={causal}")
-
-
-@needs_gpu
-@pytest.mark.parametrize("hq,hkv", [(4, 1), (6, 3)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_tile_bwd_v6_gqa_and_v5_agree(monkeypatch, hq, hkv, causal):
-    # Both kernels on the same inputs, each against its own reference (v5: 64-row
-    # blocks, v6: 32-row). dQ does not depend on the P / dS blocks (#6 is the same):
-    # equal to FP32 reassociation of the bulk reduce-adds (and the n32 / n64 S^T
-    # chains, assumed bitwise per element: mainloop_bwd_tilescale_sm90.cuh).
-    inp = make_inputs(2, hq, hkv, 260, 300, 128, 128, causal, seed=seed_of("v6gqa", hq, hkv, causal))
-    got = {}
-    for qs in ("64", "32"):
-        monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", qs)
-        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
-        check_grads(cuda, cpu, exact, f"tile qstep={qs} gqa {hq}:{hkv} causal={causal}")
-        got[qs] = cuda
-    dq5, dq6 = got["64"][0].float(), got["32"][0].float()
-    assert torch.isfinite(dq6).all()
-    assert (dq5 - dq6).norm() <= 1e-2 * dq5.norm()
-    q, k, v, out, lse, dout = (t.cuda() for t in inp)
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "16")
-    with pytest.raises(ValueError, match="FP8ATTN_TILE_BWD_QSTEP='16' is not one of 64, 32"):
-        OPS.bwd(dout, q, k, v, out, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile")
-
-
-@needs_gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_tile_bwd_v6_delta_matching_invariant_and_diagnostics(monkeypatch, causal):
-    # The DM residual < 1e-6 needs the v6 kernel's P and dP_hat (m64n32k32 chains) to be
-    # the pre-pass's (m64n64k32 chains) bit for bit: this is the test that shows it.
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "32")
-    test_tile_delta_matching_invariant_and_diagnostics((128, 128), causal)
-
-
-@needs_gpu
-@pytest.mark.parametrize("where", ["q", "k", "dout"])
-def test_tile_bwd_v6_nan_never_passes(monkeypatch, where):
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "32")
-    q, k, v, out, lse, dout = make_inputs(1, 2, 1, 260, 260, 128, 128, True, seed=seed_of("v6nan", where))
-    x = {"q": q, "k": k, "dout": dout}[where]
-    x[0, 0, 200, 7] = float("nan")
-    if where in ("q", "k"):
-        out, lse = OPS.fwd(q, k, v, f32_scale(128), True, "fp8", 128, "tile")
-    cuda, cpu, _ = run_bwd((q, k, v, out, lse, dout), True, "delta_matching", "e4m3", exact=False)
-    seen = False
-    for name, c, r in zip(("dQ", "dK", "dV"), cuda[:3], cpu[:3]):
-        nan_r = torch.isnan(r)
-        seen = seen or bool(nan_r.any())
-        assert torch.isnan(c)[nan_r].all(), f"v6 {where} {name}: NaN was lost"
-    assert seen
 
 
 # ---- the two pre-passes (FP8ATTN_TILE_PREPASS_Q: v1 64, v2 128 queries per CTA) ---------

@@ -382,30 +382,3 @@ def test_single_launch_ops_fake_shapes():
                                          "tile")
     assert [tuple(g.shape) for g in grads] == [(12, 4, 64), (10, 2, 64), (10, 2, 32), (4, 4, 12)]
 
-
-
-def test_qstep_32_routes_packed_batches_through_the_loop(monkeypatch):
-    """FP8ATTN_TILE_BWD_QSTEP=32 (the v6 blocks) sends varlen_attention's CUDA batches through
-    the per-sequence loop: the single-launch backward has no v6 kernel and would compute
-    the v5 blocks while the CPU reference computes 32 x 64 (review finding, 2026-12-07;
-    the C++ bwd_varlen refuses that case as well). Stand-ins for CUDA tensors: the routing
-    decision only."""
-    from types import SimpleNamespace
-
-    from fp8attn import varlen as vl
-
-    monkeypatch.setattr(vl, "HAS_CUDA_KERNELS", True)
-    q = SimpleNamespace(is_cuda=True, shape=(300, 4, 128))
-    k = SimpleNamespace(is_cuda=True, shape=(300, 2, 128))
-    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
-    args = (q, k, cu, "fp8", "tile", "none", False, 0.0)
-    monkeypatch.delenv("FP8ATTN_TILE_BWD_QSTEP", raising=False)
-    monkeypatch.delenv("FP8ATTN_VARLEN_LOOP", raising=False)
-    assert vl._single_launch(*args)
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "64")
-    assert vl._single_launch(*args)
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "32")
-    assert not vl._single_launch(*args)
-    monkeypatch.setenv("FP8ATTN_TILE_BWD_QSTEP", "16")
-    with pytest.raises(ValueError, match="FP8ATTN_TILE_BWD_QSTEP"):
-        vl._single_launch(*args)
