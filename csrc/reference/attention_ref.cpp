@@ -1676,6 +1676,13 @@ void check_attention_params(const AttnParams& p) {
                     "must be QkRotation::kNone or kHadamard, got enum value ", rot);
   FP8ATTN_CHECK_ARG(std::isfinite(p.softcap) && p.softcap >= 0.0, "softcap",
                     "must be finite and >= 0 (0 = off), got ", p.softcap);
+  // The fp8 path holds c in FP32 (cap below): past FLT_MAX it would be inf (every P NaN),
+  // below ~7e-46 it would round to 0 (the cap silently off).
+  FP8ATTN_CHECK_ARG(p.precision != Precision::kFP8 || p.softcap == 0.0 ||
+                        (p.softcap >= static_cast<double>(std::numeric_limits<float>::min()) &&
+                         p.softcap <= static_cast<double>(std::numeric_limits<float>::max())),
+                    "softcap", "must be 0 or a normal float32 (in [1.175494e-38, 3.402823e+38]) with precision "
+                    "fp8 (the cap is held in float32), got ", p.softcap);
   FP8ATTN_CHECK_ARG(!(p.softcap > 0.0 && p.smooth_k), "softcap",
                     "cannot be combined with smooth_k (softcapping is not invariant to the mean-key shift)");
   FP8ATTN_CHECK_ARG(p.num_threads >= 0, "num_threads", "must be >= 0 (0 = all cores), got ",

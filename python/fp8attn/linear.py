@@ -578,7 +578,8 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         exclude: glob pattern(s) of names to leave alone.
         grad_format, backend: passed to every new FP8Linear.
     Returns:
-        The sorted list of converted module names (empty if none matched).
+        The sorted list of converted module names (empty if none matched: then a
+        UserWarning names the patterns and a few nn.Linear names of the model).
     Raises:
         TypeError: model not an nn.Module, include / exclude of another type.
         ValueError: model itself a matching nn.Linear (use FP8Linear.from_linear),
@@ -622,6 +623,13 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         # add a stray child and leave the model an nn.Linear).
         raise ValueError(_err("model", "is itself an nn.Linear and cannot be converted in place; "
                                        "use FP8Linear.from_linear(model)"))
+    if not targets and include is not None and not callable(include):
+        # NOTE: the patterns match the whole qualified name (fnmatch): "layers.*" does not match
+        # an HF model's "model.layers.0.mlp.up_proj". Converting nothing is never what was asked.
+        some = [n for n, m in model.named_modules() if type(m) is nn.Linear][:4]
+        warnings.warn(f"fp8attn.linear.convert_to_fp8_linear: include={include!r} (exclude={exclude!r}) matched "
+                      f"no nn.Linear module, so nothing was converted; patterns match the whole qualified "
+                      f"name (e.g. '*.mlp.*'); some nn.Linear names here: {some}", stacklevel=2)
     new = {}
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")

@@ -120,7 +120,9 @@ def check_options(
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not _finite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
-        if float(softmax_scale) > _SCALE_LIMIT:  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
+        # NOTE: a Python int compares with a float exactly (float() of 2**2000 would be an OverflowError).
+        big = softmax_scale > _SCALE_LIMIT if isinstance(softmax_scale, (int, np.integer)) else None
+        if big or (big is None and float(softmax_scale) > _SCALE_LIMIT):  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
             raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
                                                        f"overflows FP32 (the kernels compute it in FP32; "
                                                        f"max {MAX_SOFTMAX_SCALE:.6g})"))
@@ -818,11 +820,16 @@ def attention(
 CUDA_SOFTCAP_RANGE = (1e-6, 1e4)
 
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_NORMAL_MIN = float(torch.finfo(torch.float32).tiny)
+
+
 def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attention", scaling: str = "row",
                   precision: str = "fp8") -> float:
     """softcap as a float (numerics.md section 12): a real number, finite, >= 0 (0 =
     off); not with smooth_k (the mean key shifts the logits before the cap, which
-    the cap no longer ignores); CUDA tensors with precision "fp8": scaling="tile"
+    the cap no longer ignores); precision "fp8": c a normal float32 (the fp8 paths hold
+    it in FP32); CUDA tensors with precision "fp8": scaling="tile"
     only (its kernels take it, c in CUDA_SOFTCAP_RANGE; scaling="row" raises
     NotImplementedError naming softcap and saying that scaling="tile" runs it)."""
     if isinstance(softcap, torch.Tensor) and softcap.requires_grad:
@@ -834,6 +841,11 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if not _finite(cap) or cap < 0:
         raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got {cap}"))
+    if cap > 0 and precision == "fp8" and not _F32_NORMAL_MIN <= cap <= _F32_MAX:
+        # NOTE: the fp8 path (the CPU reference's and the kernels') holds c in FP32: past FLT_MAX it
+        # would be inf (every P NaN), below ~7e-46 it would round to 0 (the cap silently off).
+        raise ValueError(_err(fn, "softcap", f"must be 0 or in [{_F32_NORMAL_MIN:.7g}, {_F32_MAX:.7g}] with "
+                                             f"precision 'fp8' (the cap is held in float32), got {cap}"))
     if cap > 0 and smooth_k:
         raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
                                              "invariant to the mean-key shift of the logits)"))
@@ -864,7 +876,25 @@ def _real(x) -> Optional[float]:
         return None
     if isinstance(x, torch.Tensor):
         return float(x) if x.dim() == 0 and not x.dtype.is_complex and x.dtype != torch.bool else None
-    return float(x) if isinstance(x, (int, float, np.integer, np.floating)) else None
+    if not isinstance(x, (int, float, np.integer, np.floating)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:  # an int past float's range (2**2000): +-inf, which the callers' range checks name
+        return math.inf if x > 0 else -math.inf
+
+
+def check_dropout(fn: str, dropout_p) -> None:
+    """dropout_p of the drop-ins (FlashAttention's and PyTorch SDPA's): a probability, so
+    a real number in [0, 1] (else ValueError naming it: a string, NaN, -0.1); 0 is the
+    only one fp8attn runs (any other valid probability: NotImplementedError)."""
+    drop = _real(dropout_p)
+    if drop is None:
+        raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
+    if not 0.0 <= drop <= 1.0:  # NaN fails both comparisons
+        raise ValueError(_err(fn, "dropout_p", f"is a probability: must be in [0, 1], got {drop!r}"))
+    if drop != 0.0:
+        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
 
 
 def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, alibi_slopes,
@@ -892,11 +922,7 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
             raise ValueError(_err(fn, arg, f"must be a bool, got {type(x).__name__}"))
         return bool(x)
 
-    drop = _real(dropout_p)
-    if drop is None:
-        raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
-    if drop != 0.0:
-        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
+    check_dropout(fn, dropout_p)
     left, right = check_window_size(window_size, fn)
     if isinstance(causal, (bool, np.bool_)):
         causal = bool(causal)
@@ -904,9 +930,12 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
         right = 0
     if left < 0 and right == 0 and isinstance(causal, bool):  # a non-bool causal is check_options' TypeError
         causal, right = True, -1
-    cap = _real(softcap)
-    if cap is None:
-        raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
+    if softcap_ok and isinstance(softcap, torch.Tensor) and softcap.requires_grad:
+        cap = 0.0  # check_softcap's TypeError (float() of it would warn first, and detach it)
+    else:
+        cap = _real(softcap)
+        if cap is None:
+            raise ValueError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if cap != 0 and not softcap_ok:
         unsupported("softcap", cap, "logit softcapping (softcap != 0)")
     # flash_attn_func takes pre-quantized FP8 q, k, v with their descales; given with other
@@ -1071,9 +1100,11 @@ def _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale):
     for the kernels, which re-quantize them with their own block scales)."""
     fn = "flash_attn_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in _FP8_INPUT_DTYPES:
+        if t.dtype not in _FP8_INPUT_DTYPES or t.dtype != q.dtype:
+            # NOTE: one format for all three, as FlashAttention-3 (and every other entry point: q, k, v
+            # of one dtype); a mixed e4m3 / e5m2 call is a caller's slip, not a format.
             raise TypeError(_err(fn, name, f"pre-quantized FP8 inputs: q, k and v must all be float8_e4m3fn or "
-                                           f"float8_e5m2, got {q.dtype}, {k.dtype}, {v.dtype}"))
+                                           f"all float8_e5m2, got {q.dtype}, {k.dtype}, {v.dtype}"))
     # The shapes the descale broadcast relies on, checked first (as the op would check
     # them: k and v against q); a batch-1 q times a [batch, num_heads_kv] descale would
     # otherwise broadcast to k's batch silently.
@@ -1175,8 +1206,7 @@ def scaled_dot_product_attention(
     fn = "scaled_dot_product_attention"
     if attn_mask is not None:
         raise NotImplementedError(f"fp8attn.{fn}: argument 'attn_mask': masks other than is_causal are not supported")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"fp8attn.{fn}: argument 'dropout_p': dropout is not supported")
+    check_dropout(fn, dropout_p)
     if "return_lse" in fp8_kwargs:
         raise TypeError(f"fp8attn.{fn}: argument 'return_lse' is not accepted here; use fp8attn.attention")
     for ours, theirs in (("causal", "is_causal"), ("softmax_scale", "scale")):

@@ -102,7 +102,9 @@ def _check_max_seqlen_type(name: str, value) -> Optional[int]:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(_err(_FN, name, f"must be an int or None, got {type(value).__name__}"))
-    return int(value)
+    # NOTE: clamped into int64 (the ops' schema type): a bound past 2^62 is as loose as any
+    # (no sequence is that long) and a negative one is refused by the value check either way.
+    return max(-(2**62), min(int(value), 2**62))
 
 
 def _cu_values(name: str, cu: torch.Tensor, total: int, total_name: str) -> List[int]:
