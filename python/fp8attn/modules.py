@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .ops import attention, check_options, check_window_size, flash_attn_func
+from .ops import attention, check_options, check_softcap, check_window_size, flash_attn_func
 
 __all__ = ["FP8Attention"]
 
@@ -21,8 +21,10 @@ class FP8Attention(torch.nn.Module):
         qk_rotation ("none" or "hadamard") and smooth_k (bool): the outlier
         transforms of Q and K (numerics.md section 10);
         window_size ((left, right), FlashAttention's sliding window, section 14:
-        -1 = unbounded, causal forces right = 0; CPU tensors, CUDA raises
-        NotImplementedError naming it).
+        -1 = unbounded, causal forces right = 0; on CUDA with scaling="tile",
+        scaling="row" raises NotImplementedError naming it there);
+        softcap (float, tanh logit capping c tanh(S / c), section 12; 0 = off; on
+        CUDA with scaling="tile").
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
             or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
             O comes back in the same layout.
@@ -46,6 +48,7 @@ class FP8Attention(torch.nn.Module):
         qk_rotation: str = "none",
         smooth_k: bool = False,
         window_size: Tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
     ):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
@@ -66,6 +69,9 @@ class FP8Attention(torch.nn.Module):
         self.qk_rotation = qk_rotation
         self.smooth_k = smooth_k
         self.window_size = check_window_size(window_size, "FP8Attention")
+        # The device-independent checks (type, range, smooth_k); the call checks the CUDA rules.
+        self.softcap = check_softcap(softcap, smooth_k, "cpu", fn="FP8Attention", scaling=scaling,
+                                     precision=precision)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = attention if self.layout == "bhsd" else flash_attn_func
@@ -73,7 +79,7 @@ class FP8Attention(torch.nn.Module):
                   delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
                   grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling,
                   qk_rotation=self.qk_rotation, smooth_k=self.smooth_k,
-                  window_size=self.window_size)
+                  window_size=self.window_size, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
@@ -81,6 +87,8 @@ class FP8Attention(torch.nn.Module):
              f"qk_rotation={self.qk_rotation!r}, smooth_k={self.smooth_k}, layout={self.layout!r}")
         if self.window_size != (-1, -1):
             s += f", window_size={self.window_size}"
+        if self.softcap:
+            s += f", softcap={self.softcap}"
         if self.softmax_scale is not None:
             s += f", softmax_scale={self.softmax_scale}"
         if self.layer_name is not None:

@@ -138,3 +138,17 @@ def test_convert_readme_patterns_on_hf_names_and_no_match_warns():
     with pytest.warns(UserWarning, match="matched no nn.Linear module"):
         assert convert_to_fp8_linear(m, ["layers.*.self_attn.*_proj"]) == []
     assert type(m.model["layers"][0]["self_attn"]["q_proj"]) is nn.Linear
+
+
+def test_fp8attention_module_takes_softcap():
+    """FP8Attention has every option attention has (softcap was missing): the module's
+    output equals the function's, and its bad values are refused at construction."""
+    q, k, v = _qkv(seed=4)
+    m = fp8attn.FP8Attention(causal=True, softcap=5.0)
+    assert torch.equal(m(q, k, v), fp8attn.attention(q, k, v, causal=True, softcap=5.0))
+    assert not torch.equal(m(q, k, v), fp8attn.attention(q, k, v, causal=True))
+    assert "softcap=5.0" in repr(m)
+    with pytest.raises(ValueError, match="'softcap'"):
+        fp8attn.FP8Attention(softcap=-1.0)
+    with pytest.raises(ValueError, match="'softcap'"):
+        fp8attn.FP8Attention(softcap=5.0, smooth_k=True)
