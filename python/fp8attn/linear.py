@@ -769,7 +769,9 @@ def fp8_linear_fused(x: torch.Tensor, weights, biases=None, *, grad_format: str 
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(_err("backend", f"expected one of {BACKENDS}, got {backend!r}"))
     if not isinstance(weights, (list, tuple)) or not weights:
-        raise TypeError(_err("weights", f"expected a non-empty list or tuple of tensors, got {weights!r}"))
+        got = (f"a tensor of shape {tuple(weights.shape)} (wrap it in a list)" if isinstance(weights, torch.Tensor)
+               else repr(weights) if isinstance(weights, (list, tuple)) else type(weights).__name__)
+        raise TypeError(_err("weights", f"expected a non-empty list or tuple of tensors, got {got}"))
     weights = list(weights)
     if biases is None:
         biases = [None] * len(weights)

@@ -152,3 +152,13 @@ def test_fp8attention_module_takes_softcap():
         fp8attn.FP8Attention(softcap=-1.0)
     with pytest.raises(ValueError, match="'softcap'"):
         fp8attn.FP8Attention(softcap=5.0, smooth_k=True)
+
+
+def test_fp8_linear_fused_weights_not_a_list_error_is_short():
+    from fp8attn.linear import fp8_linear_fused
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(TypeError, match=r"'weights'.*a tensor of shape \(16, 8\) \(wrap it in a list\)") as e:
+        fp8_linear_fused(x, w)
+    assert "tensor([" not in str(e.value)
+    with pytest.raises(TypeError, match="got \\[\\]"):
+        fp8_linear_fused(x, [])
