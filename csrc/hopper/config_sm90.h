@@ -76,24 +76,7 @@ static_assert(kQuantThreads % (kMaxDimBlock / kQuantVec) == 0, "whole rows per p
 static_assert(kQuantThreads % kMaxDimBlock == 0 && kQuantThreads % 64 == 0,
               "column pass: whole channel groups");
 
-// ---- forward kernel (fwd_e4m3_blockscale_sm90.cu) -------------------------
-
-// Key tile = kSeqBlock keys; query tile = 16 rows per warp (one m16 MMA row
-// block per warp), fwd_warps(head_dim_qk) warps per CTA. Measured on H200
-// (docs/kernels/fwd_e4m3_blockscale_sm90.md): 4 warps (64 rows, two CTAs per
-// SM) is 3-7% faster at head_dim <= 128, 8 warps (128 rows, one CTA per SM)
-// 4-5% faster at 256. FP8ATTN_FWD_WARPS=4|8 overrides it (benchmarking).
-constexpr int kFwdBlockN = kSeqBlock;
-constexpr int fwd_warps(int d_qk) { return d_qk <= 128 ? 4 : 8; }
-// Shared-memory rows are padded by 16 bytes so ldmatrix phases hit 8 distinct
-// 16-byte bank groups (row strides of an odd number of 16-byte chunks).
-constexpr int kSmemRowPad = 16;
-
-static_assert(kFwdBlockN % 32 == 0, "k32 MMA steps over the key tile");
-static_assert(kFwdBlockN == 128, "forward key permutation covers 16-key groups of a 128 tile");
-static_assert(fwd_warps(64) == 4 && fwd_warps(256) == 8, "CTA shapes instantiated: 4 and 8 warps");
-
-// ---- wgmma forward (fwd_wgmma_e4m3_blockscale_sm90.cu) ------------------------
+// ---- wgmma forward, `row` recipe (fwd_wgmma_e4m3_blockscale_sm90.cu) -----------
 namespace fwdw {
 
 // One producer warpgroup (TMA issue, K/V scale loads, the in-place V^T key

@@ -576,42 +576,22 @@ def test_delta_matching_invariant_with_cuda_forward(d, causal):
     v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
     dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
     tau = f32_scale(d)
-    # NOTE: both default kernels are wgmma at every head_dim now (the d = 256
-    # forward is fwd_wgmma_d2_kernel), so forward and backward see S with the
-    # same FP8 tensor-core accumulation: bound 1e-6 everywhere. At d = 256 the
-    # mma.sync pair (FP8ATTN_FWD_KERNEL=mma and FP8ATTN_BWD_KERNEL=mma) is
-    # checked too: FP32-accurate S on both sides. The guarded fault is the
-    # mixed pairing (mma.sync forward + wgmma backward, the d = 256 default
-    # before the wgmma forward): measured 2.4e-5 causal on the H200
-    # (2026-11-29), numerics.md section 7.
-    kernels = ["default", "mma"] if d > 128 else ["default"]
-    for kern in kernels:
-        old = {n: os.environ.get(n) for n in ("FP8ATTN_FWD_KERNEL", "FP8ATTN_BWD_KERNEL")}
-        # NOTE: "default" means both defaults even when the suite runs under an
-        # outer FP8ATTN_*_KERNEL (e.g. the mma.sync backward with the wgmma
-        # forward is the mixed pairing this bound does not hold for).
-        for n in old:
-            os.environ.pop(n, None)
-        if kern == "mma":
-            os.environ["FP8ATTN_FWD_KERNEL"] = "mma"
-            os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
-        try:
-            out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
-            res = {}
-            for mode in ("stale", "delta_matching"):
-                *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
-                assert all(torch.isfinite(g).all() for g in grads), (kern, mode)
-                assert torch.isfinite(diag).all(), (kern, mode)
-                res[mode] = diag[2].double().mean().item()
-        finally:
-            for n, val in old.items():
-                if val is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = val
-        assert res["delta_matching"] < 1e-6, (kern, res)
-        assert res["stale"] >= 100 * res["delta_matching"], (kern, res)
-        assert res["stale"] > STALE_RESIDUAL_FLOOR, (kern, res)
+    # NOTE: the forward and the backward are wgmma kernels at every head_dim
+    # (the d = 256 forward is fwd_wgmma_d2_kernel), so they see S with the same
+    # FP8 tensor-core accumulation: bound 1e-6 everywhere. The guarded fault is
+    # a mixed pairing (the removed mma.sync forward + the wgmma backward, the
+    # d = 256 default before the wgmma forward): measured 2.4e-5 causal on the
+    # H200 (2026-11-29), numerics.md section 7.
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    assert res["delta_matching"] < 1e-6, res
+    assert res["stale"] >= 100 * res["delta_matching"], res
+    assert res["stale"] > STALE_RESIDUAL_FLOOR, res
 
 
 @needs_gpu
