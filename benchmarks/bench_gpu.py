@@ -209,7 +209,7 @@ def fmt_r(x, ref):
     return "" if x is None or ref is None else f" ({x / ref:.2f}x)"
 
 
-HEAD = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | cuDNN fp8 fwd | fp8 fwd | fp8 fwd mma | cuDNN bwd | "
+HEAD = ("| B x H x S, d | causal | cuDNN fwd | flash fwd | cuDNN fp8 fwd | fp8 fwd | cuDNN bwd | "
         "flash bwd | cuDNN fp8 bwd | fp8 bwd stale | fp8 bwd matched_do | fp8 bwd DM |")
 
 
@@ -265,8 +265,7 @@ def markdown(rows, info):
         lines.append(
             f"| {_shape_label(r)} | {'yes' if r['causal'] else 'no'} | {fmt_t(cf)} | "
             f"{fmt_t(r.get('flash_fwd'))} | {fmt_cudnn_fp8(r, 'fwd', cf)} | "
-            f"{fmt_t(r.get('fp8_fwd'))}{fmt_r(r.get('fp8_fwd'), cf)} | "
-            f"{fmt_t(r.get('fp8_fwd_mma'))}{fmt_r(r.get('fp8_fwd_mma'), cf)} | {fmt_t(cb)} | "
+            f"{fmt_t(r.get('fp8_fwd'))}{fmt_r(r.get('fp8_fwd'), cf)} | {fmt_t(cb)} | "
             f"{fmt_t(r.get('flash_bwd'))} | {fmt_cudnn_fp8(r, 'bwd', cb)} | "
             + " | ".join(f"{fmt_t(r.get(f'fp8_bwd_{m}'))}{fmt_r(r.get(f'fp8_bwd_{m}'), cb)}" for m in MODES) + " |")
     if any(r.get("fp8_saved_mb") is not None or r.get("prepass_share") is not None for r in rows):
@@ -448,8 +447,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--scaling", default="row", type=_scalings_arg,
                     help="comma-separated recipes: row (always), tile (adds the tile forward table), "
                          "tile_pingpong (also its pingpong order), tile_persistent (also its persistent scheduler)")
-    ap.add_argument("--fwd-mma", action="store_true",
-                    help="also time the mma.sync forward (FP8ATTN_FWD_KERNEL=mma; default: wgmma where supported)")
     ap.add_argument("--softcap", type=positive_float, default=None, metavar="C",
                     help="with a tile recipe in --scaling: also time the tile forward and DM backward with logit "
                          "softcapping c = C (a table of their own: with and without softcap, same run)")
@@ -463,7 +460,7 @@ def new_row(b, h, s, d, causal) -> dict:
         r[f"{name}_fwd"] = r[f"{name}_bwd"] = None
     r["cudnn_fp8_fwd_ms"] = r["cudnn_fp8_bwd_ms"] = None
     r["cudnn_fp8_status"] = {"fwd": "n/a", "bwd": "n/a"}
-    r["fp8_fwd"] = r["fp8_fwd_ms"] = r["fp8_fwd_mma"] = r["fp8_fwd_mma_ms"] = None
+    r["fp8_fwd"] = r["fp8_fwd_ms"] = None
     for name in ("tile_fwd", "tile_fwd_kernel", "tile_fwd_pingpong", "tile_fwd_softcap", "tile_fwd_softcap_kernel"):
         r[name] = r[f"{name}_ms"] = None
     r["softcap"] = r["tile_bwd_softcap_dm_ms"] = r["tile_bwd_softcap_kernels_ms"] = None
@@ -500,13 +497,6 @@ def bench_shape(r, args) -> None:
             print(f"  cudnn fp8: fwd {res.fwd_status}, bwd {res.bwd_status} ({cudnn_fp8.reason(res)})")
     f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
     r["fp8_fwd"], r["fp8_fwd_ms"] = tflops(fwd_flops, f_ms), f_ms
-    if args.fwd_mma:
-        os.environ["FP8ATTN_FWD_KERNEL"] = "mma"  # read by run_fwd on every call
-        try:
-            f_ms = time_ms(lambda: OPS.fwd(q, k, v, tau, causal, "fp8", 128), args.warmup, args.iters)
-        finally:
-            del os.environ["FP8ATTN_FWD_KERNEL"]
-        r["fp8_fwd_mma"], r["fp8_fwd_mma_ms"] = tflops(fwd_flops, f_ms), f_ms
     scalings = getattr(args, "scaling", ("row",))
     if any(x.startswith("tile") for x in scalings):
         # NOTE: FP8ATTN_TILE_FWD=1 (the default) runs the CUDA tile forward (docs/architecture.md)

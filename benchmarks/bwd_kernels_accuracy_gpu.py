@@ -1,12 +1,13 @@
-"""Accuracy of the two CUDA backward kernel families side by side
-(FP8ATTN_BWD_KERNEL=mma | wgmma), against the CPU reference of the same FP8
-recipe and the exact FP64 backward (docs/numerics.md section 6), plus the
-Delta-Matching pre-cast row-sum residual and the one-key degenerate case
-(exact dS = 0).
+"""Accuracy of the CUDA `row` backward (the wgmma kernels) against the CPU
+reference of the same FP8 recipe and the exact FP64 backward (docs/numerics.md
+section 6), plus the Delta-Matching pre-cast row-sum residual and the one-key
+degenerate case (exact dS = 0). Until 2026-12-07 it also ran the mma.sync
+backward (FP8ATTN_BWD_KERNEL=mma) side by side; that kernel was removed (code
+at f7729f9).
 
     PYTHONPATH=python python3 benchmarks/bwd_kernels_accuracy_gpu.py
 
-Prints one line per (shape, causal, mode, kernel): ||cuda - cpu|| / ||cpu||
+Prints one line per (shape, causal, mode): ||cuda - cpu|| / ||cpu||
 and ||cuda - exact|| / ||exact|| for dQ, dK, dV, the mean pre-cast residual,
 and max |dQ|, |dK| (the degenerate case's residue). Needs a GPU and the CUDA extension.
 """
@@ -48,18 +49,16 @@ def main():
             ex = OPS.bwd(do.double(), q.double(), k.double(), v.double(), out.double(), lse, tau, causal, "exact",
                          mode, 128, "e4m3", False)
             dev = [t.cuda() for t in (do, q, k, v, out, lse)]
-            for kern in ("mma", "wgmma"):
-                os.environ["FP8ATTN_BWD_KERNEL"] = kern
-                cu = [t.cpu().double() for t in OPS.bwd(*dev, tau, causal, "fp8", mode, 128, "e4m3", True)]
-                msg = []
-                for name, c, r, e in zip(("dQ", "dK", "dV"), cu[:3], cpu[:3], ex[:3]):
-                    r, e = r.double(), e.double()
-                    msg.append(f"{name} cpu {((c - r).norm() / max(r.norm(), 1e-30)).item():.2e} "
-                               f"exact {((c - e).norm() / max(e.norm(), 1e-30)).item():.2e} "
-                               f"(cpu-exact {((r - e).norm() / max(e.norm(), 1e-30)).item():.2e})")
-                print(f"{shape} causal={causal} {mode:14s} {kern:5s} | " + " | ".join(msg)
-                      + f" | rowsum_pre {cu[3][2].mean().item():.2e} (cpu {cpu[3][2].double().mean().item():.2e})"
-                      + f" | max|dQ| {cu[0].abs().max().item():.3e} max|dK| {cu[1].abs().max().item():.3e}", flush=True)
+            cu = [t.cpu().double() for t in OPS.bwd(*dev, tau, causal, "fp8", mode, 128, "e4m3", True)]
+            msg = []
+            for name, c, r, e in zip(("dQ", "dK", "dV"), cu[:3], cpu[:3], ex[:3]):
+                r, e = r.double(), e.double()
+                msg.append(f"{name} cpu {((c - r).norm() / max(r.norm(), 1e-30)).item():.2e} "
+                           f"exact {((c - e).norm() / max(e.norm(), 1e-30)).item():.2e} "
+                           f"(cpu-exact {((r - e).norm() / max(e.norm(), 1e-30)).item():.2e})")
+            print(f"{shape} causal={causal} {mode:14s} | " + " | ".join(msg)
+                  + f" | rowsum_pre {cu[3][2].mean().item():.2e} (cpu {cpu[3][2].double().mean().item():.2e})"
+                  + f" | max|dQ| {cu[0].abs().max().item():.3e} max|dK| {cu[1].abs().max().item():.3e}", flush=True)
     # Delta-Matching residual with LSE (and O) from the CUDA forward, as in
     # training: sum_j P_ij = 1 to FP32 rounding only if the backward's
     # recomputed S matches the S the forward's LSE came from.
@@ -69,16 +68,13 @@ def main():
         tau = scale(shape[-1])
         dev = [t.cuda() for t in (q, k, v, do)]
         out, lse = OPS.fwd(dev[0], dev[1], dev[2], tau, causal, "fp8", 128)
-        for kern in ("mma", "wgmma"):
-            os.environ["FP8ATTN_BWD_KERNEL"] = kern
-            res = {}
-            for mode in ("stale", "delta_matching"):
-                diag = OPS.bwd(dev[3], dev[0], dev[1], dev[2], out, lse, tau, causal, "fp8", mode, 128, "e4m3",
-                               True)[3]
-                res[mode] = diag[2].double().mean().item()
-            print(f"CUDA-forward LSE {shape} causal={causal} bwd {kern:5s} | rowsum_pre stale {res['stale']:.2e} "
-                  f"delta_matching {res['delta_matching']:.2e}", flush=True)
-    os.environ.pop("FP8ATTN_BWD_KERNEL", None)
+        res = {}
+        for mode in ("stale", "delta_matching"):
+            diag = OPS.bwd(dev[3], dev[0], dev[1], dev[2], out, lse, tau, causal, "fp8", mode, 128, "e4m3",
+                           True)[3]
+            res[mode] = diag[2].double().mean().item()
+        print(f"CUDA-forward LSE {shape} causal={causal} | rowsum_pre stale {res['stale']:.2e} "
+              f"delta_matching {res['delta_matching']:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,9 +51,7 @@
 # Env knobs: STUDY_TOTAL_S (450), STUDY_PRESET, STUDY_MODEL (ModelConfig
 # overrides), STUDY_QK_NORM (0/1), STUDY_LR, STUDY_SEQ_LEN, STUDY_BATCH,
 # STUDY_MODES (main modes), STUDY_EXTRA_MODE (fp8-matched_do; "" = never),
-# (head_dim 128 instead: STUDY_MODEL=head_dim=128,n_heads=4,n_kv_heads=2; on main,
-# since the wgmma kernels landed, that runs the faster wgmma forward/backward
-# while head_dim 256 runs the mma.sync ones),
+# (head_dim 128 instead: STUDY_MODEL=head_dim=128,n_heads=4,n_kv_heads=2),
 # STUDY_MAX_STEPS (cap, 3000), STUDY_STEPS (fixed count, skips calibration),
 # STUDY_SEED, STUDY_DEVICE (auto), STUDY_DIR (run dir), STUDY_PROBE_RESERVE_S,
 # STUDY_RESUME (0/1), STUDY_STATE_EVERY (0), STUDY_RESTORE_DIR (see below).

@@ -1,5 +1,5 @@
 // fp8attn: environment knobs of the C++/CUDA side (FP8ATTN_FWD_KERNEL,
-// FP8ATTN_FWD_WARPS, FP8ATTN_BWD_KERNEL; the table of every knob is in
+// FP8ATTN_TILE_PINGPONG, FP8ATTN_TILE_FWD, ...; the table of every knob is in
 // docs/architecture.md, "Environment variables"). Host-only and torch-free, so
 // the parsing is unit-tested on the CPU (tests/cpp/test_env_choice.cpp).
 #pragma once

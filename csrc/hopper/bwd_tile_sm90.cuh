@@ -1,32 +1,21 @@
-// fp8attn: device code shared by the sm_90a FP8 backward kernels (Delta-Matching
-// pre-pass and main backward). Math: docs/numerics.md sections 3-5; design and
-// measurements: docs/kernels/bwd_sm90.md.
+// fp8attn: device code shared by the sm_90a FP8 backward kernels: FP8 codec
+// and block-scale helpers, the tile-pair geometry (TileGeom), the per-row
+// quantization of a warp's 16 x 128 accumulator (quantize_rows), the column
+// reductions over a warp's keys, the `row` wgmma launchers and the shape
+// dispatch of the `tile` kernels. Users: the `row` wgmma backward
+// (bwd_wgmma_e4m3_blockscale_sm90.cu) and, through wgmma_sm90.cuh, the `tile`
+// backward (mainloop_bwd_tilescale_sm90.cuh). Math: docs/numerics.md sections
+// 3-5; design and measurements: docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md.
 //
-// Tensor cores. On sm_90a, ptxas lowers the FP8 `mma.sync.m16n8k32.e4m3/e5m2`
-// to F2FP conversions (FP8 -> FP16) followed by two HMMA.16816.F32 (seen in
-// the SASS of the first version of these kernels). So the kernels decode each
-// FP8 operand tile ONCE into exact FP16 values (every E4M3/E5M2 value is an
-// FP16 value) and issue m16n8k16 FP16 MMAs with FP32 accumulation: the same
-// tensor-core instruction and the same numbers (exact products, FP32 sums per
-// block, scales applied to the FP32 partial), without re-converting the
-// shared operands in every warp. Operands that one warp reads alone (its K/V
-// rows, its dS rows) stay FP8 in shared memory and are decoded per use.
+// NOTE: the mma.sync backward (FP16 m16n8k16 on exactly decoded FP8 operands;
+// docs/kernels/bwd_sm90.md) was removed on 2026-12-07 with its tile functions
+// (shared-memory fills, tile_s / tile_p / tile_dp): code at f7729f9.
 //
-// The pre-pass and the main kernel call the SAME tile functions (tile_s,
-// tile_p, tile_dp) with the same warp -> key mapping, so P and dP_hat of a tile
-// are bitwise identical in both; that makes the Delta-Matching zero-row-sum
-// invariant hold to FP32 rounding (numerics.md section 4). Every FP32 step
-// that produces P or dP_hat is written with explicit rounding (__fmul_rn,
-// __fadd_rn, fmaf) so the compiler cannot contract it differently in the two
-// kernels.
-//
-// Warp layout (both kernels): 8 warps; warp w owns keys [16w, 16w+16) of the
-// 128-key tile and computes the transposed tiles S^T, dP^T [16 keys x 128
+// Fragment map shared by the kernels: warp w owns keys [16w, 16w+16) of the
+// 128-key tile and holds the transposed tiles S^T, dP^T [16 keys x 128
 // queries]. Fragment of n8 tile j, thread (g = lane/4, t = lane%4):
 //   c[0] = (key g,   query 8j+2t)   c[1] = (key g,   query 8j+2t+1)
 //   c[2] = (key g+8, query 8j+2t)   c[3] = (key g+8, query 8j+2t+1)
-// Two adjacent n8 tiles are exactly the A fragment (16 keys x 16 queries) of
-// m16n8k16, so P^T and dS^T feed dV = P^T dO and dK = dS^T Q from registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,21 +36,12 @@ namespace fp8attn {
 namespace sm90 {
 namespace bwd {
 
-// Backward tile constants (kTile, kWarps, kSlice, ...) live in config_sm90.h.
+// Backward tile constants (kTile, kWarps, kDsBlock, ...) live in config_sm90.h.
 
 constexpr int kFmtE4M3 = static_cast<int>(Fp8Format::kE4M3);
 constexpr int kFmtE5M2 = static_cast<int>(Fp8Format::kE5M2);
 
-// Row stride (bytes) of a shared [128][D] operand tile: FP16 when D <= 128
-// (one head-dim block: read by all warps as the B operand), else FP8.
-constexpr bool half_rows(int d) { return d <= 128; }
-constexpr int row_ld(int d) { return (half_rows(d) ? 2 * d : d) + kRowPad; }
-
 // ---- small device helpers --------------------------------------------------------
-
-__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
 
 // NaN-propagating max (fmaxf drops NaN): a NaN anywhere in a block must make
 // its scale NaN (numerics.md section 2).
@@ -75,24 +55,6 @@ __device__ __forceinline__ float ex2(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
-}
-
-// D = A * B + D, m16n8k16, FP16 operands (exact FP8 values), FP32 accumulate.
-__device__ __forceinline__ void hmma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                     uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Four 8x8 FP16 matrices from shared memory (rows of 16 bytes at `row_addr`).
-__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                        const uint8_t* row_addr) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row_addr));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(a));
 }
 
 // Two FP8 codes (byte 0 -> low half) -> FP16x2, exact.
@@ -139,142 +101,6 @@ __device__ __forceinline__ float2 fast_scale(float amax) {
   return make_float2(s, block_scale_inverse(s));
 }
 
-// ---- shared-memory tile fills (global FP8 -> shared FP8 or FP16) --------------------
-//
-// Layouts in shared memory:
-//  * "p8" rows: FP8 codes, each 16-element group stored in the order
-//    d = 0 1 8 9 2 3 10 11 4 5 12 13 6 7 14 15, so one 32-bit load at byte 4t
-//    holds the k16 MMA fragment elements 2t, 2t+1 (low half) and 2t+8, 2t+9
-//    (high half).
-//  * "h" rows: FP16 values in natural order (ldmatrix operands).
-//  * "hk" rows: FP16, each 16-key group stored as key order
-//    0 8 1 9 2 10 ... 7 15 (matches how dS is stored, see kernel).
-
-__device__ __forceinline__ uint4 permute_p8(uint4 v) {
-  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
-}
-
-template <int F>
-__device__ __forceinline__ void store_h16(uint8_t* dst, uint4 v) {  // 16 codes -> 16 FP16 (32 bytes)
-  uint4 lo, hi;
-  lo.x = f16x2_from_fp8x2<F>(v.x);
-  lo.y = f16x2_from_fp8x2<F>(v.x >> 16);
-  lo.z = f16x2_from_fp8x2<F>(v.y);
-  lo.w = f16x2_from_fp8x2<F>(v.y >> 16);
-  hi.x = f16x2_from_fp8x2<F>(v.z);
-  hi.y = f16x2_from_fp8x2<F>(v.z >> 16);
-  hi.z = f16x2_from_fp8x2<F>(v.w);
-  hi.w = f16x2_from_fp8x2<F>(v.w >> 16);
-  reinterpret_cast<uint4*>(dst)[0] = lo;
-  reinterpret_cast<uint4*>(dst)[1] = hi;
-}
-
-template <int F>
-__device__ __forceinline__ void store_hk16(uint8_t* dst, uint4 v) {  // key order 0 8 1 9 ... 7 15
-  uint4 lo, hi;
-  lo.x = f16x2_from_fp8x2<F>(__byte_perm(v.x, v.z, 0x40));
-  lo.y = f16x2_from_fp8x2<F>(__byte_perm(v.x, v.z, 0x51));
-  lo.z = f16x2_from_fp8x2<F>(__byte_perm(v.x, v.z, 0x62));
-  lo.w = f16x2_from_fp8x2<F>(__byte_perm(v.x, v.z, 0x73));
-  hi.x = f16x2_from_fp8x2<F>(__byte_perm(v.y, v.w, 0x40));
-  hi.y = f16x2_from_fp8x2<F>(__byte_perm(v.y, v.w, 0x51));
-  hi.z = f16x2_from_fp8x2<F>(__byte_perm(v.y, v.w, 0x62));
-  hi.w = f16x2_from_fp8x2<F>(__byte_perm(v.y, v.w, 0x73));
-  reinterpret_cast<uint4*>(dst)[0] = lo;
-  reinterpret_cast<uint4*>(dst)[1] = hi;
-}
-
-// Rows [s0, s0 + 128) of one (batch, head) FP8 matrix [S][D] into shared rows
-// (FP16 "h" when half_rows(D), else "p8"); rows >= S are zero (never read).
-template <int D, int F>
-__device__ __forceinline__ void load_rows(uint8_t* dst, const uint8_t* src, int s0, int S) {
-  constexpr int kVec = D / 16, kIters = kTile * kVec / kThreads;
-  static_assert(D % 16 == 0 && (kTile * kVec) % kThreads == 0, "whole 16-byte vectors per thread");
-  uint4 v[kIters];
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {  // all global loads first
-    const int i = threadIdx.x + k * kThreads, r = i / kVec, cv = i % kVec;
-    v[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (s0 + r < S) v[k] = __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(s0 + r) * D) + cv);
-  }
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int i = threadIdx.x + k * kThreads, r = i / kVec, cv = i % kVec;
-    if constexpr (half_rows(D)) {
-      store_h16<F>(dst + r * row_ld(D) + cv * 32, v[k]);
-    } else {
-      *reinterpret_cast<uint4*>(dst + r * row_ld(D) + cv * 16) = permute_p8(v[k]);
-    }
-  }
-}
-
-// Same, always "p8" (the per-warp A operands K and V).
-template <int D>
-__device__ __forceinline__ void load_rows_p8(uint8_t* dst, const uint8_t* src, int s0, int S) {
-  constexpr int kVec = D / 16, kIters = kTile * kVec / kThreads, kLd = D + kRowPad;
-  uint4 v[kIters];
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int i = threadIdx.x + k * kThreads, r = i / kVec, cv = i % kVec;
-    v[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (s0 + r < S) v[k] = __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(s0 + r) * D) + cv);
-  }
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int i = threadIdx.x + k * kThreads, r = i / kVec, cv = i % kVec;
-    *reinterpret_cast<uint4*>(dst + r * kLd + cv * 16) = permute_p8(v[k]);
-  }
-}
-
-// Scales of rows [s0, s0 + 128) of a [S][NB] FP32 array; rows >= S get 0.
-template <int NB>
-__device__ __forceinline__ void load_row_scales(float* dst, const float* src, int s0, int S) {
-  for (int i = threadIdx.x; i < kTile * NB; i += kThreads) {
-    const int r = i / NB;
-    dst[i] = (s0 + r < S) ? __ldg(src + static_cast<int64_t>(s0) * NB + i) : 0.f;
-  }
-}
-
-// Positions [s0, s0 + 128) of ROWS rows of a sequence-contiguous FP8 matrix
-// (row stride ld_src = S_pad, first row at src) into FP16 shared rows of stride
-// kLdH ("h", or "hk" when KEYS). Positions >= S are zero; reads never go past
-// S_pad (S rounded up to 16).
-template <int ROWS, int F, bool KEYS>
-__device__ __forceinline__ void load_cols(uint8_t* dst, const uint8_t* src, int64_t ld_src, int s0, int S) {
-  constexpr int kIters = ROWS * (kTile / 16) / kThreads;
-  static_assert((ROWS * (kTile / 16)) % kThreads == 0, "whole vectors per thread");
-  uint4 v[kIters];
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int i = threadIdx.x + k * kThreads, r = i / (kTile / 16), cv = i % (kTile / 16);
-    const int pos = s0 + 16 * cv;
-    v[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (pos < S) {
-      v[k] = __ldg(reinterpret_cast<const uint4*>(src + r * ld_src + pos));
-      const int nvalid = S - pos;
-      if (nvalid < 16) {  // zero the padding codes past the sequence end
-        uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int nb = nvalid - 4 * q;
-          w[q] = nb >= 4 ? w[q] : (nb <= 0 ? 0u : (w[q] & ((1u << (8 * nb)) - 1u)));
-        }
-        v[k] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int i = threadIdx.x + k * kThreads, r = i / (kTile / 16), cv = i % (kTile / 16);
-    if constexpr (KEYS) {
-      store_hk16<F>(dst + r * kLdH + cv * 32, v[k]);
-    } else {
-      store_h16<F>(dst + r * kLdH + cv * 32, v[k]);
-    }
-  }
-}
-
 // ---- tile geometry and masking ---------------------------------------------------
 
 struct TileGeom {
@@ -295,162 +121,6 @@ struct TileGeom {
            (!causal || n0 + kTile - 1 <= m0 + causal_off);
   }
 };
-
-// ---- the tile computations shared by the pre-pass and the main kernel ------------
-
-// A fragment (16 rows x k16 step ks) of a "p8" FP8 tile: rows r0, r0 + 8.
-template <int F>
-__device__ __forceinline__ void a_frag_p8(const uint8_t* row0, int ld, int ks, int t, uint32_t& a0,
-                                          uint32_t& a1, uint32_t& a2, uint32_t& a3) {
-  const uint32_t w0 = lds32(row0 + 16 * ks + 4 * t), w1 = lds32(row0 + 8 * ld + 16 * ks + 4 * t);
-  a0 = f16x2_from_fp8x2<F>(w0);
-  a2 = f16x2_from_fp8x2<F>(w0 >> 16);
-  a1 = f16x2_from_fp8x2<F>(w1);
-  a3 = f16x2_from_fp8x2<F>(w1 >> 16);
-}
-
-// S^T (#3) for this warp's 16 keys x 128 queries, block-scaled along d: per
-// head-dim block the FP32 partial times s_q * s_k (an exact power of two, so
-// the same number as the reference's (partial * s_q) * s_k), summed over blocks.
-//   sK "p8" [128][DQK] key rows, sKs [128][NB]; sQ [128][DQK] (row_ld), sQs [128][NB].
-template <int DQK>
-__device__ __forceinline__ void tile_s(const uint8_t* sK, const float* sKs, const uint8_t* sQ,
-                                       const float* sQs, int warp, int lane, float (&s)[16][4]) {
-  constexpr int kLdK = DQK + kRowPad, kLdQ = row_ld(DQK), kNb = num_dim_blocks(DQK);
-  const int g = lane >> 2, t = lane & 3, kl0 = warp * 16 + g;
-  const uint8_t* ka = sK + kl0 * kLdK;
-  if constexpr (kNb == 1) {
-    // One block: all 16 n8 tiles accumulate together (16 independent MMAs per k step).
-#pragma unroll
-    for (int j = 0; j < 16; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const uint8_t* qb = sQ + (8 * (lane >> 4) + (lane & 7)) * kLdQ + 16 * ((lane >> 3) & 1);
-#pragma unroll
-    for (int ks = 0; ks < DQK / 16; ++ks) {
-      uint32_t a0, a1, a2, a3;
-      a_frag_p8<kFmtE4M3>(ka, kLdK, ks, t, a0, a1, a2, a3);
-#pragma unroll
-      for (int jp = 0; jp < 8; ++jp) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(b0, b1, b2, b3, qb + 16 * jp * kLdQ + 32 * ks);
-        hmma(s[2 * jp], a0, a1, a2, a3, b0, b1);
-        hmma(s[2 * jp + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
-    const float ks0 = sKs[kl0], ks1 = sKs[kl0 + 8];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float2 qs = *reinterpret_cast<const float2*>(sQs + 8 * j + 2 * t);
-      s[j][0] = __fmul_rn(s[j][0], __fmul_rn(qs.x, ks0));
-      s[j][1] = __fmul_rn(s[j][1], __fmul_rn(qs.y, ks0));
-      s[j][2] = __fmul_rn(s[j][2], __fmul_rn(qs.x, ks1));
-      s[j][3] = __fmul_rn(s[j][3], __fmul_rn(qs.y, ks1));
-    }
-  } else {
-    // Several blocks (d = 192, 256): groups of four n8 tiles, a partial per block;
-    // Q stays FP8 ("p8") in shared memory and is decoded per use.
-#pragma unroll
-    for (int jg = 0; jg < 4; ++jg) {
-#pragma unroll
-      for (int b = 0; b < kNb; ++b) {
-        constexpr int kBlk = dim_block(DQK);
-        float part[4][4];
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) part[jj][0] = part[jj][1] = part[jj][2] = part[jj][3] = 0.f;
-#pragma unroll
-        for (int ks = b * kBlk / 16; ks < (b * kBlk + kBlk < DQK ? b * kBlk + kBlk : DQK) / 16; ++ks) {
-          uint32_t a0, a1, a2, a3;
-          a_frag_p8<kFmtE4M3>(ka, kLdK, ks, t, a0, a1, a2, a3);
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const uint32_t w = lds32(sQ + (32 * jg + 8 * jj + g) * kLdQ + 16 * ks + 4 * t);
-            hmma(part[jj], a0, a1, a2, a3, f16x2_from_fp8x2<kFmtE4M3>(w), f16x2_from_fp8x2<kFmtE4M3>(w >> 16));
-          }
-        }
-        const float ks0 = sKs[kl0 * kNb + b], ks1 = sKs[(kl0 + 8) * kNb + b];
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int ql = 32 * jg + 8 * jj + 2 * t + (e & 1);
-            const float f = __fmul_rn(sQs[ql * kNb + b], e < 2 ? ks0 : ks1);
-            float& dst = s[4 * jg + jj][e];
-            dst = b == 0 ? __fmul_rn(part[jj][e], f) : fmaf(part[jj][e], f, dst);
-          }
-      }
-    }
-  }
-}
-
-// P = exp(S * tau - LSE) in place, as exp2(S * tau * log2(e) - LSE * log2(e))
-// in FP32 (sLse2 = LSE * log2(e)); with kMask, invisible entries and rows with
-// LSE = -inf are exact zeros (no NaN).
-template <bool kMask>
-__device__ __forceinline__ void tile_p(float (&s)[16][4], const float* sLse2, const TileGeom& tg, int warp,
-                                       int lane) {
-  const int g = lane >> 2, t = lane & 3, kl0 = warp * 16 + g;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float2 l2 = *reinterpret_cast<const float2*>(sLse2 + 8 * j + 2 * t);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float lse2 = (e & 1) ? l2.y : l2.x;
-      const float p = ex2(fmaf(s[j][e], tg.c2, -lse2));
-      if constexpr (kMask) {
-        const int ql = 8 * j + 2 * t + (e & 1), kl = kl0 + 8 * (e >> 1);
-        s[j][e] = (tg.visible(kl, ql) && lse2 != -INFINITY) ? p : 0.f;
-      } else {
-        s[j][e] = p;
-      }
-    }
-  }
-}
-
-// dP^T (#4) for this warp's 16 keys x the 32 queries [32 jg, 32 jg + 32),
-// block-scaled along dv (partial * s_dO * s_V, exact power-of-two product).
-//   sV "p8" [128][DV], sVs [128][NB]; sdO [128][DV] (row_ld), sdOs [128][NB].
-template <int DV, int FMT>
-__device__ __forceinline__ void tile_dp(const uint8_t* sV, const float* sVs, const uint8_t* sdO,
-                                        const float* sdOs, int warp, int lane, int jg, float (&dp)[4][4]) {
-  constexpr int kLdV = DV + kRowPad, kLdO = row_ld(DV), kNb = num_dim_blocks(DV), kBlk = dim_block(DV);
-  const int g = lane >> 2, t = lane & 3, kl0 = warp * 16 + g;
-  const uint8_t* va = sV + kl0 * kLdV;
-#pragma unroll
-  for (int b = 0; b < kNb; ++b) {
-    float part[4][4];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) part[jj][0] = part[jj][1] = part[jj][2] = part[jj][3] = 0.f;
-#pragma unroll
-    for (int ks = b * kBlk / 16; ks < (b * kBlk + kBlk < DV ? b * kBlk + kBlk : DV) / 16; ++ks) {
-      uint32_t a0, a1, a2, a3;
-      a_frag_p8<kFmtE4M3>(va, kLdV, ks, t, a0, a1, a2, a3);
-      if constexpr (half_rows(DV)) {
-        const uint8_t* ob = sdO + (32 * jg + 8 * (lane >> 4) + (lane & 7)) * kLdO + 16 * ((lane >> 3) & 1) + 32 * ks;
-#pragma unroll
-        for (int jp = 0; jp < 2; ++jp) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(b0, b1, b2, b3, ob + 16 * jp * kLdO);
-          hmma(part[2 * jp], a0, a1, a2, a3, b0, b1);
-          hmma(part[2 * jp + 1], a0, a1, a2, a3, b2, b3);
-        }
-      } else {
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          const uint32_t w = lds32(sdO + (32 * jg + 8 * jj + g) * kLdO + 16 * ks + 4 * t);
-          hmma(part[jj], a0, a1, a2, a3, f16x2_from_fp8x2<FMT>(w), f16x2_from_fp8x2<FMT>(w >> 16));
-        }
-      }
-    }
-    const float vs0 = sVs[kl0 * kNb + b], vs1 = sVs[(kl0 + 8) * kNb + b];
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int ql = 32 * jg + 8 * jj + 2 * t + (e & 1);
-        const float f = __fmul_rn(sdOs[ql * kNb + b], e < 2 ? vs0 : vs1);
-        dp[jj][e] = b == 0 ? __fmul_rn(part[jj][e], f) : fmaf(part[jj][e], f, dp[jj][e]);
-      }
-  }
-}
 
 // Quantizes this warp's [16 keys x 128 queries] FP32 tile x (C fragments) per
 // key row along the queries (one block = the 128-query tile: the column
@@ -525,18 +195,14 @@ struct OpMaxNan {
   __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
 };
 
-// Launchers (defined in the .cu files).
-void launch_prepass(const KernelParams& p, cudaStream_t stream);
-void launch_main(const KernelParams& p, cudaStream_t stream);
-// wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu): head_dim_qk == head_dim_v
-// in {64, 128}; other shapes use the kernels above.
-bool wgmma_supported(const KernelParams& p);
+// Launchers of the `row` backward (bwd_wgmma_e4m3_blockscale_sm90.cu; every
+// supported_head_dims pair, config_sm90.h).
 void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream);
 void launch_wgmma_main(const KernelParams& p, cudaStream_t stream);
 
 // Calls f(Int<DQK>, Int<DV>, Int<FMT>) for the compiled (head_dim_qk,
 // head_dim_v) pairs and the grad format of p; throws for other head dims.
-// One place for the backward kernels' shape dispatch (pre-pass and main).
+// One place for the `tile` backward kernels' shape dispatch (pre-pass and main).
 template <int N>
 using Int = std::integral_constant<int, N>;
 

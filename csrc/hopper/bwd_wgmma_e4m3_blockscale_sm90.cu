@@ -1,7 +1,7 @@
 // fp8attn: sm_90a FP8 backward on warpgroup MMAs (wgmma, QGMMA in the SASS),
-// block scales (numerics.md sections 3-5). Same math, delta modes and
-// diagnostics as the mma.sync backward (bwd_e4m3_blockscale_sm90.cu), which
-// stays selectable (FP8ATTN_BWD_KERNEL=mma). head_dim 64, 128, 256 and
+// block scales (numerics.md sections 3-5): the `row` recipe's backward, run by
+// run_bwd (bwd_e4m3_blockscale_sm90.cu; the mma.sync backward it replaced was
+// removed on 2026-12-07, code at f7729f9). head_dim 64, 128, 256 and
 // (192, 128); at d > 128 the main kernel's CTAs take 128-column slices of
 // the outputs (see WgMainLayout).
 // Design and measurements: docs/kernels/bwd_wgmma_e4m3_blockscale_sm90.md.
@@ -253,8 +253,8 @@ __device__ __forceinline__ void wg_scale_dp(const float* sVs, const float* sdOs,
 // S^T (and dP^T) over every head-dim block, shared by the pre-pass and the main
 // kernel (so P and dP_hat stay bitwise equal): block 0 exactly as at d <= 128
 // (its scaled partial is __fmul_rn(part, s_a * s_b)), then block 1's partial is
-// added as fmaf(part, s_a * s_b, acc), the order of the mma.sync kernels
-// (bwd_tile_sm90.cuh) and of numerics.md section 3. Scales: block b of a key
+// added as fmaf(part, s_a * s_b, acc), the order of numerics.md section 3
+// (and of the removed mma.sync kernels). Scales: block b of a key
 // tile at sKs[b * 128 + row], of a query tile at sQs[b * NQ + column].
 // NOTE: block 1 of S^T runs per 64 columns (one m64n64 chain, 32 more
 // registers while dP is not live); block 1 of dP^T per 32 columns (m64n32,
@@ -611,7 +611,7 @@ static_assert(WgMainLayout<128, 128>::kDsBufs == 2 && WgMainLayout<128, 128>::kB
 
 // part (m64 x N, this warp's rows) of A (registers, per-row scales sa) times B
 // [N channels][128 positions] (swizzled, column scales sBs) accumulated into
-// dst: dst += part * (sa * sb) (an exact power of two, as in the mma.sync kernel).
+// dst: dst += part * (sa * sb) (an exact power of two, numerics.md section 3).
 // b_lo: descriptor of the B tile.
 // kFrag (v7, d <= 128): sBs in fragment order (frag_pos; N >= 32).
 template <int FA, int FB, int N, bool kFrag = false>
@@ -1518,11 +1518,6 @@ void dispatch_wgmma(const KernelParams& p, F&& f) {
 }
 
 }  // namespace
-
-bool wgmma_supported(const KernelParams& p) {
-  return (p.head_dim_qk == p.head_dim_v && (p.head_dim_qk == 64 || p.head_dim_qk == 128 || p.head_dim_qk == 256)) ||
-         (p.head_dim_qk == 192 && p.head_dim_v == 128);
-}
 
 void launch_wgmma_prepass(const KernelParams& p, cudaStream_t stream) {
   dispatch_wgmma(p, [&](auto dqk, auto dv, auto fmt) {

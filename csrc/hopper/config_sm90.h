@@ -76,24 +76,7 @@ static_assert(kQuantThreads % (kMaxDimBlock / kQuantVec) == 0, "whole rows per p
 static_assert(kQuantThreads % kMaxDimBlock == 0 && kQuantThreads % 64 == 0,
               "column pass: whole channel groups");
 
-// ---- forward kernel (fwd_e4m3_blockscale_sm90.cu) -------------------------
-
-// Key tile = kSeqBlock keys; query tile = 16 rows per warp (one m16 MMA row
-// block per warp), fwd_warps(head_dim_qk) warps per CTA. Measured on H200
-// (docs/kernels/fwd_e4m3_blockscale_sm90.md): 4 warps (64 rows, two CTAs per
-// SM) is 3-7% faster at head_dim <= 128, 8 warps (128 rows, one CTA per SM)
-// 4-5% faster at 256. FP8ATTN_FWD_WARPS=4|8 overrides it (benchmarking).
-constexpr int kFwdBlockN = kSeqBlock;
-constexpr int fwd_warps(int d_qk) { return d_qk <= 128 ? 4 : 8; }
-// Shared-memory rows are padded by 16 bytes so ldmatrix phases hit 8 distinct
-// 16-byte bank groups (row strides of an odd number of 16-byte chunks).
-constexpr int kSmemRowPad = 16;
-
-static_assert(kFwdBlockN % 32 == 0, "k32 MMA steps over the key tile");
-static_assert(kFwdBlockN == 128, "forward key permutation covers 16-key groups of a 128 tile");
-static_assert(fwd_warps(64) == 4 && fwd_warps(256) == 8, "CTA shapes instantiated: 4 and 8 warps");
-
-// ---- wgmma forward (fwd_wgmma_e4m3_blockscale_sm90.cu) ------------------------
+// ---- wgmma forward, `row` recipe (fwd_wgmma_e4m3_blockscale_sm90.cu) -----------
 namespace fwdw {
 
 // One producer warpgroup (TMA issue, K/V scale loads, the in-place V^T key
@@ -216,14 +199,6 @@ namespace bwd {
 
 constexpr int kTile = 128;             // query tile = key tile = sequence block
 constexpr int kWarps = 8;              // warp w owns keys [16w, 16w+16) of the key tile
-constexpr int kThreads = 32 * kWarps;
-constexpr int kRowPad = 16;            // bytes of padding per shared-memory row (no bank conflicts)
-constexpr int kLdH = 2 * kTile + kRowPad;  // bytes per row of a [rows][128] FP16 tile
-constexpr int kLd8 = kTile + kRowPad;      // bytes per row of a [rows][128] FP8 tile
-// Output head-dim columns per main-kernel CTA: dK/dV accumulators of 16 x kSlice
-// FP32 per warp stay in registers at every head_dim (d = 128 runs 2 slices,
-// d = 256 runs 4, each recomputing S and dP; see docs/kernels/bwd_sm90.md).
-constexpr int kSlice = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 // Matmul #6 (dQ = dS K) blocks dS per query along keys in kDsBlock keys
 // (numerics.md section 3; K stays in kTile-key blocks). NOTE: a dS block is the
@@ -231,7 +206,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // inside that group; the FP32 partial of each block is promoted with its own
 // scale.
 constexpr int kDsBlock = 64;
-constexpr int kDsBlocks = kTile / kDsBlock;  // dS scale blocks per key tile
 constexpr int kDsWarps = kDsBlock / 16;      // warps (16 keys each) per dS block
 
 // wgmma backward (bwd_wgmma_e4m3_blockscale_sm90.cu, every head_dim; d > 128
@@ -248,7 +222,7 @@ constexpr int kWgPreQ = 64;
 // warpgroup (64 key rows) owns exactly one block: its per-query amax is
 // warpgroup-local. The d <= 128 main kernel double-buffers the dS codes
 // (kWgDsBufs), its dQ runs one tile pair late (v6, kernel note).
-constexpr int kWgDsBlock = kDsBlock;  // the one #6 dS block (above), shared with the mma.sync kernel
+constexpr int kWgDsBlock = kDsBlock;  // the one #6 dS block (above)
 constexpr int kWgDsBufs = 2;
 // Named barrier ids of the d <= 128 main kernel (0 is __syncthreads):
 // kWgBarWarpgroup + wg syncs warpgroup wg's 128 threads (#6 amax, LSE array);
@@ -273,7 +247,7 @@ constexpr bool kWgPingpong = true;
 constexpr bool kWgStageReaderFence = true;
 
 static_assert(kTile == kSeqBlock, "backward tiles are the 128-token sequence blocks");
-static_assert(kWgThreads == kThreads, "the wgmma kernels keep the warp -> key-row map of the mma.sync kernels");
+static_assert(kWgThreads == 32 * kWarps, "warp w of the wgmma kernels owns key rows [16w, 16w+16)");
 static_assert(kWgRowBytes == kTile, "one swizzled row holds a 128-element FP8 block");
 static_assert(kWgPreQ % 16 == 0 && kTile % kWgPreQ == 0 && kWgPreQ % 64 == 0,
               "pre-pass query tile: whole m64n64 column blocks and 16-row permutation groups");
@@ -282,9 +256,8 @@ static_assert(kWgDsBlock == 64 && kTile == 2 * kWgDsBlock && kWgThreads == 2 * 1
               "one #6 dS key block per warpgroup (64 key rows each)");
 static_assert(kWgDsBufs == 2, "dQ of tile pair it - 1 reads one buffer while pair it writes the other");
 static_assert(kWgStageIssue >= 0 && kWgStageIssue <= 2, "stage issue point: top, after dV, after the dS stores");
-static_assert(kSlice % 32 == 0, "slices are whole groups of four n8 tiles");
 static_assert(kDsBlock == (kSeqBlock < 64 ? kSeqBlock : 64), "numerics.md: dS of #6 in min(B, 64)-key blocks");
-static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * kDsBlocks == kWarps,
+static_assert(kTile % kDsBlock == 0 && kDsBlock % 16 == 0 && kDsWarps * (kTile / kDsBlock) == kWarps,
               "dS blocks of #6: whole warps (16 keys) and whole k16 steps, tiling the key tile");
 
 }  // namespace bwd

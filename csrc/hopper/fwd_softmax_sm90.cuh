@@ -1,7 +1,7 @@
-// fp8attn: device helpers shared by the two sm_90a forward kernels
-// (fwd_e4m3_blockscale_sm90.cu, fwd_wgmma_e4m3_blockscale_sm90.cu): exp2,
-// E4M3 packing of P, the exact E4M3 block scale and the online-softmax row
-// step (numerics.md sections 2-3).
+// fp8attn: device helpers of the sm_90a forward kernels (the `row` wgmma
+// kernel, fwd_wgmma_e4m3_blockscale_sm90.cu, and the `tile` one through
+// softmax_tilescale_sm90.cuh): exp2, E4M3 packing of P, the exact E4M3 block
+// scale and the online-softmax row step (numerics.md sections 2-3).
 #pragma once
 
 #include <cuda_fp8.h>

@@ -15,8 +15,8 @@
 //   consumer warpgroups (setmaxnreg up), 64 query rows each, per key tile:
 //     S = Q K^T            wgmma m64n{128}k32 SS, FP32 (one head_dim block)
 //     S *= s_k; mask; online softmax in the log2 domain; P quantized per (row,
-//       tile) with s_p = block_scale(exp2(rowmax - m_new)), exactly as the
-//       mma.sync kernel (fwd_e4m3_blockscale_sm90.cu)
+//       tile) with s_p = block_scale(exp2(rowmax - m_new)) (fwd_softmax_sm90.cuh,
+//       as the first, mma.sync forward did: removed 2026-12-07, code at f7729f9)
 //     part = P_hat V_hat   wgmma m64n{Dv}k32 RS (P from registers), FP32
 //     O = O * alpha + part * s_p * s_v   (the FP32 partial of each 128-key block is
 //       promoted into the O accumulator with its scales)
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
         }
     }
 
-    // ---- online softmax, P quantization (as fwd_e4m3_blockscale_sm90.cu) ----
+    // ---- online softmax, P quantization (softmax_row_step, fwd_softmax_sm90.cuh) ----
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -594,14 +594,14 @@ __global__ void __launch_bounds__(128 * (1 + consumer_wgs(kVariant)), 1)
 // ---- head_dim 192 / 256: two head_dim blocks ---------------------------------------
 //
 // fwd_wgmma_d2_kernel: the v1 (kSerial) schedule per consumer warpgroup, the
-// same producer, and the same math (numerics.md sections 2-3) as the
-// mma.sync kernel at d_qk > 128:
+// same producer, and the same math (numerics.md sections 2-3) as the removed
+// mma.sync forward at d_qk > 128 (code at f7729f9):
 //   Q and K tiles are stored per head_dim block (block 0: rows of 128 bytes,
 //     128B swizzle; block 1: rows of kD - 128 = 64 or 128 bytes, 64B / 128B
 //     swizzle), each block with its own TMA map;
 //   S = t0 * s_k0 (t0 = Q0 K0^T, m64n128k32 SS over block 0), then block 1's
 //     FP32 partial t1 in n32 chunks, each added right away as
-//     fmaf(t1, s_k1 * (s_q1 / s_q0), S) (the mma.sync kernel's order; the row
+//     fmaf(t1, s_k1 * (s_q1 / s_q0), S) (the mma.sync forward's order; the row
 //     factor s_q0 * tau * log2(e) stays in the exp's FMA);
 //   mask, online softmax, P quantization: exactly as fwd_wgmma_kernel;
 //   P V in chains of fwdw::kD2PvN output channels (m64n64k32 RS), two partial

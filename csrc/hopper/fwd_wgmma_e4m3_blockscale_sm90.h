@@ -3,8 +3,8 @@
 // (fwd_e4m3_blockscale_sm90.h): O (BF16, contiguous [B, Hq, Sq, Dv]) and LSE
 // (FP32 [B, Hq, Sq]) from q_row / k_row / v_colT and their block scales.
 //
-// run_fwd dispatches here when fwd_wgmma_supported(p) and the environment does
-// not ask for the mma.sync kernel (FP8ATTN_FWD_KERNEL=mma);
+// run_fwd dispatches here after its argument checks (the `row` recipe's one
+// forward kernel; the mma.sync one was removed on 2026-12-07, code at f7729f9);
 // FP8ATTN_FWD_KERNEL=wgmma_serial | wgmma_overlap | wgmma_pingpong |
 // wgmma_serial3 selects the v1 | v2 | v3 | v11 consumer schedule at
 // head_dim_qk <= 128 instead of the default (v11 at 64, v3 at 128; head_dim_qk

@@ -1,5 +1,5 @@
-// fp8attn: the per-row finish every Delta-Matching pre-pass shares (mma.sync,
-// `row` wgmma and `tile`): the delta and the backward-consistent LSE
+// fp8attn: the per-row finish every Delta-Matching pre-pass shares (`row`
+// wgmma and `tile`): the delta and the backward-consistent LSE
 // (numerics.md section 4, "Backward-consistent LSE").
 //
 // The pre-pass recomputes S with the main kernel's instructions and forms

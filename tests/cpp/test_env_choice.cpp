@@ -24,11 +24,11 @@ TEST(EnvChoice, AcceptedValuesGiveTheirIndex) {
 TEST(EnvChoice, AnyOtherValueNamesTheVariableAndTheChoices) {
   for (const char* bad : {"c", "A", " a", "a ", "4x", "0"}) {
     try {
-      parse_env_choice("FP8ATTN_FWD_WARPS", bad, {"4", "8"});
+      parse_env_choice("FP8ATTN_X", bad, {"4", "8"});
       ADD_FAILURE() << "no error for '" << bad << "'";
     } catch (const std::invalid_argument& e) {
       const std::string msg = e.what();
-      EXPECT_NE(msg.find("FP8ATTN_FWD_WARPS='" + std::string(bad) + "'"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("FP8ATTN_X='" + std::string(bad) + "'"), std::string::npos) << msg;
       EXPECT_NE(msg.find("4, 8"), std::string::npos) << msg;
     }
   }

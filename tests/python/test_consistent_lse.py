@@ -12,7 +12,7 @@ sum_j P dP_hat / l and P' = exp(S - (LSE + ln l)) = P / l.
 What the tests check, and the failure each guards against:
 - A row-wise shift of the LSE handed to the backward (a mismatched LSE, e.g. +-0.2)
   leaves the delta_matching gradients unchanged to rounding, on the CPU reference and
-  on every CUDA backward kernel (`row` wgmma and mma.sync, `tile`), while the stale
+  on every CUDA backward kernel (`row` wgmma, `tile`), while the stale
   gradients, which keep the given LSE, move by the shift (that is what the
   Delta-Matching gradients did before: P scaled by exp(-shift)).
 - At logit standard deviations 8 and 30 (d 64-256), the CUDA Delta-Matching gradients
@@ -108,8 +108,8 @@ def test_reference_delta_matching_row_sums_vanish_with_a_mismatched_lse():
 
 # ---- CUDA kernels ------------------------------------------------------------------------
 
-KERNELS = [("row", {}), ("row", {"FP8ATTN_BWD_KERNEL": "mma"}), ("tile", {"FP8ATTN_TILE_BWD": "1"})]
-KERNEL_IDS = ["row-wgmma", "row-mma", "tile"]
+KERNELS = [("row", {}), ("tile", {"FP8ATTN_TILE_BWD": "1"})]
+KERNEL_IDS = ["row-wgmma", "tile"]
 DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 
 
@@ -118,7 +118,7 @@ class _env:
         self.values = values
 
     def __enter__(self):
-        self.old = {n: os.environ.get(n) for n in ("FP8ATTN_BWD_KERNEL", "FP8ATTN_TILE_BWD", "FP8ATTN_FWD_KERNEL")}
+        self.old = {n: os.environ.get(n) for n in ("FP8ATTN_TILE_BWD", "FP8ATTN_FWD_KERNEL")}
         for n in self.old:
             os.environ.pop(n, None)
         os.environ.update(self.values)

@@ -16,9 +16,7 @@ tests isolate the backward kernels from the CUDA forward.
 Run: PYTHONPATH=python python3 -m pytest -q -m gpu tests/python/test_cuda_bwd.py
 Benchmark: benchmarks/bench_gpu.py (backward TFLOP/s per delta mode vs cuDNN BF16).
 """
-import contextlib
 import math
-import os
 import zlib
 
 import pytest
@@ -125,7 +123,7 @@ def check_grads(cuda, cpu, exact, label):
             # 1 - P set by how closely the recomputed S matches the forward's LSE. The
             # wgmma backward's FP8 tensor-core sums keep ~2^-13 relative precision
             # (numerics.md section 7): measured max |dQ|, |dK| = 1.3e-3, 4.1e-3 at
-            # d = 128 (the mma.sync backward: ~1e-6). 1e-2 keeps a margin; a wrong
+            # d = 128 (the removed mma.sync backward: ~1e-6). 1e-2 keeps a margin; a wrong
             # result (O(1) gradients) still fails.
             assert c.abs().max().item() < 1e-2, f"{label} {name}: expected ~0, got {c.abs().max().item()}"
             continue
@@ -403,22 +401,6 @@ def test_fully_masked_rows_have_zero_grads():
 # ---- dS of #6 in 64-key blocks (numerics.md section 3) -----------------------------
 
 
-@contextlib.contextmanager
-def bwd_kernel(kernel):
-    """FP8ATTN_BWD_KERNEL for the block: "mma" forces the mma.sync backward,
-    "default" unsets it (so an outer setting does not leak in); restored after."""
-    old = os.environ.get("FP8ATTN_BWD_KERNEL")
-    os.environ.pop("FP8ATTN_BWD_KERNEL", None)
-    if kernel == "mma":
-        os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
-    try:
-        yield
-    finally:
-        os.environ.pop("FP8ATTN_BWD_KERNEL", None)
-        if old is not None:
-            os.environ["FP8ATTN_BWD_KERNEL"] = old
-
-
 def ds_halves_base(hq, hkv, sq, sk, d, dv, seed):
     """Standard-normal Q, K (FP32, to be edited), V, dO (BF16) and the mask of the
     far key half (keys 64..127 of every 128-key tile) for the 64-key dS tests."""
@@ -452,20 +434,18 @@ def make_ds_halves_inputs(hq, hkv, sq, sk, causal, seed):
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel", ["default", "mma"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ds_of_dq_blocked_in_64_keys(kernel, causal):
+def test_ds_of_dq_blocked_in_64_keys(causal):
     inp = make_ds_halves_inputs(2, 1, 200, 256, causal, seed=21 + causal)
-    with bwd_kernel(kernel):
-        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
     dq_c, dq_r, dq_e = (t[0][..., 128].double() for t in (cuda, cpu, exact))
     # The construction works: channel 128 carries a large share of ||dQ||, and the
     # reference (64-key blocks) gets it right.
     assert dq_e.norm() ** 2 > 0.25 * exact[0].double().norm() ** 2
     assert (dq_r - dq_e).norm() < 0.1 * dq_e.norm()
     # The guarded fault: 128-key dS blocks give dQ[..., 128] == 0 (relative error 1).
-    assert (dq_c - dq_r).norm() < 2e-2 * dq_r.norm(), (kernel, (dq_c - dq_r).norm() / dq_r.norm())
-    check_grads(cuda, cpu, exact, f"ds halves {kernel} causal={causal}")
+    assert (dq_c - dq_r).norm() < 2e-2 * dq_r.norm(), (dq_c - dq_r).norm() / dq_r.norm()
+    check_grads(cuda, cpu, exact, f"ds halves causal={causal}")
 
 
 def make_ds_halves_inputs_narrow(hq, hkv, sq, sk, d, causal, seed):
@@ -487,17 +467,15 @@ def make_ds_halves_inputs_narrow(hq, hkv, sq, sk, d, causal, seed):
 
 
 @needs_gpu
-@pytest.mark.parametrize("kernel", ["default", "mma"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ds_of_dq_blocked_in_64_keys_narrow(kernel, d, causal):
+def test_ds_of_dq_blocked_in_64_keys_narrow(d, causal):
     # The d <= 128 twin of test_ds_of_dq_blocked_in_64_keys (which runs d = 192:
     # the sliced kernels only). CPU side checked: the reference's channel d - 1
     # is 6.2-7.5% from the exact one (d 64 / 128, causal or not); with 128-key
     # blocks (tests/python/test_ds_blocks_model.py model) it is exactly 0.
     inp = make_ds_halves_inputs_narrow(2, 1, 200, 256, d, causal, seed=31 + causal)
-    with bwd_kernel(kernel):
-        cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
+    cuda, cpu, exact = run_bwd(inp, causal, "delta_matching", "e4m3")
     dq_c, dq_r, dq_e = (t[0][..., d - 1].double() for t in (cuda, cpu, exact))
     assert dq_e.norm() > 0
     assert (dq_r - dq_e).norm() < 0.1 * dq_e.norm()
@@ -505,11 +483,10 @@ def test_ds_of_dq_blocked_in_64_keys_narrow(kernel, d, causal):
     # NOTE: 1e-1, not section 6's 2e-2: this is one channel fed by <= 128 far keys
     # per query, so the few single-FP8 rounding flips that the wgmma kernel's S
     # (FP8 tensor-core sums, numerics.md section 7) causes do not average out:
-    # measured 2.1-2.8% on the H200 (2026-11-29), the mma.sync kernel (FP32 S)
-    # within 2e-2. Still 10x below the fault.
-    tol = 2e-2 if kernel == "mma" else 1e-1
-    assert (dq_c - dq_r).norm() < tol * dq_r.norm(), (kernel, (dq_c - dq_r).norm() / dq_r.norm())
-    check_grads(cuda, cpu, exact, f"ds halves d={d} {kernel} causal={causal}")
+    # measured 2.1-2.8% on the H200 (2026-11-29; the removed mma.sync kernel, FP32 S,
+    # was within 2e-2). Still 10x below the fault.
+    assert (dq_c - dq_r).norm() < 1e-1 * dq_r.norm(), (dq_c - dq_r).norm() / dq_r.norm()
+    check_grads(cuda, cpu, exact, f"ds halves d={d} causal={causal}")
 
 
 # ---- diagnostics and the Delta-Matching invariant ---------------------------------
@@ -576,42 +553,22 @@ def test_delta_matching_invariant_with_cuda_forward(d, causal):
     v = torch.randn(1, 2, 384, d, generator=gen).bfloat16().cuda()
     dout = torch.randn(1, 4, 384, d, generator=gen).bfloat16().cuda()
     tau = f32_scale(d)
-    # NOTE: both default kernels are wgmma at every head_dim now (the d = 256
-    # forward is fwd_wgmma_d2_kernel), so forward and backward see S with the
-    # same FP8 tensor-core accumulation: bound 1e-6 everywhere. At d = 256 the
-    # mma.sync pair (FP8ATTN_FWD_KERNEL=mma and FP8ATTN_BWD_KERNEL=mma) is
-    # checked too: FP32-accurate S on both sides. The guarded fault is the
-    # mixed pairing (mma.sync forward + wgmma backward, the d = 256 default
-    # before the wgmma forward): measured 2.4e-5 causal on the H200
-    # (2026-11-29), numerics.md section 7.
-    kernels = ["default", "mma"] if d > 128 else ["default"]
-    for kern in kernels:
-        old = {n: os.environ.get(n) for n in ("FP8ATTN_FWD_KERNEL", "FP8ATTN_BWD_KERNEL")}
-        # NOTE: "default" means both defaults even when the suite runs under an
-        # outer FP8ATTN_*_KERNEL (e.g. the mma.sync backward with the wgmma
-        # forward is the mixed pairing this bound does not hold for).
-        for n in old:
-            os.environ.pop(n, None)
-        if kern == "mma":
-            os.environ["FP8ATTN_FWD_KERNEL"] = "mma"
-            os.environ["FP8ATTN_BWD_KERNEL"] = "mma"
-        try:
-            out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
-            res = {}
-            for mode in ("stale", "delta_matching"):
-                *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
-                assert all(torch.isfinite(g).all() for g in grads), (kern, mode)
-                assert torch.isfinite(diag).all(), (kern, mode)
-                res[mode] = diag[2].double().mean().item()
-        finally:
-            for n, val in old.items():
-                if val is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = val
-        assert res["delta_matching"] < 1e-6, (kern, res)
-        assert res["stale"] >= 100 * res["delta_matching"], (kern, res)
-        assert res["stale"] > STALE_RESIDUAL_FLOOR, (kern, res)
+    # NOTE: the forward and the backward are wgmma kernels at every head_dim
+    # (the d = 256 forward is fwd_wgmma_d2_kernel), so they see S with the same
+    # FP8 tensor-core accumulation: bound 1e-6 everywhere. The guarded fault is
+    # a mixed pairing (the removed mma.sync forward + the wgmma backward, the
+    # d = 256 default before the wgmma forward): measured 2.4e-5 causal on the
+    # H200 (2026-11-29), numerics.md section 7.
+    out, lse = OPS.fwd(q, k, v, tau, causal, "fp8", 128)
+    res = {}
+    for mode in ("stale", "delta_matching"):
+        *grads, diag = OPS.bwd(dout, q, k, v, out, lse, tau, causal, "fp8", mode, 128, "e4m3", True)
+        assert all(torch.isfinite(g).all() for g in grads), mode
+        assert torch.isfinite(diag).all(), mode
+        res[mode] = diag[2].double().mean().item()
+    assert res["delta_matching"] < 1e-6, res
+    assert res["stale"] >= 100 * res["delta_matching"], res
+    assert res["stale"] > STALE_RESIDUAL_FLOOR, res
 
 
 @needs_gpu
@@ -619,19 +576,3 @@ def test_bad_block_size_names_argument():
     q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 2, 64, 64, 64, 64, False, seed=3))
     with pytest.raises((ValueError, RuntimeError), match="block_size"):
         OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 64, "e4m3", False)
-
-
-
-@needs_gpu
-@pytest.mark.parametrize("value", ["MMA", "wgmma ", "1", "mma.sync"])
-def test_bad_bwd_kernel_env_names_the_variable(value, monkeypatch):
-    # A misspelt FP8ATTN_BWD_KERNEL must not silently run the default kernels
-    # (csrc/common/env_choice.h; the pure parsing has C++ unit tests).
-    q, k, v, out, lse, dout = (t.cuda() for t in make_inputs(1, 2, 2, 64, 64, 64, 64, False, seed=4))
-    monkeypatch.setenv("FP8ATTN_BWD_KERNEL", value)
-    with pytest.raises(ValueError, match=f"FP8ATTN_BWD_KERNEL='{value}' is not one of wgmma, mma"):
-        OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
-    for ok in ("", "wgmma", "mma"):
-        monkeypatch.setenv("FP8ATTN_BWD_KERNEL", ok)
-        dq, dk, dv, _ = OPS.bwd(dout, q, k, v, out, lse, 0.125, False, "fp8", "delta_matching", 128, "e4m3", False)
-        assert all(torch.isfinite(t.float()).all() for t in (dq, dk, dv)), ok

@@ -61,7 +61,7 @@ def pad(x, d):
 
 def check_fwd_any(shape, causal, seed):
     """test_cuda.check_fwd for any head dims: the FP8 wgmma S bound applies
-    (the padded problem runs on the wgmma kernel unless FP8ATTN_FWD_KERNEL=mma)."""
+    (the padded problem runs on the wgmma kernel)."""
     b, hq, hkv, sq, sk, d, dv = shape
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dv, seed)
     out, lse = cuda_fwd(q, k, v, causal)

@@ -179,7 +179,7 @@ def test_bench_table_parses_with_the_cudnn_fp8_columns():
     from test_docs_benchmarks import DOC, sections, table_ratios
 
     base = {"B": 2, "H": 16, "S": 8192, "d": 128, "cudnn_fwd": 600.0, "cudnn_bwd": 500.0, "flash_fwd": 300.0,
-            "flash_bwd": 250.0, "fp8_fwd": 450.0, "fp8_fwd_mma": None,
+            "flash_bwd": 250.0, "fp8_fwd": 450.0,
             **{f"fp8_bwd_{m}": 250.0 for m in bench_gpu.MODES}}
     rows = [dict(base, causal=False, cudnn_fp8_fwd=900.0, cudnn_fp8_bwd=None,
                  cudnn_fp8_status={"fwd": "ok", "bwd": "bad"}),

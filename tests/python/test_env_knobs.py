@@ -2,9 +2,9 @@
 value is an error naming it and the accepted values (before: FP8ATTN_FUSED_QUANT,
 FP8ATTN_DIST and FP8ATTN_BUILD_CUDA took any value, a misspelt one meaning the
 default), and every knob the sources read is in the table of
-docs/architecture.md. The C++ knobs (FP8ATTN_FWD_KERNEL, FP8ATTN_FWD_WARPS,
-FP8ATTN_BWD_KERNEL) are parsed by csrc/common/env_choice.h (C++ unit tests in
-tests/cpp/test_env_choice.cpp; GPU tests in test_cuda.py / test_cuda_bwd.py).
+docs/architecture.md. The C++ knobs (FP8ATTN_FWD_KERNEL, the FP8ATTN_TILE_* ones)
+are parsed by csrc/common/env_choice.h (C++ unit tests in tests/cpp/test_env_choice.cpp;
+GPU tests in test_cuda.py / test_tile_cuda*.py).
 """
 from __future__ import annotations
 
@@ -122,8 +122,8 @@ def knobs_in_sources() -> set:
 def test_every_knob_is_in_the_architecture_table():
     found = knobs_in_sources()
     # The scan sees the knobs this change is about (it would pass vacuously otherwise).
-    assert {"FP8ATTN_FWD_KERNEL", "FP8ATTN_FWD_WARPS", "FP8ATTN_BWD_KERNEL", "FP8ATTN_FUSED_QUANT",
-            "FP8ATTN_DIST", "FP8ATTN_BUILD_CUDA"} <= found, found
+    assert {"FP8ATTN_FWD_KERNEL", "FP8ATTN_TILE_PINGPONG", "FP8ATTN_FUSED_QUANT", "FP8ATTN_DIST",
+            "FP8ATTN_BUILD_CUDA"} <= found, found
     doc = (ROOT / "docs" / "architecture.md").read_text()
     section = doc[doc.index("## Environment variables"):]
     section = section[:section.find("\n## ", 1)] if "\n## " in section[1:] else section
