@@ -114,12 +114,17 @@ void check_size(const at::Tensor& t, int dim, int64_t expected, const char* name
 // Stride of dim i as the kernels use it: 0 for a size-1 dim (index always 0).
 int64_t eff_stride(const at::Tensor& t, int i) { return t.size(i) == 1 ? 0 : t.stride(i); }
 
-// A tensor whose head_dim is contiguous and whose rows start on 16-byte
-// boundaries (the quantization kernel's 16-byte loads); copies otherwise.
-at::Tensor aligned_bf16(const at::Tensor& t) {
-  const bool ok = (t.size(3) == 1 || t.stride(3) == 1) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-                  eff_stride(t, 0) % 8 == 0 && eff_stride(t, 1) % 8 == 0 && eff_stride(t, 2) % 8 == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+// Whether t's head_dim is contiguous and its rows start on 16-byte boundaries
+// (the quantization kernels' 16-byte loads; strides checked in multiples of 8
+// elements, which covers BF16 and float32 rows).
+bool rows_aligned(const at::Tensor& t) {
+  return (t.size(3) == 1 || t.stride(3) == 1) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         eff_stride(t, 0) % 8 == 0 && eff_stride(t, 1) % 8 == 0 && eff_stride(t, 2) % 8 == 0;
+}
+
+// t itself when rows_aligned, else a contiguous copy.
+at::Tensor aligned_rows_copy(const at::Tensor& t) {
+  return rows_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 void check_precision(c10::string_view precision) {
@@ -128,6 +133,18 @@ void check_precision(c10::string_view precision) {
                               "call the op on CPU tensors for the exact (FP64) reference, or use \"fp8\"");
   TORCH_CHECK_VALUE(precision == "fp8", "fp8attn: argument 'precision': expected \"fp8\" (or \"exact\" on CPU), got \"",
                     std::string(precision), "\"");
+}
+
+// A 0/1 knob that is on unless set to 0 (unset or empty: on); any other value is a
+// ValueError naming the variable (common/env_choice.h).
+bool env_flag_on(const char* name) {
+  int v = -1;
+  try {
+    v = env_choice(name, {"0", "1"});
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return v != 0;
 }
 
 // numerics.md section 9: the `tile` recipe's CUDA kernels are gated until their
@@ -139,15 +156,7 @@ void check_precision(c10::string_view precision) {
 // build: tests/python/test_tile_cuda.py with test_cuda.py, 481 passed), so they
 // run by default; FP8ATTN_TILE_FWD=0 refuses a CUDA `tile` forward (a switch
 // for bisecting; compute-sanitizer has not run on them yet).
-bool tile_fwd_enabled() {
-  int v = -1;
-  try {
-    v = env_choice("FP8ATTN_TILE_FWD", {"0", "1"});
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return v != 0;
-}
+bool tile_fwd_enabled() { return env_flag_on("FP8ATTN_TILE_FWD"); }
 
 // numerics.md section 10.3: the raw CUDA ops rotate Q and K in the `tile`
 // quantization (qk_rotation="hadamard", TileQuantJob::rotate) where the kernel
@@ -157,15 +166,7 @@ bool tile_fwd_enabled() {
 // NotImplementedError naming the argument for what the raw op cannot do.
 // FP8ATTN_FUSED_ROTATION=0 refuses the fused rotation too (fp8attn.ops then
 // rotates around the op, the A/B of docs/architecture.md "Environment variables").
-bool fused_rotation_enabled() {
-  int v = -1;
-  try {
-    v = env_choice("FP8ATTN_FUSED_ROTATION", {"0", "1"});
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return v != 0;
-}
+bool fused_rotation_enabled() { return env_flag_on("FP8ATTN_FUSED_ROTATION"); }
 bool cuda_qk_rotation(c10::string_view qk_rotation, bool smooth_k, Scaling recipe, int64_t head_dim_qk,
                       int64_t kernel_head_dim_qk) {
   TORCH_CHECK_NOT_IMPLEMENTED(!smooth_k,
@@ -189,15 +190,7 @@ bool cuda_qk_rotation(c10::string_view qk_rotation, bool smooth_k, Scaling recip
 // backward (docs/benchmarks.md 2026-12-07: 0.55-0.60x cuDNN BF16 against row's
 // 0.52-0.55x); FP8ATTN_TILE_BWD=0 switches them off, and a `tile` backward on CUDA
 // is then refused (never served by the row kernels).
-bool tile_bwd_enabled() {
-  int v = -1;
-  try {
-    v = env_choice("FP8ATTN_TILE_BWD", {"0", "1"});
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  return v != 0;  // unset or empty: on
-}
+bool tile_bwd_enabled() { return env_flag_on("FP8ATTN_TILE_BWD"); }
 
 // The recipe of a backward call: `row`, or `tile` unless FP8ATTN_TILE_BWD=0.
 Scaling check_bwd_scaling(c10::string_view scaling) {
@@ -260,10 +253,10 @@ Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 // x as the kernels read it: BF16 with head_dim d (x's channels, then zero
-// channels up to d). x itself when it already is that (aligned_bf16: a copy
+// channels up to d). x itself when it already is that (aligned_rows_copy: a copy
 // only for a misaligned layout); else one copy, which also converts float32.
 at::Tensor kernel_input(const at::Tensor& x, int64_t d) {
-  if (x.scalar_type() == at::kBFloat16 && x.size(3) == d) return aligned_bf16(x);
+  if (x.scalar_type() == at::kBFloat16 && x.size(3) == d) return aligned_rows_copy(x);
   at::Tensor y = at::empty({x.size(0), x.size(1), x.size(2), d}, x.options().dtype(at::kBFloat16));
   if (d > x.size(3)) y.narrow(3, x.size(3), d - x.size(3)).zero_();
   y.narrow(3, 0, x.size(3)).copy_(x);
@@ -274,11 +267,8 @@ at::Tensor kernel_input(const at::Tensor& x, int64_t d) {
 // as kernel_input gives it, any other dtype as float32 (exact for float16), so
 // the rotation works on the values the unfused path reads (numerics.md 10.1).
 at::Tensor rotation_input(const at::Tensor& x) {
-  if (x.scalar_type() == at::kBFloat16) return aligned_bf16(x);
-  const at::Tensor y = x.to(at::kFloat);
-  const bool ok = y.stride(3) == 1 && reinterpret_cast<uintptr_t>(y.data_ptr()) % 16 == 0 &&
-                  eff_stride(y, 0) % 8 == 0 && eff_stride(y, 1) % 8 == 0 && eff_stride(y, 2) % 8 == 0;
-  return ok ? y : y.clone(at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == at::kBFloat16) return aligned_rows_copy(x);
+  return aligned_rows_copy(x.to(at::kFloat));  // rows_aligned holds for float32 rows too
 }
 
 // The op's output from a kernel output y [B, H, S, kd] (BF16, contiguous): its
@@ -878,7 +868,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cuda(const at::Tensor& x_i
                     block_size);
   const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = aligned_bf16(x_in);
+  const at::Tensor x = aligned_rows_copy(x_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const at::Tensor none;
   if (d == 3) {
@@ -909,7 +899,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_tilescale_cuda(const at::Tensor& x_i
                     "fp8attn: argument 'block_size': the CUDA quantize_tilescale supports 128 only, got ", block_size);
   const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = aligned_bf16(x_in);
+  const at::Tensor x = aligned_rows_copy(x_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   const at::Tensor none;
   if (d == 3) {
@@ -944,7 +934,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   check_cuda_device(q_in.device());
   const Fp8Format fmt = parse_quant_fmt(fmt_s);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = aligned_bf16(q_in), k = aligned_bf16(k_in), v = aligned_bf16(v_in);
+  const at::Tensor q = aligned_rows_copy(q_in), k = aligned_rows_copy(k_in), v = aligned_rows_copy(v_in);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const TileFwdCodes c = quantize_tile_fwd(q, k, v, fmt, stream);
   at::Tensor vT = c.vT;
