@@ -45,15 +45,19 @@ TORCH_LIBRARY(fp8attn, m) {
   // checks them). out [total_q, Hq, Dv], lse [Hq, total_q]; bwd_varlen's diag
   // [4, Hq, total_q]. Sequence s is the dense fwd / bwd on its slices. CPU tensors:
   // varlen_attention's per-sequence path (these ops raise ValueError on CPU).
+  // qk_rotation: "hadamard" rotates Q and K inside the quantization as the dense ops
+  // do (numerics.md 10.3; unpadded head_dim_qk only); K smoothing is per sequence
+  // and runs through the per-sequence path.
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
       "Tensor? seqused_k, float softmax_scale, bool causal, int block_size, str scaling=\"tile\", "
-      "int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
+      "int window_left=-1, int window_right=-1, str qk_rotation=\"none\") -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, float softmax_scale, bool causal, "
       "str delta_mode, int block_size, str grad_format, bool diagnostics, str scaling=\"tile\", "
-      "int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
+      "int window_left=-1, int window_right=-1, str qk_rotation=\"none\") -> (Tensor dq, Tensor dk, Tensor dv, "
+      "Tensor diag)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");

@@ -358,7 +358,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 
 @torch.library.register_fake("fp8attn::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, block_size,
-                     scaling="tile", window_left=-1, window_right=-1):
+                     scaling="tile", window_left=-1, window_right=-1, qk_rotation="none"):
     _check_one_device("fwd_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     total_q, hq, _ = q.shape
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
@@ -367,7 +367,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
 @torch.library.register_fake("fp8attn::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale,
                      causal, delta_mode, block_size, grad_format, diagnostics, scaling="tile", window_left=-1,
-                     window_right=-1):
+                     window_right=-1, qk_rotation="none"):
     _check_one_device("bwd_varlen", q=q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k)
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
