@@ -21,8 +21,11 @@ TORCH_LIBRARY(fp8attn, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
       "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None, "
-      "float softcap=0.0, int window_left=-1, int window_right=-1) "
+      "float softcap=0.0, int window_left=-1, int window_right=-1, bool deterministic=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
+  // deterministic (`bwd`, appended last): dQ, dK, dV the same bit for bit from run to
+  // run. CPU: always so (the flag is accepted). CUDA: scaling "tile" orders the dQ
+  // reduce-adds (KernelParams::dq_sem); scaling "row" raises NotImplementedError.
   // Context parallelism (numerics.md section 11): `bwd` with `delta` (float32
   // [B, Hq, Sq], delta_mode "delta_matching", precision "fp8") takes that delta for
   // every row and P = exp(S - lse) from the lse given (the global LSE'), for a

@@ -648,7 +648,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, const WindowBounds& win, float cap,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
-    const c10::optional<at::Tensor>& delta_in, bool sums_only) {
+    const c10::optional<at::Tensor>& delta_in, bool sums_only, bool deterministic = false) {
   const Scaling recipe = check_bwd_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const bool rotate = cuda_qk_rotation(qk_rotation, smooth_k, recipe, pr.dqk, pr.kqk);
@@ -777,6 +777,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   at::Tensor dq_accum =
       at::zeros({pr.batch, pr.heads_q, sm90::dq_accum_rows(static_cast<int>(recipe), pr.seqlen_q), pr.kqk}, fopts);
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
+  // Deterministic dQ (kernel_params_sm90.h dq_sem): one zeroed turn counter per 64-query
+  // sub-tile and head-dim slice of every (batch, query head).
+  at::Tensor dq_sem = deterministic ? at::zeros({pr.batch, pr.heads_q, (pr.seqlen_q + 63) / 64,
+                                                 sm90::bwdts::slices(static_cast<int>(pr.kqk), static_cast<int>(pr.kv))},
+                                                opts.dtype(at::kInt))
+                                    : at::Tensor();
 
   KernelParams kp{};
   set_sizes(kp, pr, softmax_scale, win);
@@ -792,6 +798,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     kp.delta_given = 1;
   }
   kp.prepass_sums = sums_only ? 1 : 0;
+  kp.dq_sem = deterministic ? dq_sem.data_ptr<int>() : nullptr;
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
@@ -805,12 +812,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& lse, double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
     c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap,
-    int64_t window_left, int64_t window_right) {
+    int64_t window_left, int64_t window_right, bool deterministic) {
   const Scaling recipe = parse_scaling(scaling);
   const float cap = cuda_softcap(softcap, recipe);
   const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, recipe);
+  TORCH_CHECK_NOT_IMPLEMENTED(!deterministic || recipe == Scaling::kTile,
+                              "fp8attn: argument 'deterministic': the CUDA backward of scaling='row' adds its dQ "
+                              "partials with atomics (not bitwise reproducible); scaling='tile' runs "
+                              "deterministic=True on CUDA, and CPU tensors are always deterministic");
   return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, win, cap, precision, delta_mode, block_size,
-                       grad_format, diagnostics, scaling, qk_rotation, smooth_k, delta, false);
+                       grad_format, diagnostics, scaling, qk_rotation, smooth_k, delta, false, deterministic);
 }
 
 // bwd_dm_sums: the Delta-Matching pre-pass of one key shard (numerics.md section 11),
