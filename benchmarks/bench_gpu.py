@@ -306,16 +306,20 @@ def markdown(rows, info):
                      for r in rows)
         # The pingpong column likewise (tile_pingpong in --scaling).
         bwd_pp = any(r.get("tile_bwd_kernels_pingpong") is not None for r in rows)
+        bwd_det = any(r.get("tile_bwd_deterministic") is not None for r in rows)
         bwd_head = (TILE_BWD_HEAD + (" pre-pass ms v1 / v2 |" if pre_ab else "")
-                    + (" tile DM kernels pingpong |" if bwd_pp else ""))
+                    + (" tile DM kernels pingpong |" if bwd_pp else "")
+                    + (" tile DM deterministic op |" if bwd_det else ""))
         lines += ["", "scaling=\"tile\" backward (FP8ATTN_TILE_BWD=1), TFLOP/s (x = ratio to cuDNN BF16 bwd above): "
                   "op = the op as called (Q / K / V / dO quantization included); kernels = main + pre-pass "
                   "kernels' CUDA time alone (torch.profiler); pre-pass share of the kernels; step = tile fwd + "
                   "DM bwd (ops as called) against cuDNN BF16 fwd + bwd; err = ||dX - dX_SDPA|| / ||dX_SDPA||"
                   + ("; pre-pass v1 / v2 = the pre-pass kernel's CUDA time with FP8ATTN_TILE_PREPASS_Q=64 / 128 "
                      "(64 / 128 queries per CTA)" if pre_ab else "")
-                  + ("; kernels pingpong = main kernel with FP8ATTN_TILE_BWD_PINGPONG=1 + pre-pass." if bwd_pp
-                     else "."), "",
+                  + ("; kernels pingpong = main kernel with FP8ATTN_TILE_BWD_PINGPONG=1 + pre-pass" if bwd_pp
+                     else "")
+                  + ("; deterministic op = the DM op as called with deterministic=True" if bwd_det else "")
+                  + ".", "",
                   bwd_head, "|" + "---|" * (bwd_head.count("|") - 1)]
         for r in rows:
             cb = r.get("cudnn_bwd")
@@ -332,7 +336,9 @@ def markdown(rows, info):
                          + (" " + " / ".join(_fmt_ms(r.get(f"tile_bwd_prepass_q{n}_ms")) for n in (64, 128)) + " |"
                             if pre_ab else "")
                          + (f" {fmt_t(r.get('tile_bwd_kernels_pingpong'))}"
-                            f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else ""))
+                            f"{fmt_r(r.get('tile_bwd_kernels_pingpong'), cb)} |" if bwd_pp else "")
+                         + (f" {fmt_t(r.get('tile_bwd_deterministic'))}"
+                            f"{fmt_r(r.get('tile_bwd_deterministic'), cb)} |" if bwd_det else ""))
     if any(r.get("softcap") for r in rows):
         caps = sorted({r["softcap"] for r in rows if r.get("softcap")})
         lines += ["", f"scaling=\"tile\" with logit softcapping c = {', '.join(f'{c:g}' for c in caps)} "
@@ -601,6 +607,11 @@ def bench_tile_bwd(r, args, q, k, v, dout, tau, causal, bwd_flops, ref) -> None:
         for mode in ("delta_matching", "stale"):
             ms = time_ms(bwd(mode), args.warmup, args.iters)
             r[f"tile_bwd_{mode}"], r[f"tile_bwd_{mode}_ms"] = tflops(bwd_flops, ms), ms
+        # deterministic=True (dQ partials added in a fixed turn order, numerics.md section 9, "Deterministic backward"):
+        # the op as called, DM; its cost is this against tile_bwd_delta_matching.
+        det_ms = time_ms(lambda: OPS.bwd(dout, q, k, v, t_out, t_lse, tau, causal, "fp8", "delta_matching", 128,
+                                         "e4m3", False, "tile", deterministic=True), args.warmup, args.iters)
+        r["tile_bwd_deterministic"], r["tile_bwd_deterministic_ms"] = tflops(bwd_flops, det_ms), det_ms
         main_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_main")
         pre_ms = kernel_ms(bwd("delta_matching"), "bwd_tilescale_prepass")
         r["tile_bwd_main_ms"], r["tile_bwd_prepass_ms"] = main_ms, pre_ms

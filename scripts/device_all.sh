@@ -203,6 +203,16 @@ for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
         o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile", softcap=20.0)
         ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", "delta_matching", 128, "e4m3", True, "tile",
                 softcap=20.0)
+# deterministic=True (numerics.md section 9): the dQ turn counters, every head_dim, both masks.
+for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+    for causal in (False, True):
+        q = torch.randn(1, 4, 300, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 270, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, 2, 270, dv, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(1, 4, 300, dv, device="cuda", dtype=torch.bfloat16)
+        o, lse = ops.fwd(q, k, v, d ** -0.5, causal, "fp8", 128, "tile")
+        ops.bwd(do, q, k, v, o, lse, d ** -0.5, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile",
+                deterministic=True)
 torch.cuda.synchronize()
 print("sanitize case done")
 EOF

@@ -184,6 +184,10 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
           "fp8attn: run_bwd: a packed batch needs batch 1, its metadata, heads (and kv heads x slices) <= 65535 and "
           "seqlen_*_pad = *_tiles_max * 128");
   }
+  // Deterministic dQ (KernelParams::dq_sem): the `tile` main kernel's turns, dense batches.
+  if (p.dq_sem != nullptr && (p.scaling != static_cast<int>(Scaling::kTile) || varlen))
+    throw std::invalid_argument("fp8attn: argument 'deterministic': the deterministic CUDA backward runs with the "
+                                "`tile` recipe (scaling 1) on dense batches only");
   if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;  // nothing to compute
   if (p.seqlen_k == 0)
     throw std::runtime_error("fp8attn: argument 'seqlen_k': the CUDA backward needs seqlen_k >= 1");

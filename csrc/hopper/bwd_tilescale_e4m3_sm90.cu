@@ -249,8 +249,42 @@ struct SeqRows {
 // default order only: launch_tilescale_main). P is p_softcap's (the producer's
 // p_c is kc2's), the cap's derivative is kept per element from P to dS
 // (p_from_coefs_softcap, cap_grad; mainloop_bwd_tilescale_sm90.cuh).
-template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen, bool kSoftcap = false>
+// ---- deterministic dQ (KernelParams::dq_sem; kDeterministic instantiations) ----
+//
+// The dQ partials of a 64-query sub-tile come from the warpgroups of every CTA whose
+// key tile the sub-tile's queries see: key tiles [n_lo, n_hi] (contiguous: a CTA's
+// query tiles [m_first(n), m_end(n)) move forward with n under every mask), two
+// warpgroups each. Turn t = 2 (n - n_lo) + wg adds when the sub-tile's counter reads
+// t (acquire), its bulk reduce-adds complete, then counter + 1 (release): the adds
+// of every dq_accum element happen in the order of t, so dQ is the same bit for bit
+// from run to run. No deadlock: turn t's CTA was launched before turn t + 2's (key
+// tiles are blockIdx.x, dispatched in order) and every CTA walks its query tiles in
+// the same order (query head, then tile), so the earliest waiting turn can always run.
+// NOTE: first key tile whose CTA visits query tile m: the smallest n with
+// m_end(n) > m (m_end nondecreasing in n; the CTA's own rule, CtaWork).
+__device__ __forceinline__ int first_key_tile_of(int m, int nblk_k, int Sq, int Sk, int wl, int wr) {
+  int lo = 0, hi = nblk_k;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const IndexRange qr = window_queries(mid * kTile, mid * kTile + kTile, Sq, Sk, wl, wr);
+    if ((qr.end + kTile - 1) / kTile > m) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+template <int DQK, int DV, int FMT, bool kPingpong, bool kVarlen, bool kSoftcap = false, bool kDeterministic = false>
 __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(const KernelParams p) {
+  static_assert(!(kDeterministic && kVarlen), "the deterministic backward is dense-only (varlen_attention loops)");
+  static_assert(bwdts::kSubQ == 64, "dq_sem: one turn counter per 64 queries (ops_cuda.cpp, launch_sm90.h at_chunk)");
   using L = MainLayout<DQK, DV>;
   using R = SeqRows<kVarlen>;
   constexpr int kStages = L::kStages;
@@ -638,6 +672,17 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
         const int w4 = warp & 3, q0 = w4 * 16 + g;  // accumulator rows q0, q0 + 8: queries m0s + q0, + 8
         const float f0 = sRowSq[q0] * s_k, f1 = sRowSq[q0 + 8] * s_k;
         int h_done = 0;
+        int* turn = nullptr;  // kDeterministic: this sub-tile's counter (the issuer's)
+        if constexpr (kDeterministic) {
+          if (dq_issuer) {
+            const int nsub = (Sq + kSubQ - 1) / kSubQ;
+            turn = p.dq_sem + (bhq * nsub + m0s / kSubQ) * L::kSlices + slice;
+            const int want = 2 * (n_tile - first_key_tile_of(m_tile, nblk_k, Sq, Sk, p.window_left,
+                                                             p.window_right)) + wg;
+            while (ld_acquire_gpu(turn) != want) __nanosleep(64);
+            fence_proxy_async_global();  // the earlier turns' adds before this one's (async proxy)
+          }
+        }
 #pragma unroll
         for (int h = 0; h < L::kWk / 64; ++h) {
           if (64 * h >= wk) break;  // CTA-uniform
@@ -674,6 +719,14 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           ++h_done;
         }
         if (h_done == 0) wg_wait<0>();  // the dV / dK wgmmas
+        if constexpr (kDeterministic) {
+          if (turn != nullptr) {  // this turn's adds complete, then the next turn
+            bulk_wait<0>();
+            fence_proxy_async_global();
+            __threadfence();
+            atomicAdd(turn, 1);
+          }
+        }
       }
       fence_regs<L::kWk / 2>(&dk_acc[0][0][0]);
       fence_regs<L::kWv / 2>(&dv_acc[0][0][0]);
@@ -815,7 +868,12 @@ void launch_tilescale_main(const KernelParams& p, cudaStream_t stream) {
     const bool vl = p.num_seqs > 0;
     // Softcap (numerics.md section 12): the dense default order only (a softcap
     // call ignores FP8ATTN_TILE_BWD_PINGPONG; run_bwd refuses a packed batch).
-    auto kernel = p.softcap > 0.f ? bwd_tilescale_main_kernel<DQK, DV, FMT, bwdts::kBwdPingpongDefault, false, true>
+    // Deterministic (KernelParams::dq_sem, dense only: run_bwd checks): the default order.
+    const bool det = p.dq_sem != nullptr;
+    constexpr bool kPp = bwdts::kBwdPingpongDefault;
+    auto kernel = det ? (p.softcap > 0.f ? bwd_tilescale_main_kernel<DQK, DV, FMT, kPp, false, true, true>
+                                         : bwd_tilescale_main_kernel<DQK, DV, FMT, kPp, false, false, true>)
+                  : p.softcap > 0.f ? bwd_tilescale_main_kernel<DQK, DV, FMT, bwdts::kBwdPingpongDefault, false, true>
                   : vl ? (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, true>
                              : bwd_tilescale_main_kernel<DQK, DV, FMT, false, true>)
                        : (pp ? bwd_tilescale_main_kernel<DQK, DV, FMT, true, false>

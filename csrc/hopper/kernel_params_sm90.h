@@ -81,6 +81,12 @@ struct KernelParams {
   float* dq_accum;   // FP32 accumulation buffer, [B, Hq, dq_accum_rows(scaling, Sq), Dqk] (layout below)
   float* diag;       // [4, B, Hq, Sq] or nullptr: delta, eps, rowsum_pre, rowsum_post
   float* rowsum_ws;  // [4, B, Hq, Sq] workspace: sum dS, sum |dS| pre and post cast
+  // Deterministic backward (`tile` recipe, dense; bwd(deterministic=True)): nullptr, or
+  // int32 [B, Hq, dq_sem_subtiles(Sq), slices] zeros, one turn counter per 64-query
+  // sub-tile and head-dim slice: the main kernel's warpgroups add their dQ partials
+  // into dq_accum one after another in a fixed order (key tile, then warpgroup), so
+  // dQ is the same bit for bit from run to run (bwd_tilescale_e4m3_sm90.cu, "turns").
+  int* dq_sem;
 
   // Packed variable-length batches (varlen_sm90.h; `tile` kernels only):
   // num_seqs > 0 sequences described by varlen_meta (int32 metadata on the

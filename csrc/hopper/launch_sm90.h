@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "hopper/config_sm90.h"
 #include "hopper/kernel_params_sm90.h"
 
 namespace fp8attn {
@@ -131,8 +132,9 @@ inline void adv_bf16(void*& ptr, int64_t n) {
 // window_left / window_right, 2026-12-07: ints, no pointers. num_seqs ..
 // varlen_meta, 2026-12-07: a packed batch is never chunked, below. softcap,
 // 2026-12-07: a float in the padding after `scaling`, the size unchanged.
-// tile_pds_rows, 2026-12-07: 480 -> 488, gone with the tile v6 kernel: 480.)
-static_assert(sizeof(KernelParams) == 480 || sizeof(void*) != 8,
+// tile_pds_rows, 2026-12-07: 480 -> 488, gone with the tile v6 kernel: 480.
+// dq_sem, 2026-12-07: 480 -> 488, advanced below.)
+static_assert(sizeof(KernelParams) == 488 || sizeof(void*) != 8,
               "KernelParams changed: advance its new per-(batch, head) pointers in at_chunk, then update this size");
 inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   if (c.b0 == 0 && c.hq0 == 0 && c.hk0 == 0) return p;
@@ -167,6 +169,8 @@ inline KernelParams at_chunk(const KernelParams& p, const AttnChunk& c) {
   adv(r.diag, rq * Sq);
   adv(r.rowsum_ws, rq * Sq);
   adv(r.dq_accum, rq * dq_accum_rows(p.scaling, Sq) * Dqk);
+  // Deterministic turns [B, Hq, ceil(Sq / 64), slices] (kernel_params_sm90.h dq_sem).
+  adv(r.dq_sem, rq * ((Sq + 63) / 64) * bwdts::slices(p.head_dim_qk, p.head_dim_v));
   // Row-blocked codes [B, H, S, D] and scales [B, H, S, nblk(D)] (`tile`: [B, H, S] per
   // token for Q / dO, [B, H, nblk_k] per tile for K / V).
   const bool tile = p.scaling == 1;

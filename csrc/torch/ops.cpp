@@ -21,8 +21,11 @@ TORCH_LIBRARY(fp8attn, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal, str precision, str delta_mode, int block_size, str grad_format, bool diagnostics, "
       "str scaling=\"row\", str qk_rotation=\"none\", bool smooth_k=False, Tensor? delta=None, "
-      "float softcap=0.0, int window_left=-1, int window_right=-1) "
+      "float softcap=0.0, int window_left=-1, int window_right=-1, bool deterministic=False) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
+  // deterministic (`bwd`, appended last): dQ, dK, dV the same bit for bit from run to
+  // run. CPU: always so (the flag is accepted). CUDA: scaling "tile" orders the dQ
+  // reduce-adds (KernelParams::dq_sem); scaling "row" raises NotImplementedError.
   // Context parallelism (numerics.md section 11): `bwd` with `delta` (float32
   // [B, Hq, Sq], delta_mode "delta_matching", precision "fp8") takes that delta for
   // every row and P = exp(S - lse) from the lse given (the global LSE'), for a
@@ -45,15 +48,19 @@ TORCH_LIBRARY(fp8attn, m) {
   // checks them). out [total_q, Hq, Dv], lse [Hq, total_q]; bwd_varlen's diag
   // [4, Hq, total_q]. Sequence s is the dense fwd / bwd on its slices. CPU tensors:
   // varlen_attention's per-sequence path (these ops raise ValueError on CPU).
+  // qk_rotation: "hadamard" rotates Q and K inside the quantization as the dense ops
+  // do (numerics.md 10.3; unpadded head_dim_qk only); K smoothing is per sequence
+  // and runs through the per-sequence path.
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, "
       "Tensor? seqused_k, float softmax_scale, bool causal, int block_size, str scaling=\"tile\", "
-      "int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
+      "int window_left=-1, int window_right=-1, str qk_rotation=\"none\") -> (Tensor out, Tensor lse)");
   m.def(
       "bwd_varlen(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, float softmax_scale, bool causal, "
       "str delta_mode, int block_size, str grad_format, bool diagnostics, str scaling=\"tile\", "
-      "int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor diag)");
+      "int window_left=-1, int window_right=-1, str qk_rotation=\"none\") -> (Tensor dq, Tensor dk, Tensor dv, "
+      "Tensor diag)");
   m.def("fp8_encode(Tensor x, str fmt) -> Tensor");
   m.def("fp8_decode(Tensor codes, str fmt) -> Tensor");
   m.def("quantize_blockwise(Tensor x, int dim, int block_size, str fmt) -> (Tensor codes, Tensor scales)");

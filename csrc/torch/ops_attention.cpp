@@ -195,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
     c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta_in, double softcap,
-    int64_t window_left, int64_t window_right) {
+    int64_t window_left, int64_t window_right, bool /*deterministic: the reference always is*/) {
   const at::Tensor q = prepare(q_in, "q");
   const at::Tensor k = prepare(k_in, "k");
   const at::Tensor v = prepare(v_in, "v");

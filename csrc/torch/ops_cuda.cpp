@@ -296,15 +296,16 @@ void launch(Fn&& fn) {
 }
 
 // dQ / dK of the rotated problem mapped back (numerics.md 10.1 "Gradients"): g R^T
-// row by row in FP32 from the kernel's BF16 g [B, H, S, d], rounded once to
+// row by row in FP32 from the kernel's BF16 g ([B, H, S, d] or [total, H, d]), rounded once to
 // `dtype` (BF16 directly; else through float32, exact for float32).
 at::Tensor rotate_back(const at::Tensor& g, at::ScalarType dtype, cudaStream_t stream) {
   const bool fp32 = dtype != at::kBFloat16;
   at::Tensor y = at::empty(g.sizes(), g.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
   const at::Tensor gc = g.contiguous();
+  const int64_t d = gc.size(-1);  // [B, H, S, d] or a packed [total, H, d]
   launch([&] {
-    sm90::hadamard_rows_transposed_bf16_sm90(gc.data_ptr(), gc.numel() / gc.size(3), static_cast<int>(gc.size(3)),
-                                             y.data_ptr(), fp32, stream);
+    sm90::hadamard_rows_transposed_bf16_sm90(gc.data_ptr(), gc.numel() / d, static_cast<int>(d), y.data_ptr(), fp32,
+                                             stream);
   });
   return y.scalar_type() == dtype ? y : y.to(dtype);
 }
@@ -647,7 +648,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     const at::Tensor& out_in, const at::Tensor& lse_in, double softmax_scale, const WindowBounds& win, float cap,
     c10::string_view precision, c10::string_view delta_mode, int64_t block_size, c10::string_view grad_format,
     bool diagnostics, c10::string_view scaling, c10::string_view qk_rotation, bool smooth_k,
-    const c10::optional<at::Tensor>& delta_in, bool sums_only) {
+    const c10::optional<at::Tensor>& delta_in, bool sums_only, bool deterministic = false) {
   const Scaling recipe = check_bwd_scaling(scaling);
   const Problem pr = check_problem(q_in, k_in, v_in, softmax_scale, precision, block_size);
   const bool rotate = cuda_qk_rotation(qk_rotation, smooth_k, recipe, pr.dqk, pr.kqk);
@@ -776,6 +777,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   at::Tensor dq_accum =
       at::zeros({pr.batch, pr.heads_q, sm90::dq_accum_rows(static_cast<int>(recipe), pr.seqlen_q), pr.kqk}, fopts);
   at::Tensor rowsum_ws = diagnostics ? at::zeros({4, pr.batch, pr.heads_q, pr.seqlen_q}, fopts) : at::Tensor();
+  // Deterministic dQ (kernel_params_sm90.h dq_sem): one zeroed turn counter per 64-query
+  // sub-tile and head-dim slice of every (batch, query head).
+  at::Tensor dq_sem = deterministic ? at::zeros({pr.batch, pr.heads_q, (pr.seqlen_q + 63) / 64,
+                                                 sm90::bwdts::slices(static_cast<int>(pr.kqk), static_cast<int>(pr.kv))},
+                                                opts.dtype(at::kInt))
+                                    : at::Tensor();
 
   KernelParams kp{};
   set_sizes(kp, pr, softmax_scale, win);
@@ -791,6 +798,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
     kp.delta_given = 1;
   }
   kp.prepass_sums = sums_only ? 1 : 0;
+  kp.dq_sem = deterministic ? dq_sem.data_ptr<int>() : nullptr;
   launch([&] { sm90::run_bwd(kp, stream); });
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
   const at::ScalarType dt = q_in.scalar_type();
@@ -804,12 +812,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& lse, double softmax_scale, bool causal, c10::string_view precision, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
     c10::string_view qk_rotation, bool smooth_k, const c10::optional<at::Tensor>& delta, double softcap,
-    int64_t window_left, int64_t window_right) {
+    int64_t window_left, int64_t window_right, bool deterministic) {
   const Scaling recipe = parse_scaling(scaling);
   const float cap = cuda_softcap(softcap, recipe);
   const WindowBounds win = cuda_window(q, k, causal, window_left, window_right, recipe);
+  TORCH_CHECK_NOT_IMPLEMENTED(!deterministic || recipe == Scaling::kTile,
+                              "fp8attn: argument 'deterministic': the CUDA backward of scaling='row' adds its dQ "
+                              "partials with atomics (not bitwise reproducible); scaling='tile' runs "
+                              "deterministic=True on CUDA, and CPU tensors are always deterministic");
   return bwd_cuda_impl(dout, q, k, v, out, lse, softmax_scale, win, cap, precision, delta_mode, block_size,
-                       grad_format, diagnostics, scaling, qk_rotation, smooth_k, delta, false);
+                       grad_format, diagnostics, scaling, qk_rotation, smooth_k, delta, false, deterministic);
 }
 
 // bwd_dm_sums: the Delta-Matching pre-pass of one key shard (numerics.md section 11),
@@ -1060,10 +1072,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q_in, const
                                                    const c10::optional<at::Tensor>& seqused_q,
                                                    const c10::optional<at::Tensor>& seqused_k, double softmax_scale,
                                                    bool causal, int64_t block_size, c10::string_view scaling,
-                                                   int64_t window_left, int64_t window_right) {
+                                                   int64_t window_left, int64_t window_right,
+                                                   c10::string_view qk_rotation) {
   check_packed_scaling(scaling);
   const at::Tensor q4 = packed_view(q_in, "q"), k4 = packed_view(k_in, "k"), v4 = packed_view(v_in, "v");
   const Problem pr = check_problem(q4, k4, v4, softmax_scale, "fp8", block_size);
+  const bool rotate = cuda_qk_rotation(qk_rotation, false, Scaling::kTile, pr.dqk, pr.kqk);
   TORCH_CHECK_NOT_IMPLEMENTED(pr.heads_q <= 65535, "fp8attn: argument 'q': the single-launch varlen kernels take "
                               "num_heads_q <= 65535, got ", pr.heads_q, "; varlen_attention runs it per sequence");
   TORCH_CHECK_NOT_IMPLEMENTED(tile_fwd_enabled(), "fp8attn: argument 'scaling': the CUDA forward of scaling='tile' "
@@ -1080,7 +1094,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q_in, const
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {at::zeros({pr.seqlen_q, pr.heads_q, pr.dv}, q_in.options()), lse};
   }
-  const at::Tensor q = kernel_input(q4, pr.kqk), k = kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
+  const at::Tensor q = rotate ? rotation_input(q4) : kernel_input(q4, pr.kqk);
+  const at::Tensor k = rotate ? rotation_input(k4) : kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
   const auto u8 = q.options().dtype(at::kByte);
   const auto f32 = q.options().dtype(at::kFloat);
   const int64_t rq = pb.q_tiles * kSeqBlock, rk = pb.k_tiles * kSeqBlock;
@@ -1093,6 +1108,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q_in, const
                           tile_job(k, Fp8Format::kE4M3, none, none, k_row, none, k_s),
                           tile_job(v, Fp8Format::kE4M3, none, none, none, vT, v_s)};
   jobs[2].tileT_perm16 = fwdt::kVPermutedInQuant;
+  jobs[0].rotate = jobs[1].rotate = rotate;  // numerics.md 10.1: the codes of Q R and K R
   packed_job(jobs[0], pb, true);
   packed_job(jobs[1], pb, false);
   packed_job(jobs[2], pb, false);
@@ -1124,12 +1140,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     const at::Tensor& cu_seqlens_k, const c10::optional<at::Tensor>& seqused_q,
     const c10::optional<at::Tensor>& seqused_k, double softmax_scale, bool causal, c10::string_view delta_mode,
     int64_t block_size, c10::string_view grad_format, bool diagnostics, c10::string_view scaling,
-    int64_t window_left, int64_t window_right) {
+    int64_t window_left, int64_t window_right, c10::string_view qk_rotation) {
   check_packed_scaling(scaling);
   const Scaling recipe = check_bwd_scaling(scaling);
   const at::Tensor q4 = packed_view(q_in, "q"), k4 = packed_view(k_in, "k"), v4 = packed_view(v_in, "v");
   const at::Tensor do4 = packed_view(dout_in, "dout"), o4 = packed_view(out_in, "out");
   const Problem pr = check_problem(q4, k4, v4, softmax_scale, "fp8", block_size);
+  const bool rotate = cuda_qk_rotation(qk_rotation, false, Scaling::kTile, pr.dqk, pr.kqk);
   TORCH_CHECK_NOT_IMPLEMENTED(pr.heads_q <= 65535, "fp8attn: argument 'q': the single-launch varlen kernels take "
                               "num_heads_q <= 65535, got ", pr.heads_q, "; varlen_attention runs it per sequence");
   const DeltaMode mode = parse_delta_mode(delta_mode);
@@ -1155,7 +1172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
     return {at::zeros_like(q_in, at::MemoryFormat::Contiguous), at::zeros_like(k_in, at::MemoryFormat::Contiguous),
             at::zeros_like(v_in, at::MemoryFormat::Contiguous), diag.zero_()};
 
-  const at::Tensor q = kernel_input(q4, pr.kqk), k = kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
+  const at::Tensor q = rotate ? rotation_input(q4) : kernel_input(q4, pr.kqk);
+  const at::Tensor k = rotate ? rotation_input(k4) : kernel_input(k4, pr.kqk), v = kernel_input(v4, pr.kv);
   const at::Tensor dout = kernel_input(do4, pr.kv), out = kernel_input(o4, pr.kv);
   const at::Tensor lse = lse_in.contiguous();
   const auto u8 = q.options().dtype(at::kByte);
@@ -1175,6 +1193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
                           tile_job(k, Fp8Format::kE4M3, none, none, k_row, k_colT, k_row_s),
                           tile_job(v, Fp8Format::kE4M3, none, none, v_row, none, v_row_s),
                           tile_job(dout, gfmt, do_row, do_row_s, none, do_colT, do_col_s)};
+  jobs[0].rotate = jobs[1].rotate = rotate;  // numerics.md 10.1: the codes of Q R and K R
   packed_job(jobs[0], pb, true);
   packed_job(jobs[1], pb, false);
   packed_job(jobs[2], pb, false);
@@ -1212,6 +1231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
                            Hk * pr.kv * 2, nullptr, 0, static_cast<int>(Hk), 0.f, stream);
   });
   const at::ScalarType dt = q_in.scalar_type();
+  // The fused rotation's dQ' = dQ R, dK' = dK R mapped back (zero rows stay zero).
+  if (rotate) return {rotate_back(dq, dt, stream), rotate_back(dk, dt, stream), packed_output(dv, pr.dv, dt), diag};
   return {packed_output(dq, pr.dqk, dt), packed_output(dk, pr.dqk, dt), packed_output(dv, pr.dv, dt), diag};
 }
 

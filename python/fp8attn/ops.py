@@ -347,7 +347,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, precision, block_size, scaling="ro
 @torch.library.register_fake("fp8attn::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_mode, block_size,
               grad_format, diagnostics, scaling="row", qk_rotation="none", smooth_k=False, delta=None,
-              softcap=0.0, window_left=-1, window_right=-1):
+              softcap=0.0, window_left=-1, window_right=-1, deterministic=False):
     _check_one_device("bwd", q=q, dout=dout, k=k, v=v, out=out, lse=lse,
                       **({} if delta is None else {"delta": delta}))
     B, Hq, Sq, _ = q.shape
@@ -358,7 +358,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, precision, delta_m
 
 @torch.library.register_fake("fp8attn::fwd_varlen")
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale, causal, block_size,
-                     scaling="tile", window_left=-1, window_right=-1):
+                     scaling="tile", window_left=-1, window_right=-1, qk_rotation="none"):
     _check_one_device("fwd_varlen", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     total_q, hq, _ = q.shape
     return q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32)
@@ -367,7 +367,7 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
 @torch.library.register_fake("fp8attn::bwd_varlen")
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, softmax_scale,
                      causal, delta_mode, block_size, grad_format, diagnostics, scaling="tile", window_left=-1,
-                     window_right=-1):
+                     window_right=-1, qk_rotation="none"):
     _check_one_device("bwd_varlen", q=q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k)
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
@@ -483,7 +483,7 @@ def _unfused_dtype(q: torch.Tensor):
 
 def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size, grad_format, diagnostics,
            scaling="row", qk_rotation="none", smooth_k=False, unfused: Optional[bool] = None, softcap: float = 0.0,
-           lse_t: Optional[torch.Tensor] = None, window: Tuple[int, int] = (-1, -1)):
+           lse_t: Optional[torch.Tensor] = None, window: Tuple[int, int] = (-1, -1), deterministic: bool = False):
     """torch.ops.fp8attn.bwd with the outlier transforms, as `fwd_op`: the
     unfused path recomputes Q', K' (deterministic), shifts the LSE to that of
     the smoothed logits, runs the raw op and maps dQ', dK' back
@@ -491,19 +491,20 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
     the smoothed logits' LSE as it is (exact) instead of LSE - shift (an FP32
     round trip: off by one ulp of max(|LSE|, |shift|), which overflows P for
     logits past ~1e9, numerics.md section 10.2). window: as in `fwd_op`.
+    deterministic: the raw op's (dQ, dK, dV the same bit for bit from run to run).
     Returns (dQ, dK, dV, diag)."""
     wl, wr = window
     if not _has_transform(qk_rotation, smooth_k):
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, softcap=softcap, window_left=wl,
-                                     window_right=wr)
+                                     window_right=wr, deterministic=deterministic)
     exact_lse_t = lse_t is not None and _exact_lse_t(q, precision, smooth_k)
     if unfused is None:
         unfused = q.device.type == "cuda" or exact_lse_t
     if not unfused:
         return torch.ops.fp8attn.bwd(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                                      grad_format, diagnostics, scaling, qk_rotation, smooth_k, softcap=softcap,
-                                     window_left=wl, window_right=wr)
+                                     window_left=wl, window_right=wr, deterministic=deterministic)
     q_t, k_t, mean, rot, w = _around_op_inputs(q, k, v, qk_rotation, smooth_k, scaling)
     if exact_lse_t:
         lse = lse_t
@@ -511,7 +512,8 @@ def bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_
         lse = _qkt.shift_lse(lse, q, mean, scale, -1)
     dq_t, dk_t, dv, diag = torch.ops.fp8attn.bwd(dout.to(w), q_t.to(w), k_t.to(w), v.to(w), out.to(w), lse, scale,
                                                  causal, precision, delta_mode, block_size, grad_format, diagnostics,
-                                                 scaling, rot, softcap=softcap, window_left=wl, window_right=wr)
+                                                 scaling, rot, softcap=softcap, window_left=wl, window_right=wr,
+                                                 deterministic=deterministic)
     # The fused rotation's raw op returns dQ and dK_s mapped back through R^T already.
     dq, dk = _qkt.map_grads_back(dq_t, dk_t, "none" if rot != "none" else qk_rotation, smooth_k, q.dtype, k.dtype)
     return dq, dk, dv.to(v.dtype), diag
@@ -533,13 +535,13 @@ def _forward(q, k, v, scale, causal, precision, block_size, scaling="row", qk_ro
 
 def _backward(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
               grad_format, layer_name, scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, lse_t=None,
-              window=(-1, -1)):
+              window=(-1, -1), deterministic=False):
     if _is_empty(q, k):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     want_diag = _diag.is_recording()
     dq, dk, dv, diag = bwd_op(dout, q, k, v, out, lse, scale, causal, precision, delta_mode, block_size,
                               grad_format, want_diag, scaling, qk_rotation, smooth_k, softcap=softcap, lse_t=lse_t,
-                              window=window)
+                              window=window, deterministic=deterministic)
     if want_diag:
         _diag._record(diag, _diag_meta(q, k, v, causal, precision, delta_mode, block_size, grad_format,
                                        layer_name, scaling, qk_rotation, smooth_k, window))
@@ -605,14 +607,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, precision, block_size, delta_mode, grad_format, layer_name,
-                scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, window_left=-1, window_right=-1):
+                scaling="row", qk_rotation="none", smooth_k=False, softcap=0.0, window_left=-1, window_right=-1,
+                deterministic=False):
         window = (window_left, window_right)
         out, lse, lse_t = _forward(q, k, v, scale, causal, precision, block_size, scaling, qk_rotation, smooth_k,
                                    softcap, window)
         # The backward gets LSE_t, the LSE of the logits the kernel saw (numerics.md section 10.2).
         ctx.save_for_backward(q, k, v, out, lse_t)
         ctx.opts = (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling,
-                    qk_rotation, smooth_k, softcap, window)
+                    qk_rotation, smooth_k, softcap, window, deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -621,11 +624,11 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_t = ctx.saved_tensors
         (scale, causal, precision, delta_mode, block_size, grad_format, layer_name, scaling, qk_rotation,
-         smooth_k, softcap, window) = ctx.opts
+         smooth_k, softcap, window, deterministic) = ctx.opts
         dq, dk, dv = _backward(dout, q, k, v, out, lse_t, scale, causal, precision, delta_mode,
                                block_size, grad_format, layer_name, scaling, qk_rotation, smooth_k, softcap,
-                               lse_t=lse_t, window=window)
-        return (dq, dk, dv) + (None,) * 13
+                               lse_t=lse_t, window=window, deterministic=deterministic)
+        return (dq, dk, dv) + (None,) * 14
 
 
 # Autograd of the raw op torch.ops.fp8attn.fwd (default backward options).
@@ -683,6 +686,7 @@ def attention(
     smooth_k: bool = False,
     softcap: float = 0.0,
     window_size: Tuple[int, int] = (-1, -1),
+    deterministic: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Block-scaled FP8 attention with a selectable backward delta (numerics.md).
 
@@ -766,6 +770,12 @@ def attention(
             scaling="row" raises NotImplementedError naming window_size unless
             the window masks nothing beyond causal (e.g. a bound reaching every
             key), which runs as no window / causal.
+        deterministic: a backward whose dQ, dK, dV are the same bit for bit
+            from run to run (FlashAttention's `deterministic`). CPU tensors
+            always are; CUDA tensors with scaling="tile" order the dQ partials'
+            adds (a turn counter per 64-query sub-tile: the key tiles' CTAs add
+            one after another, slower); scaling="row" on CUDA raises
+            NotImplementedError naming it. A bool (TypeError otherwise).
 
     Returns:
         O [batch, num_heads_q, seqlen_q, head_dim_v] in q's dtype (contiguous);
@@ -807,8 +817,17 @@ def attention(
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
     left, right = _causal_window(causal, left, right)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(_err("attention", "deterministic", f"must be a bool, got {type(deterministic).__name__}"))
+    deterministic = bool(deterministic)
+    if deterministic and q.device.type == "cuda" and op_precision == "fp8" and scaling != "tile":
+        raise NotImplementedError(_err("attention", "deterministic", "the CUDA backward of scaling='row' adds its dQ "
+                                                                     "partials with atomics; scaling='tile' runs "
+                                                                     "deterministic=True on CUDA (CPU tensors always "
+                                                                     "are)"))
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
-                                        grad_format, layer_name, scaling, qk_rotation, smooth_k, cap, left, right)
+                                        grad_format, layer_name, scaling, qk_rotation, smooth_k, cap, left, right,
+                                        deterministic)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out
 
@@ -948,11 +967,14 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
                            *descales, ("block_table", block_table, "a paged KV cache")):
         if val is not None:
             unsupported(arg, type(val).__name__, what)
-    # The CPU reference is bitwise deterministic (for every thread count); the CUDA
-    # backward sums dQ with FP32 atomics, whose order varies from run to run.
-    if as_bool("deterministic", deterministic) and device_type != "cpu":
-        unsupported("deterministic", True, "a bitwise run-to-run reproducible backward on CUDA (the dQ "
-                                           "accumulation uses atomics; CPU tensors are deterministic)")
+    # The CPU reference is bitwise deterministic (for every thread count); on CUDA
+    # `attention(deterministic=True)` orders the `tile` backward's dQ adds (flash_attn_func
+    # passes it on; varlen_attention's single launch has no such order: refused there).
+    if as_bool("deterministic", deterministic) and device_type != "cpu" and fn != "flash_attn_func":
+        unsupported("deterministic", True, "a bitwise run-to-run reproducible packed backward on CUDA (the "
+                                           "single-launch dQ accumulation uses atomics; flash_attn_func / "
+                                           "attention with scaling='tile' take deterministic=True, CPU tensors "
+                                           "are deterministic)")
     return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
     if not is_int(attention_chunk) or attention_chunk < 0:
         raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
@@ -1044,7 +1066,8 @@ def _flash_attn_func(
     dropout_p != 0, softcap != 0 on CUDA tensors with scaling="row" (CPU tensors and
     CUDA tensors with scaling="tile" run it: `attention`'s softcap), alibi_slopes, qv,
     attention_chunk != 0, sm_margin != 0,
-    deterministic=True on CUDA tensors (CPU runs are deterministic and accept it). A malformed value (wrong type, a window_size that is not a pair
+    deterministic=True on CUDA tensors with scaling="row" (scaling="tile" and CPU tensors run it:
+    `attention`'s deterministic). A malformed value (wrong type, a window_size that is not a pair
     of ints) raises ValueError.
 
     Pre-quantized FP8 inputs (FlashAttention-3's FP8 forward): q, k, v float8_e4m3fn (or
@@ -1079,7 +1102,7 @@ def _flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=softmax_scale,
             delta_mode=delta_mode, precision=precision, block_size=block_size, grad_format=grad_format,
             return_lse=want_lse, layer_name=layer_name, scaling=scaling, qk_rotation=qk_rotation,
-            smooth_k=smooth_k, softcap=softcap, window_size=window))
+            smooth_k=smooth_k, softcap=softcap, window_size=window, deterministic=bool(deterministic)))
     # The op computes O in the SDPA layout; one copy gives FlashAttention's contiguous
     # [b, s, h, d] (O is 1 / (2 seqlen_k) of the forward's FLOPs in bytes: negligible).
     if fp8_in:   # FlashAttention-3's FP8 forward returns O in bfloat16

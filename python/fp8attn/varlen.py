@@ -40,7 +40,8 @@ records). delta_mode, grad_format and layer_name are in varlen_fwd's schema only
 for its backward.
 
 Single launch (issue 19): CUDA tensors with scaling="tile" (precision "fp8", no
-qk_rotation / smooth_k / softcap, num_heads_q <= 65535) skip the host loop: the
+smooth_k / softcap, qk_rotation only where the quantization fuses it: head_dim_qk
+64 / 128 / 192 / 256, numerics.md 10.3; num_heads_q <= 65535) skip the host loop: the
 ops call fp8attn::fwd_varlen and fp8attn::bwd_varlen, one launch per kernel for
 the whole packed batch, cu_seqlens / seqused read on the device only (no host sync,
 no per-sequence launches; hopper/varlen_sm90.h). Their values are then checked
@@ -49,7 +50,7 @@ the tensors (never memory outside them) and give unspecified results for the
 sequences they describe. cu_seqlens / seqused on the CPU are copied to q's
 device. FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop
 (bit-identical forward; an A/B switch). Everything else (CPU tensors, the `row`
-recipe, the transforms) loops per sequence as described above.
+recipe, smooth_k, the rotation at padded head dims) loops per sequence as described above.
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ import torch
 from . import _env
 from . import diagnostics as _diag
 from ._lib import HAS_CUDA_KERNELS
-from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _half_in, _half_out, _index, _is_empty, bwd_op,
-                  check_inputs, check_options, check_softcap, check_window_size, fwd_op, single_backward)
+from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _fused_rotation, _half_in, _half_out, _index,
+                  _is_empty, bwd_op, check_inputs, check_options, check_softcap, check_window_size, fwd_op,
+                  single_backward)
 
 __all__ = ["varlen_attention"]
 
@@ -172,17 +174,20 @@ def _seq(t: torch.Tensor, begin: int, end: int) -> torch.Tensor:
     return t[begin:end].transpose(0, 1).unsqueeze(0)
 
 
-def _single_launch(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, precision: str, scaling: str,
-                   qk_rotation: str, smooth_k: bool, softcap: float) -> bool:
+def _single_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, precision: str,
+                   scaling: str, qk_rotation: str, smooth_k: bool, softcap: float) -> bool:
     """Whether a packed batch runs the single-launch CUDA kernels (module
-    docstring); FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop. Past the
+    docstring); FP8ATTN_VARLEN_LOOP=1 forces the per-sequence loop.
+    qk_rotation="hadamard" runs there where the dense op fuses it into the
+    quantization (ops._fused_rotation, numerics.md 10.3). Past the
     single launch's size limits (totals < 2^30 tokens, padded rows < 2^31:
     csrc/torch/ops_cuda.cpp packed_batch) the loop runs it, as before."""
     if _env.flag("FP8ATTN_VARLEN_LOOP", False):
         return False
     n = cu_seqlens_q.shape[0] - 1
     fits = max(q.shape[0], k.shape[0]) < 2**30 and ((max(q.shape[0], k.shape[0]) + 127) // 128 + n) * 128 < 2**31
-    return (q.is_cuda and HAS_CUDA_KERNELS and precision == "fp8" and scaling == "tile" and qk_rotation == "none"
+    rotation_ok = qk_rotation == "none" or _fused_rotation(q, v, qk_rotation, scaling)
+    return (q.is_cuda and HAS_CUDA_KERNELS and precision == "fp8" and scaling == "tile" and rotation_ok
             and not smooth_k and softcap == 0.0 and q.shape[1] <= 65535 and fits)
 
 
@@ -209,13 +214,13 @@ def varlen_fwd(
     module docstring); precision is the op-level one ("fp8" or "exact"). check:
     the value checks of cu_seqlens / seqused / max_seqlen on the single-launch
     path (the loop always checks: it reads the values anyway)."""
-    if _single_launch(q, k, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if _single_launch(q, k, v, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, seqused_q,
                    seqused_k)
         cu_q, cu_k, used_q, used_k = _on_device(q.device, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         out, lse = torch.ops.fp8attn.fwd_varlen(q, k, v, cu_q, cu_k, used_q, used_k, softmax_scale, causal,
-                                                block_size, scaling, window_left, window_right)
+                                                block_size, scaling, window_left, window_right, qk_rotation)
         return out, lse, lse.new_empty((0,))
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
                    seqused_q, seqused_k)
@@ -268,13 +273,13 @@ def varlen_bwd(
     from lse)."""
     if lse_t is not None and lse_t.numel() == 0:
         lse_t = None
-    if _single_launch(q, k, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if _single_launch(q, k, v, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
         cu_q, cu_k, used_q, used_k = _on_device(q.device, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         return torch.ops.fp8attn.bwd_varlen(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, softmax_scale,
                                             causal, delta_mode, block_size, grad_format, diagnostics, scaling,
-                                            window_left, window_right)
+                                            window_left, window_right, qk_rotation)
     spans = _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     diag = q.new_zeros((4, q.shape[1], q.shape[0]) if diagnostics else (0,), dtype=torch.float32)

@@ -258,7 +258,9 @@ def test_other_float_dtypes_on_cuda(dtype):
     assert qh.grad.dtype == torch.float16 and torch.isfinite(qh.grad).all() and qh.grad.abs().sum() > 0
 
 
-def test_deterministic_is_refused_on_cuda():
+def test_deterministic_is_refused_on_cuda_with_row_scaling():
+    """The row backward adds dQ with atomics: deterministic=True there names the argument
+    (scaling='tile' runs it: test_tile_cuda_bwd.py's deterministic tests)."""
     q = torch.randn(1, 64, 2, 64, device="cuda").bfloat16()
     with pytest.raises(NotImplementedError, match="argument 'deterministic'"):
         fp8attn.flash_attn_func(q, q, q, deterministic=True)

@@ -482,3 +482,85 @@ def test_tile_bwd_autograd_matches_raw_op():
     for name, c, r in zip(("dQ", "dK", "dV"), grads["cuda"], grads["cpu"]):
         assert torch.isfinite(c.float()).all(), name
         assert _rel(c, r) < 3e-2, (name, _rel(c, r))  # forward (O, LSE) on CUDA vs CPU too
+
+
+# ---- deterministic=True (the raw op's `deterministic`; KernelParams::dq_sem) ----------
+
+def _cuda_bwd_det(inp, causal, deterministic, **kw):
+    q, k, v, out, lse, dout = inp
+    tau = f32_scale(q.shape[-1])
+    dev = [t.cuda() for t in (dout, q, k, v, out)]
+    lse_cuda = OPS.fwd(dev[1], dev[2], dev[3], tau, causal, "fp8", 128, "tile", **kw)[1]
+    cuda = OPS.bwd(*dev, lse_cuda, tau, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile",
+                   deterministic=deterministic, **kw)
+    torch.cuda.synchronize()
+    return tuple(t.cpu() for t in cuda[:3])
+
+
+DET_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv): every head_dim (192 / 256: two slices), GQA, ragged, many key tiles
+    (2, 4, 2, 700, 900, 64, 64),
+    (1, 8, 2, 1100, 1100, 128, 128),
+    (1, 4, 1, 300, 650, 192, 128),
+    (1, 2, 2, 520, 400, 256, 256),
+]
+
+
+@pytest.mark.parametrize("shape", DET_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_bwd_deterministic_is_bitwise_run_to_run(shape, causal):
+    """deterministic=True: the warpgroups add their dQ partials in a fixed turn order, so
+    three runs give the same dQ, dK, dV bit for bit; against the default (atomic order)
+    run dK / dV are bitwise too (no atomics there) and dQ differs at most by its adds'
+    rounding; against the CPU reference the usual rule (check_grads)."""
+    inp = make_inputs(*shape, causal, seed=seed_of("det", shape, causal))
+    runs = [_cuda_bwd_det(inp, causal, True) for _ in range(3)]
+    for r in runs[1:]:
+        for name, a, b in zip(("dQ", "dK", "dV"), runs[0], r):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+    free = _cuda_bwd_det(inp, causal, False)
+    assert torch.equal(runs[0][1], free[1]) and torch.equal(runs[0][2], free[2])
+    assert _rel(runs[0][0], free[0]) < 1e-3
+    _, cpu, ex = run_bwd(inp, causal, "delta_matching", "e4m3")
+    check_grads(runs[0], cpu[:3], ex[:3], f"deterministic {shape} causal={causal}")
+
+
+@pytest.mark.parametrize("window", [(100, 30), (5, 5), (-1, 70)])
+def test_tile_bwd_deterministic_windows_and_softcap(window):
+    """Sliding windows (each query tile's first key tile is not 0: the turn order starts
+    at it) and softcap (its own kernel instantiation)."""
+    wl, wr = window
+    inp = make_inputs(1, 4, 2, 600, 800, 128, 128, False, seed=seed_of("det-win", window))
+    a = _cuda_bwd_det(inp, False, True, window_left=wl, window_right=wr)
+    b = _cuda_bwd_det(inp, False, True, window_left=wl, window_right=wr)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    a = _cuda_bwd_det(inp, True, True, softcap=20.0)
+    b = _cuda_bwd_det(inp, True, True, softcap=20.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    free = _cuda_bwd_det(inp, True, False, softcap=20.0)
+    assert _rel(a[0], free[0]) < 1e-3 and torch.equal(a[1], free[1])
+
+
+def test_deterministic_entry_points_and_refusals():
+    """attention / flash_attn_func take deterministic=True on CUDA with scaling='tile'
+    (bitwise repeatable grads); scaling='row' raises NotImplementedError naming it, and so
+    does varlen_attention's single launch."""
+    import fp8attn
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 400, 64, generator=g).bfloat16().cuda() for _ in range(3))
+
+    def grads(**kw):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        fp8attn.attention(qq, kk, vv, causal=True, **kw).float().square().sum().backward()
+        return qq.grad, kk.grad, vv.grad
+
+    a, b = grads(scaling="tile", deterministic=True), grads(scaling="tile", deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(NotImplementedError, match="'deterministic'"):
+        grads(scaling="row", deterministic=True)
+    qf, kf, vf = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    fp8attn.flash_attn_func(qf, kf, vf, causal=True, scaling="tile", deterministic=True).sum().backward()
+    assert torch.isfinite(qf.grad).all()
+    cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
+    with pytest.raises(NotImplementedError, match="'deterministic'"):
+        fp8attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+                                 scaling="tile", deterministic=True)

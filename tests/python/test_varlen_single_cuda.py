@@ -306,3 +306,34 @@ def test_cpu_cu_seqlens_are_taken(monkeypatch):
     g2 = grads(q, k, v, cu(lens), cu(lens), dout, False, monkeypatch, causal=True, seqused_q=used.cuda())
     assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2])
     assert ((g1[0].float() - g2[0].float()).norm() / g2[0].float().norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_rotation_single_launch_as_per_sequence(dims, monkeypatch):
+    """qk_rotation="hadamard" in the single launch (the quantization rotates the packed
+    rows, numerics.md 10.3) against the per-sequence loop (the dense op's fused
+    rotation): forward bit for bit, dK / dV bit for bit, dQ to the reduce-adds' order.
+    Tokens outside every sequence hold NaN: never read, zero gradients."""
+    lens_q, lens_k = LENS[0]
+    q, k, v = packed(lens_q, lens_k, d=dims[0], dv=dims[1], tail_q=3, tail_k=2, seed=40)
+    q[-3:] = float("nan")
+    k[-2:] = float("nan")
+    from fp8attn import varlen as _varlen
+    assert _varlen._single_launch(q, k, v, cu(lens_q), "fp8", "tile", "hadamard", False, 0.0)
+    for causal in (False, True):
+        assert_same_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=causal, qk_rotation="hadamard")
+        dq, dk, dv = assert_grads_as_loop(q, k, v, cu(lens_q), cu(lens_k), monkeypatch, causal=causal,
+                                          qk_rotation="hadamard")
+        assert (dq[-3:] == 0).all() and (dk[-2:] == 0).all() and (dv[-2:] == 0).all()
+
+
+def test_rotation_at_padded_head_dims_and_smoothing_loop(monkeypatch):
+    """The single launch takes the rotation only where the quantization fuses it, and
+    never smooth_k (per-sequence means): the loop runs those."""
+    from fp8attn import varlen as _varlen
+    q, k, v = packed([100, 50], [100, 50], d=96, dv=96, seed=41)
+    assert not _varlen._single_launch(q, k, v, cu([100, 50]), "fp8", "tile", "hadamard", False, 0.0)
+    q, k, v = packed([100, 50], [100, 50], d=128, dv=128, seed=41)
+    assert not _varlen._single_launch(q, k, v, cu([100, 50]), "fp8", "tile", "hadamard", True, 0.0)
+    monkeypatch.setenv("FP8ATTN_FUSED_ROTATION", "0")
+    assert not _varlen._single_launch(q, k, v, cu([100, 50]), "fp8", "tile", "hadamard", False, 0.0)
