@@ -218,7 +218,7 @@ print("sanitize case done")
 EOF
 [ "${DEVICE_SAN:-1}" = 0 ] && DEVICE_SAN_TOOLS=" "
 for tool in ${DEVICE_SAN_TOOLS:-memcheck racecheck}; do
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
     python3 /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
   tail -4 "$OUT/sanitizer_$tool.log"
