@@ -505,6 +505,7 @@ DET_SHAPES = [  # (b, hq, hkv, sq, sk, d, dv): every head_dim (192 / 256: two sl
 ]
 
 
+@needs_gpu
 @pytest.mark.parametrize("shape", DET_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_bwd_deterministic_is_bitwise_run_to_run(shape, causal):
@@ -524,6 +525,7 @@ def test_tile_bwd_deterministic_is_bitwise_run_to_run(shape, causal):
     check_grads(runs[0], cpu[:3], ex[:3], f"deterministic {shape} causal={causal}")
 
 
+@needs_gpu
 @pytest.mark.parametrize("window", [(100, 30), (5, 5), (-1, 70)])
 def test_tile_bwd_deterministic_windows_and_softcap(window):
     """Sliding windows (each query tile's first key tile is not 0: the turn order starts
@@ -540,6 +542,7 @@ def test_tile_bwd_deterministic_windows_and_softcap(window):
     assert _rel(a[0], free[0]) < 1e-3 and torch.equal(a[1], free[1])
 
 
+@needs_gpu
 def test_deterministic_entry_points_and_refusals():
     """attention / flash_attn_func take deterministic=True on CUDA with scaling='tile'
     (bitwise repeatable grads); scaling='row' raises NotImplementedError naming it, and so
