@@ -4,7 +4,8 @@ A checkpoint is one `torch.save` file holding plain Python data and CPU tensors
 (loadable with `weights_only=True`):
 
   format        "fp8attn.train.checkpoint/1"
-  mode          attention mode the model was trained with ("bf16", "fp8-stale", ...)
+  mode          attention mode the model was trained with ("bf16", "fp8-stale", ..., or a
+                recipe variant such as "fp8-stale@tile+hadamard": model.parse_mode)
   step          number of optimizer steps taken
   model_config  ModelConfig.to_dict()
   train_config  TrainConfig.to_dict() (may be empty)

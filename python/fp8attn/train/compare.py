@@ -3,6 +3,19 @@
     python -m fp8attn.train.compare --preset cpu-tiny \
         --modes bf16,fp8-stale,fp8-matched_do,fp8-delta_matching --steps 300 --out runs/cpu-tiny
 
+Recipe variants (an A/B of FP8 recipes in one run: same init, same batch order): an
+fp8attn mode (fp8-stale, fp8-matched_do, fp8-delta_matching) may be listed as
+`<mode>[@row|@tile][+hadamard][+smooth_k]`, e.g.
+    --modes bf16,fp8-delta_matching,fp8-delta_matching@tile,fp8-delta_matching@tile+hadamard+smooth_k
+The suffixes override --scaling / --qk-rotation / --smooth-k for that entry only (an
+entry without them uses the flags); the delta mode is the base mode's. The name is the
+mode's name everywhere (<mode>.jsonl, <mode>.pt, summary.json, report rows) and must be
+canonical: suffixes in the order @scaling, +hadamard, +smooth_k, each at most once (another
+order is refused, naming the canonical spelling). Refused too: suffixes on bf16 / fp8-cudnn,
+unknown suffixes, and two entries of the same configuration (fp8-delta_matching with
+--scaling tile next to fp8-delta_matching@tile). Each mode's own recipe is in its log's
+meta model config, in summary.json ("fp8_recipes") and in report.md.
+
 Mode fp8-cudnn (cuDNN's FP8 SDPA with TransformerEngine-style delayed scaling, the
 row "what a user would pick instead"; fp8attn.cudnn_fp8_attention) runs only on a
 CUDA sm_90 GPU at head_dim 128 with the cuDNN frontend (pip install
@@ -29,7 +42,7 @@ checkpoint.py), <out>/summary.json (with the provenance), <out>/report.md, loss.
 and, last, the report path. Model shape overrides: --model KEY=VALUE (e.g. the
 stress configuration of scripts/results_study.sh: --model head_dim=256,n_heads=2,n_kv_heads=1).
 Every mode gets the same initial weights (checked), the same batches and the
-same hyper-parameters; only model.attn_mode differs.
+same hyper-parameters; only model.attn_mode (and a recipe variant's fp8_* fields) differs.
 
 Split runs (GPU time comes in calls of limited length): `--deadline-s S` stops
 every mode cleanly after the step that would otherwise cross S seconds of wall
@@ -62,7 +75,8 @@ import torch
 
 from . import ddp, provenance, state
 from .data import prepare
-from .model import ATTN_MODES, CUDNN_MODE, PRESETS, SCOPES, ModelConfig, preset_model_config
+from .model import (ATTN_MODES, CUDNN_MODE, FP8ATTN_MODES, MODE_GRAMMAR, PRESETS, SCOPES, ModelConfig,
+                    mode_model_config, parse_mode, preset_model_config)
 
 # The modes a plain run trains. NOTE: fp8-cudnn (cuDNN FP8 SDPA) is CPU-tested against an
 # emulated frontend only; it joins the default once its GPU tests have passed on the H200.
@@ -79,7 +93,10 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help=f"comma-separated subset of {','.join(ATTN_MODES)} (default {','.join(DEFAULT_MODES)}: "
-                         f"{CUDNN_MODE} is opt-in until its GPU path has run on the H200)")
+                         f"{CUDNN_MODE} is opt-in until its GPU path has run on the H200); an fp8attn mode may "
+                         f"also be listed as a recipe variant {MODE_GRAMMAR} (e.g. fp8-delta_matching@tile+hadamard), "
+                         "whose suffixes override --scaling / --qk-rotation / --smooth-k for that entry only; "
+                         "suffixes in that order, each at most once")
     ap.add_argument("--steps", type=int, default=None, help="default: the preset's")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
@@ -178,6 +195,50 @@ def parse_model_overrides(items: list[str]) -> dict:
     return out
 
 
+def parse_modes(text: str, scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False) -> list[str]:
+    """The --modes list: canonical mode names (model.parse_mode: attention modes and recipe
+    variants of the fp8attn modes), in the order given. scaling / qk_rotation / smooth_k:
+    the run's --scaling / --qk-rotation / --smooth-k, which a variant's suffixes override.
+    Raises SystemExit naming --modes for an empty list, an entry that does not parse (the
+    entry, what is allowed), a repeated entry, or two entries of the same configuration."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise SystemExit(f"--modes: unknown or empty mode list {text!r}; choose from {','.join(ATTN_MODES)}")
+    specs = []
+    for m in modes:
+        try:
+            specs.append(parse_mode(m))
+        except ValueError as exc:
+            raise SystemExit(f"--modes: {exc}") from None
+    if len(set(modes)) != len(modes):
+        # NOTE: a repeated mode would train again and overwrite its own log and checkpoint.
+        raise SystemExit(f"--modes: a mode is listed twice in {text!r}")
+    seen = {}
+    for spec in specs:
+        key = (spec.base,)
+        if spec.base in FP8ATTN_MODES:
+            key += (spec.scaling or scaling, spec.qk_rotation or qk_rotation,
+                    smooth_k if spec.smooth_k is None else spec.smooth_k)
+        if key in seen:
+            raise SystemExit(f"--modes: {seen[key]!r} and {spec.name!r} are the same configuration ({spec.base}, "
+                             f"scaling {key[1]}, qk_rotation {key[2]}, smooth_k {key[3]} with --scaling {scaling}, "
+                             f"--qk-rotation {qk_rotation}{', --smooth-k' if smooth_k else ''}); list it once")
+        seen[key] = spec.name
+    return modes
+
+
+def mode_recipes(modes: list[str], model_cfg: ModelConfig) -> dict:
+    """{mode: its FP8 attention recipe} of the fp8attn modes (variants included):
+    {"attn_mode", "scaling", "qk_rotation", "smooth_k"} of mode_model_config."""
+    out = {}
+    for m in modes:
+        c = mode_model_config(model_cfg, m)
+        if c.attn_mode in FP8ATTN_MODES:
+            out[m] = {"attn_mode": c.attn_mode, "scaling": c.fp8_scaling, "qk_rotation": c.fp8_qk_rotation,
+                      "smooth_k": c.fp8_smooth_k}
+    return out
+
+
 def model_configs(preset: str, modes: list[str], fields: dict):
     """The preset's ModelConfig with `fields`, checked for every mode before any training
     (an invalid fp8 configuration must not surface after the bf16 mode has trained).
@@ -185,7 +246,7 @@ def model_configs(preset: str, modes: list[str], fields: dict):
     try:
         cfg = preset_model_config(preset, **fields)
         for mode in modes:
-            ModelConfig(**{**cfg.to_dict(), "attn_mode": mode})
+            mode_model_config(cfg, mode)
     except ValueError as exc:
         raise SystemExit(f"--model: invalid model configuration: {exc}") from None
     return cfg
@@ -238,13 +299,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
     report.md; returns (report path, table, summaries); (None, "", summaries) on a
     non-zero DDP rank. Raises SystemExit naming the flag for a bad or changed flag."""
     t_begin = time.time()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ATTN_MODES]
-    if bad or not modes:
-        raise SystemExit(f"--modes: unknown or empty mode list {args.modes!r}; choose from {','.join(ATTN_MODES)}")
-    if len(set(modes)) != len(modes):
-        # NOTE: a repeated mode would train again and overwrite its own log and checkpoint.
-        raise SystemExit(f"--modes: a mode is listed twice in {args.modes!r}")
+    modes = parse_modes(args.modes, args.scaling, args.qk_rotation, args.smooth_k)
     for flag in ("steps", "batch_size", "seq_len", "val_batches"):
         val = getattr(args, flag)
         if val is not None and val < 1:
@@ -398,7 +453,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
                 raise SystemExit(f"--init-from: {ck} was trained with another tokenizer (sha1 {tok[:12]}, this "
                                  f"corpus's {data.tokenizer_sha1()[:12]} in {data.root}): its token ids mean "
                                  "other strings; continue on the same --text-dir / --data-dir")
-            bad = init_arch_mismatches(ModelConfig(**{**model_cfg.to_dict(), "attn_mode": m}).to_dict(), saved)
+            bad = init_arch_mismatches(mode_model_config(model_cfg, m).to_dict(), saved)
             if bad:
                 raise SystemExit(f"--init-from: {ck} has another architecture: " + "; ".join(bad)
                                  + f" (a continuation may change only {', '.join(INIT_FROM_FREE)})")
@@ -453,6 +508,7 @@ def run(args) -> tuple[Path, str, list[dict]]:
         return None, "", summaries
     (out / "summary.json").write_text(json.dumps({"preset": args.preset, "modes": modes, "skipped": skipped,
                                                   "complete": complete,
+                                                  "fp8_recipes": mode_recipes(modes, model_cfg),
                                                   "steps": cfg.steps, "scope": args.scope,
                                                   "packed": args.packed, "fsdp": bool(args.fsdp and ctx.enabled),
                                                   "context_parallel": cp_n,

@@ -26,6 +26,11 @@ NOTE: the op contract (numerics.md section 3) has BF16 inputs at the op
 boundary (the stale delta uses the BF16 O), so Q/K/V are cast to bfloat16 for
 every backend, also on CPU, and O is cast back to the compute dtype.
 
+Mode names of the comparison (parse_mode): an attn_mode above, or a recipe variant
+of an fp8attn mode, `<fp8attn mode>[@row|@tile][+hadamard][+smooth_k]` (e.g.
+"fp8-delta_matching@tile+hadamard"), whose model runs the base attn_mode with
+fp8_scaling / fp8_qk_rotation / fp8_smooth_k set by the suffixes.
+
 Precision scopes (`scope`, fp8 modes only; the "bf16" mode stays BF16 everywhere):
   "attn-core"                  only the attention core is FP8 (the op above);
   "attn-core+projections"      + Wq, Wk, Wv, Wo as fp8attn.linear.FP8Linear (Wq, Wk, Wv
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -54,6 +60,7 @@ import torch.nn.functional as F
 CUDNN_MODE = "fp8-cudnn"   # cuDNN FP8 SDPA with delayed scaling (fp8attn.cudnn_fp8_attention)
 FP8ATTN_MODES = ("fp8-stale", "fp8-matched_do", "fp8-delta_matching")   # fp8attn's op, by delta_mode
 ATTN_MODES = ("bf16",) + FP8ATTN_MODES + (CUDNN_MODE,)
+MODE_GRAMMAR = "<fp8attn mode>[@row|@tile][+hadamard][+smooth_k]"   # recipe variants (parse_mode)
 ARCHS = ("gqa", "gdn-hybrid")
 FP8_BLOCK_SIZES = (32, 64, 128)   # fp8attn.ops.BLOCK_SIZES
 FP8_SCALINGS = ("row", "tile")     # fp8attn.ops.SCALINGS (numerics.md section 9)
@@ -162,6 +169,116 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ----------------------------------------------------------------------------
+# Mode names of the comparison: an attention mode, or an fp8attn mode's recipe variant
+# ----------------------------------------------------------------------------
+
+_SCALING_ORDER = (None,) + FP8_SCALINGS
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode name of the comparison (compare --modes; log, checkpoint and report name):
+    an attention mode of ATTN_MODES, or a recipe variant of an fp8attn mode,
+        <fp8attn mode>[@row|@tile][+hadamard][+smooth_k]    (MODE_GRAMMAR)
+    whose suffixes override the run's fp8_scaling / fp8_qk_rotation / fp8_smooth_k for
+    that mode only (None: the run's setting). `name` is the canonical spelling (suffixes
+    in the order @scaling, +hadamard, +smooth_k); the model's attn_mode is `base`."""
+    base: str
+    scaling: str | None = None       # "row" | "tile" | None
+    qk_rotation: str | None = None   # "hadamard" | None
+    smooth_k: bool | None = None     # True | None
+
+    @property
+    def name(self) -> str:
+        return (self.base + (f"@{self.scaling}" if self.scaling else "")
+                + ("+hadamard" if self.qk_rotation else "") + ("+smooth_k" if self.smooth_k else ""))
+
+    @property
+    def is_variant(self) -> bool:
+        return (self.scaling, self.qk_rotation, self.smooth_k) != (None, None, None)
+
+    @property
+    def delta_mode(self) -> str | None:
+        """fp8attn's delta_mode of the base mode (None for bf16 and fp8-cudnn)."""
+        return self.base[len("fp8-"):] if self.base in FP8ATTN_MODES else None
+
+    def overrides(self) -> dict:
+        """The ModelConfig fields this name sets ({} for a plain mode)."""
+        out = {}
+        if self.scaling is not None:
+            out["fp8_scaling"] = self.scaling
+        if self.qk_rotation is not None:
+            out["fp8_qk_rotation"] = self.qk_rotation
+        if self.smooth_k is not None:
+            out["fp8_smooth_k"] = self.smooth_k
+        return out
+
+    def apply(self, cfg: "ModelConfig") -> "ModelConfig":
+        """cfg (the run's model config) for this mode: attn_mode = base, the overrides set."""
+        return replace(cfg, attn_mode=self.base, **self.overrides())
+
+
+_SUFFIXES = {"@row": ("scaling", "row"), "@tile": ("scaling", "tile"),
+             "+hadamard": ("qk_rotation", "hadamard"), "+smooth_k": ("smooth_k", True)}
+
+
+def parse_mode(name: str) -> ModeSpec:
+    """The ModeSpec of a mode name (see ModeSpec). ValueError naming the name and what is
+    allowed for: an unknown mode, suffixes on bf16 / fp8-cudnn, an unknown or repeated
+    suffix, suffixes out of the canonical order (the message gives the canonical name)."""
+    cut = min((i for i in (name.find("@"), name.find("+")) if i >= 0), default=len(name))
+    base, rest = name[:cut], name[cut:]
+    if base not in ATTN_MODES:
+        raise ValueError(f"unknown mode {name!r}; choose from {','.join(ATTN_MODES)} (an fp8attn mode may "
+                         f"take recipe suffixes: {MODE_GRAMMAR})")
+    if not rest:
+        return ModeSpec(base)
+    if base not in FP8ATTN_MODES:
+        raise ValueError(f"{name!r}: {base} takes no recipe suffixes; they apply to the fp8attn modes "
+                         f"{', '.join(FP8ATTN_MODES)} only: {MODE_GRAMMAR}")
+    fields = {}
+    for tok in re.findall(r"[@+][^@+]*", rest):
+        if tok not in _SUFFIXES:
+            raise ValueError(f"{name!r}: unknown suffix {tok!r}; allowed: @row or @tile, +hadamard, +smooth_k "
+                             f"({MODE_GRAMMAR})")
+        field, val = _SUFFIXES[tok]
+        if field in fields:
+            what = "a scaling suffix (@row or @tile)" if field == "scaling" else tok
+            raise ValueError(f"{name!r}: {what} given twice; each suffix at most once ({MODE_GRAMMAR})")
+        fields[field] = val
+    spec = ModeSpec(base, **fields)
+    if spec.name != name:
+        raise ValueError(f"{name!r}: suffixes out of order; write {spec.name!r} (the order is @row|@tile, "
+                         f"+hadamard, +smooth_k: {MODE_GRAMMAR})")
+    return spec
+
+
+def is_mode_name(name: str) -> bool:
+    """True for a canonical mode name (an attention mode or a recipe variant)."""
+    try:
+        parse_mode(name)
+    except ValueError:
+        return False
+    return True
+
+
+def mode_model_config(cfg: "ModelConfig", mode: str) -> "ModelConfig":
+    """The run's model config `cfg` for mode name `mode` (attn_mode and recipe overrides)."""
+    return parse_mode(mode).apply(cfg)
+
+
+def mode_sort_key(name: str) -> tuple:
+    """Order of mode names: ATTN_MODES' order, each base mode before its variants
+    (@row, @tile; +hadamard, +smooth_k); names that do not parse go last, by name."""
+    try:
+        s = parse_mode(name)
+    except ValueError:
+        return (len(ATTN_MODES), 0, 0, 0, name)
+    return (ATTN_MODES.index(s.base), _SCALING_ORDER.index(s.scaling), s.qk_rotation is not None,
+            s.smooth_k is not None, name)
 
 
 # ----------------------------------------------------------------------------

@@ -29,8 +29,9 @@ layer (`--mask-layers all`: of each layer in turn) set to zero
 Outputs under --out (default <run-dir>/probe): probe.json (everything above +
 provenance), probe.md (tables), probe_rowsum.png, probe_eps.png.
 
-Checkpoints of every attention mode (model.ATTN_MODES) are probed in the mode they were
-trained with. One that cannot run on this device (fp8-cudnn without a CUDA sm_90 GPU,
+Checkpoints of every attention mode (model.ATTN_MODES) and recipe variant (e.g.
+fp8-delta_matching@tile+hadamard) are probed in the mode and recipe they were trained
+with. One that cannot run on this device (fp8-cudnn without a CUDA sm_90 GPU,
 the cuDNN frontend or head_dim 128: compare's check, trainer.checkpoint_unavailable_reason)
 is skipped with a one-line reason ("[probe] skipped ...") and listed in probe.json as
 {"checkpoint", "mode", "skipped": reason}; the others are probed. Named by --modes or
@@ -53,7 +54,7 @@ from . import provenance
 from .capture import CoreCapture, zero_attention_output
 from .checkpoint import load_checkpoint, read_info
 from .data import TokenStream
-from .model import ATTN_MODES, CUDNN_MODE
+from .model import ATTN_MODES, CUDNN_MODE, is_mode_name, mode_sort_key
 from .report import mode_label
 from .trainer import checkpoint_unavailable_reason, evaluate, resolve_device
 
@@ -340,11 +341,16 @@ def write_outputs(result: dict, out_dir: str | os.PathLike) -> list[Path]:
 
 def find_checkpoints(run_dir: str | os.PathLike, modes=None, step: int | None = None) -> list[Path]:
     """<run_dir>/<mode>.pt (or <mode>.step<step>.pt) for the given modes (default: all present),
-    in the order of model.ATTN_MODES (bf16, stale, matched_do, delta_matching, cudnn)."""
+    in the order of model.ATTN_MODES (bf16, stale, matched_do, delta_matching, cudnn), each
+    mode's recipe variants (model.parse_mode, e.g. fp8-delta_matching@tile) after it."""
     run_dir = Path(run_dir)
     suffix = ".pt" if step is None else f".step{step}.pt"
     found = []
-    for m in modes or ATTN_MODES:
+    names = modes
+    if not modes:
+        stems = {p.name[:-len(suffix)] for p in run_dir.glob(f"*{suffix}")} if run_dir.is_dir() else set()
+        names = sorted(set(ATTN_MODES) | {n for n in stems if is_mode_name(n)}, key=mode_sort_key)
+    for m in names:
         p = run_dir / f"{m}{suffix}"
         if p.is_file():
             found.append(p)

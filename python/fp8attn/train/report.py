@@ -15,6 +15,8 @@ neither has fp8-cudnn (cuDNN's FP8 SDPA, no fp8attn diagnostics). Row labels: th
 mode, fp8-cudnn as MODE_LABELS says (the FP8 attention a user would pick instead),
 plus "(diverged)" / "(incomplete: N steps)"; a mode compare skipped (fp8-cudnn where
 it cannot run) is a row "<mode> (skipped)" of n/a cells, its reason under the table.
+A recipe variant (model.parse_mode, e.g. fp8-delta_matching@tile+hadamard) is a row of
+its own name; the line above the table gives every fp8attn mode's scaling and options.
 """
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ MODE_LABELS = {"fp8-cudnn": "fp8-cudnn (cuDNN FP8, delayed scaling)"}
 
 def mode_label(mode: str) -> str:
     return MODE_LABELS.get(mode, mode)
+
+
+def recipe_line(logs: dict[str, dict]) -> str | None:
+    """The report's line on the FP8 attention recipe of each fp8attn mode (recipe variants
+    such as fp8-delta_matching@tile+hadamard included), from the logs' meta model configs;
+    None without an fp8attn mode."""
+    from .model import FP8ATTN_MODES
+    parts = []
+    for mode, log in logs.items():
+        m = (log.get("meta") or {}).get("model") or {}
+        if m.get("attn_mode") in FP8ATTN_MODES:
+            parts.append(f"{mode} scaling {m.get('fp8_scaling', 'row')}, qk_rotation "
+                         f"{m.get('fp8_qk_rotation', 'none')}, smooth_k {'on' if m.get('fp8_smooth_k') else 'off'}")
+    return "FP8 attention recipe of the fp8attn modes: " + "; ".join(parts) + "." if parts else None
 
 
 def cudnn_note(s: dict) -> str:
@@ -242,6 +258,7 @@ def write_report(run_dir: str | Path, modes: list[str], skipped: dict | None = N
         f"FP8 precision scope of the fp8 modes: {m.get('scope', 'attn-core')} (the bf16 mode is BF16 "
         f"everywhere); {'packed documents (per-document causal attention)' if m.get('packed') else 'plain causal rows'}"
         f"{'; FSDP2' if summaries[0].get('fsdp') else ''}.",
+    ] + ([recipe_line(logs)] if recipe_line(logs) else []) + [
         "",
         table,
         "",

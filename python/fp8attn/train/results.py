@@ -6,7 +6,8 @@
         --verdict docs/results_verdict.md --out docs/results.md --fig-dir docs/results
 
 --run LABEL=DIR (repeatable): a `python -m fp8attn.train.compare` run directory
-(<mode>.jsonl logs, summary.json; a run cut short is read from its logs) with an
+(<mode>.jsonl logs, recipe variants such as fp8-delta_matching@tile included; summary.json;
+a run cut short is read from its logs) with an
 optional `probe/` subdirectory (`python -m fp8attn.train.probe`). Its figures
 are drawn into --fig-dir as <LABEL>-*.png.
 --prior DIR (repeatable): an earlier run kept in docs/runs/ (summary.json,
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from . import provenance
-from .model import ATTN_MODES, CUDNN_MODE
+from .model import ATTN_MODES, CUDNN_MODE, is_mode_name, mode_sort_key
 from .report import markdown_table, make_plots, mode_label, read_log
 
 MODE_ORDER = ATTN_MODES   # NOTE: one source of truth: every mode the harness trains, fp8-cudnn included
@@ -49,7 +50,10 @@ def load_run(run_dir: str | os.PathLike) -> dict:
     the log: steps_done, final train loss (mean of the last 20 steps), last val loss,
     "incomplete": True."""
     run_dir = Path(run_dir)
-    logs = {m: read_log(run_dir / f"{m}.jsonl") for m in MODE_ORDER if (run_dir / f"{m}.jsonl").is_file()}
+    # NOTE: MODE_ORDER's order, each mode's recipe variants (fp8-delta_matching@tile, ...) after it.
+    names = {p.name[:-len(".jsonl")] for p in run_dir.glob("*.jsonl")} if run_dir.is_dir() else set()
+    logs = {m: read_log(run_dir / f"{m}.jsonl") for m in sorted((n for n in names if is_mode_name(n)),
+                                                                key=mode_sort_key)}
     if not logs:
         raise FileNotFoundError(f"results: no <mode>.jsonl logs in {run_dir}")
     summaries = []

@@ -28,7 +28,11 @@ aggregate: writes <out>/seeds.md, seeds.json, seeds_loss.png, seeds_gain.png
     sees the same batches, so val(mode, seed) - val(ref, seed) is a paired
     difference; per seed, mean, and whether the sign agrees across seeds
     (fp8 modes vs bf16, fp8-stale and fp8-matched_do vs fp8-delta_matching,
-    fp8-delta_matching vs fp8-cudnn: fp8attn against the FP8 attention a user would pick instead).
+    fp8-delta_matching vs fp8-cudnn: fp8attn against the FP8 attention a user would pick instead;
+    a recipe variant such as fp8-delta_matching@tile vs bf16 and vs its base mode).
+  Recipe variants (compare --modes fp8-delta_matching@tile+hadamard, ...; model.parse_mode)
+    are modes of their own (run dirs <variant>-s<seed>); their runs may differ from the
+    others only in the model fields their suffixes set.
   Errors (ValueError naming the run): a missing run dir or log, a log without a
   meta line, runs that differ in the training or model configuration (step
   count, lr, batch, model shape, ...: the lr schedule must be the same), runs of
@@ -68,13 +72,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import ATTN_MODES, CUDNN_MODE
+from .model import ATTN_MODES, CUDNN_MODE, MODE_GRAMMAR, is_mode_name, mode_sort_key, parse_mode
 from .report import OPTIMIZER_NAMES, mode_label, read_log
 
 MODE_ORDER = ATTN_MODES   # NOTE: one source of truth: every mode the harness trains, fp8-cudnn included
 # Plot color per mode (one each, so no two modes share one; ATTN_MODES order).
 MODE_COLORS = dict(zip(ATTN_MODES, ("k", "tab:red", "tab:orange", "tab:blue", "tab:green")))
-_DIR_RE = re.compile(r"^(?P<mode>bf16|fp8-[a-z_]+)-s(?P<seed>-?\d+)$")
+_DIR_RE = re.compile(r"^(?P<mode>bf16|fp8-[a-z_]+(?:[@+][a-z_]+)*)-s(?P<seed>-?\d+)$")
 # Training-config fields every run of a study must share (seed/data_seed differ by design;
 # device/threads/progress/saving do not change the numbers).
 _SHARED_TRAIN = ("steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup", "weight_decay", "betas",
@@ -91,7 +95,16 @@ def run_dir_name(mode: str, seed: int) -> str:
 
 
 def _sorted_modes(modes) -> list[str]:
-    return sorted(set(modes), key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m))
+    """MODE_ORDER's order, each mode's recipe variants after it; unknown names last."""
+    return sorted(set(modes), key=mode_sort_key)
+
+
+def _overridden(mode: str) -> set[str]:
+    """The ModelConfig fields a recipe variant's suffixes set (model.parse_mode; none for a plain mode)."""
+    try:
+        return set(parse_mode(mode).overrides())
+    except ValueError:
+        return set()
 
 
 def discover(study: Path) -> tuple[list[str], list[int]]:
@@ -109,11 +122,11 @@ def discover_runs(study: Path) -> list[tuple[str, int]]:
     if not study.is_dir():
         raise ValueError(f"seeds: study dir {study} is not a directory")
     found = [m.groupdict() for m in (_DIR_RE.match(p.name) for p in study.iterdir() if p.is_dir()) if m]
-    bad = sorted(f"{f['mode']}-s{f['seed']}" for f in found if f["mode"] not in MODE_ORDER)
+    bad = sorted(f"{f['mode']}-s{f['seed']}" for f in found if not is_mode_name(f["mode"]))
     if bad:
         raise ValueError(f"seeds: run dir(s) {', '.join(bad)} in {study} name an unknown mode (expected "
-                         f"<mode>-s<seed> with mode one of {', '.join(MODE_ORDER)}); move them away or pass "
-                         "--modes/--seeds")
+                         f"<mode>-s<seed> with mode one of {', '.join(MODE_ORDER)} or a recipe variant "
+                         f"{MODE_GRAMMAR}); move them away or pass --modes/--seeds")
     order = {m: i for i, m in enumerate(_sorted_modes(f["mode"] for f in found))}
     return sorted(((f["mode"], int(f["seed"])) for f in found), key=lambda ms: (order[ms[0]], ms[1]))
 
@@ -276,8 +289,10 @@ def _check_same_config(ref: tuple[str, dict], name: str, meta: dict) -> None:
         a, b = rmeta["train"].get(k), meta["train"].get(k)
         if a != b:
             diffs.append(f"train.{k}: {rname} has {a}, {name} has {b}")
-    ma = {k: v for k, v in rmeta["model"].items() if k != "attn_mode"}
-    mb = {k: v for k, v in meta["model"].items() if k != "attn_mode"}
+    # NOTE: a recipe variant (fp8-delta_matching@tile, ...) differs in the fields its name sets.
+    mine = {"attn_mode"} | _overridden(rmeta.get("mode", "")) | _overridden(meta.get("mode", ""))
+    ma = {k: v for k, v in rmeta["model"].items() if k not in mine}
+    mb = {k: v for k, v in meta["model"].items() if k not in mine}
     for k in sorted(set(ma) | set(mb)):
         if ma.get(k) != mb.get(k):
             diffs.append(f"model.{k}: {rname} has {ma.get(k)}, {name} has {mb.get(k)}")
@@ -318,7 +333,9 @@ def mode_stats(study: dict) -> dict:
 def paired(study: dict, stats: dict) -> list[dict]:
     """Per-seed paired val-loss differences (see the module docstring)."""
     out = []
-    for a, b in PAIRS:
+    # Recipe variants: against bf16 and against their base mode (same seed, same batches).
+    variants = [m for m in study["modes"] if _overridden(m)]
+    for a, b in PAIRS + tuple(p for m in variants for p in ((m, "bf16"), (m, parse_mode(m).base))):
         if a not in stats or b not in stats:
             continue
         seeds = [s for s in study["seeds"] if s in stats[a]["vals"] and s in stats[b]["vals"]]
@@ -629,9 +646,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
     if modes is not None:
-        bad = [m for m in modes if m not in MODE_ORDER]
+        bad = [m for m in modes if not is_mode_name(m)]
         if bad or not modes:
-            ap.error(f"--modes: expected comma-separated modes out of {','.join(MODE_ORDER)}, got {args.modes!r}")
+            ap.error(f"--modes: expected comma-separated modes out of {','.join(MODE_ORDER)} or recipe variants "
+                     f"{MODE_GRAMMAR}, got {args.modes!r}")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds is not None else None
     except ValueError:

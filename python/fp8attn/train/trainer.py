@@ -81,7 +81,7 @@ from .capture import ActivationScales
 from .checkpoint import save_checkpoint
 from .state import load_state, restore_rngs, save_state, state_path
 from .data import PreparedData, TokenStream
-from .model import CUDNN_MODE, ModelConfig, Transformer, gain_stats, is_scaling_state_key
+from .model import CUDNN_MODE, ModelConfig, Transformer, gain_stats, is_scaling_state_key, mode_model_config
 
 
 @dataclass
@@ -435,6 +435,9 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
                log_path: str | os.PathLike, *, stop: StopRule | None = None, resume: bool = False,
                state_every: int = 0) -> dict:
     """Trains one model with attention mode `mode`; writes the JSONL log; returns the summary.
+    `mode` is a mode name of model.parse_mode: an attn_mode, or a recipe variant such as
+    "fp8-delta_matching@tile+hadamard", whose suffixes override model_cfg's fp8_scaling /
+    fp8_qk_rotation / fp8_smooth_k (the meta line's model config is the mode's own).
 
     stop: stop early and save the training state (see StopRule; module docstring).
     resume: continue from `<log stem>.state.pt` if it exists; a mode whose log is
@@ -474,7 +477,7 @@ def train_mode(mode: str, model_cfg: ModelConfig, cfg: TrainConfig, data: Prepar
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // dctx.local_world_size))
     if cfg.seq_len > model_cfg.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
-    model_cfg = ModelConfig(**{**model_cfg.to_dict(), "attn_mode": mode})
+    model_cfg = mode_model_config(model_cfg, mode)   # NOTE: a recipe variant sets its fp8_* fields
     if mode == CUDNN_MODE:
         # NOTE: compare skips the mode where it cannot run; a direct call is told why here
         why = cudnn_unavailable_reason(model_cfg, cfg, device)
