@@ -135,16 +135,24 @@ study_logs() {
 }
 
 # study_library GPU: the fp8attn library of a training study (results_study.sh,
-# seeds_study.sh). GPU=1: the carried CUDA build (a build on the device would
-# eat the budget); else the CPU extension, built in place when missing.
-# Returns 1 after a note saying why.
+# seeds_study.sh). GPU=1: the carried CUDA build, else the in-place CUDA build an
+# earlier call of the same hold left in python/fp8attn (device_all.sh's native
+# build; a build inside the study would eat its window); else the CPU extension,
+# built in place when missing. Returns 1 after a note saying why.
 study_library() {
   if [ "$1" = 1 ]; then
-    use_carried_so || { note "no carried .devbuild/lib/fp8attn/_C*.so (building here would eat the budget)"; return 1; }
-    if ! has_cuda_kernels >>"$LOG" 2>&1; then
-      note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; return 1
+    if use_carried_so; then
+      if ! has_cuda_kernels >>"$LOG" 2>&1; then
+        note "carried $(basename "$CARRIED_SO") does not load with CUDA kernels"; tail -5 "$LOG"; return 1
+      fi
+      note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
+    elif ls python/fp8attn/_C*.so >/dev/null 2>&1 && has_cuda_kernels >>"$LOG" 2>&1; then
+      note "library: the in-place CUDA build of an earlier call ($(ls python/fp8attn/_C*.so | head -1))"
+    else
+      note "no carried .devbuild/lib/fp8attn/_C*.so and no in-place CUDA build (run DEVICE_LIB=native" \
+           "scripts/device_all.sh first in the same hold; a build here would eat the window)"
+      return 1
     fi
-    note "library: carried $(basename "$CARRIED_SO") (CUDA kernels)"
   else
     if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
       say "building the CPU extension in place"
