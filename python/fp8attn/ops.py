@@ -817,14 +817,7 @@ def attention(
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
     left, right = _causal_window(causal, left, right)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(_err("attention", "deterministic", f"must be a bool, got {type(deterministic).__name__}"))
-    deterministic = bool(deterministic)
-    if deterministic and q.device.type == "cuda" and op_precision == "fp8" and scaling != "tile":
-        raise NotImplementedError(_err("attention", "deterministic", "the CUDA backward of scaling='row' adds its dQ "
-                                                                     "partials with atomics; scaling='tile' runs "
-                                                                     "deterministic=True on CUDA (CPU tensors always "
-                                                                     "are)"))
+    deterministic = check_deterministic(deterministic, q.device.type, op_precision, scaling)
     out, lse = _AttentionFunction.apply(q, k, v, scale, causal, op_precision, block_size, delta_mode,
                                         grad_format, layer_name, scaling, qk_rotation, smooth_k, cap, left, right,
                                         deterministic)
@@ -903,6 +896,22 @@ def _real(x) -> Optional[float]:
         return math.inf if x > 0 else -math.inf
 
 
+def check_deterministic(deterministic, device_type: str, precision: str, scaling: str,
+                        fn: str = "attention") -> bool:
+    """`deterministic` of attention / varlen_attention as a bool: TypeError naming it for
+    a non-bool; NotImplementedError on CUDA tensors with precision "fp8" and scaling
+    "row" (its backward adds the dQ partials with atomics, numerics.md section 9,
+    "Deterministic backward"); CPU tensors are deterministic for any value."""
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(_err(fn, "deterministic", f"must be a bool, got {type(deterministic).__name__}"))
+    deterministic = bool(deterministic)
+    if deterministic and device_type == "cuda" and precision == "fp8" and scaling != "tile":
+        raise NotImplementedError(_err(fn, "deterministic", "the CUDA backward of scaling='row' adds its dQ "
+                                                            "partials with atomics; scaling='tile' runs "
+                                                            "deterministic=True on CUDA (CPU tensors always are)"))
+    return deterministic
+
+
 def check_dropout(fn: str, dropout_p) -> None:
     """dropout_p of the drop-ins (FlashAttention's and PyTorch SDPA's): a probability, so
     a real number in [0, 1] (else ValueError naming it: a string, NaN, -0.1); 0 is the
@@ -967,14 +976,10 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
                            *descales, ("block_table", block_table, "a paged KV cache")):
         if val is not None:
             unsupported(arg, type(val).__name__, what)
-    # The CPU reference is bitwise deterministic (for every thread count); on CUDA
-    # `attention(deterministic=True)` orders the `tile` backward's dQ adds (flash_attn_func
-    # passes it on; varlen_attention's single launch has no such order: refused there).
-    if as_bool("deterministic", deterministic) and device_type != "cpu" and fn != "flash_attn_func":
-        unsupported("deterministic", True, "a bitwise run-to-run reproducible packed backward on CUDA (the "
-                                           "single-launch dQ accumulation uses atomics; flash_attn_func / "
-                                           "attention with scaling='tile' take deterministic=True, CPU tensors "
-                                           "are deterministic)")
+    # deterministic: a bool here; its recipe rule is check_deterministic's, which
+    # attention and varlen_attention apply (the CPU reference is bitwise deterministic;
+    # on CUDA the `tile` backward orders its dQ adds, varlen_attention then loops).
+    as_bool("deterministic", deterministic)
     return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
     if not is_int(attention_chunk) or attention_chunk < 0:
         raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))

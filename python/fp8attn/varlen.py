@@ -64,8 +64,8 @@ from . import _env
 from . import diagnostics as _diag
 from ._lib import HAS_CUDA_KERNELS
 from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _fused_rotation, _half_in, _half_out, _index,
-                  _is_empty, bwd_op, check_inputs, check_options, check_softcap, check_window_size, fwd_op,
-                  single_backward)
+                  _is_empty, bwd_op, check_deterministic, check_inputs, check_options, check_softcap,
+                  check_window_size, fwd_op, single_backward)
 
 __all__ = ["varlen_attention"]
 
@@ -208,12 +208,13 @@ def varlen_fwd(
     precision: str, block_size: int, delta_mode: str, grad_format: str, layer_name: Optional[str],
     scaling: str = "row", qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    window_left: int = -1, window_right: int = -1, check: bool = True,
+    window_left: int = -1, window_right: int = -1, check: bool = True, deterministic: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of varlen_attention on already checked static arguments (see the
     module docstring); precision is the op-level one ("fp8" or "exact"). check:
     the value checks of cu_seqlens / seqused / max_seqlen on the single-launch
-    path (the loop always checks: it reads the values anyway)."""
+    path (the loop always checks: it reads the values anyway). deterministic: for the
+    backward only (varlen_bwd; the forward has no run-to-run variation)."""
     if _single_launch(q, k, v, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, seqused_q,
@@ -250,7 +251,7 @@ def varlen_fwd(
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      precision, block_size, delta_mode, grad_format, layer_name, scaling="row", qk_rotation="none",
                      smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, window_left=-1, window_right=-1,
-                     check=True):
+                     check=True, deterministic=False):
     total_q, hq, _ = q.shape
     return (q.new_empty((total_q, hq, v.shape[2])), q.new_empty((hq, total_q), dtype=torch.float32),
             q.new_empty((hq, total_q) if smooth_k else (0,), dtype=torch.float32))
@@ -264,16 +265,20 @@ def varlen_bwd(
     qk_rotation: str = "none", smooth_k: bool = False,
     seqused_q: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None, softcap: float = 0.0,
     lse_t: Optional[torch.Tensor] = None, window_left: int = -1, window_right: int = -1, check: bool = True,
+    deterministic: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of varlen_fwd: dq, dk, dv (zero outside the non-empty sequences)
     and, with diagnostics, diag float32 [4, Hq, total_q] = the bwd op's (delta,
     eps, rowsum_pre, rowsum_post) per token (0 outside the non-empty sequences),
     else an empty [0]. lse_t: varlen_fwd's third output (smooth_k: LSE' of the
     smoothed logits, used as it is instead of lse - shift; None or [0]: recovered
-    from lse)."""
+    from lse). deterministic: dQ, dK, dV the same bit for bit from run to run: the
+    per-sequence loop of dense backwards with deterministic=True (the single launch
+    adds its dQ partials with atomics; numerics.md section 9, "Deterministic backward")."""
     if lse_t is not None and lse_t.numel() == 0:
         lse_t = None
-    if _single_launch(q, k, v, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k, softcap):
+    if not deterministic and _single_launch(q, k, v, cu_seqlens_q, precision, scaling, qk_rotation, smooth_k,
+                                            softcap):
         if check:
             _spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_q=seqused_q, seqused_k=seqused_k)
         cu_q, cu_k, used_q, used_k = _on_device(q.device, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -291,7 +296,7 @@ def varlen_bwd(
             _seq(dout, qa, qb), q_b, k_b, v_b, _seq(out, qa, qb), lse[:, qa:qb].unsqueeze(0), softmax_scale,
             causal, precision, delta_mode, block_size, grad_format, diagnostics, scaling, qk_rotation, smooth_k,
             softcap=softcap, lse_t=None if lse_t is None else lse_t[:, qa:qb].unsqueeze(0),
-            window=(window_left, window_right))
+            window=(window_left, window_right), deterministic=deterministic)
         dq[qa:qb] = dq_b[0].transpose(0, 1)
         dk[ka:kb] = dk_b[0].transpose(0, 1)
         dv[ka:kb] = dv_b[0].transpose(0, 1)
@@ -304,7 +309,7 @@ def varlen_bwd(
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, precision,
                      delta_mode, block_size, grad_format, diagnostics, scaling="row", qk_rotation="none",
                      smooth_k=False, seqused_q=None, seqused_k=None, softcap=0.0, lse_t=None, window_left=-1,
-                     window_right=-1, check=True):
+                     window_right=-1, check=True, deterministic=False):
     diag_shape = (4, q.shape[1], q.shape[0]) if diagnostics else (0,)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(diag_shape, dtype=torch.float32))
@@ -324,10 +329,11 @@ def _varlen_setup_context(ctx, inputs, output):
     softcap = inputs[19] if len(inputs) > 19 else 0.0
     window = (inputs[20] if len(inputs) > 20 else -1, inputs[21] if len(inputs) > 21 else -1)
     check = inputs[22] if len(inputs) > 22 else True
+    deterministic = inputs[23] if len(inputs) > 23 else False
     out, lse, lse_t = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t)
     ctx.opts = (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation,
-                smooth_k, softcap, window, check, len(inputs))
+                smooth_k, softcap, window, check, deterministic, len(inputs))
     ctx.mark_non_differentiable(lse, lse_t)
 
 
@@ -335,12 +341,12 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, _dlse, _dlse_t):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k, lse_t = ctx.saved_tensors
     (scale, causal, precision, block_size, delta_mode, grad_format, layer_name, scaling, qk_rotation, smooth_k,
-     softcap, window, check, n_inputs) = ctx.opts
+     softcap, window, check, deterministic, n_inputs) = ctx.opts
     want_diag = _diag.is_recording()  # False while compiling: the traced backward records nothing
     dq, dk, dv, diag = torch.ops.fp8attn.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal,
                                                     precision, delta_mode, block_size, grad_format, want_diag,
                                                     scaling, qk_rotation, smooth_k, used_q, used_k, softcap, lse_t,
-                                                    window[0], window[1], check)
+                                                    window[0], window[1], check, deterministic)
     if want_diag:
         # One record per non-empty sequence, in sequence order, as `attention`
         # would record for that sequence alone (eager only: reads cu_seqlens).
@@ -472,8 +478,13 @@ def varlen_attention(
             CUDA tensors with scaling="tile" too, and with scaling="row" raise
             NotImplementedError naming window_size for a sequence whose window
             masks more than causal.
+        deterministic: a backward whose dQ, dK, dV are the same bit for bit from run
+            to run, as `fp8attn.attention`'s: CPU tensors always; CUDA tensors with
+            scaling="tile" run the per-sequence loop of deterministic dense backwards
+            (the single launch's dQ adds are atomic), slower; CUDA with scaling="row"
+            raises NotImplementedError naming it. A non-bool is a TypeError.
         FlashAttention's other arguments (dropout_p,
-        alibi_slopes, deterministic (on CUDA), qv, q_descale /
+        alibi_slopes, qv, q_descale /
         k_descale / v_descale, attention_chunk, num_splits, pack_gqa, sm_margin,
         block_table):
             the defaults and equivalent values are accepted (num_splits and
@@ -548,9 +559,10 @@ def varlen_attention(
     q, k, v = _half_in(q, k, v)
     if not isinstance(check, (bool, np.bool_)):
         raise TypeError(_err(_FN, "check", f"must be a bool, got {type(check).__name__}"))
+    det = check_deterministic(deterministic, q.device.type, op_precision, scaling, fn=_FN)
     out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
                                             scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap,
-                                            window[0], window[1], bool(check))
+                                            window[0], window[1], bool(check), det)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

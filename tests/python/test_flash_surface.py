@@ -357,8 +357,9 @@ def test_fp8_inputs_must_all_be_fp8():
 @pytest.mark.parametrize("fn", ["flash_attn_func", "varlen_attention"])
 def test_deterministic_is_accepted_on_cpu_and_is_true(fn):
     """The CPU reference is bitwise deterministic (any thread count): deterministic=True is
-    honoured there; two runs of forward + backward agree bit for bit. (On CUDA it raises
-    NotImplementedError naming it: the dQ atomics; test_cuda_head_dims.py.)"""
+    honoured there; two runs of forward + backward agree bit for bit. (On CUDA scaling='tile'
+    runs it and scaling='row' raises NotImplementedError naming it: test_tile_cuda_bwd.py,
+    test_cuda_head_dims.py.)"""
     outs, before = [], torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
@@ -404,3 +405,25 @@ def test_fp8_inputs_with_descales_compile_fullgraph():
     with pytest.raises(ValueError, match="k_descale.*finite and > 0"):   # eager still checks the values
         fp8attn.flash_attn_func(q, k, v, k_descale=-ds)
     torch._dynamo.reset()
+
+
+def test_varlen_deterministic_reaches_the_per_sequence_backward(monkeypatch):
+    """varlen_attention(deterministic=True) hands the flag to every per-sequence dense
+    backward (on CUDA the single launch, whose dQ adds are atomic, is skipped for it:
+    varlen_bwd); without it the flag stays False."""
+    import fp8attn.varlen as vl
+    seen = []
+    real = vl.bwd_op
+
+    def spy(*a, **kw):
+        seen.append(kw.get("deterministic"))
+        return real(*a, **kw)
+    monkeypatch.setattr(vl, "bwd_op", spy)
+    q, k, v, cq, ck = _varlen()
+    for det in (True, False):
+        seen.clear()
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        fp8attn.varlen_attention(*args, cq, ck, 23, 23, causal=True, deterministic=det).sum().backward()
+        assert seen and all(x is det for x in seen), (det, seen)
+    with pytest.raises(ValueError, match="'deterministic'"):
+        fp8attn.varlen_attention(q, k, v, cq, ck, 23, 23, causal=True, deterministic="yes")

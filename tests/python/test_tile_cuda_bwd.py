@@ -545,8 +545,8 @@ def test_tile_bwd_deterministic_windows_and_softcap(window):
 @needs_gpu
 def test_deterministic_entry_points_and_refusals():
     """attention / flash_attn_func take deterministic=True on CUDA with scaling='tile'
-    (bitwise repeatable grads); scaling='row' raises NotImplementedError naming it, and so
-    does varlen_attention's single launch."""
+    (bitwise repeatable grads); scaling='row' raises NotImplementedError naming it, in
+    varlen_attention too."""
     import fp8attn
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 4, 400, 64, generator=g).bfloat16().cuda() for _ in range(3))
@@ -566,4 +566,41 @@ def test_deterministic_entry_points_and_refusals():
     cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
     with pytest.raises(NotImplementedError, match="'deterministic'"):
         fp8attn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-                                 scaling="tile", deterministic=True)
+                                 scaling="row", deterministic=True)
+
+
+@needs_gpu
+def test_varlen_deterministic_loops_and_is_bitwise_run_to_run():
+    """varlen_attention(deterministic=True) on CUDA with scaling='tile': the per-sequence
+    loop of deterministic dense backwards (the single launch adds dQ with atomics), so the
+    gradients repeat bit for bit, equal those of the loop over `attention(deterministic=True)`
+    per sequence bit for bit, and dK / dV equal the single launch's (no atomics there)."""
+    import fp8attn
+    g = torch.Generator().manual_seed(9)
+    lens = [300, 1, 700, 129]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    tot = int(cu[-1])
+    q = (torch.randn(tot, 4, 128, generator=g)).bfloat16().cuda()
+    k, v = ((torch.randn(tot, 2, 128, generator=g)).bfloat16().cuda() for _ in range(2))
+    do = torch.randn(tot, 4, 128, generator=g).bfloat16().cuda()
+    cu_d = cu.cuda()
+
+    def grads(det):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fp8attn.varlen_attention(qq, kk, vv, cu_d, cu_d, causal=True, scaling="tile", deterministic=det)
+        o.backward(do)
+        return o.detach(), qq.grad, kk.grad, vv.grad
+
+    a, b, free = grads(True), grads(True), grads(False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(a[0], free[0])  # the same forward
+    assert torch.equal(a[2], free[2]) and torch.equal(a[3], free[3])
+    assert ((a[1].float() - free[1].float()).norm() / free[1].float().norm()).item() < 1e-3
+    # Per sequence, attention(deterministic=True) on the dense views gives the same bits.
+    for s in range(len(lens)):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        qq, kk, vv = (t[lo:hi].transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t in (q, k, v))
+        fp8attn.attention(qq, kk, vv, causal=True, scaling="tile", deterministic=True).backward(
+            do[lo:hi].transpose(0, 1).unsqueeze(0))
+        assert torch.equal(qq.grad[0].transpose(0, 1), a[1][lo:hi])
+        assert torch.equal(kk.grad[0].transpose(0, 1), a[2][lo:hi])
