@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .ops import attention, check_options
@@ -64,7 +65,8 @@ __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 # fp8attn.attention options that register() forwards (layer_name comes from the module).
 # NOTE: "scaling" here is fp8attn's FP8 scaling recipe ("row" / "tile",
 # numerics.md section 9); HF's per-call `scaling` argument stays the softmax scale.
-FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling", "qk_rotation", "smooth_k")
+FP8_OPTIONS = ("delta_mode", "precision", "block_size", "grad_format", "scaling", "qk_rotation", "smooth_k",
+               "deterministic")
 
 # HF attention kwargs this integration cannot honour when set (not None / not False).
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
@@ -137,7 +139,11 @@ def _classify_mask(mask: torch.Tensor, seqlen_q: int,
 
 def make_attention_function(**fp8_kwargs) -> Callable:
     """The HF attention function (without registering it); see `register`."""
-    check_options(fn="hf.register", **fp8_kwargs)
+    deterministic = fp8_kwargs.get("deterministic", False)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"fp8attn.hf.register: argument 'deterministic': must be a bool, got "
+                        f"{type(deterministic).__name__}")
+    check_options(fn="hf.register", **{k: v for k, v in fp8_kwargs.items() if k != "deterministic"})
     precision = fp8_kwargs.get("precision", "fp8")
 
     def fp8attn_attention_forward(
@@ -225,8 +231,12 @@ def register(name: str = "fp8attn", **fp8_kwargs) -> Callable:
             (the FP8 scaling recipe "row" / "tile", numerics.md section 9; not
             HF's per-call `scaling`, which stays the softmax scale),
             qk_rotation ("none" / "hadamard") and smooth_k (bool; the
-            outlier transforms of numerics.md section 10), as in
-            `fp8attn.attention` (checked here; ValueError naming the option).
+            outlier transforms of numerics.md section 10), deterministic (bool:
+            a bitwise run-to-run reproducible backward; on CUDA with
+            scaling="tile", numerics.md section 9), as in `fp8attn.attention`
+            (checked here; ValueError naming the option, TypeError for a
+            non-bool deterministic; the recipe rule of deterministic is checked
+            per call, where the device is known).
 
     Returns the registered function
     fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)

@@ -229,6 +229,27 @@ def test_register_rejects_bad_options():
         fp8attn.hf.register("bad", causal=True)
     with pytest.raises(ValueError, match="precision"):
         fp8attn.hf.register("bad", precision="fp4")
+    with pytest.raises(TypeError, match="'deterministic'"):
+        fp8attn.hf.register("bad", deterministic="yes")
+
+
+def test_register_deterministic_reaches_the_op(monkeypatch):
+    """register(..., deterministic=True) passes the flag to fp8attn.attention on every call
+    (CPU: bitwise deterministic anyway; CUDA: the `tile` backward's ordered dQ adds)."""
+    seen = []
+    real = fp8attn.hf.attention
+
+    def spy(*a, **kw):
+        seen.append(kw.get("deterministic"))
+        return real(*a, **kw)
+    monkeypatch.setattr(fp8attn.hf, "attention", spy)
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(1, h, 8, 16) for h in (4, 2, 2))
+    for det in (True, False):
+        seen.clear()
+        fp8attn.hf.make_attention_function(deterministic=det)(module, q, k, v, None, scaling=0.25)
+        assert seen == [det]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
