@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .ops import attention, check_options, check_softcap, check_window_size, flash_attn_func
+from .ops import attention, check_deterministic, check_options, check_softcap, check_window_size, flash_attn_func
 
 __all__ = ["FP8Attention"]
 
@@ -24,7 +24,10 @@ class FP8Attention(torch.nn.Module):
         -1 = unbounded, causal forces right = 0; on CUDA with scaling="tile",
         scaling="row" raises NotImplementedError naming it there);
         softcap (float, tanh logit capping c tanh(S / c), section 12; 0 = off; on
-        CUDA with scaling="tile").
+        CUDA with scaling="tile");
+        deterministic (bool: a backward whose dQ, dK, dV repeat bit for bit; CPU
+        always, CUDA with scaling="tile"; scaling="row" on CUDA raises
+        NotImplementedError naming it at the call; section 9).
         layout: "bhsd" (SDPA layout [batch, heads, seqlen, head_dim], default)
             or "bshd" (flash_attn layout [batch, seqlen, heads, head_dim]);
             O comes back in the same layout.
@@ -49,6 +52,7 @@ class FP8Attention(torch.nn.Module):
         smooth_k: bool = False,
         window_size: Tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
+        deterministic: bool = False,
     ):
         super().__init__()
         check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
@@ -72,6 +76,7 @@ class FP8Attention(torch.nn.Module):
         # The device-independent checks (type, range, smooth_k); the call checks the CUDA rules.
         self.softcap = check_softcap(softcap, smooth_k, "cpu", fn="FP8Attention", scaling=scaling,
                                      precision=precision)
+        self.deterministic = check_deterministic(deterministic, "cpu", precision, scaling, fn="FP8Attention")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         fn = attention if self.layout == "bhsd" else flash_attn_func
@@ -79,7 +84,7 @@ class FP8Attention(torch.nn.Module):
                   delta_mode=self.delta_mode, precision=self.precision, block_size=self.block_size,
                   grad_format=self.grad_format, layer_name=self.layer_name, scaling=self.scaling,
                   qk_rotation=self.qk_rotation, smooth_k=self.smooth_k,
-                  window_size=self.window_size, softcap=self.softcap)
+                  window_size=self.window_size, softcap=self.softcap, deterministic=self.deterministic)
 
     def extra_repr(self) -> str:
         s = (f"causal={self.causal}, delta_mode={self.delta_mode!r}, precision={self.precision!r}, "
@@ -89,6 +94,8 @@ class FP8Attention(torch.nn.Module):
             s += f", window_size={self.window_size}"
         if self.softcap:
             s += f", softcap={self.softcap}"
+        if self.deterministic:
+            s += ", deterministic=True"
         if self.softmax_scale is not None:
             s += f", softmax_scale={self.softmax_scale}"
         if self.layer_name is not None:

@@ -369,6 +369,29 @@ def test_module():
         fp8attn.FP8Attention(layout="sbhd")
 
 
+def test_module_deterministic(monkeypatch):
+    """FP8Attention(deterministic=True) passes it to the op on every call, in both layouts;
+    a non-bool is a TypeError naming it."""
+    import fp8attn.modules as mods
+    seen = []
+    for name in ("attention", "flash_attn_func"):
+        real = getattr(mods, name)
+
+        def spy(*a, _real=real, **kw):
+            seen.append(kw.get("deterministic"))
+            return _real(*a, **kw)
+        monkeypatch.setattr(mods, name, spy)
+    q, k, v = make_qkv(1, 4, 2, 10, 10, 16)
+    m = fp8attn.FP8Attention(causal=True, deterministic=True)
+    assert "deterministic=True" in repr(m)
+    m(q, k, v)
+    fp8attn.FP8Attention(causal=True, layout="bshd", deterministic=True)(*(t.transpose(1, 2) for t in (q, k, v)))
+    fp8attn.FP8Attention(causal=True)(q, k, v)
+    assert seen == [True, True, False]
+    with pytest.raises(TypeError, match="'deterministic'"):
+        fp8attn.FP8Attention(deterministic=1)
+
+
 def test_torch_compile_fullgraph_dynamic():
     """torch.compile(fullgraph=True, dynamic=True): symbolic sizes make the default
     softmax_scale (and float options) SymFloats; the argument checks take them (they
