@@ -627,9 +627,15 @@ def convert_to_fp8_linear(model: nn.Module, include: Union[str, Iterable[str], C
         # NOTE: the patterns match the whole qualified name (fnmatch): "layers.*" does not match
         # an HF model's "model.layers.0.mlp.up_proj". Converting nothing is never what was asked.
         some = [n for n, m in model.named_modules() if type(m) is nn.Linear][:4]
-        warnings.warn(f"fp8attn.linear.convert_to_fp8_linear: include={include!r} (exclude={exclude!r}) matched "
-                      f"no nn.Linear module, so nothing was converted; patterns match the whole qualified "
-                      f"name (e.g. '*.mlp.*'); some nn.Linear names here: {some}", stacklevel=2)
+        done = [n for n, m in model.named_modules() if isinstance(m, FP8Linear) and inc(n) and not exc(n)]
+        if done and not some:  # a second call on a converted model: say so, not "check your patterns"
+            warnings.warn(f"fp8attn.linear.convert_to_fp8_linear: include={include!r} (exclude={exclude!r}) "
+                          f"matched {len(done)} module(s) that are FP8Linear already (e.g. {done[:4]}) and no "
+                          f"nn.Linear: nothing left to convert", stacklevel=2)
+        else:
+            warnings.warn(f"fp8attn.linear.convert_to_fp8_linear: include={include!r} (exclude={exclude!r}) "
+                          f"matched no nn.Linear module, so nothing was converted; patterns match the whole "
+                          f"qualified name (e.g. '*.mlp.*'); some nn.Linear names here: {some}", stacklevel=2)
     new = {}
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")

@@ -165,6 +165,10 @@ def _check_args(fn: str, **args) -> None:
                                 f"{type(val).__name__}")
         elif isinstance(val, bool) or not isinstance(val, int):
             raise TypeError(f"fp8attn.{fn}: argument '{name}': must be an int, got {type(val).__name__}")
+        elif not -2**63 <= val < 2**63:  # the op schema's int is int64 (its binder's error named no argument)
+            raise ValueError(f"fp8attn.{fn}: argument '{name}': out of range (the ops take 64-bit ints; "
+                             f"{'dim is an axis of x' if name == 'dim' else 'block_size is 32, 64 or 128'}), "
+                             f"got an int of {val.bit_length()} bits")
     if "scales" in args and args["scales"].device != args["codes"].device:
         raise ValueError(f"fp8attn.{fn}: argument 'scales': must be on codes' device {args['codes'].device}, "
                          f"got {args['scales'].device}")

@@ -75,6 +75,20 @@ def test_huge_python_ints_are_value_errors(arg):
             fp8attn.scaled_dot_product_attention(q, k, v, scale=2**2000)
 
 
+@pytest.mark.parametrize("val", [2**70, -(2**70), 2**63])
+def test_quantization_ints_past_int64_are_value_errors(val):
+    """The quantization functions' dim / block_size beyond int64: a ValueError naming the
+    argument (torch's op binder said only "Expected a value of type 'int' ... found type
+    'int'", naming neither the argument nor the limit)."""
+    x = torch.randn(4, 256)
+    for name in ("dim", "block_size"):
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            fp8attn.quantize_blockwise(x, **{name: val})
+        codes, scales = fp8attn.quantize_blockwise(x, dim=1, block_size=128)
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            fp8attn.dequantize_blockwise(codes, scales, **{name: val})
+
+
 def test_varlen_max_seqlen_past_int64_is_a_loose_bound():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(30, 2, 16, generator=g) for _ in range(3))
@@ -138,6 +152,13 @@ def test_convert_readme_patterns_on_hf_names_and_no_match_warns():
     with pytest.warns(UserWarning, match="matched no nn.Linear module"):
         assert convert_to_fp8_linear(m, ["layers.*.self_attn.*_proj"]) == []
     assert type(m.model["layers"][0]["self_attn"]["q_proj"]) is nn.Linear
+    # A second call on a converted model says the layers are FP8Linear already (it said
+    # "matched no nn.Linear module ... some nn.Linear names here: []", a new-user trial).
+    m = _HFLike()
+    convert_to_fp8_linear(m, "*")
+    with pytest.warns(UserWarning, match="FP8Linear already") as rec:
+        assert convert_to_fp8_linear(m, "*") == []
+    assert not any("some nn.Linear names" in str(w.message) for w in rec)
 
 
 def test_fp8attention_module_takes_softcap():
