@@ -109,6 +109,22 @@ def test_probe_names_the_missing_step(tmp_path):
         probe.main(["--run-dir", str(tmp_path), "--step", "7"])
 
 
+@pytest.mark.parametrize("tool", ["probe", "retrieval"])
+@pytest.mark.parametrize("modes,match", [
+    ("fp8-stale@TILE", "unknown mode|unknown suffix"),      # was a traceback: FileNotFoundError
+    ("fp8-stale@tile,,bf16", "an empty entry"),           # was "no checkpoint RUN/.pt"
+    ("fp8-stale+smooth_k+hadamard", "out of order"),
+    ("fp8-delta_matching@tile", "no checkpoint"),         # a valid name without its checkpoint
+])
+def test_checkpoint_tools_name_bad_modes_without_a_traceback(tmp_path, tool, modes, match):
+    """probe / retrieval --modes: the compare grammar's messages, as a SystemExit naming --modes
+    (a new-user trial, 2026-12-07, got tracebacks)."""
+    from fp8attn.train import retrieval
+    main = probe.main if tool == "probe" else retrieval.main
+    with pytest.raises(SystemExit, match=f"--modes: .*({match})"):
+        main(["--run-dir", str(tmp_path), "--modes", modes])
+
+
 def test_model_override_given_twice_is_refused():
     with pytest.raises(SystemExit, match="--model: head_dim given twice"):   # the last one silently won
         compare.parse_model_overrides(["head_dim=64", "n_heads=2,head_dim=32"])

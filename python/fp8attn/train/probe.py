@@ -54,7 +54,7 @@ from . import provenance
 from .capture import CoreCapture, zero_attention_output
 from .checkpoint import load_checkpoint, read_info
 from .data import TokenStream
-from .model import ATTN_MODES, CUDNN_MODE, is_mode_name, mode_sort_key
+from .model import ATTN_MODES, CUDNN_MODE, is_mode_name, mode_sort_key, parse_mode
 from .report import mode_label
 from .trainer import checkpoint_unavailable_reason, evaluate, resolve_device
 
@@ -339,6 +339,23 @@ def write_outputs(result: dict, out_dir: str | os.PathLike) -> list[Path]:
 
 # ---- CLI ----------------------------------------------------------------------
 
+def parse_modes_arg(text: str | None) -> list[str] | None:
+    """--modes of the checkpoint tools (probe, retrieval): None for all present, else the
+    mode names (model.parse_mode: attention modes and recipe variants); SystemExit naming
+    --modes for an empty entry or a name that does not parse (the grammar message)."""
+    if not text:
+        return None
+    modes = [m.strip() for m in text.split(",")]
+    for m in modes:
+        if not m:
+            raise SystemExit(f"--modes: an empty entry in {text!r}")
+        try:
+            parse_mode(m)
+        except ValueError as exc:
+            raise SystemExit(f"--modes: {exc}") from None
+    return modes
+
+
 def find_checkpoints(run_dir: str | os.PathLike, modes=None, step: int | None = None) -> list[Path]:
     """<run_dir>/<mode>.pt (or <mode>.step<step>.pt) for the given modes (default: all present),
     in the order of model.ATTN_MODES (bf16, stale, matched_do, delta_matching, cudnn), each
@@ -443,8 +460,11 @@ def main(argv=None) -> None:
     paths = [Path(p) for p in a.ckpt]
     modes = run_paths = None
     if a.run_dir:
-        modes = [m.strip() for m in a.modes.split(",")] if a.modes else None
-        run_paths = find_checkpoints(a.run_dir, modes, a.step)
+        modes = parse_modes_arg(a.modes)
+        try:
+            run_paths = find_checkpoints(a.run_dir, modes, a.step)
+        except FileNotFoundError as exc:  # a named mode without its checkpoint: no traceback
+            raise SystemExit(str(exc)) from None
         paths += run_paths
     if not paths:
         want = "<mode>.pt" if a.step is None else f"<mode>.step{a.step}.pt (--step {a.step})"
