@@ -272,6 +272,17 @@ echo "== versions" | tee -a "$LOG"
 
 echo "== library" | tee -a "$LOG"
 study_library "$GPU" || exit 1
+# SEEDS_MODES checked once, before any run: compare's --modes rules (the grammar, a
+# repeated entry or configuration; a repeated mode would have two processes write one
+# run dir).
+if ! why="$(python3 -c 'import sys
+from fp8attn.train.compare import parse_modes
+try:
+    parse_modes(sys.argv[1])
+except SystemExit as e:
+    print(str(e).replace("--modes:", "SEEDS_MODES:", 1)); sys.exit(1)' "$MODES" 2>&1)"; then
+  note "${why:-SEEDS_MODES: could not be checked (fp8attn.train.compare did not import)}"; exit 2
+fi
 if [ "$GPU" = 1 ]; then  # NOTE: CPU side of 8 processes
   export OMP_NUM_THREADS=$(( $(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1 ))
 fi
