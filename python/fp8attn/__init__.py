@@ -2,8 +2,8 @@
 
 Public API:
     attention(q, k, v, *, causal, softmax_scale, delta_mode, precision, block_size,
-              grad_format, return_lse, layer_name, scaling, qk_rotation, smooth_k)
-                                                          SDPA layout [B, H, S, D]
+              grad_format, return_lse, layer_name, scaling, qk_rotation, smooth_k,
+              window_size, softcap, deterministic)        SDPA layout [B, H, S, D]
     flash_attn_func(q, k, v, softmax_scale, causal, *, ...)   flash layout [B, S, H, D]
     scaled_dot_product_attention(query, key, value, ...)  drop-in for F.sdpa
     FP8Attention                                          nn.Module
