@@ -247,6 +247,9 @@ def register(name: str = "fp8attn", **fp8_kwargs) -> Callable:
     padding masks, dropout in training and the other unsupported features
     listed in the module docstring.
     """
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"fp8attn.hf.register: argument 'name': must be a non-empty str (the "
+                        f"attn_implementation name), got {name!r}")
     bad = sorted(set(fp8_kwargs) - set(FP8_OPTIONS))
     if bad:
         raise TypeError(f"fp8attn.hf.register: unexpected option(s) {bad}; accepted: {FP8_OPTIONS}")

@@ -1246,6 +1246,8 @@ def scaled_dot_product_attention(
         raise TypeError(f"fp8attn.{fn}: unexpected argument '{unknown[0]}'; it takes PyTorch's (query, key, value, "
                         f"attn_mask, dropout_p, is_causal, scale, enable_gqa) and fp8attn's "
                         f"{', '.join(sorted(_SDPA_FP8_KWARGS))}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):  # as torch's SDPA (a string was taken as True)
+        raise TypeError(_err(fn, "enable_gqa", f"must be a bool, got {type(enable_gqa).__name__}"))
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
         if is_causal and query.shape[2] != key.shape[2]:
             raise NotImplementedError(

@@ -183,3 +183,12 @@ def test_fp8_linear_fused_weights_not_a_list_error_is_short():
     assert "tensor([" not in str(e.value)
     with pytest.raises(TypeError, match="got \\[\\]"):
         fp8_linear_fused(x, [])
+
+
+def test_sdpa_drop_in_enable_gqa_must_be_a_bool():
+    """enable_gqa='yes' was taken as True; torch's SDPA raises TypeError (a new-user trial)."""
+    q, k, v = _qkv()
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="'enable_gqa'"):
+            fp8attn.scaled_dot_product_attention(q, k, v, enable_gqa=bad)
+    fp8attn.scaled_dot_product_attention(q, k, v, enable_gqa=False)

@@ -231,6 +231,9 @@ def test_register_rejects_bad_options():
         fp8attn.hf.register("bad", precision="fp4")
     with pytest.raises(TypeError, match="'deterministic'"):
         fp8attn.hf.register("bad", deterministic="yes")
+    for name in (3, "", "  ", None):   # were registered as attn_implementation names
+        with pytest.raises(TypeError, match="'name'"):
+            fp8attn.hf.register(name)
 
 
 def test_register_deterministic_reaches_the_op(monkeypatch):

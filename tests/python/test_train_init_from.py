@@ -53,7 +53,7 @@ def test_one_checkpoint_for_every_mode(base, text_dir):
 
 
 def test_init_from_refuses_a_missing_checkpoint_or_another_architecture(base, text_dir, tmp_path):
-    with pytest.raises(SystemExit, match="--init-from: init_from: no checkpoint .*bf16.pt"):
+    with pytest.raises(SystemExit, match="--init-from: no checkpoint .*bf16.pt"):
         compare.run(compare.parse_args(_argv(text_dir, base, tmp_path / "x", "--init-from", str(tmp_path), steps=2)))
     # Another architecture: a SystemExit naming the fields before any training (it was a
     # ValueError traceback out of the first mode's training; the library still raises it).

@@ -328,10 +328,11 @@ def run(args) -> tuple[Path, str, list[dict]]:
             try:
                 ck = init_checkpoint(init_from, m)
             except FileNotFoundError as exc:
+                why = str(exc).removeprefix("init_from: ")   # the trainer's own prefix, not twice
                 if m == CUDNN_MODE:   # NOTE: a run whose fp8-cudnn was skipped has no fp8-cudnn.pt
-                    init_missing[m] = f"--init-from: {exc}"
+                    init_missing[m] = f"--init-from: {why}"
                     continue
-                raise SystemExit(f"--init-from: {exc}") from None
+                raise SystemExit(f"--init-from: {why}") from None
             # A file that is not a checkpoint is named here, before any work (it was a
             # torch.load traceback after the data preparation).
             try:
