@@ -55,10 +55,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
-import numpy as np
 import torch
 
-from .ops import attention, check_options
+from .ops import attention, check_deterministic, check_options
 
 __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 
@@ -139,10 +138,8 @@ def _classify_mask(mask: torch.Tensor, seqlen_q: int,
 
 def make_attention_function(**fp8_kwargs) -> Callable:
     """The HF attention function (without registering it); see `register`."""
-    deterministic = fp8_kwargs.get("deterministic", False)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"fp8attn.hf.register: argument 'deterministic': must be a bool, got "
-                        f"{type(deterministic).__name__}")
+    # deterministic's type here (check_deterministic; its recipe rule needs the device: per call).
+    check_deterministic(fp8_kwargs.get("deterministic", False), "cpu", "fp8", "tile", fn="hf.register")
     check_options(fn="hf.register", **{k: v for k, v in fp8_kwargs.items() if k != "deterministic"})
     precision = fp8_kwargs.get("precision", "fp8")
 
