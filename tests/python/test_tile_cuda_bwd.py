@@ -542,6 +542,52 @@ def test_tile_bwd_deterministic_windows_and_softcap(window):
     assert _rel(a[0], free[0]) < 1e-3 and torch.equal(a[1], free[1])
 
 
+_MANY_KEY_TILES = r"""
+import sys, torch, fp8attn  # noqa: F401
+OPS = torch.ops.fp8attn
+g = torch.Generator().manual_seed(11)
+sq, sk, causal, wl, wr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
+q = torch.randn(1, 2, sq, 64, generator=g).bfloat16().cuda()
+k, v = (torch.randn(1, 1, sk, 64, generator=g).bfloat16().cuda() for _ in range(2))
+do = torch.randn(1, 2, sq, 64, generator=g).bfloat16().cuda()
+kw = dict(window_left=wl, window_right=wr)
+o, lse = OPS.fwd(q, k, v, 0.125, causal, "fp8", 128, "tile", **kw)
+run = [OPS.bwd(do, q, k, v, o, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile",
+               deterministic=det, **kw)[:3] for det in (True, True, False)]
+torch.cuda.synchronize()
+assert all(torch.equal(a, b) for a, b in zip(run[0], run[1])), "deterministic runs differ"
+assert torch.equal(run[0][1], run[2][1]) and torch.equal(run[0][2], run[2][2])
+rel = ((run[0][0].float() - run[2][0].float()).norm() / run[2][0].float().norm()).item()
+assert rel < 1e-3, rel
+assert all(torch.isfinite(t).all() for t in run[0])
+print("ok", rel)
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("sq,sk,causal,wl,wr", [
+    (33000, 33000, True, -1, 0),     # 258 key tiles: more CTAs of one head than the GPU holds at once
+    (30000, 34000, True, -1, 0),     # bottom-right causal, seqlen_q < seqlen_k
+    (30000, 34000, False, 500, 100),  # a window: the leading key tiles no query sees (empty CTAs)
+    (34000, 30000, False, 3000, 500),  # a window, seqlen_q > seqlen_k
+    (20000, 20000, False, -1, -1),   # no mask
+])
+def test_tile_bwd_deterministic_many_key_tiles_finishes(sq, sk, causal, wl, wr):
+    """Many key tiles per head (more CTAs than are resident at once): the dQ turns wait
+    only for CTAs dispatched earlier (the grid's key tiles run in reverse, the turns in
+    descending key tile; bwd_tilescale_e4m3_sm90.cu "deterministic dQ"). A wrong order
+    or a wrong first turn would hang, so the call runs in a subprocess with a time
+    limit: a hang fails here instead of stalling the suite. Also bitwise run to run and
+    dQ within 1e-3 of the default order's."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's fp8attn
+    r = subprocess.run([sys.executable, "-c", _MANY_KEY_TILES, str(sq), str(sk), "1" if causal else "0",
+                        str(wl), str(wr)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout[-2000:], r.stderr[-4000:])
+
+
 @needs_gpu
 def test_deterministic_entry_points_and_refusals():
     """attention / flash_attn_func take deterministic=True on CUDA with scaling='tile'
