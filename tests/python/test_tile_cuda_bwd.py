@@ -604,3 +604,28 @@ def test_varlen_deterministic_loops_and_is_bitwise_run_to_run():
             do[lo:hi].transpose(0, 1).unsqueeze(0))
         assert torch.equal(qq.grad[0].transpose(0, 1), a[1][lo:hi])
         assert torch.equal(kk.grad[0].transpose(0, 1), a[2][lo:hi])
+
+
+@needs_gpu
+def test_tile_bwd_peak_memory_holds_codes_or_dq_not_both():
+    """The backward's peak memory (above its inputs): the seven FP8 code tensors (Q, K, dO
+    row-major and transposed, V; 7 N bytes for N = B H S d elements, MHA), dq_accum (4 N),
+    dK and dV (2 N each) and per-row vectors, while the main kernel runs; dQ (2 N) is
+    allocated after it, in the codes' freed memory (ops_cuda.cpp bwd_cuda_impl,
+    run_bwd_dq_convert). So the peak stays near 15 N; allocating dQ up front made it 17 N,
+    which the bound (16 N) fails."""
+    b, h, s, d = 1, 8, 8192, 128
+    n = b * h * s * d
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(b, h, s, d, generator=g).bfloat16().cuda() for _ in range(4))
+    tau = f32_scale(d)
+    out, lse = OPS.fwd(q, k, v, tau, True, "fp8", 128, "tile")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = OPS.bwd(dout, q, k, v, out, lse, tau, True, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert all(torch.isfinite(t).all() for t in grads[:3])
+    assert peak <= 16 * n, f"backward peak {peak / n:.2f} N bytes above the inputs (N = {n}); expected <= 16 N"
