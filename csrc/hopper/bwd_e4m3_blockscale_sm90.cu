@@ -136,6 +136,22 @@ __global__ void bwd_diag_finish_kernel(const KernelParams p) {
 
 }  // namespace bwd
 
+void run_bwd_dq_convert(const KernelParams& p, cudaStream_t stream) {
+  using namespace bwd;
+  if (p.dq == nullptr || p.dq_accum == nullptr)
+    throw std::invalid_argument("fp8attn: run_bwd_dq_convert: needs dq and dq_accum");
+  if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;
+  // (`tile`: dq_accum in 64-query chunks, kernel_params_sm90.h dq_accum_rows.)
+  if (p.scaling == static_cast<int>(Scaling::kTile)) {
+    ts::launch_tilescale_dq_convert(p, stream);
+  } else {
+    const int64_t n_dq = static_cast<int64_t>(p.batch) * p.num_heads_q * p.seqlen_q * p.head_dim_qk;
+    bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(
+        p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n_dq, p.softmax_scale);
+    check_launch("bwd dq convert kernel");
+  }
+}
+
 void run_bwd(const KernelParams& p, cudaStream_t stream) {
   using namespace bwd;
   if (p.block_size != kTile)
@@ -230,16 +246,9 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   KernelParams pm = p;
   if (dm && p.lse_bwd != nullptr && !p.delta_given) pm.lse = p.lse_bwd;
   (tile ? ts::launch_tilescale_main : launch_wgmma_main)(pm, stream);
-  // 3. dQ to BF16.
-  // (`tile`: dq_accum in 64-query chunks, kernel_params_sm90.h dq_accum_rows.)
-  if (tile) {
-    ts::launch_tilescale_dq_convert(p, stream);
-  } else {
-    const int64_t n_dq = n_rows * p.head_dim_qk;
-    bwd_dq_convert_kernel<<<static_cast<unsigned>((n_dq / 4 + 255) / 256), 256, 0, stream>>>(
-        p.dq_accum, static_cast<__nv_bfloat16*>(p.dq), n_dq, p.softmax_scale);
-    check_launch("bwd dq convert kernel");
-  }
+  // 3. dQ to BF16 (p.dq null: the caller runs run_bwd_dq_convert later, once the
+  // quantized operands are freed and dQ can take their memory).
+  if (p.dq != nullptr) run_bwd_dq_convert(p, stream);
   // 4. diagnostics.
   if (p.diag != nullptr) {
     auto diag_kernel = varlen ? bwd_diag_finish_kernel<true> : bwd_diag_finish_kernel<false>;

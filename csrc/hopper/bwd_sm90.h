@@ -45,6 +45,12 @@ namespace fp8attn {
 namespace sm90 {
 
 void run_bwd(const KernelParams& p, cudaStream_t stream);
+// dQ = BF16(softmax_scale dq_accum) into p.dq: run_bwd's step 3, which run_bwd
+// skips when p.dq is null, so that the caller can allocate dQ after the main
+// kernel, in the memory of the quantized operands it no longer needs (the
+// backward's peak memory; ops_cuda.cpp bwd_cuda_impl). Throws
+// std::invalid_argument without dq or dq_accum.
+void run_bwd_dq_convert(const KernelParams& p, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace fp8attn

@@ -140,11 +140,13 @@ __device__ __forceinline__ uint32_t ctaid(int dim) {
     asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(r));
   return r;
 }
-template <class L, int DQK, int DV, bool kVarlen, bool kOpaque = false>
+// kReverse (the deterministic instantiations): key tile gridDim.x - 1 - blockIdx.x,
+// so the CTAs of the higher key tiles are dispatched first (the dQ turns, below).
+template <class L, int DQK, int DV, bool kVarlen, bool kOpaque = false, bool kReverse = false>
 __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   CtaWork w;
   const uint32_t y = ctaid<kOpaque>(1);
-  w.n_tile = ctaid<kOpaque>(0);
+  w.n_tile = kReverse ? static_cast<int>(gridDim.x - 1 - ctaid<kOpaque>(0)) : static_cast<int>(ctaid<kOpaque>(0));
   w.hk = y / L::kSlices;
   w.b = ctaid<kOpaque>(2);
   w.slice = static_cast<int>(y % L::kSlices);
@@ -184,9 +186,9 @@ __device__ __forceinline__ CtaWork cta_work(const KernelParams& p) {
   // 14; causal: [first that sees key n0, nblk_q)): [m_first, m_end) of every
   // head of the group; none (n_iters = 0: dK = dV = 0) when no query sees it.
   w.causal_off = w.Sk - w.Sq;
-  const IndexRange qr = window_queries(w.n0, w.n0 + kTile, w.Sq, w.Sk, p.window_left, p.window_right);
-  w.m_first = qr.begin / kTile;
-  w.m_end = (qr.end + kTile - 1) / kTile;
+  const IndexRange mt = query_tiles_of_key_tile(w.n_tile, kTile, w.Sq, w.Sk, p.window_left, p.window_right);
+  w.m_first = mt.begin;
+  w.m_end = mt.end;
   w.n_iters = w.group * (w.m_end - w.m_first);
   return w;
 }
@@ -254,24 +256,21 @@ struct SeqRows {
 // The dQ partials of a 64-query sub-tile come from the warpgroups of every CTA whose
 // key tile the sub-tile's queries see: key tiles [n_lo, n_hi] (contiguous: a CTA's
 // query tiles [m_first(n), m_end(n)) move forward with n under every mask), two
-// warpgroups each. Turn t = 2 (n - n_lo) + wg adds when the sub-tile's counter reads
+// warpgroups each. Turn t = 2 (n_hi - n) + wg adds when the sub-tile's counter reads
 // t (acquire), its bulk reduce-adds complete, then counter + 1 (release): the adds
 // of every dq_accum element happen in the order of t, so dQ is the same bit for bit
-// from run to run. No deadlock: turn t's CTA was launched before turn t + 2's (key
-// tiles are blockIdx.x, dispatched in order) and every CTA walks its query tiles in
-// the same order (query head, then tile), so the earliest waiting turn can always run.
-// NOTE: first key tile whose CTA visits query tile m: the smallest n with
-// m_end(n) > m (m_end nondecreasing in n; the CTA's own rule, CtaWork).
-__device__ __forceinline__ int first_key_tile_of(int m, int nblk_k, int Sq, int Sk, int wl, int wr) {
-  int lo = 0, hi = nblk_k;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    const IndexRange qr = window_queries(mid * kTile, mid * kTile + kTile, Sq, Sk, wl, wr);
-    if ((qr.end + kTile - 1) / kTile > m) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
+// from run to run.
+// Descending key tiles: the CTA of key tile n walks query tiles from m_first(n),
+// which grows with n (causal, windows), so it reaches query tile m after
+// m - m_first(n) steps: the higher key tiles arrive first, and the turns go in the
+// order of arrival (ascending turns made every CTA wait for key tile n_lo's, which
+// arrives last: 2.3x the default's time causal at 8K on an H100, docs/benchmarks.md
+// 2026-12-07 19:30). Without a mask all arrive together and the order is free.
+// No deadlock: the grid runs key tiles in reverse (cta_work kReverse), so turn t's
+// CTA was dispatched before turn t + 2's (CTAs are dispatched in blockIdx order)
+// and every CTA walks its query tiles in the same order (query head, then tile):
+// the earliest-dispatched unfinished CTA waits for no one.
+// The first turn: last_key_tile_of (kernel_params_sm90.h, host-tested).
 __device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -296,7 +295,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   auto bar_empty = [&](int s) { return bar0 + 8 * (kStages + s); };
   const uint32_t bar_kv = bar0 + 8 * (2 * kStages);
 
-  const CtaWork wc = cta_work<L, DQK, DV, kVarlen>(p);  // the consumers' (NOTE at CtaWork)
+  const CtaWork wc = cta_work<L, DQK, DV, kVarlen, false, kDeterministic>(p);  // the consumers' (NOTE at CtaWork)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
@@ -313,7 +312,7 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
   // ---- producer warpgroup ----------------------------------------------------------
   if (threadIdx.x >= kConsumerThreads) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(bwdts::kProducerRegs));
-    const CtaWork w = cta_work<L, DQK, DV, kVarlen, true>(p);
+    const CtaWork w = cta_work<L, DQK, DV, kVarlen, true, kDeterministic>(p);
     const int n_tile = w.n_tile, hk = w.hk, b = w.b, slice = w.slice, cb = w.cb, wk = w.wk, wv = w.wv;
     const int Sq = w.Sq, Sk = w.Sk, group = w.group, nblk_q = w.nblk_q, nblk_k = w.nblk_k, n0 = w.n0;
     const int causal_off = w.causal_off, m_first = w.m_first, m_end = w.m_end, n_iters = w.n_iters;
@@ -677,8 +676,8 @@ __global__ void __launch_bounds__(bwdts::kThreads, 1) bwd_tilescale_main_kernel(
           if (dq_issuer) {
             const int nsub = (Sq + kSubQ - 1) / kSubQ;
             turn = p.dq_sem + (bhq * nsub + m0s / kSubQ) * L::kSlices + slice;
-            const int want = 2 * (n_tile - first_key_tile_of(m_tile, nblk_k, Sq, Sk, p.window_left,
-                                                             p.window_right)) + wg;
+            const int want =
+                2 * (last_key_tile_of(m_tile, kTile, nblk_k, Sq, Sk, p.window_left, p.window_right) - n_tile) + wg;
             while (ld_acquire_gpu(turn) != want) __nanosleep(64);
             fence_proxy_async_global();  // the earlier turns' adds before this one's (async proxy)
           }

@@ -150,6 +150,28 @@ constexpr IndexRange window_queries(int k0, int k1, int seqlen_q, int seqlen_k, 
   if (e > seqlen_q) e = seqlen_q;
   return e > b ? IndexRange{b, e} : IndexRange{0, 0};
 }
+// The query tiles [m_first, m_end) of `tile` rows that see a key of key tile n
+// (the `tile` backward's CTA of key tile n walks them; {0, 0}: none).
+constexpr IndexRange query_tiles_of_key_tile(int n, int tile, int seqlen_q, int seqlen_k, int left, int right) {
+  const IndexRange qr = window_queries(n * tile, n * tile + tile, seqlen_q, seqlen_k, left, right);
+  return {qr.begin / tile, (qr.end + tile - 1) / tile};
+}
+// The last of the key tiles [0, nblk_k) whose query tiles (above) hold query tile m,
+// for an m that some key tile's do: one before the first n with m_first(n) > m.
+// The key tiles holding m are contiguous and m_first, m_end are nondecreasing in n
+// (a key tile no query sees, {0, 0}, is a leading one, cut off by `left`; host test
+// tests/cpp/test_cuda_shapes.cpp). The deterministic backward's first dQ turn.
+constexpr int last_key_tile_of(int m, int tile, int nblk_k, int seqlen_q, int seqlen_k, int left, int right) {
+  int lo = 0, hi = nblk_k;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (query_tiles_of_key_tile(mid, tile, seqlen_q, seqlen_k, left, right).begin > m)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo - 1;
+}
 // Every key of [k0, k0 + nk) inside the window of every query of [m0, m0 + nq)
 // (the window's part of a tile pair's "no mask needed" test).
 constexpr bool window_covers(int k0, int nk, int m0, int nq, int off, int left, int right) {

@@ -609,7 +609,7 @@ void set_bwd_tensors(KernelParams& kp, const BwdTensors& t) {
   set_input(t.out, kp.o, kp.o_sb, kp.o_ss, kp.o_sh);
   set_input(t.dout, kp.dout, kp.do_sb, kp.do_ss, kp.do_sh);
   kp.lse = f32(t.lse);
-  kp.dq = t.dq.data_ptr();
+  kp.dq = t.dq.defined() ? t.dq.data_ptr() : nullptr;  // undefined: allocated after the main kernel
   kp.dk = t.dk.data_ptr();
   kp.dv = t.dv.data_ptr();
   kp.q_row = u8(t.q_row);
@@ -713,8 +713,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   const at::Tensor dout = kernel_input(dout_in, pr.kv), out = kernel_input(out_in, pr.kv);
   const at::Tensor lse = lse_in.contiguous();
   // The kernels' gradients (BF16, padded head dims); op_output slices / converts.
+  // dQ is allocated after the main kernel, when the quantized operands are freed
+  // (below): the backward's peak holds the codes or dQ, not both.
   const auto bopts = opts.dtype(at::kBFloat16);
-  at::Tensor dq = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, bopts);
+  at::Tensor dq;
   at::Tensor dk = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.kqk}, bopts);
   at::Tensor dv = at::empty({pr.batch, pr.heads_kv, pr.seqlen_k, pr.kv}, bopts);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -799,8 +801,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(
   }
   kp.prepass_sums = sums_only ? 1 : 0;
   kp.dq_sem = deterministic ? dq_sem.data_ptr<int>() : nullptr;
-  launch([&] { sm90::run_bwd(kp, stream); });
+  launch([&] { sm90::run_bwd(kp, stream); });  // kp.dq null: no dQ conversion yet (bwd_sm90.h)
   if (sums_only) return {delta_dm, lse_bwd, at::Tensor(), at::Tensor()};
+  // The codes are dead once the main kernel is enqueued: the caching allocator
+  // hands their blocks to dQ on this stream, after the kernels that read them.
+  for (at::Tensor* t : {&q_row, &q_row_s, &k_row, &k_row_s, &v_row, &v_row_s, &do_row, &do_row_s, &q_colT, &q_col_s,
+                        &k_colT, &k_col_s, &do_colT, &do_col_s})
+    *t = at::Tensor();
+  dq = at::empty({pr.batch, pr.heads_q, pr.seqlen_q, pr.kqk}, bopts);
+  kp.dq = dq.data_ptr();
+  launch([&] { sm90::run_bwd_dq_convert(kp, stream); });
   const at::ScalarType dt = q_in.scalar_type();
   // The fused rotation's dQ' = dQ R, dK' = dK R mapped back (no padded head dims there).
   if (rotate) return {rotate_back(dq, dt, stream), rotate_back(dk, dt, stream), op_output(dv, pr.dv, dt), diag};

@@ -3,9 +3,13 @@
 //     (head_dim_qk, head_dim_v) is zero-padded to, for every pair in [1, 256]^2;
 //   - for_each_row_chunk, for_each_attn_chunk, at_chunk (hopper/launch_sm90.h):
 //     the launches a grid of any batch x heads size is split into (y, z <=
-//     65535), and the pointers each launch's kernel gets.
+//     65535), and the pointers each launch's kernel gets;
+//   - query_tiles_of_key_tile, last_key_tile_of (hopper/kernel_params_sm90.h): the
+//     `tile` backward's query tiles per key tile and the deterministic dQ's first
+//     turn, against a brute-force scan for every small shape and window.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -385,6 +389,68 @@ TEST(AttnChunks, LaunchAttnChunksGrids) {
   EXPECT_THROW(launch_attn_chunks(p, int64_t{1} << 31, GridHeads::kQuery, 1, "test",
                                   [](const KernelParams&, unsigned, unsigned, unsigned, const AttnChunk&) {}),
                std::invalid_argument);
+}
+
+// Every (seqlen_q, seqlen_k) in [1, 40]^2 with tiles of 4 (and of 128 at a few
+// lengths), every window of {-1, 0, 1, 2, 5, 17}^2: the key tiles whose query tiles
+// hold query tile m are contiguous, end at last_key_tile_of(m), and their query
+// tiles move forward with the key tile (the deterministic dQ turns rely on all three;
+// a wrong last tile leaves turn 0 to no CTA: a hang).
+void check_key_tiles(int tile, int sq, int sk, int left, int right) {
+  const int nq = (sq + tile - 1) / tile, nk = (sk + tile - 1) / tile;
+  // Brute force from the rows: key tile n holds query tile m iff a query of m sees a key of n.
+  auto holds = [&](int n, int m) {
+    for (int i = m * tile; i < std::min(sq, m * tile + tile); ++i)
+      for (int j = n * tile; j < std::min(sk, n * tile + tile); ++j) {
+        const int off = sk - sq;
+        if ((right < 0 || j <= i + off + right) && (left < 0 || j >= i + off - left)) return true;
+      }
+    return false;
+  };
+  int prev_first = -1, prev_end = -1;
+  bool seen_nonempty = false;
+  for (int n = 0; n < nk; ++n) {
+    const IndexRange r = query_tiles_of_key_tile(n, tile, sq, sk, left, right);
+    for (int m = 0; m < nq; ++m)
+      ASSERT_EQ(r.begin <= m && m < r.end, holds(n, m)) << tile << " " << sq << " " << sk << " " << left << " "
+                                                        << right << " n=" << n << " m=" << m;
+    if (r.end > r.begin) {
+      ASSERT_GE(r.begin, prev_first);
+      ASSERT_GE(r.end, prev_end);
+      prev_first = r.begin, prev_end = r.end;
+      seen_nonempty = true;
+    } else {
+      ASSERT_FALSE(seen_nonempty) << "an empty key tile after a non-empty one: " << sq << " " << sk << " " << left
+                                  << " " << right << " n=" << n;
+    }
+  }
+  for (int m = 0; m < nq; ++m) {
+    int lo = -1, hi = -1;
+    for (int n = 0; n < nk; ++n)
+      if (holds(n, m)) {
+        if (lo < 0) lo = n;
+        ASSERT_TRUE(hi < 0 || hi == n - 1) << "key tiles of query tile " << m << " not contiguous";
+        hi = n;
+      }
+    if (lo >= 0) {
+      ASSERT_EQ(last_key_tile_of(m, tile, nk, sq, sk, left, right), hi)
+          << tile << " " << sq << " " << sk << " " << left << " " << right << " m=" << m;
+    }
+  }
+}
+
+TEST(DeterministicTurns, KeyTilesOfAQueryTileAreContiguousAndEndAtLastKeyTile) {
+  const int windows[] = {-1, 0, 1, 2, 5, 17};
+  for (int sq = 1; sq <= 40; ++sq)
+    for (int sk = 1; sk <= 40; ++sk)
+      for (int left : windows)
+        for (int right : windows) check_key_tiles(4, sq, sk, left, right);
+  const int lens[] = {1, 64, 127, 128, 129, 300, 700, 900};
+  const int wins[] = {-1, 0, 5, 30, 100, 128, 300};
+  for (int sq : lens)
+    for (int sk : lens)
+      for (int left : wins)
+        for (int right : wins) check_key_tiles(128, sq, sk, left, right);
 }
 
 }  // namespace

@@ -542,6 +542,52 @@ def test_tile_bwd_deterministic_windows_and_softcap(window):
     assert _rel(a[0], free[0]) < 1e-3 and torch.equal(a[1], free[1])
 
 
+_MANY_KEY_TILES = r"""
+import sys, torch, fp8attn  # noqa: F401
+OPS = torch.ops.fp8attn
+g = torch.Generator().manual_seed(11)
+sq, sk, causal, wl, wr = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5])
+q = torch.randn(1, 2, sq, 64, generator=g).bfloat16().cuda()
+k, v = (torch.randn(1, 1, sk, 64, generator=g).bfloat16().cuda() for _ in range(2))
+do = torch.randn(1, 2, sq, 64, generator=g).bfloat16().cuda()
+kw = dict(window_left=wl, window_right=wr)
+o, lse = OPS.fwd(q, k, v, 0.125, causal, "fp8", 128, "tile", **kw)
+run = [OPS.bwd(do, q, k, v, o, lse, 0.125, causal, "fp8", "delta_matching", 128, "e4m3", False, "tile",
+               deterministic=det, **kw)[:3] for det in (True, True, False)]
+torch.cuda.synchronize()
+assert all(torch.equal(a, b) for a, b in zip(run[0], run[1])), "deterministic runs differ"
+assert torch.equal(run[0][1], run[2][1]) and torch.equal(run[0][2], run[2][2])
+rel = ((run[0][0].float() - run[2][0].float()).norm() / run[2][0].float().norm()).item()
+assert rel < 1e-3, rel
+assert all(torch.isfinite(t).all() for t in run[0])
+print("ok", rel)
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("sq,sk,causal,wl,wr", [
+    (33000, 33000, True, -1, 0),     # 258 key tiles: more CTAs of one head than the GPU holds at once
+    (30000, 34000, True, -1, 0),     # bottom-right causal, seqlen_q < seqlen_k
+    (30000, 34000, False, 500, 100),  # a window: the leading key tiles no query sees (empty CTAs)
+    (34000, 30000, False, 3000, 500),  # a window, seqlen_q > seqlen_k
+    (20000, 20000, False, -1, -1),   # no mask
+])
+def test_tile_bwd_deterministic_many_key_tiles_finishes(sq, sk, causal, wl, wr):
+    """Many key tiles per head (more CTAs than are resident at once): the dQ turns wait
+    only for CTAs dispatched earlier (the grid's key tiles run in reverse, the turns in
+    descending key tile; bwd_tilescale_e4m3_sm90.cu "deterministic dQ"). A wrong order
+    or a wrong first turn would hang, so the call runs in a subprocess with a time
+    limit: a hang fails here instead of stalling the suite. Also bitwise run to run and
+    dQ within 1e-3 of the default order's."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's fp8attn
+    r = subprocess.run([sys.executable, "-c", _MANY_KEY_TILES, str(sq), str(sk), "1" if causal else "0",
+                        str(wl), str(wr)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.stdout[-2000:], r.stderr[-4000:])
+
+
 @needs_gpu
 def test_deterministic_entry_points_and_refusals():
     """attention / flash_attn_func take deterministic=True on CUDA with scaling='tile'
@@ -604,3 +650,28 @@ def test_varlen_deterministic_loops_and_is_bitwise_run_to_run():
             do[lo:hi].transpose(0, 1).unsqueeze(0))
         assert torch.equal(qq.grad[0].transpose(0, 1), a[1][lo:hi])
         assert torch.equal(kk.grad[0].transpose(0, 1), a[2][lo:hi])
+
+
+@needs_gpu
+def test_tile_bwd_peak_memory_holds_codes_or_dq_not_both():
+    """The backward's peak memory (above its inputs): the seven FP8 code tensors (Q, K, dO
+    row-major and transposed, V; 7 N bytes for N = B H S d elements, MHA), dq_accum (4 N),
+    dK and dV (2 N each) and per-row vectors, while the main kernel runs; dQ (2 N) is
+    allocated after it, in the codes' freed memory (ops_cuda.cpp bwd_cuda_impl,
+    run_bwd_dq_convert). So the peak stays near 15 N; allocating dQ up front made it 17 N,
+    which the bound (16 N) fails."""
+    b, h, s, d = 1, 8, 8192, 128
+    n = b * h * s * d
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(b, h, s, d, generator=g).bfloat16().cuda() for _ in range(4))
+    tau = f32_scale(d)
+    out, lse = OPS.fwd(q, k, v, tau, True, "fp8", 128, "tile")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = OPS.bwd(dout, q, k, v, out, lse, tau, True, "fp8", "delta_matching", 128, "e4m3", False, "tile")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert all(torch.isfinite(t).all() for t in grads[:3])
+    assert peak <= 16 * n, f"backward peak {peak / n:.2f} N bytes above the inputs (N = {n}); expected <= 16 N"
