@@ -566,6 +566,7 @@ def ring_attention(
     _ops.check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                        block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
                        scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k, fn=name)
+    causal, return_lse, smooth_k = bool(causal), bool(return_lse), bool(smooth_k)  # checked: NumPy bools too
     if precision != "fp8":
         raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
                                   f"recomputes LSE from one shard's keys), got {precision!r}")

@@ -92,6 +92,24 @@ def _err(fn: str, arg: str, msg: str) -> str:
     return f"fp8attn.{fn}: argument '{arg}': {msg}"
 
 
+def check_bool(value, arg: str, fn: str = "attention", exc: type = TypeError,
+               none_ok: bool = False) -> Optional[bool]:
+    """A boolean option as a Python bool: a Python bool or a NumPy bool (numpy.bool_)
+    is taken (and None when none_ok, returned as None); anything else (an int, a
+    str, a tensor) raises `exc` naming the argument, never read as its truthiness.
+    The one check of every boolean option of the public functions (attention,
+    flash_attn_func, varlen_attention, the SDPA drop-in, FP8Attention,
+    hf.register, ring_attention, quantize_tilescale, the training ModelConfig);
+    `exc` keeps each function's documented exception type."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if value is None and none_ok:
+        return None
+    t = type(value)
+    got = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    raise exc(_err(fn, arg, f"must be {'None or ' if none_ok else ''}a bool (Python or NumPy), got {got}"))
+
+
 def check_options(
     *,
     causal: bool = False,
@@ -112,9 +130,7 @@ def check_options(
     ("fp8" or "exact"). Raises TypeError / ValueError naming the argument
     (window_size: check_window_size)."""
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("smooth_k", smooth_k)):
-        if not isinstance(flag, bool):
-            t = type(flag)
-            raise TypeError(_err(fn, name, f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
+        check_bool(flag, name, fn)
     if softmax_scale is not None:
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
@@ -786,8 +802,10 @@ def attention(
 
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype
-            (float64 on CUDA), a wrongly typed option (causal / return_lse not a
-            bool, softmax_scale not a number, layer_name not a str or None).
+            (float64 on CUDA), a wrongly typed option (causal / return_lse /
+            smooth_k / deterministic not a bool: every boolean option takes a
+            Python bool or a NumPy bool, an int or a str is refused;
+            softmax_scale not a number, layer_name not a str or None).
         ValueError: mismatched shapes or devices, a bad option value (incl. a
             softmax_scale too large for FP32, a block_size that is not 32, 64
             or 128, or not 128 on CUDA, a scaling other than "row" / "tile",
@@ -809,6 +827,7 @@ def attention(
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
                                  qk_rotation=qk_rotation, smooth_k=smooth_k)
+    causal, return_lse, smooth_k = bool(causal), bool(return_lse), bool(smooth_k)  # checked: NumPy bools too
     left, right = check_window_size(window_size)
     check_inputs(q, k, v, op_precision)
     cap = check_softcap(softcap, smooth_k, q.device.type, scaling=scaling, precision=op_precision)
@@ -902,9 +921,7 @@ def check_deterministic(deterministic, device_type: str, precision: str, scaling
     a non-bool; NotImplementedError on CUDA tensors with precision "fp8" and scaling
     "row" (its backward adds the dQ partials with atomics, numerics.md section 9,
     "Deterministic backward"); CPU tensors are deterministic for any value."""
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(_err(fn, "deterministic", f"must be a bool, got {type(deterministic).__name__}"))
-    deterministic = bool(deterministic)
+    deterministic = check_bool(deterministic, "deterministic", fn)
     if deterministic and device_type == "cuda" and precision == "fp8" and scaling != "tile":
         raise NotImplementedError(_err(fn, "deterministic", "the CUDA backward of scaling='row' adds its dQ "
                                                             "partials with atomics; scaling='tile' runs "
@@ -945,11 +962,6 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
-    def as_bool(arg, x):
-        if not isinstance(x, (bool, np.bool_)):
-            raise ValueError(_err(fn, arg, f"must be a bool, got {type(x).__name__}"))
-        return bool(x)
-
     check_dropout(fn, dropout_p)
     left, right = check_window_size(window_size, fn)
     if isinstance(causal, (bool, np.bool_)):
@@ -979,16 +991,15 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     # deterministic: a bool here; its recipe rule is check_deterministic's, which
     # attention and varlen_attention apply (the CPU reference is bitwise deterministic;
     # on CUDA the `tile` backward orders its dQ adds, varlen_attention then loops).
-    as_bool("deterministic", deterministic)
-    return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
+    check_bool(deterministic, "deterministic", fn, ValueError)
+    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs", fn, ValueError)
     if not is_int(attention_chunk) or attention_chunk < 0:
         raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
     if attention_chunk != 0:
         unsupported("attention_chunk", attention_chunk, "chunked attention")
     if not is_int(num_splits) or num_splits < 0:
         raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {num_splits!r}"))
-    if pack_gqa is not None and not isinstance(pack_gqa, (bool, np.bool_)):
-        raise ValueError(_err(fn, "pack_gqa", f"must be None or a bool, got {type(pack_gqa).__name__}"))
+    check_bool(pack_gqa, "pack_gqa", fn, ValueError, none_ok=True)  # None: FlashAttention's default (its heuristic)
     if not is_int(sm_margin) or sm_margin < 0:
         raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
     if sm_margin != 0:
@@ -1098,8 +1109,8 @@ def _flash_attn_func(
             raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
     if fp8_in:
         q, k, v = _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale)
-    want_lse = return_lse or return_attn_probs
-    want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
+    # NOTE: return_lse checked before the `or` (a falsy non-bool, 0 or "", would pass as False).
+    want_lse = check_bool(return_lse, "return_lse", "flash_attn_func") or return_attn_probs
     # NOTE: FP8 inputs ignore autocast (FA3's FP8 forward does): the dequantized
     # float32 x * descale must not be cast again (bf16 rounding; inf under float16).
     with no_autocast(q.device.type) if fp8_in else contextlib.nullcontext():
@@ -1246,8 +1257,10 @@ def scaled_dot_product_attention(
         raise TypeError(f"fp8attn.{fn}: unexpected argument '{unknown[0]}'; it takes PyTorch's (query, key, value, "
                         f"attn_mask, dropout_p, is_causal, scale, enable_gqa) and fp8attn's "
                         f"{', '.join(sorted(_SDPA_FP8_KWARGS))}")
-    if not isinstance(enable_gqa, (bool, np.bool_)):  # as torch's SDPA (a string was taken as True)
-        raise TypeError(_err(fn, "enable_gqa", f"must be a bool, got {type(enable_gqa).__name__}"))
+    # TypeError as torch's SDPA (a string was taken as True; is_causal="yes" with seqlen_q != seqlen_k
+    # was the NotImplementedError below)
+    is_causal = check_bool(is_causal, "is_causal", fn)
+    enable_gqa = check_bool(enable_gqa, "enable_gqa", fn)
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
         if is_causal and query.shape[2] != key.shape[2]:
             raise NotImplementedError(

@@ -115,6 +115,10 @@ class ModelConfig:
     cudnn_margin: int = 0               # fp8-cudnn: scale = fp8_max * 2^-margin / amax (TE's default 0)
 
     def __post_init__(self):
+        from fp8attn.ops import check_bool  # noqa: PLC0415 (lazy, as this module's other fp8attn imports)
+        for name in ("qk_norm", "rope", "tie_embeddings", "fp8_smooth_k", "packed", "activation_checkpointing"):
+            # a Python or NumPy bool, stored as a Python bool (to_dict is JSON); an int or str: ValueError
+            object.__setattr__(self, name, check_bool(getattr(self, name), name, "train.model.ModelConfig", ValueError))
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {self.attn_mode!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -135,8 +139,6 @@ class ModelConfig:
             raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
         if self.fp8_grad_format not in FP8_GRAD_FORMATS:
             raise ValueError(f"fp8_grad_format must be one of {FP8_GRAD_FORMATS}, got {self.fp8_grad_format!r}")
-        if not isinstance(self.fp8_smooth_k, bool):
-            raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if isinstance(self.gdn_ratio, bool) or not isinstance(self.gdn_ratio, int) or self.gdn_ratio < 1:
@@ -153,8 +155,6 @@ class ModelConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or not low <= val <= high:
                 raise ValueError(f"{name} must be an int in [{low}, {high}], got {val!r}")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
         # trains its bf16 mode rather than after.
         if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
