@@ -27,6 +27,7 @@ default backward options (delta_matching, e4m3).
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import inspect
 import math
@@ -92,6 +93,40 @@ def _err(fn: str, arg: str, msg: str) -> str:
     return f"fp8attn.{fn}: argument '{arg}': {msg}"
 
 
+def fmt_value(x) -> str:
+    """x as an argument's error message shows it: a number (Python or NumPy) as str()
+    prints it (a float's shortest round-trip form: 1e+300, not 300 digits), except
+    that an integer of more than 16 digits prints in %g form with its digit count
+    ("1e+600 (an int of 601 digits)": softmax_scale=10**600 printed all 601 digits);
+    a tuple or list of up to 8 items prints each item so; anything else as repr(),
+    cut when longer than 200 characters."""
+    if isinstance(x, (bool, np.bool_)):
+        return repr(bool(x))
+    if isinstance(x, (float, np.floating)):
+        return str(x)
+    if isinstance(x, (int, np.integer)):
+        n = int(x)
+        if abs(n) < 10**16:
+            return str(n)
+        d = decimal.Decimal(n)   # NOTE: str() of an int past 4300 digits is a ValueError
+        mant, exp = f"{d:.6g}".split("e")
+        mant = mant.rstrip("0").rstrip(".") if "." in mant else mant
+        return f"{mant}e{exp} (an int of {d.adjusted() + 1} digits)"
+    if isinstance(x, (tuple, list)) and len(x) <= 8:
+        items = ", ".join(fmt_value(v) for v in x)
+        return f"[{items}]" if isinstance(x, list) else f"({items}{',' if len(x) == 1 else ''})"
+    r = repr(x)
+    return r if len(r) <= 200 else f"{r[:120]}... ({len(r)} characters)"
+
+
+def _shown_real(x, val: float) -> str:
+    """A real-number argument x (read as the float val, _real) as its message shows it (in
+    the raise only: str() of a SymFloat breaks a torch.compile(fullgraph=True) trace):
+    a Python or NumPy number as itself (fmt_value; val is +-inf for an int past float's
+    range or a NumPy longdouble past float64's), else (a 0-d tensor) val."""
+    return fmt_value(x) if isinstance(x, (int, float, np.integer, np.floating)) else repr(val)
+
+
 def check_bool(value, arg: str, fn: str = "attention", exc: type = TypeError,
                none_ok: bool = False) -> Optional[bool]:
     """A boolean option as a Python bool: a Python bool or a NumPy bool (numpy.bool_)
@@ -135,19 +170,19 @@ def check_options(
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not _finite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
+            raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {fmt_value(softmax_scale)}"))
         # NOTE: a Python int compares with a float exactly (float() of 2**2000 would be an OverflowError).
         big = softmax_scale > _SCALE_LIMIT if isinstance(softmax_scale, (int, np.integer)) else None
         if big or (big is None and float(softmax_scale) > _SCALE_LIMIT):  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
-            raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
-                                                       f"overflows FP32 (the kernels compute it in FP32; "
+            raise ValueError(_err(fn, "softmax_scale", f"{fmt_value(softmax_scale)} is too large: softmax_scale * "
+                                                       f"log2(e) overflows FP32 (the kernels compute it in FP32; "
                                                        f"max {MAX_SOFTMAX_SCALE:.6g})"))
     if delta_mode not in DELTA_MODES:
         raise ValueError(_err(fn, "delta_mode", f"must be one of {DELTA_MODES}, got {delta_mode!r}"))
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(_err(fn, "precision", f"must be one of {tuple(PRECISIONS)}, got {precision!r}"))
     if _index(block_size) not in BLOCK_SIZES:
-        raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r}"))
+        raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {fmt_value(block_size)}"))
     if grad_format not in GRAD_FORMATS:
         raise ValueError(_err(fn, "grad_format", f"must be one of {GRAD_FORMATS}, got {grad_format!r}"))
     if layer_name is not None and not isinstance(layer_name, str):
@@ -182,7 +217,7 @@ def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(w is None or is_int(w) for w in window_size)):
         raise ValueError(_err(fn, "window_size", f"must be a pair of ints or None (left, right), -1 or None = "
-                                                 f"unbounded, got {window_size!r}"))
+                                                 f"unbounded, got {fmt_value(window_size)}"))
     # NOTE: a bound of 2^62 keys reaches every key of any sequence, so larger ones (which
     # the op schema's int64 could not hold) are passed on as 2^62, the same mask.
     left, right = (-1 if w is None else min(int(w), 2**62) for w in window_size)
@@ -871,25 +906,28 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
     if cap is None:
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if not _finite(cap) or cap < 0:
-        raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got {cap}"))
+        raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got "
+                                             f"{_shown_real(softcap, cap)}"))
     if cap > 0 and precision == "fp8" and not _F32_NORMAL_MIN <= cap <= _F32_MAX:
         # NOTE: the fp8 path (the CPU reference's and the kernels') holds c in FP32: past FLT_MAX it
         # would be inf (every P NaN), below ~7e-46 it would round to 0 (the cap silently off).
         raise ValueError(_err(fn, "softcap", f"must be 0 or in [{_F32_NORMAL_MIN:.7g}, {_F32_MAX:.7g}] with "
-                                             f"precision 'fp8' (the cap is held in float32), got {cap}"))
+                                             f"precision 'fp8' (the cap is held in float32), got "
+                                             f"{_shown_real(softcap, cap)}"))
     if cap > 0 and smooth_k:
         raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
                                              "invariant to the mean-key shift of the logits)"))
     if cap > 0 and device_type == "cuda" and precision == "fp8":
         if scaling != "tile":
             raise NotImplementedError(_err(fn, "softcap", f"the CUDA kernels of scaling={scaling!r} do not take "
-                                                          f"logit softcapping (got {cap}); scaling='tile' runs it "
-                                                          "on CUDA, and CPU tensors run both recipes"))
+                                                          f"logit softcapping (got {_shown_real(softcap, cap)}); "
+                                                          "scaling='tile' runs it on CUDA, and CPU tensors run "
+                                                          "both recipes"))
         lo, hi = CUDA_SOFTCAP_RANGE
         if not lo <= cap <= hi:
             raise ValueError(_err(fn, "softcap", f"must be 0 or in [{lo:g}, {hi:g}] on CUDA (the kernels' cap has "
                                                  f"a relative error of ~2e-7 c in P; CPU tensors take any c >= 0), "
-                                                 f"got {cap}"))
+                                                 f"got {_shown_real(softcap, cap)}"))
     return cap
 
 
@@ -937,9 +975,11 @@ def check_dropout(fn: str, dropout_p) -> None:
     if drop is None:
         raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
     if not 0.0 <= drop <= 1.0:  # NaN fails both comparisons
-        raise ValueError(_err(fn, "dropout_p", f"is a probability: must be in [0, 1], got {drop!r}"))
+        raise ValueError(_err(fn, "dropout_p", f"is a probability: must be in [0, 1], got "
+                                               f"{_shown_real(dropout_p, drop)}"))
     if drop != 0.0:
-        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
+        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got "
+                                                        f"{_shown_real(dropout_p, drop)})"))
 
 
 def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, alibi_slopes,
@@ -957,7 +997,7 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     is exact for any bound (numerics.md section 14). Raises ValueError for a
     malformed value, NotImplementedError for a well-formed unsupported one."""
     def unsupported(arg, value, what):
-        raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
+        raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {fmt_value(value)})"))
 
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -994,14 +1034,14 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     check_bool(deterministic, "deterministic", fn, ValueError)
     return_attn_probs = check_bool(return_attn_probs, "return_attn_probs", fn, ValueError)
     if not is_int(attention_chunk) or attention_chunk < 0:
-        raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
+        raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {fmt_value(attention_chunk)}"))
     if attention_chunk != 0:
         unsupported("attention_chunk", attention_chunk, "chunked attention")
     if not is_int(num_splits) or num_splits < 0:
-        raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {num_splits!r}"))
+        raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {fmt_value(num_splits)}"))
     check_bool(pack_gqa, "pack_gqa", fn, ValueError, none_ok=True)  # None: FlashAttention's default (its heuristic)
     if not is_int(sm_margin) or sm_margin < 0:
-        raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
+        raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {fmt_value(sm_margin)}"))
     if sm_margin != 0:
         unsupported("sm_margin", sm_margin, "leaving SMs free (sm_margin > 0)")
     return causal, return_attn_probs, (left, right)
@@ -1196,7 +1236,8 @@ def flash_attn_func(q, k, v, *args, **kwargs):
             raise TypeError(f"fp8attn.flash_attn_func: argument '{name}' given by position and by keyword: "
                             + _FA2_ORDER)
     if len(args) == 2 and not isinstance(args[1], (bool, np.bool_)) and (args[1] is None or _real(args[1]) is not None):
-        raise TypeError(f"fp8attn.flash_attn_func: argument 'causal': got {args[1]!r} by position: " + _FA2_ORDER)
+        raise TypeError(f"fp8attn.flash_attn_func: argument 'causal': got {fmt_value(args[1])} by position: "
+                        + _FA2_ORDER)
     if args and _real(args[0]) == 0.0:
         raise ValueError(_err("flash_attn_func", "softmax_scale", "must be > 0, got 0.0 by position: " + _FA2_ORDER))
     try:
