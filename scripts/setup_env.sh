@@ -7,6 +7,8 @@
 # `setup.py build` instead of installing it, and put it first on PYTHONPATH with
 # FP8ATTN_SOURCE_TREE=0: a second venv sharing this tree, whose objects must not
 # mix with build/, the first venv's; scripts/run_tests.sh's latest-torch job).
+# PYTHON: the interpreter the venv is made from (default python3; the device scripts
+# read the same variable, scripts/device_common.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FP8ATTN_VENV:-$ROOT/.venv}"
