@@ -15,7 +15,7 @@
 # AB_ROUNDS (benchmark rounds per library, default 2; 0: no benchmark, and A is not built), AB_T_TESTS (s, default 240),
 # AB_SAN=1 also runs compute-sanitizer memcheck + racecheck on B (the device_all.sh
 # sanitize case), AB_EXTRA a command run last with B's library on PYTHONPATH (output in
-# extra.log, e.g. "python3 benchmarks/op_breakdown.py --host --shapes 16x16x1024x128"). Outputs under $OUT: summary.txt, build.log, pytest_b.log,
+# extra.log, e.g. '"$PYTHON" benchmarks/op_breakdown.py --host --shapes 16x16x1024x128'). Outputs under $OUT: summary.txt, build.log, pytest_b.log,
 # bench_{a,b}{1,2}.json, ab.md. Exit status 0 iff both builds, the tests (and
 # sanitizers) passed.
 set -uo pipefail
@@ -44,7 +44,7 @@ build_copy b || exit 1
 echo "== GPU tests on B"
 tests="${AB_TESTS:-tests/python/test_tile_cuda.py tests/python/test_tile_cuda_bwd.py}"
 # shellcheck disable=SC2086
-PYTHONPATH=/tmp/ab_b/python timeout "${AB_T_TESTS:-240}" python3 -m pytest -q -rfE $tests \
+PYTHONPATH=/tmp/ab_b/python timeout "${AB_T_TESTS:-240}" "$PYTHON" -m pytest -q -rfE $tests \
   ${AB_PYTEST_ARGS:--n 5 -p no:cacheprovider} >"$OUT/pytest_b.log" 2>&1
 rc=$?
 tail -8 "$OUT/pytest_b.log"
@@ -57,7 +57,7 @@ if [ "${AB_SAN:-0}" = 1 ]; then
     >/tmp/fp8attn_sanitize_case.py
   for tool in memcheck racecheck; do
     PYTHONPATH=/tmp/ab_b/python PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${AB_T_SAN:-150}" \
-      compute-sanitizer --tool "$tool" --error-exitcode 3 python3 /tmp/fp8attn_sanitize_case.py \
+      compute-sanitizer --tool "$tool" --error-exitcode 3 "$PYTHON" /tmp/fp8attn_sanitize_case.py \
       >"/tmp/sanitizer_$tool.log" 2>&1
     rc=$?
     note "B compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitizer_$tool.log" | tail -1)"
@@ -69,7 +69,7 @@ echo "== benchmark, interleaved"
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do  # (none with AB_ROUNDS=0)
   for lib in a b; do
     # shellcheck disable=SC2086
-    PYTHONPATH="/tmp/ab_$lib/python" timeout 200 python3 benchmarks/bench_gpu.py \
+    PYTHONPATH="/tmp/ab_$lib/python" timeout 200 "$PYTHON" benchmarks/bench_gpu.py \
       --shapes "${AB_SHAPES:-2x16x8192x128,16x16x1024x128}" \
       ${AB_BENCH_ARGS:---scaling row,tile --no-cudnn-fp8 --no-accuracy --no-extras} --out "/tmp/bench_$lib$r" \
       >"/tmp/bench_$lib$r.log" 2>&1
@@ -79,7 +79,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do  # (none with AB_ROUNDS=0)
     cp "/tmp/bench_$lib$r/bench_gpu.json" "$OUT/bench_$lib$r.json" 2>/dev/null
   done
 done
-[ "${AB_ROUNDS:-2}" = 0 ] || python3 - "$OUT" "${AB_ROUNDS:-2}" <<'EOF' | tee "$OUT/ab.md"
+[ "${AB_ROUNDS:-2}" = 0 ] || "$PYTHON" - "$OUT" "${AB_ROUNDS:-2}" <<'EOF' | tee "$OUT/ab.md"
 import json, os, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 def load(lib, r):

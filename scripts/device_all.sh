@@ -27,6 +27,7 @@
 # DEVICE_TESTS replaces the GPU test list, DEVICE_TESTS_PART=1|2 runs half of the default list,
 # DEVICE_PYTEST_ARGS extra pytest arguments,
 # DEVICE_SAN=0 skips the sanitizers, DEVICE_BENCH_TRAIN_ARGS more bench_train.py arguments, DEVICE_ACCURACY=1 the accuracy table (DEVICE_ACCURACY_ARGS), DEVICE_NCU Nsight Compute profiles (below), DEVICE_T_TESTS / DEVICE_T_SAN / DEVICE_T_BENCH stage time limits in seconds.
+# PYTHON: the interpreter of every Python step (default python3; scripts/device_common.sh).
 # Exit status: 0 iff every stage that ran passed (a per-stage table ends the output and
 # summary.txt); 1 when one failed or the library did not build / load; 2 for a bad knob.
 set -uo pipefail
@@ -71,13 +72,13 @@ tests="${DEVICE_TESTS:-$default_tests}"
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"
 # shellcheck disable=SC2086
-timeout "${DEVICE_T_TESTS:-300}" python3 -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
+timeout "${DEVICE_T_TESTS:-300}" "$PYTHON" -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
 tail -25 "$OUT/pytest_gpu.log"
 note "gpu tests: rc=$rc, $(tail -1 "$OUT/pytest_gpu.log")"
 stage "gpu tests" "$rc"
 if [ "${DEVICE_CPU_TESTS:-0}" = 1 ]; then
-  timeout 200 python3 -m pytest -q -m "not gpu" tests/python >"$OUT/pytest_cpu.log" 2>&1
+  timeout 200 "$PYTHON" -m pytest -q -m "not gpu" tests/python >"$OUT/pytest_cpu.log" 2>&1
   rc=$?
   note "cpu tests: rc=$rc, $(tail -1 "$OUT/pytest_cpu.log")"
   stage "cpu tests" "$rc"
@@ -212,7 +213,7 @@ EOF
 [ "${DEVICE_SAN:-1}" = 0 ] && DEVICE_SAN_TOOLS=" "
 for tool in ${DEVICE_SAN_TOOLS:-memcheck racecheck}; do
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${DEVICE_T_SAN:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-    python3 /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
+    "$PYTHON" /tmp/fp8attn_sanitize_case.py >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
   tail -4 "$OUT/sanitizer_$tool.log"
   note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
@@ -225,7 +226,7 @@ done
 if [ "${DEVICE_TRAIN_STEPS:-0}" != 0 ]; then
   echo "== GPU training comparison (${DEVICE_TRAIN_PRESET:-gpu-50m}, ${DEVICE_TRAIN_STEPS} steps/mode)"
   tdir=/tmp/fp8attn_train
-  timeout "${DEVICE_T_TRAIN:-240}" python3 -m fp8attn.train.compare --preset "${DEVICE_TRAIN_PRESET:-gpu-50m}" \
+  timeout "${DEVICE_T_TRAIN:-240}" "$PYTHON" -m fp8attn.train.compare --preset "${DEVICE_TRAIN_PRESET:-gpu-50m}" \
     --steps "$DEVICE_TRAIN_STEPS" --out "$tdir" --no-progress >/tmp/fp8attn_train.log 2>&1
   rc=$?
   note "training: rc=$rc"
@@ -244,12 +245,14 @@ mkdir -p /tmp/nccl_text && cp README.md docs/*.md /tmp/nccl_text/
 if [ "${DEVICE_NCCL:-1}" = 1 ]; then
   echo "== NCCL (1-rank group) DDP + FSDP2"
   for extra in "" "--fsdp"; do
-    FP8ATTN_DIST=1 timeout "${DEVICE_T_NCCL:-60}" torchrun --nproc_per_node 1 -m fp8attn.train.compare \
+    # torchrun as a module of $PYTHON (the torchrun on PATH may be another interpreter's)
+    FP8ATTN_DIST=1 timeout "${DEVICE_T_NCCL:-60}" "$PYTHON" -m torch.distributed.run --nproc_per_node 1 \
+      -m fp8attn.train.compare \
       --preset smoke --model head_dim=64 --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
       --data-dir /tmp/nccl_data --text-dir /tmp/nccl_text --no-progress --no-save --out "/tmp/nccl_run$extra" \
       $extra >>"$OUT/pytest_gpu.log" 2>&1
     rc=$?
-    ws=$(python3 -c "import json,sys; from fp8attn.train.report import read_log; s=read_log('/tmp/nccl_run$extra/fp8-delta_matching.jsonl')['summary']; print(s.get('world_size'), s.get('fsdp'), s['final_train_loss'])" 2>&1 | tail -1)
+    ws=$("$PYTHON" -c "import json,sys; from fp8attn.train.report import read_log; s=read_log('/tmp/nccl_run$extra/fp8-delta_matching.jsonl')['summary']; print(s.get('world_size'), s.get('fsdp'), s['final_train_loss'])" 2>&1 | tail -1)
     note "nccl ${extra:-ddp}: rc=$rc (world_size, fsdp, final loss) = $ws"
     name="${extra#--}"
     stage "nccl ${name:-ddp}" "$rc"
@@ -260,12 +263,12 @@ fi
 # varlen_attention), a few steps of the smoke preset at head_dim 64.
 if [ "${DEVICE_PACKED:-1}" = 1 ]; then
   echo "== packed documents (smoke, GPU)"
-  timeout "${DEVICE_T_PACKED:-60}" python3 -m fp8attn.train.compare --preset smoke --model head_dim=64 --packed \
+  timeout "${DEVICE_T_PACKED:-60}" "$PYTHON" -m fp8attn.train.compare --preset smoke --model head_dim=64 --packed \
     --modes bf16,fp8-delta_matching --steps 4 --val-every 4 --val-batches 1 --device cuda \
     --data-dir /tmp/nccl_data --text-dir /tmp/nccl_text --no-progress --no-save --out /tmp/packed_run \
     >>"$OUT/pytest_gpu.log" 2>&1
   rc=$?
-  pk=$(python3 -c "from fp8attn.train.report import read_log; s=read_log('/tmp/packed_run/fp8-delta_matching.jsonl')['summary']; print(s.get('packed'), s['final_train_loss'], s['final_val_loss'])" 2>&1 | tail -1)
+  pk=$("$PYTHON" -c "from fp8attn.train.report import read_log; s=read_log('/tmp/packed_run/fp8-delta_matching.jsonl')['summary']; print(s.get('packed'), s['final_train_loss'], s['final_val_loss'])" 2>&1 | tail -1)
   note "packed: rc=$rc (packed, final train loss, val loss) = $pk"
   stage "packed" "$rc"
 fi
@@ -277,7 +280,7 @@ if [ "${DEVICE_BENCH_TRAIN:-1}" = 1 ]; then
   # DEVICE_BENCH_TRAIN_ARGS: more bench_train.py arguments (e.g. --presets gpu-125m --packed
   # --configs bf16,fp8/attn-core@tile,fp8/attn-core@tile-loop).
   # shellcheck disable=SC2086
-  timeout "${DEVICE_T_BENCH_TRAIN:-180}" python3 benchmarks/bench_train.py --rounds "${DEVICE_TRAIN_ROUNDS:-5}" \
+  timeout "${DEVICE_T_BENCH_TRAIN:-180}" "$PYTHON" benchmarks/bench_train.py --rounds "${DEVICE_TRAIN_ROUNDS:-5}" \
     --steps 10 --json "$OUT/bench_train.json" ${DEVICE_BENCH_TRAIN_ARGS:-} \
     >/tmp/bench_train.log 2>&1
   rc=$?
@@ -293,7 +296,7 @@ fi
 if [ "${DEVICE_ACCURACY:-0}" = 1 ]; then
   echo "== accuracy table"
   # shellcheck disable=SC2086
-  timeout "${DEVICE_T_ACCURACY:-240}" python3 benchmarks/accuracy_gpu.py --out /tmp/accuracy ${DEVICE_ACCURACY_ARGS:-} \
+  timeout "${DEVICE_T_ACCURACY:-240}" "$PYTHON" benchmarks/accuracy_gpu.py --out /tmp/accuracy ${DEVICE_ACCURACY_ARGS:-} \
     >/tmp/accuracy.log 2>&1
   rc=$?
   # one file back (the return channel takes 8): accuracy.md, accuracy.json and the log
@@ -309,7 +312,7 @@ if [ "$bench" != 0 ]; then
   flag=""
   [ "$bench" = quick ] && flag="--quick"
   [ -n "${DEVICE_BENCH_SHAPES:-}" ] && flag="--shapes $DEVICE_BENCH_SHAPES"
-  timeout "${DEVICE_T_BENCH:-240}" python3 benchmarks/bench_gpu.py $flag ${DEVICE_BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
+  timeout "${DEVICE_T_BENCH:-240}" "$PYTHON" benchmarks/bench_gpu.py $flag ${DEVICE_BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_gpu.log" 2>&1
   rc=$?
   note "benchmark: rc=$rc"
   stage "benchmark ($bench)" "$rc"

@@ -1,6 +1,19 @@
-# Sourced by the device scripts (device_all.sh, device_ncu.sh, device_linear.sh,
-# device_fquant.sh, results_study.sh, seeds_study.sh): the set-up they share.
+# Sourced by the device scripts (device_all.sh, device_ab.sh, device_ncu.sh,
+# device_ncu_compare.sh, device_linear.sh, device_fquant.sh, device_harness_smoke.sh,
+# results_study.sh, seeds_study.sh): the set-up they share.
 # The study_* functions share note / say / LOG (study_logs sets them).
+#
+# PYTHON: the interpreter every one of those scripts runs, for each Python step
+# (pytest, setup.py, python -m fp8attn.train.*, the inline checks); default python3,
+# the GPU machine's system Python that has torch. Override it for another one, e.g.
+#   PYTHON=/opt/venv/bin/python bash scripts/seeds_study.sh
+# (scripts/setup_env.sh reads the same variable for the Python it makes .venv from).
+# Exported, so commands the scripts hand to `bash -c` (device_ab.sh's AB_EXTRA) see it.
+export PYTHON="${PYTHON:-python3}"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  echo "device_common.sh: PYTHON=$PYTHON: no such interpreter (unset PYTHON for python3)" >&2
+  exit 2
+fi
 
 # device_setup NAME: cd to the repository root (ROOT), OUT defaults to $ROOT/NAME
 # (the device's `run` sets OUT itself), python/ on PYTHONPATH, unbuffered output.
@@ -31,7 +44,7 @@ use_carried_so() {
 }
 
 # device_library: the CUDA library the device scripts test (DEVICE_LIB, default native):
-# native builds it here in place (FP8ATTN_BUILD_CUDA=1 MAX_JOBS=16 python3 setup.py
+# native builds it here in place (FP8ATTN_BUILD_CUDA=1 MAX_JOBS=16 $PYTHON setup.py
 # build_ext --inplace, log in $OUT/build.log; needs the carried third_party/cutlass
 # headers: the device has no network), carried copies the CPU machine's build from
 # .devbuild/lib (use_carried_so). Sets LIB_NOTE (one line); returns 1 after a note
@@ -49,7 +62,7 @@ device_library() {
       fi
       rm -f python/fp8attn/_C*.so
       t0=$SECONDS
-      if ! FP8ATTN_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" python3 setup.py build_ext --inplace >"${OUT:-/tmp}/build.log" 2>&1; then
+      if ! FP8ATTN_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PYTHON" setup.py build_ext --inplace >"${OUT:-/tmp}/build.log" 2>&1; then
         tail -40 "${OUT:-/tmp}/build.log"; note "native build FAILED (build.log)"; return 1
       fi
       LIB_NOTE="library: built here in $((SECONDS - t0)) s with CXX=${CXX:-c++} ($("${CXX:-c++}" --version 2>&1 | head -1)); $(grep -m1 'fp8attn build: .* links' "${OUT:-/tmp}/build.log")";;
@@ -78,7 +91,7 @@ library_linkage() {
 # export must reach this shell).
 install_cudnn_frontend() {
   local xy
-  xy=$(python3 -c 'import sys; print(sys.version_info[1])')
+  xy=$("$PYTHON" -c 'import sys; print(sys.version_info[1])')
   install_carried_wheel ".whl/nvidia_cudnn_frontend-*-cp3$xy-*.whl" /tmp/cudnn_fe "cudnn frontend" \
     "cuDNN FP8 columns n/a"
   CUDNN_FE_NOTE=$WHEEL_NOTE
@@ -104,7 +117,7 @@ install_carried_wheel() {
   whl=$(ls $1 2>/dev/null | head -1)
   if [ -z "$whl" ]; then
     WHEEL_NOTE="$3: no $1 carried ($4)"
-  elif python3 -m pip install --no-deps --no-index --upgrade --quiet --target "$2" "$whl" \
+  elif "$PYTHON" -m pip install --no-deps --no-index --upgrade --quiet --target "$2" "$whl" \
        >"$2_pip.log" 2>&1; then
     export PYTHONPATH="$2${PYTHONPATH:+:$PYTHONPATH}"
     WHEEL_NOTE="$3: $(basename "$whl") -> $2"
@@ -115,12 +128,12 @@ install_carried_wheel() {
 
 # has_cuda_kernels: status 0 when the importable fp8attn has its CUDA kernels.
 has_cuda_kernels() {
-  python3 -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)"
+  "$PYTHON" -c "import fp8attn, sys; sys.exit(0 if fp8attn._lib.HAS_CUDA_KERNELS else 1)"
 }
 
 # torch_versions: one line of python / torch / CUDA / cuDNN versions.
 torch_versions() {
-  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+  "$PYTHON" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
 }
 
 # study_logs NAME: fresh $OUT/NAME (LOG, everything) and $OUT/summary.txt
@@ -154,9 +167,9 @@ study_library() {
       return 1
     fi
   else
-    if ! python3 -c "import fp8attn" >>"$LOG" 2>&1; then
+    if ! "$PYTHON" -c "import fp8attn" >>"$LOG" 2>&1; then
       say "building the CPU extension in place"
-      FP8ATTN_BUILD_CUDA=0 python3 setup.py build_ext --inplace >>"$LOG" 2>&1 || { note "CPU build failed"; return 1; }
+      FP8ATTN_BUILD_CUDA=0 "$PYTHON" setup.py build_ext --inplace >>"$LOG" 2>&1 || { note "CPU build failed"; return 1; }
     fi
     note "library: CPU reference op (no GPU)"
   fi
@@ -184,14 +197,14 @@ ncu_profile() {
   rep="/tmp/$tag"
   note "== ncu $tag ($kre, $shape $*)"
   timeout "${NCU_T:-150}" ncu --set full --import-source yes -k "regex:$kre" --launch-skip "$warm" --launch-count 1 \
-    -f -o "$rep" python3 benchmarks/ncu_target.py --shape "$shape" --warmup "$warm" "$@" >"/tmp/${tag}_ncu.log" 2>&1
+    -f -o "$rep" "$PYTHON" benchmarks/ncu_target.py --shape "$shape" --warmup "$warm" "$@" >"/tmp/${tag}_ncu.log" 2>&1
   note "ncu rc=$?"
   tail -3 "/tmp/${tag}_ncu.log"
   [ -f "$rep.ncu-rep" ] || return 1
   ncu --import "$rep.ncu-rep" --page details >"$OUT/${tag}_details.txt" 2>&1
   ncu --import "$rep.ncu-rep" --page source --csv --print-source sass >"/tmp/${tag}_sass.csv" 2>/tmp/${tag}_sass.err
   note "source page rc=$? ($(wc -l <"/tmp/${tag}_sass.csv") lines)"
-  python3 benchmarks/ncu_stalls.py "/tmp/${tag}_sass.csv" --top "${NCU_TOP:-45}" >"$OUT/${tag}_stalls.md" 2>&1
+  "$PYTHON" benchmarks/ncu_stalls.py "/tmp/${tag}_sass.csv" --top "${NCU_TOP:-45}" >"$OUT/${tag}_stalls.md" 2>&1
   [ "${NCU_NO_SASS:-0}" = 1 ] || gzip -c "/tmp/${tag}_sass.csv" >"$OUT/${tag}_sass.csv.gz"
   head -60 "$OUT/${tag}_stalls.md"
   grep -E "Duration|Issue Slots Busy|Executed Ipc A|Compute \(SM\) Throughput|Registers Per|Warp Cycles Per Issued" \

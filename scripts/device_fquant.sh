@@ -13,13 +13,13 @@ device_setup device_out
 use_carried_so
 S="$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$S"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee -a "$S"
+"$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" 2>&1 | tee -a "$S"
 echo "== pytest tests/python/test_linear.py" | tee -a "$S"
 t0=$(date +%s)
-timeout "${T_TEST:-50}" python3 -m pytest -q -rs tests/python/test_linear.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -6 | tee -a "$S"
+timeout "${T_TEST:-50}" "$PYTHON" -m pytest -q -rs tests/python/test_linear.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -6 | tee -a "$S"
 echo "pytest rc ${PIPESTATUS[0]} ($(( $(date +%s) - t0 )) s)" | tee -a "$S"
 echo "== micro-benchmark" | tee -a "$S"
-timeout "${T_MICRO:-15}" python3 - <<'PY' 2>&1 | tee -a "$S"
+timeout "${T_MICRO:-15}" "$PYTHON" - <<'PY' 2>&1 | tee -a "$S"
 import math, time, torch
 from fp8attn import linear as L
 from fp8attn import quant_fp8_block128_triton as TQ
@@ -70,5 +70,5 @@ print(f"fwd+bwd: nn.Linear bf16 autocast {bench(lambda: step(ref)):.3f} ms, FP8L
 PY
 echo "micro rc ${PIPESTATUS[0]}" | tee -a "$S"
 echo "== bench_train gpu-50m" | tee -a "$S"
-timeout "${T_BENCH:-25}" python3 benchmarks/bench_train.py --presets gpu-50m ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -10 | tee -a "$S"
+timeout "${T_BENCH:-25}" "$PYTHON" benchmarks/bench_train.py --presets gpu-50m ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -10 | tee -a "$S"
 echo "bench rc ${PIPESTATUS[0]}" | tee -a "$S"

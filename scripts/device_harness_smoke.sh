@@ -42,7 +42,7 @@ install_cudnn_frontend
 note "$CUDNN_FE_NOTE"
 # fla-core (Gated DeltaNet) from its carried wheel, beside the frontend.
 fla=$(ls .whl/fla_core-*.whl 2>/dev/null | head -1)
-if [ -n "$fla" ] && python3 -m pip install --no-deps --no-index --quiet --target /tmp/fla_site "$fla" \
+if [ -n "$fla" ] && "$PYTHON" -m pip install --no-deps --no-index --quiet --target /tmp/fla_site "$fla" \
      >/tmp/fla_pip.log 2>&1; then
   export PYTHONPATH="/tmp/fla_site:$PYTHONPATH"
   note "fla-core: $(basename "$fla") -> /tmp/fla_site"
@@ -78,13 +78,13 @@ run_stage() {
 }
 
 run_stage 1 "${SMOKE_T1:-240}" 15 "gdn-hybrid + muon, ${SMOKE_STEPS:-30} steps, seq 1024" \
-  python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_STEPS:-30}" --out "$runs/smoke"
+  "$PYTHON" -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_STEPS:-30}" --out "$runs/smoke"
 run_stage 2 "${SMOKE_T2:-180}" 15 "--init-from stage 1, seq 2048, lr 3e-4, rope_base 40000, ${SMOKE_LONG_STEPS:-12} steps" \
-  python3 -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_LONG_STEPS:-12}" \
+  "$PYTHON" -m fp8attn.train.compare "${common[@]}" --steps "${SMOKE_LONG_STEPS:-12}" \
   --init-from "$runs/smoke" --seq-len 2048 --batch-size 8 --lr 3e-4 --warmup 6 --model rope_base=40000 \
   --out "$runs/smoke-long"
 run_stage 3 "${SMOKE_T3:-120}" 25 "retrieval probe on stage 2's checkpoints" \
-  python3 -m fp8attn.train.retrieval --run-dir "$runs/smoke-long" --lengths 512,1024,1536 --samples 2
+  "$PYTHON" -m fp8attn.train.retrieval --run-dir "$runs/smoke-long" --lengths 512,1024,1536 --samples 2
 
 rm -rf "$runs"
 du -sh "$OUT/runs.tgz" | tee -a "$SUMMARY"

@@ -16,11 +16,11 @@ device_setup device_out
 use_carried_so
 T_BENCH="${T_BENCH:-80}"   # BENCH_ARGS: extra bench_train.py arguments
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/summary.txt"
-python3 -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"
+"$PYTHON" -c "import torch, fp8attn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'fp8attn CUDA kernels', fp8attn._lib.HAS_CUDA_KERNELS)" 2>&1 | tee -a "$OUT/summary.txt"
 echo "== pytest tests/python/test_linear.py tests/python/test_linear_fused.py" | tee -a "$OUT/summary.txt"
-timeout 150 python3 -m pytest -q -rs tests/python/test_linear.py tests/python/test_linear_fused.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -4 | tee -a "$OUT/summary.txt"
+timeout 150 "$PYTHON" -m pytest -q -rs tests/python/test_linear.py tests/python/test_linear_fused.py 2>&1 | tee "$OUT/pytest_linear.log" | tail -4 | tee -a "$OUT/summary.txt"
 echo "== scaled_mm vs emulation, GEMM timing" | tee -a "$OUT/summary.txt"
-timeout 30 python3 - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+timeout 30 "$PYTHON" - <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
 import math, time, torch
 from fp8attn import linear as L
 torch.manual_seed(0)
@@ -56,8 +56,8 @@ PY
 install_torchao
 echo "$TORCHAO_NOTE" | tee -a "$OUT/summary.txt"
 echo "== bench_linear_gpu (per-GEMM fwd+bwd: BF16, FP8Linear, torchao float8; LINEAR_ARGS)" | tee -a "$OUT/summary.txt"
-timeout "${T_LINEAR:-120}" python3 benchmarks/bench_linear_gpu.py ${LINEAR_ARGS:-} --json "$OUT/bench_linear_gpu.json" 2>&1 | tee "$OUT/bench_linear_gpu.log" | tail -12 | tee -a "$OUT/summary.txt"
+timeout "${T_LINEAR:-120}" "$PYTHON" benchmarks/bench_linear_gpu.py ${LINEAR_ARGS:-} --json "$OUT/bench_linear_gpu.json" 2>&1 | tee "$OUT/bench_linear_gpu.log" | tail -12 | tee -a "$OUT/summary.txt"
 echo "bench_linear rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
 echo "== bench_train" | tee -a "$OUT/summary.txt"
-timeout "$T_BENCH" python3 benchmarks/bench_train.py ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -14 | tee -a "$OUT/summary.txt"
+timeout "$T_BENCH" "$PYTHON" benchmarks/bench_train.py ${BENCH_ARGS:-} --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" | tail -14 | tee -a "$OUT/summary.txt"
 echo "bench rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

@@ -31,7 +31,7 @@ for impl in ${NCU_IMPLS:-fp8attn cudnn_bf16 cudnn_fp8}; do
   select=(--nvtx --nvtx-include "profile/")
   [ "$impl" = cudnn_bf16 ] && select=(-k "regex:flash_(f|b)prop" --launch-skip 4 --launch-count 2)
   timeout "${NCU_T:-170}" ncu "${SECTIONS[@]}" "${select[@]}" -f -o "/tmp/$impl" \
-    python3 benchmarks/ncu_target.py --impl "$impl" --shape "$SHAPE" --bwd "${causal[@]}" >"/tmp/${impl}_ncu.log" 2>&1
+    "$PYTHON" benchmarks/ncu_target.py --impl "$impl" --shape "$SHAPE" --bwd "${causal[@]}" >"/tmp/${impl}_ncu.log" 2>&1
   note "$impl: ncu rc=$? $(grep -E '^ok|did not run|Error|error' "/tmp/${impl}_ncu.log" | tail -1 | cut -c1-200)"
   if [ -f "/tmp/$impl.ncu-rep" ]; then
     ncu --import "/tmp/$impl.ncu-rep" --csv --page raw >"$OUT/$impl.csv" 2>/dev/null && csvs+=("$OUT/$impl.csv")
@@ -39,5 +39,5 @@ for impl in ${NCU_IMPLS:-fp8attn cudnn_bf16 cudnn_fp8}; do
     tail -5 "/tmp/${impl}_ncu.log"
   fi
 done
-[ ${#csvs[@]} -gt 0 ] && python3 benchmarks/ncu_compare.py "${csvs[@]}" | tee "$OUT/compare.md"
+[ ${#csvs[@]} -gt 0 ] && "$PYTHON" benchmarks/ncu_compare.py "${csvs[@]}" | tee "$OUT/compare.md"
 ls -la "$OUT"

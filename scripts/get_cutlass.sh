@@ -2,8 +2,10 @@
 # Fetch the CUTLASS/CuTe headers (nvidia-cutlass wheel from PyPI, pinned) into
 # third_party/cutlass/include (ignored by git). The sm_90a wgmma/TMA kernels
 # include them; setup.py picks the folder up automatically, or from
-# FP8ATTN_CUTLASS_INCLUDE. CPU-only builds do not need them.
+# FP8ATTN_CUTLASS_INCLUDE. CPU-only builds do not need them. PYTHON: the interpreter
+# that runs pip (default python3; the same variable as setup_env.sh and the device scripts).
 set -euo pipefail
+PYTHON="${PYTHON:-python3}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VERSION="${CUTLASS_VERSION:-4.2.0.0}"
 DEST="$ROOT/third_party/cutlass"
@@ -11,8 +13,8 @@ if [[ -f "$DEST/include/cute/tensor.hpp" && -f "$DEST/VERSION" && "$(cat "$DEST/
   echo "CUTLASS $VERSION headers already in $DEST/include"; exit 0
 fi
 TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
-python3 -m pip download --no-deps --only-binary=:all: -d "$TMP" "nvidia-cutlass==$VERSION" >/dev/null
-python3 - "$TMP" "$DEST" <<'PY'
+"$PYTHON" -m pip download --no-deps --only-binary=:all: -d "$TMP" "nvidia-cutlass==$VERSION" >/dev/null
+"$PYTHON" - "$TMP" "$DEST" <<'PY'
 import glob, os, shutil, sys, zipfile
 tmp, dest = sys.argv[1], sys.argv[2]
 whl = glob.glob(os.path.join(tmp, "nvidia_cutlass-*.whl"))[0]

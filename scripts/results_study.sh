@@ -54,7 +54,8 @@
 # (head_dim 128 instead: STUDY_MODEL=head_dim=128,n_heads=4,n_kv_heads=2),
 # STUDY_MAX_STEPS (cap, 3000), STUDY_STEPS (fixed count, skips calibration),
 # STUDY_SEED, STUDY_DEVICE (auto), STUDY_DIR (run dir), STUDY_PROBE_RESERVE_S,
-# STUDY_RESUME (0/1), STUDY_STATE_EVERY (0), STUDY_RESTORE_DIR (see below).
+# STUDY_RESUME (0/1), STUDY_STATE_EVERY (0), STUDY_RESTORE_DIR (see below),
+# PYTHON (the interpreter of every Python step, python3; scripts/device_common.sh).
 # The copied tree on the device has no .git: put the commit into the command,
 # e.g. run(command="FP8ATTN_GIT_COMMIT=<sha> bash scripts/results_study.sh", ...),
 # and it lands in summary.json / probe.json.
@@ -99,7 +100,7 @@ tmo() { local t=$(( $(left) - $1 )); echo $(( t > 5 ? t : 5 )); }   # seconds le
 rm -f "$OUT"/study.tgz "$OUT"/states.tgz "$OUT"/report.md "$OUT"/probe.md "$OUT"/results.md
 study_logs study.log
 
-if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
    && [ "${STUDY_DEVICE:-auto}" != cpu ]; then GPU=1; else GPU=0; fi
 
 if [ "$GPU" = 1 ]; then
@@ -172,7 +173,7 @@ if [ "${STUDY_RESUME:-0}" = 1 ] && [ -n "${STUDY_RESTORE_DIR:-}" ] && [ ! -f "$R
 fi
 if [ "${STUDY_RESUME:-0}" = 1 ] && [ -f "$RUN/run_config.json" ]; then
   # NOTE: a split run must keep its step count and modes (compare --resume refuses others).
-  read -r STEPS RUN_MODES <<<"$(python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c['train']['steps'], ','.join(c['modes']))" "$RUN/run_config.json")"
+  read -r STEPS RUN_MODES <<<"$("$PYTHON" -c "import json,sys; c=json.load(open(sys.argv[1])); print(c['train']['steps'], ','.join(c['modes']))" "$RUN/run_config.json")"
   RESUME=(--resume)
   note "resuming $RUN: $STEPS steps x $RUN_MODES ($(ls "$RUN"/*.state.pt 2>/dev/null | wc -l) saved states)"
 elif [ "${STUDY_RESUME:-0}" = 1 ]; then
@@ -187,12 +188,12 @@ else
   echo "== calibration ($CALIB_STEPS steps of bf16 and fp8-delta_matching)" | tee -a "$LOG"
   CAL=/tmp/fp8attn_study_calib
   rm -rf "$CAL"
-  timeout 150 python3 -m fp8attn.train.compare "${common[@]}" --modes bf16,fp8-delta_matching \
+  timeout 150 "$PYTHON" -m fp8attn.train.compare "${common[@]}" --modes bf16,fp8-delta_matching \
     --steps "$CALIB_STEPS" --diag-every 5 --val-every 100000 --val-batches 1 --no-save --out "$CAL" >>"$LOG" 2>&1
   note "calibration: rc=$?"
   # Training window: up to the deadline minus the probe/pack reserve. Per-mode cost =
   # steps x step time x 1.03 + val evals (5 x VAL_BATCHES forwards at ~1/3 step) + 8 s fixed.
-  plan="$(python3 - "$CAL" "$(( $(left) - PROBE_RESERVE ))" "$MODES" "$EXTRA_MODE" "$MAX_STEPS" "$VAL_BATCHES" <<'EOF'
+  plan="$("$PYTHON" - "$CAL" "$(( $(left) - PROBE_RESERVE ))" "$MODES" "$EXTRA_MODE" "$MAX_STEPS" "$VAL_BATCHES" <<'EOF'
 import json, sys
 from pathlib import Path
 cal, window, modes, extra, cap, vb = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(","), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
@@ -225,7 +226,7 @@ fi
 # ---- 2. training -----------------------------------------------------------------
 echo "== training ($STEPS steps x $RUN_MODES)" | tee -a "$LOG"
 # NOTE: --deadline-s stops cleanly (state saved, report written); timeout is only the backstop.
-timeout "$(tmo $((PROBE_RESERVE - 20)))" python3 -m fp8attn.train.compare "${common[@]}" --modes "$RUN_MODES" --steps "$STEPS" \
+timeout "$(tmo $((PROBE_RESERVE - 20)))" "$PYTHON" -m fp8attn.train.compare "${common[@]}" --modes "$RUN_MODES" --steps "$STEPS" \
   --diag-every 10 --val-batches "$VAL_BATCHES" --deadline-s "$(tmo "$PROBE_RESERVE")" \
   --state-every "${STUDY_STATE_EVERY:-0}" "${RESUME[@]}" --out "$RUN" >>"$LOG" 2>&1
 note "training: rc=$? (124 = killed by the backstop timeout), $(( $(date +%s) - T0 )) s since start"
@@ -236,7 +237,7 @@ grep -E '^\[compare\]' "$LOG" | tail -6 | tee -a "$SUMMARY"
 # ---- 3. probes -------------------------------------------------------------------
 echo "== probes" | tee -a "$LOG"
 if ls "$RUN"/*.pt 2>/dev/null | grep -qvE '\.(state|step[0-9]+)\.pt$'; then   # final <mode>.pt only
-  timeout "$(tmo 20)" python3 -m fp8attn.train.probe --run-dir "$RUN" --batch-size "$PROBE_BATCH" \
+  timeout "$(tmo 20)" "$PYTHON" -m fp8attn.train.probe --run-dir "$RUN" --batch-size "$PROBE_BATCH" \
     --mask-layers all --device "$DEVICE" >>"$LOG" 2>&1
   note "probe: rc=$?"
   grep -E '^\[probe\] (bf16|fp8)' "$LOG" | tee -a "$SUMMARY"
@@ -245,7 +246,7 @@ else
 fi
 
 # ---- 4. logit-scale scan (synthetic, the study's head_dim and seqlen) -------------
-timeout "$(( $(tmo 15) < 40 ? $(tmo 15) : 40 ))" python3 -m fp8attn.train.logit_scan "${SCAN[@]}" \
+timeout "$(( $(tmo 15) < 40 ? $(tmo 15) : 40 ))" "$PYTHON" -m fp8attn.train.logit_scan "${SCAN[@]}" \
   --scales 0.5,1,2,3,5,8,12 --out "$RUN/logit_scan" >>"$LOG" 2>&1
 note "logit scan: rc=$?"
 [ -f "$RUN/logit_scan/scan.md" ] && { tail -8 "$RUN/logit_scan/scan.md"; echo; } | tee -a "$SUMMARY"
@@ -253,7 +254,7 @@ note "logit scan: rc=$?"
 # ---- 5. results page -------------------------------------------------------------
 scan_arg=()
 [ -f "$RUN/logit_scan/scan.json" ] && scan_arg=(--scan "$RUN/logit_scan")
-timeout "$(tmo 5)" python3 -m fp8attn.train.results --run "stress=$RUN" "${scan_arg[@]}" \
+timeout "$(tmo 5)" "$PYTHON" -m fp8attn.train.results --run "stress=$RUN" "${scan_arg[@]}" \
   --prior docs/runs/gpu-50m-h200-2026-11-29 --prior docs/runs/cpu-tiny-2026-11-29 \
   --out "$RUN/results.md" --fig-dir "$RUN/results" >>"$LOG" 2>&1
 note "results page: rc=$?"

@@ -71,7 +71,8 @@
 # SEEDS_PARALLEL (max concurrent processes, 8), SEEDS_MPS (1; 0 = never),
 # SEEDS_VARY_DATA (1), SEEDS_MARGIN (1.25), SEEDS_CALIB_STEPS (20), SEEDS_MAX_STEPS (3000),
 # SEEDS_RESERVE_S (45), SEEDS_VAL_BATCHES (8), SEEDS_DIR (/tmp/fp8attn_seeds/study),
-# SEEDS_DEVICE (auto).
+# SEEDS_DEVICE (auto), PYTHON (the interpreter of every Python step, python3; the same
+# variable as the other device scripts, scripts/device_common.sh).
 # Without a GPU the defaults switch to a CPU trial (cpu-tiny, 2 layers, 2 modes x 2
 # seeds, a few tens of steps, one thread per process; ~1.5 min on 2 cores) that
 # runs the same pipeline end to end.
@@ -79,7 +80,7 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_common.sh"
 device_setup seeds_out
 T0=$(date +%s)
-if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+if "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
    && [ "${SEEDS_DEVICE:-auto}" != cpu ]; then GPU=1; else GPU=0; fi
 if [ "$GPU" = 1 ]; then
   TOTAL_S="${SEEDS_TOTAL_S:-500}"; PRESET="${SEEDS_PRESET:-gpu-50m}"
@@ -144,7 +145,7 @@ start_mps() {
     tail -5 "$MPS_LOGDIR/control.log" 2>/dev/null | tee -a "$LOG"
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; return
   fi
-  if timeout 45 python3 -c "import torch; x = torch.ones(256, 256, device='cuda'); print('mps client ok', float((x @ x).sum()))" >>"$LOG" 2>&1; then
+  if timeout 45 "$PYTHON" -c "import torch; x = torch.ones(256, 256, device='cuda'); print('mps client ok', float((x @ x).sum()))" >>"$LOG" 2>&1; then
     srv="$(echo get_server_list | timeout 10 nvidia-cuda-mps-control 2>>"$LOG" | tr '\n' ' ')"
     if [ -n "${srv// /}" ]; then
       MPS=1; note "MPS: on (control daemon started, a CUDA client ran through server pid $srv)"
@@ -202,7 +203,7 @@ run_batch() {
     done
     dl=$(( end - $(date +%s) - START_S )); [ "$dl" -lt 5 ] && dl=5
     local tmo=$(( dl + START_S + BACKSTOP )); local cap=$(( $(left) - 10 )); [ "$tmo" -gt "$cap" ] && tmo=$cap; [ "$tmo" -lt 5 ] && tmo=5
-    ( timeout "$tmo" python3 -m fp8attn.train.compare "${common[@]}" --modes "$mode" --seed "$seed" \
+    ( timeout "$tmo" "$PYTHON" -m fp8attn.train.compare "${common[@]}" --modes "$mode" --seed "$seed" \
         --data-seed "$(data_seed "$seed")" --steps "$steps" --deadline-s "$dl" "$@" --out "$dir/$name" \
         >"$dir/$name.log" 2>&1 &
       tp=$!; echo "$tp" >"$dir/$name.pid"; wait "$tp"; rc=$?
@@ -221,17 +222,17 @@ kill_runs() {   # TERM to the timeout processes of unfinished runs (timeout forw
 AGG_DONE=0
 aggregate() {   # strict first; a cut-short run -> --at-step common; a missing / diverged run -> --partial
   local t=$(( $(left) - 5 )); [ "$t" -gt 90 ] && t=90; [ "$t" -lt 10 ] && t=10
-  if timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
+  if timeout "$t" "$PYTHON" -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
        --out "$RUN/seeds" >"$RUN/seeds_aggregate.txt" 2>&1; then
     note "aggregation: all $(( ${#JOBS[@]} )) runs complete"
   else
     note "aggregation (strict) failed: $(tail -1 "$RUN/seeds_aggregate.txt"); again at the last shared val step"
-    if timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
+    if timeout "$t" "$PYTHON" -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
        --out "$RUN/seeds" --at-step common >"$RUN/seeds_aggregate.txt" 2>&1; then
       note "aggregation --at-step common: rc=0 ($(grep -o 'Read at step [0-9]* of [0-9]*' "$RUN/seeds/seeds.md"))"
     else
       note "aggregation --at-step common failed: $(tail -1 "$RUN/seeds_aggregate.txt"); again with --partial"
-      timeout "$t" python3 -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
+      timeout "$t" "$PYTHON" -m fp8attn.train.seeds aggregate --study "$RUN" --modes "$MODES" --seeds "$SEEDS" \
          --out "$RUN/seeds" --partial >"$RUN/seeds_aggregate.txt" 2>&1
       note "aggregation --partial: rc=$?"
     fi
@@ -275,7 +276,7 @@ study_library "$GPU" || exit 1
 # SEEDS_MODES checked once, before any run: compare's --modes rules (the grammar, a
 # repeated entry or configuration; a repeated mode would have two processes write one
 # run dir).
-if ! why="$(python3 -c 'import sys
+if ! why="$("$PYTHON" -c 'import sys
 from fp8attn.train.compare import parse_modes
 try:
     parse_modes(sys.argv[1])
@@ -288,7 +289,7 @@ if [ "$GPU" = 1 ]; then  # NOTE: CPU side of 8 processes
 fi
 # NOTE: the corpus is prepared once here, not by 8 processes at once.
 study_corpus "$GPU" "$PRESET" || exit 1
-if ! python3 - "$PRESET" >>"$LOG" 2>&1 <<'EOF'
+if ! "$PYTHON" - "$PRESET" >>"$LOG" 2>&1 <<'EOF'
 import sys
 from fp8attn.train.compare import DATA_MAX_MB
 from fp8attn.train.data import prepare
@@ -322,7 +323,7 @@ else
     tc1=$(date +%s)
     note "calibration $attempt: $(tr '\n' ' ' <"$CAL/rc.txt") in $(( tc1 - tc0 )) s; GPU $(mem_peak "$tc0" "$tc1")"
     TRAIN_END=$(( DEADLINE - RESERVE ))
-    read -r STEPS CAL_NOTE <<<"$(python3 -m fp8attn.train.seeds plan --calib "$CAL" --window-s $(( TRAIN_END - $(date +%s) )) \
+    read -r STEPS CAL_NOTE <<<"$("$PYTHON" -m fp8attn.train.seeds plan --calib "$CAL" --window-s $(( TRAIN_END - $(date +%s) )) \
         --parallel "$PARALLEL" --n-runs "${#JOBS[@]}" --cal-wall-s $(( tc1 - tc0 )) --val-batches "$VAL_BATCHES" \
         --max-steps "$MAX_STEPS" --margin "${SEEDS_MARGIN:-1.25}" 2>>"$LOG")"
     STEPS=${STEPS:-0}

@@ -7,6 +7,8 @@
 # `setup.py build` instead of installing it, and put it first on PYTHONPATH with
 # FP8ATTN_SOURCE_TREE=0: a second venv sharing this tree, whose objects must not
 # mix with build/, the first venv's; scripts/run_tests.sh's latest-torch job).
+# PYTHON: the interpreter the venv is made from (default python3; the device scripts
+# read the same variable, scripts/device_common.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FP8ATTN_VENV:-$ROOT/.venv}"
@@ -20,9 +22,12 @@ fi
 source "$VENV/bin/activate"
 stamp="$VENV/.fp8attn-deps-v4"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing Python dependencies (${FP8ATTN_TORCH:-torch==2.11.*}: ~0.5-1 GB plus ~3 GB of CUDA libraries)"
+  # NOTE (measured for torch 2.11.0+cu130, Python 3.11, x86_64): the wheels are ~2.8 GB (torch
+  # 0.53 GB, its CUDA libraries and triton 2.2 GB, the rest ~0.1 GB), ~5 GB once installed;
+  # 100 s for this whole script on a 2-core machine with a fast link. README.md quotes it.
+  echo "[setup] installing Python dependencies (${FP8ATTN_TORCH:-torch==2.11.*}: a ~3 GB download, ~5 GB on disk)"
   # --no-cache-dir: the wheels are installed once per venv; caching them as well would
-  # double the disk this takes (~3.5 GB per torch), and CI machines' free disk varies.
+  # add their ~3 GB per torch to the disk this takes, and CI machines' free disk varies.
   python -m pip install -q --no-cache-dir --upgrade pip
   python -m pip install -q --no-cache-dir "${FP8ATTN_TORCH:-torch==2.11.*}" numpy ml-dtypes tokenizers matplotlib tqdm pytest setuptools wheel ninja transformers fla-core einops ruff
   touch "$stamp"

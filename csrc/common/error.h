@@ -14,6 +14,16 @@ class ArgumentError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// A floating-point value as an error message shows it: iostream's default %g-like
+// form, as TORCH_CHECK streams a double (6 significant digits: "1e+300", "-1e-07",
+// "inf", "nan"). Never std::to_string, whose fixed "%f" gives 301 digits for 1e300
+// and "-0.000000" for -1e-7.
+inline std::string format_float(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
 namespace detail {
 template <typename... Args>
 [[noreturn]] inline void throw_argument_error(const char* arg, Args&&... parts) {

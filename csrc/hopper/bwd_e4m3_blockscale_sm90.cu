@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/error.h"
 #include "hopper/bwd_tile_sm90.cuh"
 #include "hopper/bwd_tilescale_sm90.h"
 #include "hopper/launch_sm90.h"
@@ -177,7 +178,7 @@ void run_bwd(const KernelParams& p, cudaStream_t stream) {
   if (p.softcap != 0.f) {
     if (!(p.softcap > 0.f) || !(p.softcap <= 3.4e38f))
       throw std::invalid_argument("fp8attn: argument 'softcap': must be finite and > 0 (0 = off), got " +
-                                  std::to_string(p.softcap));
+                                  format_float(p.softcap));
     if (p.scaling != static_cast<int>(Scaling::kTile) || p.num_seqs > 0)
       throw std::invalid_argument("fp8attn: argument 'softcap': the CUDA backward takes it with the `tile` recipe "
                                   "(scaling 1) on dense batches only");

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "common/env_choice.h"
+#include "common/error.h"
 #include "hopper/config_sm90.h"
 #include "hopper/launch_sm90.h"
 #include "hopper/mainloop_fwd_tilescale_sm90.cuh"
@@ -224,7 +225,7 @@ void run_fwd_tile(const KernelParams& p, cudaStream_t stream) {
   // Softcap: dense batches only (varlen_attention runs a packed batch with
   // softcap per sequence, python/fp8attn/varlen.py); c finite and > 0.
   if (p.softcap != 0.f && (p.num_seqs > 0 || !(p.softcap > 0.f) || !(p.softcap <= 3.4e38f)))
-    fail("softcap needs a dense batch and a finite c > 0 (got " + std::to_string(p.softcap) + ")");
+    fail("softcap needs a dense batch and a finite c > 0 (got " + format_float(p.softcap) + ")");
   if (p.batch == 0 || p.num_heads_q == 0 || p.seqlen_q == 0) return;
   if (p.head_dim_qk == 64) return launch_schedule<64, 64>(p, stream);
   if (p.head_dim_qk == 128) return launch_schedule<128, 128>(p, stream);

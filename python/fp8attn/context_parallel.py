@@ -85,12 +85,14 @@ def chunk_bounds(seqlen: int, num_chunks: int, block_size: int = 128) -> List[in
     ``block_size``. Chunks are empty when there are fewer units than chunks.
     """
     if not _is_int(seqlen) or seqlen < 0:
-        raise ValueError(f"fp8attn.context_parallel: argument 'seqlen': expected an int >= 0, got {seqlen!r}")
+        raise ValueError(f"fp8attn.context_parallel: argument 'seqlen': expected an int >= 0, got "
+                         f"{_ops.fmt_value(seqlen)}")
     if not _is_int(num_chunks) or num_chunks < 1:
-        raise ValueError(f"fp8attn.context_parallel: argument 'num_chunks': expected an int >= 1, got {num_chunks!r}")
+        raise ValueError(f"fp8attn.context_parallel: argument 'num_chunks': expected an int >= 1, got "
+                         f"{_ops.fmt_value(num_chunks)}")
     if not _is_int(block_size) or block_size < 1:
         raise ValueError(f"fp8attn.context_parallel: argument 'block_size': expected an int >= 1 (the chunk "
-                         f"alignment), got {block_size!r}")
+                         f"alignment), got {_ops.fmt_value(block_size)}")
     units = -(-seqlen // block_size)
     base, extra = divmod(units, num_chunks)
     cuts, u = [0], 0
@@ -104,10 +106,11 @@ def local_chunks(rank: int, world_size: int, layout: str = "zigzag") -> Tuple[in
     """The global chunk ids rank ``rank`` holds, in the order of its local tensor."""
     _check_layout(layout)
     if not _is_int(world_size) or world_size < 1:
-        raise ValueError(f"fp8attn.context_parallel: argument 'world_size': expected an int >= 1, got {world_size!r}")
+        raise ValueError(f"fp8attn.context_parallel: argument 'world_size': expected an int >= 1, got "
+                         f"{_ops.fmt_value(world_size)}")
     if not _is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"fp8attn.context_parallel: argument 'rank': expected an int in [0, {world_size}), "
-                         f"got {rank!r}")
+                         f"got {_ops.fmt_value(rank)}")
     if layout == "zigzag":
         return (rank, 2 * world_size - 1 - rank)
     return (rank,)
@@ -151,7 +154,7 @@ def shard(x: torch.Tensor, group=None, *, layout: str = "zigzag", dim: int = 2, 
         rank, world_size = _group_info(group)
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"fp8attn.context_parallel.shard: argument 'dim': expected an int in "
-                         f"[{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
+                         f"[{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {_ops.fmt_value(dim)}")
     local_chunks(rank, world_size, layout)   # checks rank, world_size, layout
     cuts = chunk_bounds(x.shape[dim], _num_chunks(world_size, layout), block_size)
     parts = [x.narrow(dim, cuts[c], cuts[c + 1] - cuts[c]) for c in local_chunks(rank, world_size, layout)]
@@ -566,6 +569,7 @@ def ring_attention(
     _ops.check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode, precision=precision,
                        block_size=block_size, grad_format=grad_format, return_lse=return_lse, layer_name=None,
                        scaling=scaling, qk_rotation=qk_rotation, smooth_k=smooth_k, fn=name)
+    causal, return_lse, smooth_k = bool(causal), bool(return_lse), bool(smooth_k)  # checked: NumPy bools too
     if precision != "fp8":
         raise NotImplementedError(f"{fn}: argument 'precision': only \"fp8\" is implemented (the exact backward "
                                   f"recomputes LSE from one shard's keys), got {precision!r}")
@@ -574,8 +578,8 @@ def ring_attention(
         right = 0
     if left >= 0 or right > 0:
         raise NotImplementedError(f"{fn}: argument 'window_size': a sliding window over the sharded sequence is not "
-                                  f"implemented (got {tuple(window_size)!r}, causal={causal}); the unsharded "
-                                  "fp8attn.attention takes it")
+                                  f"implemented (got {_ops.fmt_value(tuple(window_size))}, causal={causal}); the "
+                                  "unsharded fp8attn.attention takes it")
     causal = causal or right == 0
     q, k, v = _ops._autocast_in(q, k, v)   # as SDPA under torch.autocast
     _ops.check_inputs(q, k, v, precision, fn=name)
@@ -587,7 +591,7 @@ def ring_attention(
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     align = int(block_size) if chunk_align is None else chunk_align
     if not _is_int(align) or align < 1:
-        raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {chunk_align!r}")
+        raise ValueError(f"{fn}: argument 'chunk_align': expected an int >= 1, got {_ops.fmt_value(chunk_align)}")
     # The first collective: every rank's shapes, dtype and options, compared on every rank,
     # so that a mismatch is one ValueError everywhere instead of a hang or a gloo abort.
     local_lens = _check_consistent(fn, group, rank, world, q, k, v, dict(

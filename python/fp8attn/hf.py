@@ -57,7 +57,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .ops import attention, check_deterministic, check_options
+from .ops import attention, check_deterministic, check_options, fmt_value
 
 __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 
@@ -162,7 +162,7 @@ def make_attention_function(**fp8_kwargs) -> Callable:
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise ValueError(f"fp8attn.hf: argument 'sliding_window': must be None or an int >= 1, got "
-                             f"{sliding_window!r}")
+                             f"{fmt_value(sliding_window)}")
         if dropout > 0 and (module is None or module.training):
             raise NotImplementedError(f"fp8attn.hf: argument 'dropout': attention dropout ({dropout}) is not "
                                       "supported; set the config's attention_dropout to 0")

@@ -61,7 +61,7 @@ class FP8Attention(torch.nn.Module):
                       window_size=window_size, fn="FP8Attention")
         if layout not in _LAYOUTS:
             raise ValueError(f"fp8attn.FP8Attention: argument 'layout': must be one of {_LAYOUTS}, got {layout!r}")
-        self.causal = causal
+        self.causal = bool(causal)  # checked (check_options): a Python or NumPy bool
         self.softmax_scale = softmax_scale
         self.delta_mode = delta_mode
         self.precision = precision
@@ -71,7 +71,7 @@ class FP8Attention(torch.nn.Module):
         self.layer_name = layer_name
         self.scaling = scaling
         self.qk_rotation = qk_rotation
-        self.smooth_k = smooth_k
+        self.smooth_k = bool(smooth_k)
         self.window_size = check_window_size(window_size, "FP8Attention")
         # The device-independent checks (type, range, smooth_k); the call checks the CUDA rules.
         self.softcap = check_softcap(softcap, smooth_k, "cpu", fn="FP8Attention", scaling=scaling,

@@ -27,6 +27,7 @@ default backward options (delta_matching, e4m3).
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import inspect
 import math
@@ -92,6 +93,58 @@ def _err(fn: str, arg: str, msg: str) -> str:
     return f"fp8attn.{fn}: argument '{arg}': {msg}"
 
 
+def fmt_value(x) -> str:
+    """x as an argument's error message shows it: a number (Python or NumPy) as str()
+    prints it (a float's shortest round-trip form: 1e+300, not 300 digits), except
+    that an integer of more than 16 digits prints in %g form with its digit count
+    ("1e+600 (an int of 601 digits)": softmax_scale=10**600 printed all 601 digits);
+    a tuple or list of up to 8 items prints each item so; anything else as repr(),
+    cut when longer than 200 characters."""
+    if isinstance(x, (bool, np.bool_)):
+        return repr(bool(x))
+    if isinstance(x, (float, np.floating)):
+        return str(x)
+    if isinstance(x, (int, np.integer)):
+        n = int(x)
+        if abs(n) < 10**16:
+            return str(n)
+        d = decimal.Decimal(n)   # NOTE: str() of an int past 4300 digits is a ValueError
+        mant, exp = f"{d:.6g}".split("e")
+        mant = mant.rstrip("0").rstrip(".") if "." in mant else mant
+        return f"{mant}e{exp} (an int of {d.adjusted() + 1} digits)"
+    if isinstance(x, (tuple, list)) and len(x) <= 8:
+        items = ", ".join(fmt_value(v) for v in x)
+        return f"[{items}]" if isinstance(x, list) else f"({items}{',' if len(x) == 1 else ''})"
+    r = repr(x)
+    return r if len(r) <= 200 else f"{r[:120]}... ({len(r)} characters)"
+
+
+def _shown_real(x, val: float) -> str:
+    """A real-number argument x (read as the float val, _real) as its message shows it (in
+    the raise only: str() of a SymFloat breaks a torch.compile(fullgraph=True) trace):
+    a Python or NumPy number as itself (fmt_value; val is +-inf for an int past float's
+    range or a NumPy longdouble past float64's), else (a 0-d tensor) val."""
+    return fmt_value(x) if isinstance(x, (int, float, np.integer, np.floating)) else repr(val)
+
+
+def check_bool(value, arg: str, fn: str = "attention", exc: type = TypeError,
+               none_ok: bool = False) -> Optional[bool]:
+    """A boolean option as a Python bool: a Python bool or a NumPy bool (numpy.bool_)
+    is taken (and None when none_ok, returned as None); anything else (an int, a
+    str, a tensor) raises `exc` naming the argument, never read as its truthiness.
+    The one check of every boolean option of the public functions (attention,
+    flash_attn_func, varlen_attention, the SDPA drop-in, FP8Attention,
+    hf.register, ring_attention, quantize_tilescale, the training ModelConfig);
+    `exc` keeps each function's documented exception type."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if value is None and none_ok:
+        return None
+    t = type(value)
+    got = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    raise exc(_err(fn, arg, f"must be {'None or ' if none_ok else ''}a bool (Python or NumPy), got {got}"))
+
+
 def check_options(
     *,
     causal: bool = False,
@@ -112,26 +165,24 @@ def check_options(
     ("fp8" or "exact"). Raises TypeError / ValueError naming the argument
     (window_size: check_window_size)."""
     for name, flag in (("causal", causal), ("return_lse", return_lse), ("smooth_k", smooth_k)):
-        if not isinstance(flag, bool):
-            t = type(flag)
-            raise TypeError(_err(fn, name, f"must be a Python bool, got {t.__module__}.{t.__qualname__}"))
+        check_bool(flag, name, fn)
     if softmax_scale is not None:
         if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer, np.floating)):
             raise TypeError(_err(fn, "softmax_scale", f"must be a float or None, got {type(softmax_scale).__name__}"))
         if not _finite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {softmax_scale}"))
+            raise ValueError(_err(fn, "softmax_scale", f"must be finite and > 0, got {fmt_value(softmax_scale)}"))
         # NOTE: a Python int compares with a float exactly (float() of 2**2000 would be an OverflowError).
         big = softmax_scale > _SCALE_LIMIT if isinstance(softmax_scale, (int, np.integer)) else None
         if big or (big is None and float(softmax_scale) > _SCALE_LIMIT):  # == not finite(_scale_log2_fp32(...)); plain floats for dynamo
-            raise ValueError(_err(fn, "softmax_scale", f"{softmax_scale} is too large: softmax_scale * log2(e) "
-                                                       f"overflows FP32 (the kernels compute it in FP32; "
+            raise ValueError(_err(fn, "softmax_scale", f"{fmt_value(softmax_scale)} is too large: softmax_scale * "
+                                                       f"log2(e) overflows FP32 (the kernels compute it in FP32; "
                                                        f"max {MAX_SOFTMAX_SCALE:.6g})"))
     if delta_mode not in DELTA_MODES:
         raise ValueError(_err(fn, "delta_mode", f"must be one of {DELTA_MODES}, got {delta_mode!r}"))
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(_err(fn, "precision", f"must be one of {tuple(PRECISIONS)}, got {precision!r}"))
     if _index(block_size) not in BLOCK_SIZES:
-        raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r}"))
+        raise ValueError(_err(fn, "block_size", f"must be one of {BLOCK_SIZES}, got {fmt_value(block_size)}"))
     if grad_format not in GRAD_FORMATS:
         raise ValueError(_err(fn, "grad_format", f"must be one of {GRAD_FORMATS}, got {grad_format!r}"))
     if layer_name is not None and not isinstance(layer_name, str):
@@ -166,7 +217,7 @@ def check_window_size(window_size, fn: str = "attention") -> Tuple[int, int]:
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(w is None or is_int(w) for w in window_size)):
         raise ValueError(_err(fn, "window_size", f"must be a pair of ints or None (left, right), -1 or None = "
-                                                 f"unbounded, got {window_size!r}"))
+                                                 f"unbounded, got {fmt_value(window_size)}"))
     # NOTE: a bound of 2^62 keys reaches every key of any sequence, so larger ones (which
     # the op schema's int64 could not hold) are passed on as 2^62, the same mask.
     left, right = (-1 if w is None else min(int(w), 2**62) for w in window_size)
@@ -786,8 +837,10 @@ def attention(
 
     Raises:
         TypeError: a non-tensor input, an unsupported or mismatched dtype
-            (float64 on CUDA), a wrongly typed option (causal / return_lse not a
-            bool, softmax_scale not a number, layer_name not a str or None).
+            (float64 on CUDA), a wrongly typed option (causal / return_lse /
+            smooth_k / deterministic not a bool: every boolean option takes a
+            Python bool or a NumPy bool, an int or a str is refused;
+            softmax_scale not a number, layer_name not a str or None).
         ValueError: mismatched shapes or devices, a bad option value (incl. a
             softmax_scale too large for FP32, a block_size that is not 32, 64
             or 128, or not 128 on CUDA, a scaling other than "row" / "tile",
@@ -809,6 +862,7 @@ def attention(
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
                                  qk_rotation=qk_rotation, smooth_k=smooth_k)
+    causal, return_lse, smooth_k = bool(causal), bool(return_lse), bool(smooth_k)  # checked: NumPy bools too
     left, right = check_window_size(window_size)
     check_inputs(q, k, v, op_precision)
     cap = check_softcap(softcap, smooth_k, q.device.type, scaling=scaling, precision=op_precision)
@@ -852,25 +906,28 @@ def check_softcap(softcap, smooth_k: bool, device_type: str, fn: str = "attentio
     if cap is None:
         raise TypeError(_err(fn, "softcap", f"must be a float, got {type(softcap).__name__}"))
     if not _finite(cap) or cap < 0:
-        raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got {cap}"))
+        raise ValueError(_err(fn, "softcap", f"must be finite and >= 0 (0 = off), got "
+                                             f"{_shown_real(softcap, cap)}"))
     if cap > 0 and precision == "fp8" and not _F32_NORMAL_MIN <= cap <= _F32_MAX:
         # NOTE: the fp8 path (the CPU reference's and the kernels') holds c in FP32: past FLT_MAX it
         # would be inf (every P NaN), below ~7e-46 it would round to 0 (the cap silently off).
         raise ValueError(_err(fn, "softcap", f"must be 0 or in [{_F32_NORMAL_MIN:.7g}, {_F32_MAX:.7g}] with "
-                                             f"precision 'fp8' (the cap is held in float32), got {cap}"))
+                                             f"precision 'fp8' (the cap is held in float32), got "
+                                             f"{_shown_real(softcap, cap)}"))
     if cap > 0 and smooth_k:
         raise ValueError(_err(fn, "softcap", "cannot be combined with smooth_k=True (softcapping is not "
                                              "invariant to the mean-key shift of the logits)"))
     if cap > 0 and device_type == "cuda" and precision == "fp8":
         if scaling != "tile":
             raise NotImplementedError(_err(fn, "softcap", f"the CUDA kernels of scaling={scaling!r} do not take "
-                                                          f"logit softcapping (got {cap}); scaling='tile' runs it "
-                                                          "on CUDA, and CPU tensors run both recipes"))
+                                                          f"logit softcapping (got {_shown_real(softcap, cap)}); "
+                                                          "scaling='tile' runs it on CUDA, and CPU tensors run "
+                                                          "both recipes"))
         lo, hi = CUDA_SOFTCAP_RANGE
         if not lo <= cap <= hi:
             raise ValueError(_err(fn, "softcap", f"must be 0 or in [{lo:g}, {hi:g}] on CUDA (the kernels' cap has "
                                                  f"a relative error of ~2e-7 c in P; CPU tensors take any c >= 0), "
-                                                 f"got {cap}"))
+                                                 f"got {_shown_real(softcap, cap)}"))
     return cap
 
 
@@ -902,9 +959,7 @@ def check_deterministic(deterministic, device_type: str, precision: str, scaling
     a non-bool; NotImplementedError on CUDA tensors with precision "fp8" and scaling
     "row" (its backward adds the dQ partials with atomics, numerics.md section 9,
     "Deterministic backward"); CPU tensors are deterministic for any value."""
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(_err(fn, "deterministic", f"must be a bool, got {type(deterministic).__name__}"))
-    deterministic = bool(deterministic)
+    deterministic = check_bool(deterministic, "deterministic", fn)
     if deterministic and device_type == "cuda" and precision == "fp8" and scaling != "tile":
         raise NotImplementedError(_err(fn, "deterministic", "the CUDA backward of scaling='row' adds its dQ "
                                                             "partials with atomics; scaling='tile' runs "
@@ -920,9 +975,11 @@ def check_dropout(fn: str, dropout_p) -> None:
     if drop is None:
         raise ValueError(_err(fn, "dropout_p", f"must be a float, got {type(dropout_p).__name__}"))
     if not 0.0 <= drop <= 1.0:  # NaN fails both comparisons
-        raise ValueError(_err(fn, "dropout_p", f"is a probability: must be in [0, 1], got {drop!r}"))
+        raise ValueError(_err(fn, "dropout_p", f"is a probability: must be in [0, 1], got "
+                                               f"{_shown_real(dropout_p, drop)}"))
     if drop != 0.0:
-        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got {drop!r})"))
+        raise NotImplementedError(_err(fn, "dropout_p", f"dropout is not supported by fp8attn (got "
+                                                        f"{_shown_real(dropout_p, drop)})"))
 
 
 def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, alibi_slopes,
@@ -940,15 +997,10 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     is exact for any bound (numerics.md section 14). Raises ValueError for a
     malformed value, NotImplementedError for a well-formed unsupported one."""
     def unsupported(arg, value, what):
-        raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {value!r})"))
+        raise NotImplementedError(_err(fn, arg, f"{what} is not supported by fp8attn (got {fmt_value(value)})"))
 
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-    def as_bool(arg, x):
-        if not isinstance(x, (bool, np.bool_)):
-            raise ValueError(_err(fn, arg, f"must be a bool, got {type(x).__name__}"))
-        return bool(x)
 
     check_dropout(fn, dropout_p)
     left, right = check_window_size(window_size, fn)
@@ -979,18 +1031,17 @@ def _flash_compat(fn: str, causal: bool, *, dropout_p, window_size, softcap, ali
     # deterministic: a bool here; its recipe rule is check_deterministic's, which
     # attention and varlen_attention apply (the CPU reference is bitwise deterministic;
     # on CUDA the `tile` backward orders its dQ adds, varlen_attention then loops).
-    as_bool("deterministic", deterministic)
-    return_attn_probs = as_bool("return_attn_probs", return_attn_probs)
+    check_bool(deterministic, "deterministic", fn, ValueError)
+    return_attn_probs = check_bool(return_attn_probs, "return_attn_probs", fn, ValueError)
     if not is_int(attention_chunk) or attention_chunk < 0:
-        raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {attention_chunk!r}"))
+        raise ValueError(_err(fn, "attention_chunk", f"must be an int >= 0, got {fmt_value(attention_chunk)}"))
     if attention_chunk != 0:
         unsupported("attention_chunk", attention_chunk, "chunked attention")
     if not is_int(num_splits) or num_splits < 0:
-        raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {num_splits!r}"))
-    if pack_gqa is not None and not isinstance(pack_gqa, (bool, np.bool_)):
-        raise ValueError(_err(fn, "pack_gqa", f"must be None or a bool, got {type(pack_gqa).__name__}"))
+        raise ValueError(_err(fn, "num_splits", f"must be an int >= 0, got {fmt_value(num_splits)}"))
+    check_bool(pack_gqa, "pack_gqa", fn, ValueError, none_ok=True)  # None: FlashAttention's default (its heuristic)
     if not is_int(sm_margin) or sm_margin < 0:
-        raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {sm_margin!r}"))
+        raise ValueError(_err(fn, "sm_margin", f"must be an int >= 0, got {fmt_value(sm_margin)}"))
     if sm_margin != 0:
         unsupported("sm_margin", sm_margin, "leaving SMs free (sm_margin > 0)")
     return causal, return_attn_probs, (left, right)
@@ -1098,8 +1149,8 @@ def _flash_attn_func(
             raise ValueError(_err("flash_attn_func", name, f"must be a 4-D tensor [batch, seqlen, heads, head_dim], got {shape}"))
     if fp8_in:
         q, k, v = _dequantize_fp8_inputs(q, k, v, q_descale, k_descale, v_descale)
-    want_lse = return_lse or return_attn_probs
-    want_lse = bool(want_lse) if isinstance(want_lse, (bool, np.bool_)) else want_lse
+    # NOTE: return_lse checked before the `or` (a falsy non-bool, 0 or "", would pass as False).
+    want_lse = check_bool(return_lse, "return_lse", "flash_attn_func") or return_attn_probs
     # NOTE: FP8 inputs ignore autocast (FA3's FP8 forward does): the dequantized
     # float32 x * descale must not be cast again (bf16 rounding; inf under float16).
     with no_autocast(q.device.type) if fp8_in else contextlib.nullcontext():
@@ -1185,7 +1236,8 @@ def flash_attn_func(q, k, v, *args, **kwargs):
             raise TypeError(f"fp8attn.flash_attn_func: argument '{name}' given by position and by keyword: "
                             + _FA2_ORDER)
     if len(args) == 2 and not isinstance(args[1], (bool, np.bool_)) and (args[1] is None or _real(args[1]) is not None):
-        raise TypeError(f"fp8attn.flash_attn_func: argument 'causal': got {args[1]!r} by position: " + _FA2_ORDER)
+        raise TypeError(f"fp8attn.flash_attn_func: argument 'causal': got {fmt_value(args[1])} by position: "
+                        + _FA2_ORDER)
     if args and _real(args[0]) == 0.0:
         raise ValueError(_err("flash_attn_func", "softmax_scale", "must be > 0, got 0.0 by position: " + _FA2_ORDER))
     try:
@@ -1246,8 +1298,10 @@ def scaled_dot_product_attention(
         raise TypeError(f"fp8attn.{fn}: unexpected argument '{unknown[0]}'; it takes PyTorch's (query, key, value, "
                         f"attn_mask, dropout_p, is_causal, scale, enable_gqa) and fp8attn's "
                         f"{', '.join(sorted(_SDPA_FP8_KWARGS))}")
-    if not isinstance(enable_gqa, (bool, np.bool_)):  # as torch's SDPA (a string was taken as True)
-        raise TypeError(_err(fn, "enable_gqa", f"must be a bool, got {type(enable_gqa).__name__}"))
+    # TypeError as torch's SDPA (a string was taken as True; is_causal="yes" with seqlen_q != seqlen_k
+    # was the NotImplementedError below)
+    is_causal = check_bool(is_causal, "is_causal", fn)
+    enable_gqa = check_bool(enable_gqa, "enable_gqa", fn)
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4 and key.dim() == 4:
         if is_causal and query.shape[2] != key.shape[2]:
             raise NotImplementedError(

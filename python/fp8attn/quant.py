@@ -30,6 +30,7 @@ from typing import Tuple
 import torch
 
 from . import _lib  # noqa: F401  (registers torch.ops.fp8attn)
+from .ops import check_bool
 
 __all__ = ["FP8_FORMATS", "FP8_MAX", "fp8_encode", "fp8_decode", "quantize_blockwise", "dequantize_blockwise",
            "quantize_tilescale"]
@@ -145,9 +146,7 @@ def quantize_tilescale(
         TypeError: a non-tensor ``x`` or a wrongly typed argument.
     """
     _check_args("quantize_tilescale", x=x, dim=dim, block_size=block_size, fmt=fmt)
-    if not isinstance(transposed, bool):
-        raise TypeError(f"fp8attn.quantize_tilescale: argument 'transposed': must be a bool, got "
-                        f"{type(transposed).__name__}")
+    transposed = check_bool(transposed, "transposed", "quantize_tilescale")
     return torch.ops.fp8attn.quantize_tilescale(x, dim, block_size, fmt, transposed)
 
 

@@ -64,7 +64,7 @@ from . import _env
 from . import diagnostics as _diag
 from ._lib import HAS_CUDA_KERNELS
 from .ops import (_autocast_in, _diag_meta, _err, _flash_compat, _fused_rotation, _half_in, _half_out, _index,
-                  _is_empty, bwd_op, check_deterministic, check_inputs, check_options, check_softcap,
+                  _is_empty, bwd_op, check_bool, check_deterministic, check_inputs, check_options, check_softcap,
                   check_window_size, fwd_op, single_backward)
 
 __all__ = ["varlen_attention"]
@@ -517,19 +517,20 @@ def varlen_attention(
     """
     # ---- options and tensors
     window = check_window_size(window_size, _FN)
-    if isinstance(causal, bool):
+    if isinstance(causal, (bool, np.bool_)):  # else check_options' TypeError naming causal
         causal, return_attn_probs, window = _flash_compat(
             _FN, causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, deterministic=deterministic, return_attn_probs=return_attn_probs, qv=qv,
             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, block_table=block_table,
             device_type=q.device.type if isinstance(q, torch.Tensor) else "cpu", softcap_ok=True)
-        if isinstance(return_lse, bool):
-            return_lse = return_lse or return_attn_probs
+        if isinstance(return_lse, (bool, np.bool_)):
+            return_lse = bool(return_lse) or return_attn_probs
     op_precision = check_options(causal=causal, softmax_scale=softmax_scale, delta_mode=delta_mode,
                                  precision=precision, block_size=block_size, grad_format=grad_format,
                                  return_lse=return_lse, layer_name=layer_name, scaling=scaling,
                                  qk_rotation=qk_rotation, smooth_k=smooth_k, fn=_FN)
+    causal, return_lse, smooth_k = bool(causal), bool(return_lse), bool(smooth_k)  # checked: NumPy bools too
     block_size = _index(block_size)  # e.g. a numpy integer: the op schema takes a Python int
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -557,12 +558,11 @@ def varlen_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     in_dtype = q.dtype
     q, k, v = _half_in(q, k, v)
-    if not isinstance(check, (bool, np.bool_)):
-        raise TypeError(_err(_FN, "check", f"must be a bool, got {type(check).__name__}"))
+    check = check_bool(check, "check", _FN)
     det = check_deterministic(deterministic, q.device.type, op_precision, scaling, fn=_FN)
     out, lse, _ = torch.ops.fp8attn.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal,
                                             op_precision, block_size, delta_mode, grad_format, layer_name,
                                             scaling, qk_rotation, smooth_k, seqused_q, seqused_k, cap,
-                                            window[0], window[1], bool(check), det)
+                                            window[0], window[1], check, det)
     out = _half_out(out, in_dtype)
     return (out, lse) if return_lse else out

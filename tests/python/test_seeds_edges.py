@@ -183,6 +183,25 @@ def test_at_step_heading_does_not_claim_the_rowsum_mean_is_at_that_step(tmp_path
     assert "rowsum post mean and the rest: at the end" in head
 
 
+def test_at_step_note_says_which_val_step_and_why(tmp_path):
+    """The --at-step note named the 0-based log step "of" the step count ("Read at step 19 of
+    20" for the end of a 20-step run, which reads as one step short) and said the deadline had
+    cut the runs whether it had or not (a new user's trial)."""
+    s = _study(tmp_path)
+    md = seeds.aggregate(s, out=tmp_path / "end", at_step=STEPS - 1)["markdown"]
+    assert f" of {STEPS}**" not in md
+    assert (f"**Read at val step {STEPS - 1}** (the step given by --at-step {STEPS - 1}): each run's val loss "
+            f"after {STEPS} of the {STEPS} training steps (the end of training; the logs count steps from 0)") in md
+    assert "deadline" not in md
+    assert f"## Val loss per mode at step {STEPS - 1} (after {STEPS} of {STEPS} training steps)" in md
+    # common: a cut run -> the last val step all runs have, and why
+    _write(s, "fp8-stale", 2, steps_done=13)
+    md = seeds.aggregate(s, out=tmp_path / "common", at_step="common")["markdown"]
+    assert ("**Read at val step 9** (the last val step that every run logged (--at-step common): 1 of the 4 runs "
+            "stopped before the end (after 13 steps: a deadline or --stop-after-steps), so no later step has a val loss in every run): "
+            f"each run's val loss after 10 of the {STEPS} training steps ({STEPS - 10} before the end;") in md
+
+
 @pytest.mark.parametrize("argv, what", [
     (["--seeds", ","], "--seeds"),
     (["--seeds", "1,x"], "--seeds"),

@@ -222,6 +222,9 @@ def test_at_step_reads_every_run_at_a_shared_val_step(study, text_dir, tmp_path)
         assert stats[m]["n"] == 2
     assert res["json"]["at_step"] == at and not res["json"]["problems"]
     assert f"at step {at}" in res["markdown"]
+    assert (f"**Read at val step {at}** (the last val step that every run logged (--at-step common): 1 of the "
+            f"{len(MODES) * len(SEEDS)} runs stopped before the end (after 4 steps") in res["markdown"]
+    assert f"after {at + 1} of the {STEPS} training steps" in res["markdown"]
     d = stats["fp8-delta_matching"]["vals"][7] - stats["bf16"]["vals"][7]
     pair = next(p for p in res["json"]["pairs"] if (p["a"], p["b"]) == ("fp8-delta_matching", "bf16"))
     assert pair["diffs"][7] == pytest.approx(d)

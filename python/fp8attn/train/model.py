@@ -115,32 +115,35 @@ class ModelConfig:
     cudnn_margin: int = 0               # fp8-cudnn: scale = fp8_max * 2^-margin / amax (TE's default 0)
 
     def __post_init__(self):
+        from fp8attn.ops import check_bool, fmt_value  # noqa: PLC0415 (lazy, as the other fp8attn imports)
+        for name in ("qk_norm", "rope", "tie_embeddings", "fp8_smooth_k", "packed", "activation_checkpointing"):
+            # a Python or NumPy bool, stored as a Python bool (to_dict is JSON); an int or str: ValueError
+            object.__setattr__(self, name, check_bool(getattr(self, name), name, "train.model.ModelConfig", ValueError))
         if self.attn_mode not in ATTN_MODES:
             raise ValueError(f"attn_mode must be one of {ATTN_MODES}, got {self.attn_mode!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "mlp_hidden", "max_seq_len"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+                raise ValueError(f"{name} must be an int >= 1, got {fmt_value(val)}")
         if not (isinstance(self.rope_base, (int, float)) and math.isfinite(self.rope_base) and self.rope_base > 0):
             raise ValueError(f"rope_base must be finite and > 0, got {self.rope_base!r}")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float))
                                               and math.isfinite(self.init_std) and self.init_std > 0):
             raise ValueError(f"init_std must be None or finite and > 0, got {self.init_std!r}")
         if self.fp8_block_size not in FP8_BLOCK_SIZES:
-            raise ValueError(f"fp8_block_size must be one of {FP8_BLOCK_SIZES}, got {self.fp8_block_size!r}")
+            raise ValueError(f"fp8_block_size must be one of {FP8_BLOCK_SIZES}, got "
+                             f"{fmt_value(self.fp8_block_size)}")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8_scaling must be one of {FP8_SCALINGS}, got {self.fp8_scaling!r}")
         if self.fp8_qk_rotation not in FP8_QK_ROTATIONS:
             raise ValueError(f"fp8_qk_rotation must be one of {FP8_QK_ROTATIONS}, got {self.fp8_qk_rotation!r}")
         if self.fp8_grad_format not in FP8_GRAD_FORMATS:
             raise ValueError(f"fp8_grad_format must be one of {FP8_GRAD_FORMATS}, got {self.fp8_grad_format!r}")
-        if not isinstance(self.fp8_smooth_k, bool):
-            raise ValueError(f"fp8_smooth_k must be a bool, got {self.fp8_smooth_k!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if isinstance(self.gdn_ratio, bool) or not isinstance(self.gdn_ratio, int) or self.gdn_ratio < 1:
-            raise ValueError(f"gdn_ratio must be an int >= 1, got {self.gdn_ratio!r}")
+            raise ValueError(f"gdn_ratio must be an int >= 1, got {fmt_value(self.gdn_ratio)}")
         if self.arch == "gdn-hybrid" and self.n_layers < self.gdn_ratio + 1:
             raise ValueError(f"arch gdn-hybrid: gdn_ratio {self.gdn_ratio} needs n_layers >= {self.gdn_ratio + 1} "
                              f"(one attention layer after every {self.gdn_ratio} Gated DeltaNet layers), "
@@ -152,18 +155,16 @@ class ModelConfig:
         for name, low, high in (("cudnn_amax_history_len", 1, MAX_HISTORY_LEN), ("cudnn_margin", 0, MAX_MARGIN)):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or not low <= val <= high:
-                raise ValueError(f"{name} must be an int in [{low}, {high}], got {val!r}")
-        if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}")
+                raise ValueError(f"{name} must be an int in [{low}, {high}], got {fmt_value(val)}")
         # NOTE: checked here, not only in the op, so that a comparison fails before it
         # trains its bf16 mode rather than after.
         if self.attn_mode.startswith("fp8-") and self.head_dim > FP8_MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be <= {FP8_MAX_HEAD_DIM} for the fp8 attention modes, "
-                             f"got {self.head_dim}")
+                             f"got {fmt_value(self.head_dim)}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rope and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+            raise ValueError(f"RoPE needs an even head_dim, got {fmt_value(self.head_dim)}")
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
 

@@ -42,8 +42,9 @@ aggregate: writes <out>/seeds.md, seeds.json, seeds_loss.png, seeds_gain.png
   (--deadline-s), diverged or non-finite-val run is listed under "problems"
   and left out of the means instead (configuration mismatches stay errors).
   With --at-step N every run is read at training step N instead of at its end:
-    the val loss logged at step N (the trainer logs val every val_every steps and
-    after the last step), the max gain and row-sum residual of the last step
+    the val loss logged at step N (the logs number steps from 0: the val line of
+    step N is the loss after N + 1 training steps; the trainer logs val every
+    val_every steps and after the last step), the max gain and row-sum residual of the last step
     record <= N; a run that was cut (--deadline-s) after step N counts as
     complete there. All runs share the step count, so at step N every run has had
     the same lr schedule and the same batches (per seed): the paired comparison is
@@ -403,11 +404,9 @@ def markdown(study: dict, stats: dict, pairs: list[dict], plots: list[Path], pro
         f"{', '.join(str(ds[s]) for s in seeds)}. Within a seed every mode has the same initial weights "
         f"(checked) and the same batches; one process per run, all runs concurrent.",
         "",
-        *([f"**Read at step {study['at_step']} of {t['steps']}** (--at-step): the val loss logged at that step, "
-           "gains and residuals of the last step record <= it; the deadline cut the runs at different later "
-           "steps, and at this step every run has had the same lr schedule and (per seed) the same batches.",
-           ""] if study.get("at_step") is not None else []),
-        "## Final val loss per mode" if study.get("at_step") is None else f"## Val loss per mode at step {study['at_step']}",
+        *([_at_step_note(study), ""] if study.get("at_step") is not None else []),
+        "## Final val loss per mode" if study.get("at_step") is None else
+        f"## Val loss per mode at step {study['at_step']} (after {study['at_step'] + 1} of {t['steps']} training steps)",
         "",
         *lines,
         "",
@@ -537,13 +536,34 @@ def make_plots(study: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def _at_step_note(study: dict) -> str:
+    """The seeds.md paragraph saying which val step --at-step read and why. The logs number
+    the training steps from 0 and the val line of step N is the loss after N + 1 steps, so
+    "step 5 of 6" (the old wording) was the end of a 6-step run, not one step short of it."""
+    n, total = study["at_step"], study["config"]["train"]["steps"]
+    cut = sorted(r["steps_done"] for r in study["runs"] if r["steps_done"] < r["steps"])
+    if study.get("at_step_common"):
+        why = ("the last val step that every run logged (--at-step common)"
+               + (f": {len(cut)} of the {len(study['runs'])} runs stopped before the end (after "
+                  f"{cut[0]}{'' if cut[0] == cut[-1] else f'-{cut[-1]}'} steps: a deadline or --stop-after-steps), "
+                  "so no later step has a val loss in every run" if cut else ""))
+    else:
+        why = f"the step given by --at-step {n}"
+    return (f"**Read at val step {n}** ({why}): each run's val loss after {n + 1} of the {total} training steps "
+            f"({'the end of training' if n + 1 == total else f'{total - n - 1} before the end'}; the logs count steps "
+            "from 0), and its gains and residuals from its last step record up to that step. At that step every run "
+            "has had the same lr schedule and (per seed) the same batches, so the modes compare fairly.")
+
+
 def aggregate(study_dir, modes=None, seeds=None, out=None, partial=False, at_step=None) -> dict:
     """Loads the study, writes seeds.md / seeds.json / the two PNGs into `out` (default: the
     study dir); returns {"markdown", "json", "paths"}. at_step: an int, "common" or None
     (see --at-step in the module docstring)."""
-    if at_step == "common":
+    common = at_step == "common"
+    if common:
         at_step = common_val_step(study_dir, modes, seeds)
     study = load_study(study_dir, modes, seeds, partial=partial, at_step=at_step)
+    study["at_step_common"] = common
     out = Path(out) if out is not None else study["study"]
     if out.exists() and not out.is_dir():
         raise ValueError(f"seeds: --out {out} is a file; expected a directory (created if missing)")
@@ -630,8 +650,9 @@ def main(argv=None) -> int:
     a.add_argument("--out", default=None, help="default: the study dir")
     a.add_argument("--partial", action="store_true", help="leave missing/cut-short/diverged runs out, list them")
     a.add_argument("--at-step", default=None,
-                   help="read every run at this training step (a logged val step) or 'common' (the largest "
-                        "val step all runs logged) instead of at its end")
+                   help="read every run at this val step instead of at its end: a step index as the logs number "
+                        "it (from 0: step N = after N+1 training steps) or 'common' (the largest val step all runs "
+                        "logged)")
     p = sub.add_parser("plan", help="step count for a training window from a calibration")
     p.add_argument("--calib", required=True)
     p.add_argument("--window-s", type=float, required=True)
