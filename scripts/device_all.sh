@@ -72,10 +72,19 @@ tests="${DEVICE_TESTS:-$default_tests}"
 # 2^31+ elements; ~3-5 min, <= 60 GB of GPU memory each).
 [ "${DEVICE_SLOW:-0}" = 1 ] && tests="$tests tests/python/test_cuda_limits.py"
 # shellcheck disable=SC2086
-timeout "${DEVICE_T_TESTS:-300}" "$PYTHON" -m pytest -q -rfE $tests ${DEVICE_PYTEST_ARGS:-} >"$OUT/pytest_gpu.log" 2>&1
+# -v names every result as it lands and SIGINT at the limit makes pytest print its
+# summary (failures with their messages) before it exits: a run cut at its limit
+# still says which tests failed (2026-12-07: a -q run killed at its limit showed
+# four F's and no names). The failed / errored node ids go to the summary too.
+timeout -s INT -k 30 "${DEVICE_T_TESTS:-300}" "$PYTHON" -m pytest -v --tb=short -rfE $tests ${DEVICE_PYTEST_ARGS:-} \
+  >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
+grep -E "(FAILED|ERROR) tests/" "$OUT/pytest_gpu.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u | head -40 \
+  | tee "$OUT/.failed"
 tail -25 "$OUT/pytest_gpu.log"
 note "gpu tests: rc=$rc, $(tail -1 "$OUT/pytest_gpu.log")"
+[ -s "$OUT/.failed" ] && note "$(cat "$OUT/.failed")"
+rm -f "$OUT/.failed"
 stage "gpu tests" "$rc"
 if [ "${DEVICE_CPU_TESTS:-0}" = 1 ]; then
   timeout 200 "$PYTHON" -m pytest -q -m "not gpu" tests/python >"$OUT/pytest_cpu.log" 2>&1
