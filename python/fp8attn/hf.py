@@ -57,7 +57,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .ops import attention, check_deterministic, check_options, fmt_value
+from .ops import attention, check_bool, check_options, fmt_value
 
 __all__ = ["register", "make_attention_function", "FP8_OPTIONS"]
 
@@ -138,8 +138,8 @@ def _classify_mask(mask: torch.Tensor, seqlen_q: int,
 
 def make_attention_function(**fp8_kwargs) -> Callable:
     """The HF attention function (without registering it); see `register`."""
-    # deterministic's type here (check_deterministic; its recipe rule needs the device: per call).
-    check_deterministic(fp8_kwargs.get("deterministic", False), "cpu", "fp8", "tile", fn="hf.register")
+    # deterministic's type here; its recipe rule (check_deterministic) needs the device: per call.
+    check_bool(fp8_kwargs.get("deterministic", False), "deterministic", "hf.register")
     check_options(fn="hf.register", **{k: v for k, v in fp8_kwargs.items() if k != "deterministic"})
     precision = fp8_kwargs.get("precision", "fp8")
 

@@ -356,6 +356,17 @@ def parse_modes_arg(text: str | None) -> list[str] | None:
     return modes
 
 
+def run_dir_checkpoints(run_dir, modes_text: str | None, step: int | None):
+    """(modes, paths) of the checkpoint tools' --run-dir / --modes / --step: the modes
+    (parse_modes_arg, None for all present) and their checkpoints (find_checkpoints);
+    SystemExit, no traceback, for a bad --modes or a named mode without its checkpoint."""
+    modes = parse_modes_arg(modes_text)
+    try:
+        return modes, find_checkpoints(run_dir, modes, step)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def find_checkpoints(run_dir: str | os.PathLike, modes=None, step: int | None = None) -> list[Path]:
     """<run_dir>/<mode>.pt (or <mode>.step<step>.pt) for the given modes (default: all present),
     in the order of model.ATTN_MODES (bf16, stale, matched_do, delta_matching, cudnn), each
@@ -460,11 +471,7 @@ def main(argv=None) -> None:
     paths = [Path(p) for p in a.ckpt]
     modes = run_paths = None
     if a.run_dir:
-        modes = parse_modes_arg(a.modes)
-        try:
-            run_paths = find_checkpoints(a.run_dir, modes, a.step)
-        except FileNotFoundError as exc:  # a named mode without its checkpoint: no traceback
-            raise SystemExit(str(exc)) from None
+        modes, run_paths = run_dir_checkpoints(a.run_dir, a.modes, a.step)
         paths += run_paths
     if not paths:
         want = "<mode>.pt" if a.step is None else f"<mode>.step{a.step}.pt (--step {a.step})"

@@ -53,7 +53,7 @@ import torch
 from . import provenance
 from .checkpoint import load_checkpoint
 from .model import CUDNN_MODE
-from .probe import _autocast, find_checkpoints, parse_modes_arg, requested_paths, runnable
+from .probe import _autocast, requested_paths, run_dir_checkpoints, runnable
 from .report import mode_label
 from .trainer import resolve_device
 
@@ -297,11 +297,7 @@ def main(argv=None) -> None:
     paths = [Path(p) for p in a.ckpt]
     modes = run_paths = None
     if a.run_dir:
-        modes = parse_modes_arg(a.modes)
-        try:
-            run_paths = find_checkpoints(a.run_dir, modes, a.step)
-        except FileNotFoundError as exc:  # a named mode without its checkpoint: no traceback
-            raise SystemExit(str(exc)) from None
+        modes, run_paths = run_dir_checkpoints(a.run_dir, a.modes, a.step)
         paths += run_paths
     if not paths:
         raise SystemExit("retrieval: no checkpoints (give files, or --run-dir with <mode>.pt checkpoints)")
